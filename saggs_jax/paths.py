@@ -1,0 +1,106 @@
+"""Pytree paths as "/"-joined strings, and the pattern language that matches them.
+
+A path joins the keys leading to a leaf with "/": dict keys, attribute names and
+sequence indices (in decimal). A trailing ``value`` component (a Flax
+``Variable`` or ``Partitioned`` box) is dropped, so one pattern addresses the
+same weight in a plain dict, a Linen ``{"params": ...}`` tree and an
+``nnx.State``.
+
+Patterns are matched against whole segments, anchored at the end of the path:
+
+* ``*`` matches any text inside one segment (``layers_*``, ``*``);
+* ``**`` as a whole segment matches any number of segments, zero included;
+* everything else is literal.
+
+The segments in front of the matched suffix form an implicit leading capture,
+so ``"attn/wq"`` matches ``"params/layers/0/attn/wq"`` with the capture
+``("params/layers/0",)``. Captures are what pair the two sides of a symmetry.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, Iterator
+
+import jax
+
+Captures = tuple[str, ...]
+
+
+def key_name(entry: Any) -> str:
+  """The text of one key-path entry."""
+  for attr in ("key", "name", "idx"):
+    if hasattr(entry, attr):
+      return str(getattr(entry, attr))
+  return str(entry)
+
+
+def path_str(key_path: tuple[Any, ...]) -> str:
+  """Joins a ``jax.tree_util`` key path with "/", dropping a trailing ``value``."""
+  names = [key_name(e) for e in key_path]
+  if len(names) > 1 and names[-1] == "value":
+    names.pop()
+  return "/".join(names)
+
+
+def leaves_with_paths(tree: Any, is_leaf=None) -> Iterator[tuple[str, Any]]:
+  """Yields ``(path, leaf)`` for every leaf of ``tree``, in flatten order."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+  for key_path, leaf in flat:
+    yield path_str(key_path), leaf
+
+
+@functools.lru_cache(maxsize=None)
+def _segments(pattern: str) -> tuple[re.Pattern | None, ...]:
+  """Parses a pattern into per-segment regexes; None stands for ``**``."""
+  if not pattern or pattern.startswith("/") or pattern.endswith("/"):
+    raise ValueError(f"Bad path pattern {pattern!r}: expected segments joined by '/'.")
+  out = []
+  for segment in pattern.split("/"):
+    if segment == "**":
+      out.append(None)
+    elif "**" in segment:
+      raise ValueError(f"Bad path pattern {pattern!r}: '**' must be a whole segment.")
+    else:
+      out.append(re.compile("([^/]*)".join(re.escape(s) for s in segment.split("*"))))
+  return tuple(out)
+
+
+def num_captures(pattern: str) -> int:
+  """How many captures a match of ``pattern`` yields, the implicit prefix included."""
+  return 1 + sum(1 if s is None else s.groups for s in _segments(pattern))
+
+
+def _match_from(pat, segs) -> list[str] | None:
+  if not pat:
+    return [] if not segs else None
+  head, rest = pat[0], pat[1:]
+  if head is None:  # '**': shortest span first
+    for k in range(len(segs) + 1):
+      tail = _match_from(rest, segs[k:])
+      if tail is not None:
+        return ["/".join(segs[:k])] + tail
+    return None
+  if not segs:
+    return None
+  m = head.fullmatch(segs[0])
+  if m is None:
+    return None
+  tail = _match_from(rest, segs[1:])
+  return None if tail is None else list(m.groups()) + tail
+
+
+@functools.lru_cache(maxsize=65536)
+def match(pattern: str, path: str) -> Captures | None:
+  """The captures of ``pattern`` on ``path``, or None when it does not match.
+
+  The first capture is the implicit prefix in front of the matched suffix.
+  """
+  pat = _segments(pattern)
+  segs = path.split("/") if path else []
+  for start in range(len(segs) + 1):
+    caps = _match_from(pat, segs[start:])
+    if caps is not None:
+      return ("/".join(segs[:start]), *caps)
+  return None
