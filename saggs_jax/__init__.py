@@ -1,0 +1,24 @@
+"""saggs-jax: optimisation that respects a Transformer's own symmetries.
+
+* SAGGS (:func:`saggs`, :func:`soft`, :func:`scale_by_saggs`) balances the norms
+  inside exact symmetry pairs and, through :func:`chain`, transports the moments
+  of the optimizer before it.
+* :func:`reparameterize` and :func:`canonicalize` move whole training states
+  along and onto their symmetry orbits.
+* :mod:`saggs_jax.equivariant` holds symmetry-compatible update rules.
+"""
+
+from saggs_jax import presets
+from saggs_jax.canonical import canonicalize, reparameterize
+from saggs_jax.diagnostics import check_symmetry, imbalance
+from saggs_jax.pairs import Pair, describe
+from saggs_jax.transform import (SaggsState, SymmetryTransformation, chain, saggs,
+                                 scale_by_saggs, soft)
+from saggs_jax.transport import NESTED, register_transport
+
+__all__ = [
+    "NESTED", "Pair", "SaggsState", "SymmetryTransformation", "canonicalize", "chain",
+    "check_symmetry", "describe", "imbalance", "presets", "register_transport",
+    "reparameterize", "saggs", "scale_by_saggs", "soft",
+]
+__version__ = "0.1.0"

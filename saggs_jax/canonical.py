@@ -1,0 +1,93 @@
+"""Explicit symmetry transforms of a whole training state, and its canonical form."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from saggs_jax.balance import Factors, compute_factors, scale_tree
+from saggs_jax.pairs import Pair, Plan, resolve
+from saggs_jax.transport import transport
+
+FactorSpec = Union[float, Callable[[str, tuple[int, ...]], Any]]
+
+
+def apply_transform(plan: Plan, params: Any, opt_state: Any, factors: Factors):
+  """Rescales ``params`` by ``factors`` and transports every moment in ``opt_state``."""
+  return scale_tree(plan, params, factors, 1.0), transport(plan, opt_state, factors)
+
+
+def _is_concrete(x) -> bool:
+  try:
+    np.asarray(x)
+    return True
+  except jax.errors.TracerArrayConversionError:
+    return False
+
+
+def _factors(plan: Plan, factor: FactorSpec) -> Factors:
+  out = {}
+  for inst in plan.instances:
+    f = factor(inst.a, inst.factor_shape) if callable(factor) else factor
+    f = jnp.broadcast_to(jnp.asarray(f, jnp.float32), inst.factor_shape)
+    if _is_concrete(f) and not np.all(np.asarray(f) > 0):
+      raise ValueError(f"Factors for {inst.a!r} must be positive and finite, got {f}.")
+    out[inst.key] = f
+  return out
+
+
+def reparameterize(params: Any, opt_state: Any, pairs: Sequence[Pair], factor: FactorSpec):
+  """Applies an exact symmetry transform to the parameters and the optimizer state.
+
+  Every A group is multiplied by ``c`` and its B group divided by ``c``;
+  moments of gradient degree k are transported by ``c**-k`` (A) and ``c**k``
+  (B). The model computes the same function afterwards.
+
+  Args:
+    params: the parameter tree.
+    opt_state: any optax state built for ``params`` (chain, partition, masked,
+      inject_hyperparams, MultiSteps, the ``opt_state`` of ``nnx.Optimizer``);
+      ``None`` to transform the parameters alone.
+    pairs: the :class:`~saggs_jax.Pair` declarations.
+    factor: a positive float for every group, or ``fn(path_a, shape) -> array``
+      giving the factors of one pair instance, ``shape`` being
+      ``stacked_shape + (groups,)``.
+
+  Returns:
+    ``(params, opt_state)`` transformed.
+
+  Example::
+
+    >>> import jax.numpy as jnp, optax, saggs_jax as saggs
+    >>> params = {"q": jnp.ones((4, 2)), "k": jnp.ones((4, 2))}
+    >>> opt_state = optax.adam(1e-3).init(params)
+    >>> params, opt_state = saggs.reparameterize(params, opt_state, [saggs.Pair("q", "k")], 2.0)
+    >>> float(params["q"][0, 0]), float(params["k"][0, 0])
+    (2.0, 0.5)
+  """
+  plan = resolve(pairs, params)
+  return apply_transform(plan, params, opt_state, _factors(plan, factor))
+
+
+def canonicalize(params: Any, opt_state: Any, pairs: Sequence[Pair]):
+  """Maps a training state to the canonical (norm-balanced) member of its orbit.
+
+  Each group gets ``c = sqrt(||B|| / ||A||)``, after which ``||A|| = ||B||``;
+  the moments are transported alongside. ``canonicalize`` is idempotent and
+  ``canonicalize(reparameterize(s, f)) == canonicalize(s)`` for every f > 0
+  up to floating point, so equivalent checkpoints become the same state.
+
+  Example::
+
+    >>> import jax.numpy as jnp, optax, saggs_jax as saggs
+    >>> pairs = [saggs.Pair("q", "k")]
+    >>> params = {"q": jnp.full((4, 2), 4.0), "k": jnp.ones((4, 2))}
+    >>> params, _ = saggs.canonicalize(params, None, pairs)
+    >>> float(params["q"][0, 0]), float(params["k"][0, 0])
+    (2.0, 2.0)
+  """
+  plan = resolve(pairs, params)
+  return apply_transform(plan, params, opt_state, compute_factors(plan, params, 1.0))

@@ -1,0 +1,297 @@
+"""Declaring exact symmetry pairs and resolving them against a parameter tree.
+
+A :class:`Pair` says: scaling every group of ``a`` by ``c`` and the matching
+group of ``b`` by ``1/c`` leaves the model's function unchanged. Resolution
+turns the declaration into :class:`Slot` records, one per matched leaf, that the
+balancing and transport code index by path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from saggs_jax import paths
+
+
+def _as_tuple(x) -> tuple[str, ...]:
+  return (x,) if isinstance(x, str) else tuple(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+  """An exact symmetry: ``a`` scaled by ``c`` per group, ``b`` by ``1/c``.
+
+  Attributes:
+    a: path pattern of the side scaled by ``c`` (see :mod:`saggs_jax.paths`).
+    b: path pattern of the side scaled by ``1/c``. A- and B-matches pair up by
+      equal wildcard captures; every match needs exactly one partner.
+    axes: ``(axis_a, axis_b)``, the group axis on each side, or ``None`` for
+      one group spanning the whole tensor. Axes count within one layer: after
+      the ``stacked`` leading axes. Negative axes count from the end.
+    groups: split the group axis into this many contiguous blocks (for GQA,
+      the number of KV heads). Default: one group per index.
+    stacked: leading axes present on both sides that index independent copies
+      (scanned layers, experts). Factors then have shape
+      ``stacked_shape + (groups,)``.
+    follow_a: patterns of tensors that move with ``a`` (its biases). A follower
+      shares its kernel's trailing axes, so its group axis is the kernel's
+      counted from the end.
+    follow_b: likewise for ``b``.
+    name: label used in errors and in :func:`saggs_jax.describe`.
+
+  Example::
+
+    >>> import saggs_jax as saggs
+    >>> qk = saggs.Pair("attn/q_proj/kernel", "attn/k_proj/kernel",
+    ...                 axes=(1, 1), groups=2, follow_a="attn/q_proj/bias")
+  """
+
+  a: str
+  b: str
+  axes: tuple[int, int] | None = None
+  groups: int | None = None
+  stacked: int = 0
+  follow_a: str | Sequence[str] = ()
+  follow_b: str | Sequence[str] = ()
+  name: str | None = None
+
+  def __post_init__(self):
+    object.__setattr__(self, "follow_a", _as_tuple(self.follow_a))
+    object.__setattr__(self, "follow_b", _as_tuple(self.follow_b))
+    if self.axes is not None:
+      axes = tuple(self.axes)
+      if len(axes) != 2 or not all(isinstance(x, (int, np.integer)) for x in axes):
+        raise ValueError(f"{self.label}: axes must be None or a pair of ints, got {self.axes!r}.")
+      object.__setattr__(self, "axes", tuple(int(x) for x in axes))
+    if self.groups is not None and (not isinstance(self.groups, (int, np.integer)) or self.groups < 1):
+      raise ValueError(f"{self.label}: groups must be a positive int, got {self.groups!r}.")
+    if self.stacked < 0:
+      raise ValueError(f"{self.label}: stacked must be >= 0, got {self.stacked!r}.")
+    n = paths.num_captures(self.a)
+    for p in (self.b, *self.follow_a, *self.follow_b):
+      if paths.num_captures(p) != n:
+        raise ValueError(
+            f"{self.label}: pattern {p!r} has a different number of wildcards than {self.a!r};"
+            " matches are paired by their wildcard captures.")
+
+  @property
+  def label(self) -> str:
+    return self.name or f"Pair({self.a!r}, {self.b!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+  """How one leaf moves under the factors of one resolved pair instance.
+
+  The leaf is reshaped to ``shape[:axis] + (groups, size // groups) +
+  shape[axis + 1:]`` and multiplied by ``factors ** sign`` broadcast over it.
+  """
+
+  key: str  # the pair instance whose factors apply
+  sign: int  # +1 for the A side, -1 for the B side
+  axis: int | None  # absolute group axis; None: whole tensor per copy
+  groups: int
+  stacked: int
+  primary: bool  # followers do not enter the norms
+
+  def split_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if self.axis is None:
+      return shape
+    n = shape[self.axis]
+    return shape[:self.axis] + (self.groups, n // self.groups) + shape[self.axis + 1:]
+
+  def factor_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape that broadcasts ``factors`` against the split leaf."""
+    split = self.split_shape(shape)
+    out = [1] * len(split)
+    out[:self.stacked] = shape[:self.stacked]
+    if self.axis is not None:
+      out[self.axis] = self.groups
+    return tuple(out)
+
+  def reduce_axes(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Axes of the split leaf summed to get one norm per factor entry."""
+    keep = set(range(self.stacked)) | ({self.axis} if self.axis is not None else set())
+    return tuple(i for i in range(len(self.split_shape(shape))) if i not in keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class Instance:
+  """One resolved pair: the two primary leaves and their followers."""
+
+  key: str
+  pair: Pair
+  a: str
+  b: str
+  followers_a: tuple[str, ...]
+  followers_b: tuple[str, ...]
+  factor_shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """All instances resolved on one tree, and the slots of every leaf path."""
+
+  instances: tuple[Instance, ...]
+  slots: dict[str, tuple[Slot, ...]]
+  shapes: dict[str, tuple[int, ...]]
+
+
+def _leaf_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+  out = {}
+  for path, leaf in paths.leaves_with_paths(tree):
+    if path in out:
+      raise ValueError(f"Two leaves share the path {path!r}; paths must be unique.")
+    out[path] = tuple(np.shape(leaf))
+  return out
+
+
+def _matches(pattern: str, shapes: dict[str, tuple[int, ...]], pair: Pair) -> dict[tuple, str]:
+  found: dict[tuple, str] = {}
+  for path in shapes:
+    caps = paths.match(pattern, path)
+    if caps is None:
+      continue
+    if caps in found:
+      raise ValueError(
+          f"{pair.label}: pattern {pattern!r} matches both {found[caps]!r} and {path!r} with the"
+          " same wildcard captures, so their partners are ambiguous. Make the pattern more specific.")
+    found[caps] = path
+  if not found:
+    raise ValueError(f"{pair.label}: pattern {pattern!r} matches no parameter path.")
+  return found
+
+
+def _group_axis(pair: Pair, side: int, path: str, shape: tuple[int, ...]) -> int | None:
+  if len(shape) < pair.stacked:
+    raise ValueError(f"{pair.label}: {path!r} has shape {shape}, fewer than stacked={pair.stacked} axes.")
+  if pair.axes is None:
+    return None
+  ax = pair.axes[side]
+  per_copy = len(shape) - pair.stacked
+  if not -per_copy <= ax < per_copy:
+    raise ValueError(
+        f"{pair.label}: group axis {ax} is out of range for {path!r} with shape {shape}"
+        f" ({per_copy} axes after stacked={pair.stacked}).")
+  return pair.stacked + ax % per_copy
+
+
+def _follower_slot(pair, key, sign, kernel_path, kernel_shape, kernel_axis, groups, path, shape):
+  if tuple(shape[:pair.stacked]) != tuple(kernel_shape[:pair.stacked]):
+    raise ValueError(f"{pair.label}: follower {path!r} {shape} does not share the stacked axes of"
+                     f" {kernel_path!r} {kernel_shape}.")
+  axis = None
+  if kernel_axis is not None:
+    axis = kernel_axis - (len(kernel_shape) - len(shape))
+    if axis < pair.stacked or shape[axis] != kernel_shape[kernel_axis]:
+      raise ValueError(
+          f"{pair.label}: follower {path!r} with shape {shape} has no axis matching group axis"
+          f" {kernel_axis} of {kernel_path!r} {kernel_shape}; a follower must share its kernel's"
+          " trailing axes (a bias does).")
+  return Slot(key, sign, axis, groups, pair.stacked, primary=False)
+
+
+def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]]):
+  a_matches = _matches(pair.a, shapes, pair)
+  b_matches = _matches(pair.b, shapes, pair)
+  unpaired = sorted(set(a_matches) ^ set(b_matches))
+  if unpaired:
+    caps = unpaired[0]
+    side, path = ("a", a_matches[caps]) if caps in a_matches else ("b", b_matches[caps])
+    other = pair.b if side == "a" else pair.a
+    raise ValueError(f"{pair.label}: {path!r} (matched by {side}) has no partner matching {other!r}"
+                     " with the same wildcard captures.")
+  follower_matches = [(+1, p, _matches(p, shapes, pair)) for p in pair.follow_a]
+  follower_matches += [(-1, p, _matches(p, shapes, pair)) for p in pair.follow_b]
+  for caps in sorted(a_matches):
+    pa, pb = a_matches[caps], b_matches[caps]
+    sa, sb = shapes[pa], shapes[pb]
+    key = f"{pa}|{pb}"
+    if sa[:pair.stacked] != sb[:pair.stacked]:
+      raise ValueError(f"{pair.label}: stacked axes differ between {pa!r} {sa} and {pb!r} {sb}.")
+    ax_a, ax_b = _group_axis(pair, 0, pa, sa), _group_axis(pair, 1, pb, sb)
+    if pair.axes is None:
+      groups = 1
+    else:
+      na, nb = sa[ax_a], sb[ax_b]
+      groups = pair.groups or na
+      for path, n, shape in ((pa, na, sa), (pb, nb, sb)):
+        if n % groups:
+          raise ValueError(f"{pair.label}: {groups} groups do not divide axis of size {n} of {path!r}"
+                           f" with shape {shape}.")
+      if pair.groups is None and na != nb:
+        raise ValueError(f"{pair.label}: group axes differ in size ({pa!r} {sa} vs {pb!r} {sb});"
+                         " pass groups= to split both into the same number of blocks.")
+    slots = {pa: Slot(key, +1, ax_a, groups, pair.stacked, True),
+             pb: Slot(key, -1, ax_b, groups, pair.stacked, True)}
+    followers = {+1: [], -1: []}
+    for sign, pattern, found in follower_matches:
+      if caps not in found:
+        raise ValueError(f"{pair.label}: follower pattern {pattern!r} has no match with the"
+                         f" captures of {pa!r}.")
+      path = found[caps]
+      kpath, kax = (pa, ax_a) if sign > 0 else (pb, ax_b)
+      slots[path] = _follower_slot(pair, key, sign, kpath, shapes[kpath], kax, groups, path,
+                                   shapes[path])
+      followers[sign].append(path)
+    fshape = tuple(sa[:pair.stacked]) + ((groups,) if pair.axes is not None else ())
+    yield Instance(key, pair, pa, pb, tuple(followers[+1]), tuple(followers[-1]), fshape), slots
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve_cached(pairs: tuple[Pair, ...], shape_items: tuple) -> Plan:
+  shapes = dict(shape_items)
+  instances, slots = [], {}
+  for pair in pairs:
+    for inst, inst_slots in _resolve_pair(pair, shapes):
+      instances.append(inst)
+      for path, slot in inst_slots.items():
+        slots.setdefault(path, ())
+        slots[path] += (slot,)
+  return Plan(tuple(instances), slots, shapes)
+
+
+def resolve(pairs: Sequence[Pair], tree: Any) -> Plan:
+  """Resolves ``pairs`` on the leaves of ``tree``; raises ValueError on a bad declaration.
+
+  Resolution looks only at paths and shapes, so it runs once per tree
+  structure at trace time and costs nothing inside a compiled step.
+  """
+  if isinstance(pairs, Pair):
+    pairs = (pairs,)
+  pairs = tuple(pairs)
+  for p in pairs:
+    if not isinstance(p, Pair):
+      raise TypeError(f"Expected saggs_jax.Pair, got {type(p).__name__}: {p!r}")
+  return _resolve_cached(pairs, tuple(_leaf_shapes(tree).items()))
+
+
+def describe(pairs: Sequence[Pair], params: Any) -> str:
+  """A readable table of what each declared pair resolved to on ``params``.
+
+  Example::
+
+    >>> import jax.numpy as jnp, saggs_jax as saggs
+    >>> params = {"q": jnp.ones((8, 4)), "k": jnp.ones((8, 4))}
+    >>> print(saggs.describe([saggs.Pair("q", "k", axes=(1, 1), groups=2)], params))
+    ... # doctest: +SKIP
+  """
+  plan = resolve(pairs, params)
+  rows = [("pair", "side", "path", "shape", "group axis", "factors")]
+  for inst in plan.instances:
+    for side, path in [("a", inst.a), ("b", inst.b)] + [("a+", p) for p in inst.followers_a] + [
+        ("b+", p) for p in inst.followers_b]:
+      slot = next(s for s in plan.slots[path] if s.key == inst.key)
+      axis = "whole" if slot.axis is None else str(slot.axis)
+      rows.append((inst.pair.label, side, path, str(plan.shapes[path]), axis, str(inst.factor_shape)))
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+  lines.insert(1, "  ".join("-" * w for w in widths))
+  n_groups = sum(math.prod(i.factor_shape) for i in plan.instances)
+  lines.append(f"{len(plan.instances)} pair instances, {n_groups} factors in all.")
+  return "\n".join(lines)

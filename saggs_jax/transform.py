@@ -1,0 +1,212 @@
+"""SAGGS as optax transformations, and a chain that transports earlier moments.
+
+A symmetry stage sits after the inner optimizer. It receives that optimizer's
+updates ``u`` and the current parameters ``p``, balances the parameters the
+step would produce, ``p' = p + u``, and returns the updates that land on the
+balanced parameters: ``u' = T_c(p') - p``. :func:`chain` additionally rewrites
+the moments held by the stages before it with the same factors, so the state
+after the step is exactly the transported one.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from saggs_jax import paths
+from saggs_jax.balance import Factors, balance, compute_dtype, unit_factors
+from saggs_jax.pairs import Pair, resolve
+from saggs_jax.transport import transport
+
+
+class SaggsState(NamedTuple):
+  """State of a SAGGS stage.
+
+  Attributes:
+    count: number of updates seen so far.
+    factors: the factors applied by the latest update, keyed by pair instance
+      (``"a_path|b_path"``), each of shape ``stacked_shape + (groups,)``; all
+      ones after an update that ``every`` skipped. Log them to watch SAGGS work.
+  """
+
+  count: jax.Array
+  factors: Factors
+
+
+TransportUpdate = Callable[[optax.Updates, Any, optax.Params, tuple], tuple]
+
+
+class SymmetryTransformation(optax.GradientTransformationExtraArgs):
+  """An optax transformation that can also transport the states of earlier stages.
+
+  ``transport_update(updates, state, params, earlier_states)`` returns
+  ``(updates, state, earlier_states)``. :func:`chain` calls it; a plain
+  ``optax.chain`` calls ``update``, which balances the parameters only.
+  """
+
+  def __new__(cls, init, update, transport_update: TransportUpdate):
+    self = super().__new__(cls, init, update)
+    self.transport_update = transport_update
+    return self
+
+
+def _land_on(params, updates, target, plan):
+  """Updates that move the declared leaves of ``params`` to ``target``; others untouched."""
+
+  def visit(key_path, u, p, t):
+    if paths.path_str(key_path) not in plan.slots:
+      return u
+    dtype = compute_dtype(p.dtype)
+    return (t.astype(dtype) - p.astype(dtype)).astype(u.dtype)
+
+  return jax.tree_util.tree_map_with_path(visit, updates, params, target)
+
+
+def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1
+                   ) -> SymmetryTransformation:
+  """Balances the Frobenius norms inside every declared symmetry pair.
+
+  For each pair instance and group g, with ``A_g``, ``B_g`` the group slices
+  of the parameters after the inner optimizer's step,
+
+    c_g = (||B_g|| / ||A_g||) ** (strength / 2),   A_g <- c_g A_g,   B_g <- B_g / c_g.
+
+  ``strength=1`` equalises the two norms (the canonical representative of the
+  symmetry orbit); a smaller strength shrinks ``log(||A_g||/||B_g||)`` by the
+  factor ``1 - strength``. The function computed by the model is unchanged.
+  Applied on updates number ``every``, ``2 * every``, ...; skipped updates
+  pass through a ``lax.cond`` branch that does no work.
+
+  Args:
+    pairs: the :class:`~saggs_jax.Pair` declarations.
+    strength: in (0, 1]; 1 is hard SAGGS.
+    every: balance every this many updates.
+
+  Returns:
+    A :class:`SymmetryTransformation`. Chain it after the inner optimizer with
+    :func:`saggs_jax.chain` so that the inner moments are transported too.
+
+  Example::
+
+    >>> import jax.numpy as jnp, optax, saggs_jax as saggs
+    >>> params = {"q": jnp.full((4, 2), 4.0), "k": jnp.ones((4, 2))}
+    >>> tx = saggs.chain(optax.adam(0.0), saggs.scale_by_saggs([saggs.Pair("q", "k")]))
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(params, state, params)
+    >>> new = optax.apply_updates(params, updates)
+    >>> float(jnp.linalg.norm(new["q"])), float(jnp.linalg.norm(new["k"]))
+    (4.0, 4.0)
+  """
+  pairs = (pairs,) if isinstance(pairs, Pair) else tuple(pairs)
+  if not 0 < strength <= 1:
+    raise ValueError(f"strength must be in (0, 1], got {strength!r}.")
+  if not isinstance(every, int) or every < 1:
+    raise ValueError(f"every must be a positive int, got {every!r}.")
+  warned = []
+
+  def init(params):
+    return SaggsState(jnp.zeros([], jnp.int32), unit_factors(resolve(pairs, params)))
+
+  def transport_update(updates, state, params, earlier):
+    if params is None:
+      raise ValueError("SAGGS needs the current parameters: call update(updates, state, params).")
+    plan = resolve(pairs, params)
+    count = optax.safe_increment(state.count)
+
+    def rebalance(operand):
+      updates, earlier = operand
+      target, factors = balance(plan, optax.apply_updates(params, updates), strength)
+      return _land_on(params, updates, target, plan), transport(plan, earlier, factors), factors
+
+    def skip(operand):
+      return (*operand, unit_factors(plan))
+
+    if every == 1:
+      updates, earlier, factors = rebalance((updates, earlier))
+    else:
+      updates, earlier, factors = jax.lax.cond(count % every == 0, rebalance, skip,
+                                               (updates, earlier))
+    return updates, SaggsState(count, factors), earlier
+
+  def update(updates, state, params=None, **extra_args):
+    del extra_args
+    if not warned:
+      warned.append(True)
+      warnings.warn(
+          "A SAGGS stage outside saggs_jax.chain balances the parameters but cannot transport"
+          " the moments of the optimizer before it; use saggs_jax.chain(...) instead of"
+          " optax.chain(...).", stacklevel=2)
+    updates, state, _ = transport_update(updates, state, params, ())
+    return updates, state
+
+  return SymmetryTransformation(init, update, transport_update)
+
+
+def saggs(pairs: Sequence[Pair], every: int = 1) -> SymmetryTransformation:
+  """Hard SAGGS: equalise the norms inside each pair every ``every`` updates.
+
+  Alias of :func:`scale_by_saggs` with ``strength=1``.
+
+  Example::
+
+    >>> import optax, saggs_jax as saggs
+    >>> pairs = [saggs.Pair("attn/q_proj/kernel", "attn/k_proj/kernel", axes=(1, 1), groups=4)]
+    >>> tx = saggs.chain(optax.adamw(3e-4), saggs.saggs(pairs, every=100))
+  """
+  return scale_by_saggs(pairs, strength=1.0, every=every)
+
+
+def soft(pairs: Sequence[Pair], strength: float = 0.5, every: int = 1) -> SymmetryTransformation:
+  """Soft SAGGS: move ``strength`` of the way (in log-norm) towards balance.
+
+  Alias of :func:`scale_by_saggs`. Each application multiplies the
+  log-imbalance ``log(||A_g||/||B_g||)`` by ``1 - strength``.
+
+  Example::
+
+    >>> import optax, saggs_jax as saggs
+    >>> pairs = [saggs.Pair("mlp/up_proj/kernel", "mlp/down_proj/kernel", axes=(1, 0))]
+    >>> tx = saggs.chain(optax.adamw(3e-4, weight_decay=0.1), saggs.soft(pairs, strength=0.5))
+  """
+  return scale_by_saggs(pairs, strength=strength, every=every)
+
+
+def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """``optax.chain`` whose symmetry stages also transport earlier stages' moments.
+
+  The state is a tuple of stage states, as with ``optax.chain``. When a
+  :class:`SymmetryTransformation` rescales the parameters by factors ``c``, the
+  states of every stage before it are transported (``mu -> mu / c``,
+  ``nu -> nu / c**2`` on the A side, the inverse on the B side; see
+  :func:`saggs_jax.register_transport`).
+
+  Example::
+
+    >>> import optax, saggs_jax as saggs
+    >>> pairs = [saggs.Pair("attn/v_proj/kernel", "attn/o_proj/kernel", axes=(1, 0), groups=4)]
+    >>> tx = saggs.chain(optax.adamw(3e-4), saggs.soft(pairs, strength=0.5))
+  """
+  stages = [t if isinstance(t, SymmetryTransformation) else optax.with_extra_args_support(t)
+            for t in transforms]
+
+  def init(params):
+    return tuple(t.init(params) for t in stages)
+
+  def update(updates, state, params=None, **extra_args):
+    if len(state) != len(stages):
+      raise ValueError(f"State has {len(state)} stages but the chain has {len(stages)}.")
+    new_states = []
+    for t, s in zip(stages, state):
+      if isinstance(t, SymmetryTransformation):
+        updates, s, earlier = t.transport_update(updates, s, params, tuple(new_states))
+        new_states = list(earlier)
+      else:
+        updates, s = t.update(updates, s, params, **extra_args)
+      new_states.append(s)
+    return updates, tuple(new_states)
+
+  return optax.GradientTransformationExtraArgs(init, update)
