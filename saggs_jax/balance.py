@@ -111,10 +111,3 @@ def scale_tree(plan: Plan, tree: Any, factors: Factors, power: float, is_leaf=No
     return _scale_leaf(x, slots, factors, power)
 
   return jax.tree_util.tree_map_with_path(visit, tree, is_leaf=is_leaf)
-
-
-def balance(plan: Plan, params: Any, strength: float) -> tuple[Any, Factors]:
-  """Balances ``params``; returns the new params and the factors applied."""
-  factors = compute_factors(plan, params, strength)
-  return scale_tree(plan, params, factors, 1.0), factors
-
