@@ -1,0 +1,49 @@
+"""Symmetry-compatible update rules (seed 001) and a layerwise stack that routes
+parameters to them by path.
+
+Each rule's update is equivariant under the symmetry group of its weight block:
+polar (Muon) for general matrices, row-norm / one-sided spectral / hybrid rules
+for blocks whose units can be permuted (embeddings, LM heads, SwiGLU neurons,
+MoE experts), centred variants where a shared shift changes nothing. See
+DESIGN.md section 3.
+
+Example:
+  >>> import jax.numpy as jnp, optax
+  >>> from saggs_jax import equivariant as eqv
+  >>> tx = eqv.layerwise(
+  ...     {"embed/embedding": eqv.optimizer(eqv.scale_by_row_norm(unit_axis=0), 0.01),
+  ...      ("q_proj/kernel", "k_proj/kernel"): eqv.optimizer(eqv.scale_by_polar(num_heads=2), 0.02)},
+  ...     default=optax.adamw(3e-4))
+  >>> params = {"embed": {"embedding": jnp.ones((16, 8))},
+  ...           "q_proj": {"kernel": jnp.ones((8, 8))}, "k_proj": {"kernel": jnp.ones((8, 8))},
+  ...           "norm": {"scale": jnp.ones(8)}}
+  >>> updates, state = tx.update(params, tx.init(params), params)
+"""
+
+from saggs_jax.equivariant._linalg import NS_COEFFS, POLAR_EXPRESS, QUINTIC, newton_schulz
+from saggs_jax.equivariant.rules import (
+    MomentumState,
+    scale_by_hybrid,
+    scale_by_left_spectral,
+    scale_by_polar,
+    scale_by_right_spectral,
+    scale_by_row_norm,
+)
+from saggs_jax.equivariant.stack import ROLE_PATTERNS, layerwise, optimizer, symmetry_compatible
+
+__all__ = [
+    "MomentumState",
+    "NS_COEFFS",
+    "POLAR_EXPRESS",
+    "QUINTIC",
+    "ROLE_PATTERNS",
+    "layerwise",
+    "newton_schulz",
+    "optimizer",
+    "scale_by_hybrid",
+    "scale_by_left_spectral",
+    "scale_by_polar",
+    "scale_by_right_spectral",
+    "scale_by_row_norm",
+    "symmetry_compatible",
+]

@@ -1,0 +1,441 @@
+"""Symmetry-compatible update rules as optax ``scale_by_*`` transformations.
+
+Each rule keeps a momentum ``M`` of the gradient and maps it, matrix by matrix,
+to an update that is equivariant under the symmetry group of the weight block
+(DESIGN.md section 3). A parameter is viewed as a stack of matrices
+``(batch..., rows, cols)``:
+
+* unit rules (row-norm, spectral, hybrid): rows are the units the symmetry
+  permutes (``unit_axis``), columns the remaining axis, which carries features;
+* polar: rows are the reduction (input) axes, columns the output axes, in the
+  manner of ``optax.contrib.MuonDimensionNumbers``.
+
+Leading ``batch_axes`` (stacked layers, experts, heads) are independent copies.
+Every rule declares the rank it accepts, and ``init`` raises a ValueError
+naming the parameter path when a parameter does not fit. Reductions run in at
+least float32; updates keep the dtype of the gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Literal, NamedTuple, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from saggs_jax.equivariant import _linalg
+from saggs_jax.paths import match, path_str
+
+Axes = Union[int, Sequence[int]]
+
+
+class MomentumState(NamedTuple):
+  """State of every rule: ``mu``, the EMA of the gradients, shaped like the params."""
+
+  mu: optax.Updates
+
+
+class _Plan(NamedTuple):
+  """How one parameter is viewed as ``(batch..., rows, cols)`` matrices."""
+
+  split_shape: tuple[int, ...]  # the shape after splitting heads out of one axis
+  perm: tuple[int, ...]  # transpose of the split array to batch + rows + cols
+  matrix_shape: tuple[int, ...]
+
+
+def _to_matrix(x: jax.Array, plan: _Plan) -> jax.Array:
+  return x.reshape(plan.split_shape).transpose(plan.perm).reshape(plan.matrix_shape)
+
+
+def _from_matrix(y: jax.Array, plan: _Plan, shape: tuple[int, ...]) -> jax.Array:
+  permuted = tuple(plan.split_shape[a] for a in plan.perm)
+  return y.reshape(permuted).transpose(np.argsort(plan.perm)).reshape(shape)
+
+
+def _as_tuple(axes: Axes) -> tuple[int, ...]:
+  return (axes,) if isinstance(axes, int) else tuple(axes)
+
+
+def _normalize(axes: Axes, ndim: int) -> tuple[int, ...]:
+  axes = _as_tuple(axes)
+  if any(not -ndim <= a < ndim for a in axes):
+    raise ValueError(f"axes {axes} are out of range for rank {ndim}")
+  return tuple(a % ndim for a in axes)
+
+
+def _make_plan(shape, batch, rows, cols) -> _Plan:
+  if sorted(batch + rows + cols) != list(range(len(shape))):
+    raise ValueError(f"batch axes {batch}, row axes {rows} and column axes {cols} must partition the axes")
+  perm = tuple(sorted(batch)) + rows + cols
+  matrix_shape = tuple(shape[a] for a in sorted(batch)) + (
+      math.prod(shape[a] for a in rows), math.prod(shape[a] for a in cols))
+  return _Plan(tuple(shape), perm, matrix_shape)
+
+
+def _unit_planner(unit_axis: int, batch_axes: Axes) -> Callable[[tuple[int, ...]], _Plan]:
+  """Rows: ``unit_axis``; columns: the one remaining non-batch axis."""
+  nbatch = len(_as_tuple(batch_axes))
+
+  def plan(shape):
+    if len(shape) != nbatch + 2:
+      raise ValueError(f"expected rank {nbatch + 2} (units, features and {nbatch} batch axes)")
+    batch, (unit,) = _normalize(batch_axes, len(shape)), _normalize(unit_axis, len(shape))
+    features = tuple(a for a in range(len(shape)) if a != unit and a not in batch)
+    return _make_plan(shape, batch, (unit,), features)
+
+  return plan
+
+
+def _polar_planner(reduction_axes, output_axes, batch_axes, num_heads, head_dim, head_axis):
+  """Rows: reduction axes; columns: output axes; ``head_axis`` optionally split into heads."""
+  rank = sum(len(_as_tuple(a)) for a in (reduction_axes, output_axes, batch_axes))
+  if num_heads is not None and head_dim is not None:
+    raise ValueError("Give num_heads or head_dim, not both.")
+
+  def plan(shape):
+    if len(shape) != rank:
+      raise ValueError(f"expected rank {rank} (reduction axes {reduction_axes}, "
+                       f"output axes {output_axes}, batch axes {batch_axes})")
+    rows, cols, batch = (_normalize(a, rank) for a in (reduction_axes, output_axes, batch_axes))
+    if num_heads is None and head_dim is None:
+      return _make_plan(shape, batch, rows, cols)
+    (h,) = _normalize(head_axis, rank)
+    heads = num_heads or shape[h] // head_dim
+    if h in batch or heads < 1 or shape[h] % heads:
+      raise ValueError(f"axis {h} of size {shape[h]} does not split into "
+                       f"{f'{num_heads} heads' if num_heads else f'heads of size {head_dim}'}")
+    # Axis h becomes (heads, size / heads); the head index joins the batch axes.
+    shift = lambda axes: tuple(a + (a >= h) for a in axes)
+    split = shape[:h] + (heads, shape[h] // heads) + shape[h + 1:]
+    return _make_plan(split, shift(batch) + (h,), shift(rows), shift(cols))
+
+  return plan
+
+
+def _blocks(paths: Sequence[str], joint: Sequence[str]) -> list[tuple[int, ...]]:
+  """Leaf indices per block: each group that ``joint`` pairs up, then every other leaf alone."""
+  groups: dict[tuple[str, ...], dict[int, int]] = {}
+  singles = []
+  for i, path in enumerate(paths):
+    hits = [(k, caps) for k, p in enumerate(joint) if (caps := match(p, path)) is not None]
+    if len(hits) > 1:
+      raise ValueError(f"Parameter {path!r} matches several joint patterns {[joint[k] for k, _ in hits]}.")
+    if hits:
+      groups.setdefault(hits[0][1], {})[hits[0][0]] = i
+    else:
+      singles.append((i,))
+  for slot in groups.values():
+    if len(slot) < len(joint):
+      missing = [p for k, p in enumerate(joint) if k not in slot]
+      raise ValueError(f"Parameter {paths[next(iter(slot.values()))]!r} has no partner "
+                       f"matching {missing} among the joint patterns {list(joint)}.")
+  return singles + [tuple(slot[k] for k in range(len(joint))) for slot in groups.values()]
+
+
+def _rule(name: str, planner, direction, *, beta, nesterov, mu_dtype, joint=()):
+  """Momentum, then ``direction`` on every block of matrices ``(batch..., rows, cols)``.
+
+  Leaves of one ``joint`` group are concatenated along the columns, so a unit's
+  vector is the concatenation of its vectors in each member.
+  """
+
+  def plan_tree(tree):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    paths = [path_str(kp) for kp, _ in flat]
+    leaves = [x for _, x in flat]
+    plans = []
+    for path, x in zip(paths, leaves):
+      try:
+        plans.append(planner(tuple(x.shape)))
+      except ValueError as e:
+        raise ValueError(f"{name}: parameter {path or '<root>'!r} of shape {tuple(x.shape)}: {e}.") from None
+    blocks = _blocks(paths, joint)
+    for block in blocks:
+      if len({plans[i].matrix_shape[:-1] for i in block}) > 1:
+        raise ValueError(f"{name}: joint parameters {[paths[i] for i in block]} must agree on "
+                         f"their batch and unit axes, got shapes {[leaves[i].shape for i in block]}.")
+    return leaves, treedef, plans, blocks
+
+  def init_fn(params):
+    plan_tree(params)
+    return MomentumState(mu=optax.tree.zeros_like(params, dtype=mu_dtype))
+
+  def update_fn(updates, state, params=None):
+    del params
+    mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+    m = optax.tree.update_moment(updates, mu, beta, 1) if nesterov else mu
+    leaves, treedef, plans, blocks = plan_tree(m)
+    dtypes = [g.dtype for g in jax.tree.leaves(updates)]
+    out = [None] * len(leaves)
+    for block in blocks:
+      mats = [_to_matrix(leaves[i], plans[i]) for i in block]
+      cols = np.cumsum([x.shape[-1] for x in mats])[:-1]
+      x = jnp.concatenate(mats, axis=-1)
+      result = direction(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+      for i, piece in zip(block, jnp.split(result, cols, axis=-1)):
+        out[i] = _from_matrix(piece, plans[i], leaves[i].shape).astype(dtypes[i])
+    return jax.tree_util.tree_unflatten(treedef, out), MomentumState(optax.tree.cast_like(mu, state.mu))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _maybe_center(center: bool) -> Callable[[jax.Array], jax.Array]:
+  return _linalg.center if center else (lambda x: x)
+
+
+def scale_by_polar(
+    reduction_axes: Axes = -2,
+    output_axes: Axes = -1,
+    batch_axes: Axes = (),
+    *,
+    num_heads: Optional[int] = None,
+    head_dim: Optional[int] = None,
+    head_axis: int = -1,
+    beta: float = 0.95,
+    nesterov: bool = True,
+    ns_coeffs: _linalg.Coeffs = "quintic",
+    ns_steps: int = 5,
+    ns_dtype: jnp.dtype = jnp.bfloat16,
+    eps: float = 1e-7,
+    mu_dtype: Optional[jnp.dtype] = None,
+) -> optax.GradientTransformation:
+  r"""Muon: the polar factor of the Nesterov momentum, per matrix (and per head).
+
+  .. math::
+    M \leftarrow \beta M + (1-\beta) G, \qquad
+    u = \sqrt{\max(1, n_{out}/n_{in})}\; \mathrm{polar}(\beta M + (1-\beta) G)
+
+  with :math:`\mathrm{polar}(X) = UV^\top` approximated by
+  :func:`newton_schulz`. Equivariant under :math:`X \mapsto AXB` for
+  orthogonal :math:`A, B`. The matrix is (reduction axes) x (output axes); the
+  parameter's rank must be the number of reduction, output and batch axes.
+  With ``num_heads`` or ``head_dim``, ``head_axis`` (one of the reduction or
+  output axes) is split into contiguous heads, each orthogonalised on its own:
+  a ``(d, H*hd)`` query kernel takes ``num_heads=H`` (``head_axis=-1``), a
+  ``(H*hd, d)`` output kernel ``head_axis=-2``; a ``(d, H, hd)`` DenseGeneral
+  kernel takes ``reduction_axes=0, output_axes=2, batch_axes=1`` instead.
+
+  Args:
+    reduction_axes: input axes (rows of the Flax ``(in, out)`` layout).
+    output_axes: output axes.
+    batch_axes: axes holding independent matrices (layers, experts).
+    num_heads: split ``head_axis`` into this many heads.
+    head_dim: split ``head_axis`` into heads of this size.
+    head_axis: the axis holding the heads.
+    beta: momentum decay.
+    nesterov: use the Nesterov look-ahead ``beta M + (1 - beta) G``.
+    ns_coeffs: ``"quintic"`` (Muon), ``"polar_express"`` or explicit triples.
+    ns_steps: Newton-Schulz iterations.
+    ns_dtype: dtype of the iterations.
+    eps: floor of the Frobenius normaliser.
+    mu_dtype: momentum dtype (default: the parameter's).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> tx = scale_by_polar(num_heads=2)  # a (d, H*hd) query kernel, per head
+    >>> g = {"q": jax.random.normal(jax.random.key(0), (8, 2 * 4))}
+    >>> u, _ = tx.update(g, tx.init(g))
+    >>> u["q"].shape
+    (8, 8)
+  """
+  planner = _polar_planner(reduction_axes, output_axes, batch_axes, num_heads, head_dim, head_axis)
+
+  def direction(x):
+    width = math.sqrt(max(1.0, x.shape[-1] / x.shape[-2]))
+    return width * _linalg.newton_schulz(x, ns_coeffs, ns_steps, ns_dtype, eps)
+
+  return _rule("scale_by_polar", planner, direction, beta=beta, nesterov=nesterov, mu_dtype=mu_dtype)
+
+
+def scale_by_row_norm(
+    unit_axis: int,
+    *,
+    center: bool = False,
+    batch_axes: Axes = (),
+    joint: Sequence[str] = (),
+    beta: float = 0.95,
+    eps: float = 1e-8,
+    mu_dtype: Optional[jnp.dtype] = None,
+) -> optax.GradientTransformation:
+  r"""Row-norm: every unit vector of the momentum scaled to unit length.
+
+  .. math::
+    M \leftarrow \beta M + (1-\beta) G, \qquad u = R(M), \quad
+    R(X)_i = X_i / \max(\|X_i\|, \epsilon)
+
+  and with ``center``, :math:`u = P(R(P(M)))`, :math:`P(X) = X - \bar X`
+  (the mean over units). Equivariant under unit permutations and orthogonal
+  maps of the features; the centred form is also invariant under a shared
+  shift :math:`X_i \mapsto X_i + s`. Units with a zero momentum get a zero
+  update (without ``center``).
+
+  Args:
+    unit_axis: the axis of units (vocabulary: 0 for a ``(V, d)`` embedding,
+      1 for a Flax ``(d, V)`` LM head; hidden neurons: 1 for SwiGLU gate/up,
+      0 for down).
+    center: remove the shared-shift direction before and after.
+    batch_axes: axes of independent copies (stacked layers, experts).
+    joint: path patterns whose parameters (paired by equal captures, see
+      ``saggs_jax.paths``) share units, e.g. ``("gate_proj/kernel",
+      "up_proj/kernel")``: a neuron's vector is its gate vector followed by
+      its up vector.
+    beta: momentum decay.
+    eps: floor of the row norms.
+    mu_dtype: momentum dtype (default: the parameter's).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> tx = scale_by_row_norm(unit_axis=0, beta=0.0)
+    >>> g = {"embedding": jnp.array([[3.0, 4.0], [0.0, 0.0]])}
+    >>> tx.update(g, tx.init(g))[0]["embedding"]
+    Array([[0.6, 0.8],
+           [0. , 0. ]], dtype=float32)
+  """
+  p = _maybe_center(center)
+  return _rule("scale_by_row_norm", _unit_planner(unit_axis, batch_axes),
+               lambda x: p(_linalg.row_normalize(p(x), eps)),
+               beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint)
+
+
+def scale_by_right_spectral(
+    unit_axis: int,
+    *,
+    center: bool = False,
+    batch_axes: Axes = (),
+    joint: Sequence[str] = (),
+    beta: float = 0.95,
+    eps: float = 1e-6,
+    mu_dtype: Optional[jnp.dtype] = None,
+) -> optax.GradientTransformation:
+  r"""Right (one-sided) spectral update.
+
+  .. math::
+    u = \nu\, X (X^\top X + \epsilon' I)^{-1/2}, \quad
+    \nu = \operatorname{tr}\big(C (C + \epsilon' I)^{-1/2}\big), \quad C = X^\top X,
+
+  with :math:`X = M` (rows: units) or :math:`P(M)` with ``center`` (then the
+  update is re-centred), and :math:`\epsilon' = \epsilon \|X\|_F^2` so the rule
+  is scale-equivariant. Computed with ``eigh`` in float32 on the smaller Gram
+  matrix. Equivariant under unit permutations and orthogonal maps of the
+  features. Zero units stay zero (without ``center``).
+
+  Args:
+    unit_axis: the axis of units.
+    center: use :math:`P(M)` (shared-shift invariant).
+    batch_axes: axes of independent copies.
+    joint: patterns of parameters that share units (see
+      :func:`scale_by_row_norm`).
+    beta: momentum decay.
+    eps: relative eigenvalue floor.
+    mu_dtype: momentum dtype (default: the parameter's).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> tx = scale_by_right_spectral(unit_axis=0, beta=0.0, eps=1e-12)
+    >>> g = {"w": jnp.array([[2.0, 0.0], [0.0, 1.0]])}
+    >>> tx.update(g, tx.init(g))[0]["w"].round(4)  # nuclear norm x polar factor
+    Array([[3., 0.],
+           [0., 3.]], dtype=float32)
+  """
+  p = _maybe_center(center)
+  return _rule("scale_by_right_spectral", _unit_planner(unit_axis, batch_axes),
+               lambda x: p(_linalg.spectral(p(x), eps)),
+               beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint)
+
+
+def scale_by_left_spectral(
+    unit_axis: int,
+    *,
+    center: bool = True,
+    batch_axes: Axes = (),
+    joint: Sequence[str] = (),
+    beta: float = 0.95,
+    eps: float = 1e-6,
+    mu_dtype: Optional[jnp.dtype] = None,
+) -> optax.GradientTransformation:
+  r"""Left spectral update, for MoE routers (units = experts).
+
+  .. math::
+    u = P\big(\nu\, (XX^\top + \epsilon' I)^{-1/2} X\big), \quad X = P(M),
+
+  equivariant under expert permutations and invariant under a shared shift of
+  the expert vectors. By the push-through identity
+  :math:`(XX^\top + \epsilon' I)^{-1/2} X = X (X^\top X + \epsilon' I)^{-1/2}`
+  it is the centred :func:`scale_by_right_spectral`; the ``experts x experts``
+  Gram matrix is the one decomposed whenever it is the smaller. Arguments as
+  there; ``center`` defaults to True.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> tx = scale_by_left_spectral(unit_axis=1, beta=0.0)  # (d, E) router
+    >>> g = {"router": jax.random.normal(jax.random.key(0), (6, 4))}
+    >>> u = tx.update(g, tx.init(g))[0]["router"]
+    >>> bool(jnp.allclose(u.sum(axis=1), 0.0, atol=1e-4))  # centred over experts
+    True
+  """
+  return scale_by_right_spectral(unit_axis, center=center, batch_axes=batch_axes, joint=joint,
+                                 beta=beta, eps=eps, mu_dtype=mu_dtype)
+
+
+def scale_by_hybrid(
+    unit_axis: int,
+    *,
+    order: Literal["row_then_polar", "polar_then_row"] = "row_then_polar",
+    center: bool = False,
+    batch_axes: Axes = (),
+    joint: Sequence[str] = (),
+    beta: float = 0.95,
+    eps: float = 1e-8,
+    ns_coeffs: _linalg.Coeffs = "quintic",
+    ns_steps: int = 5,
+    ns_dtype: jnp.dtype = jnp.bfloat16,
+    mu_dtype: Optional[jnp.dtype] = None,
+) -> optax.GradientTransformation:
+  r"""Hybrid row-norm / spectral update.
+
+  ``"row_then_polar"``: :math:`u = \nu(X)\,\mathrm{polar}(X)` with
+  :math:`X = R(M)` and :math:`\nu(X) = \langle \mathrm{polar}(X), X\rangle`,
+  the nuclear norm of X (exactly so when the polar factor is exact).
+  ``"polar_then_row"``: :math:`u = R(\mathrm{polar}(M))`. With ``center``,
+  :math:`P` is applied first and last. Equivariant under unit permutations and
+  orthogonal maps of the features (and shared shifts with ``center``).
+
+  Args:
+    unit_axis: the axis of units.
+    order: which map comes first.
+    center: apply :math:`P` first and last.
+    batch_axes: axes of independent copies.
+    joint: patterns of parameters that share units (see
+      :func:`scale_by_row_norm`).
+    beta: momentum decay.
+    eps: floor of the row norms and of the Frobenius normaliser.
+    ns_coeffs: Newton-Schulz coefficients (see :func:`newton_schulz`).
+    ns_steps: Newton-Schulz iterations.
+    ns_dtype: dtype of the iterations.
+    mu_dtype: momentum dtype (default: the parameter's).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> tx = scale_by_hybrid(unit_axis=0, center=True)  # a (V, d) tied embedding
+    >>> g = {"embed": jax.random.normal(jax.random.key(0), (16, 4))}
+    >>> u = tx.update(g, tx.init(g))[0]["embed"]
+    >>> bool(jnp.allclose(u.mean(axis=0), 0.0, atol=1e-5))
+    True
+  """
+  if order not in ("row_then_polar", "polar_then_row"):
+    raise ValueError(f"order must be 'row_then_polar' or 'polar_then_row', got {order!r}.")
+  p = _maybe_center(center)
+  polar = lambda x: _linalg.newton_schulz(x, ns_coeffs, ns_steps, ns_dtype, eps)
+
+  def direction(m):
+    if order == "polar_then_row":
+      return p(_linalg.row_normalize(polar(p(m)), eps))
+    x = _linalg.row_normalize(p(m), eps)
+    o = polar(x)
+    return p(jnp.sum(o * x, axis=(-2, -1), keepdims=True) * o)
+
+  return _rule("scale_by_hybrid", _unit_planner(unit_axis, batch_axes), direction,
+               beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint)

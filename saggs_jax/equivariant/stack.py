@@ -1,0 +1,244 @@
+"""Routing parameters to update rules by path, and the seed's layerwise stack."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from saggs_jax.equivariant import _linalg
+from saggs_jax.equivariant.rules import (
+    scale_by_hybrid,
+    scale_by_left_spectral,
+    scale_by_polar,
+    scale_by_row_norm,
+)
+from saggs_jax.paths import match, path_str
+
+Patterns = Union[str, Sequence[str]]
+Rules = Union[Mapping[Patterns, optax.GradientTransformation],
+              Sequence[tuple[Patterns, optax.GradientTransformation]]]
+
+
+def optimizer(
+    rule: optax.GradientTransformation,
+    learning_rate: optax.ScalarOrSchedule,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
+) -> optax.GradientTransformation:
+  r"""A full optimizer from a ``scale_by_*`` rule, with decoupled weight decay.
+
+  .. math:: W \leftarrow W (1 - \eta_t \lambda) - \eta_t\, u
+
+  where :math:`u` is the rule's update, :math:`\eta_t` the learning rate (a
+  float or an optax schedule) and :math:`\lambda` the weight decay. Like
+  ``optax.adamw``, ``update`` needs the params.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from saggs_jax.equivariant import scale_by_row_norm
+    >>> tx = optimizer(scale_by_row_norm(unit_axis=0), 0.1, weight_decay=0.5)
+    >>> w = {"embedding": jnp.ones((3, 2))}
+    >>> u, _ = tx.update(w, tx.init(w), w)
+    >>> optax.apply_updates(w, u)["embedding"][0]  # 1 * (1 - 0.05) - 0.1 / sqrt(2)
+    Array([0.8792893, 0.8792893], dtype=float32)
+  """
+  return optax.chain(
+      rule,
+      optax.add_decayed_weights(weight_decay),
+      optax.scale_by_learning_rate(learning_rate),
+  )
+
+
+def layerwise(
+    rules: Rules,
+    default: Optional[optax.GradientTransformation] = None,
+) -> optax.GradientTransformation:
+  """Routes every parameter to the transformation whose path pattern matches it.
+
+  Patterns use ``saggs_jax.paths.match``: anchored at the end of the path, a
+  trailing Flax ``value`` ignored, so the same rules serve plain dicts, Linen
+  ``{"params": ...}`` trees and pure ``nnx.State``. Built on
+  ``optax.multi_transform``; each transformation sees only its parameters and
+  keeps its own state, learning rate and weight decay (see :func:`optimizer`).
+
+  Args:
+    rules: ``{pattern or patterns: transformation}`` or a sequence of such pairs.
+    default: the transformation for parameters no pattern matches (e.g.
+      ``optax.adamw``); without it such a parameter is an error.
+
+  Returns:
+    A GradientTransformation. Its ``init`` (and ``update``) raise a ValueError
+    naming the parameter path when two patterns match one parameter, when none
+    matches and there is no default, and when a rule does not accept the
+    parameter's rank.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from saggs_jax.equivariant import scale_by_row_norm
+    >>> tx = layerwise({"embed/embedding": optimizer(scale_by_row_norm(0), 0.1)},
+    ...                default=optax.adamw(1e-3))
+    >>> params = {"embed": {"embedding": jnp.ones((5, 4))}, "norm": {"scale": jnp.ones(4)}}
+    >>> state = tx.init(params)
+  """
+  entries = list(rules.items() if isinstance(rules, Mapping) else rules)
+  entries = [((pats,) if isinstance(pats, str) else tuple(pats), tx) for pats, tx in entries]
+
+  def label(key_path, _):
+    path = path_str(key_path)
+    hits = [(p, i) for i, (pats, _) in enumerate(entries) for p in pats if match(p, path) is not None]
+    if len(hits) > 1:
+      raise ValueError(f"Parameter {path!r} is matched by several patterns: {[p for p, _ in hits]}.")
+    if hits:
+      return f"rule_{hits[0][1]}"
+    if default is None:
+      raise ValueError(f"Parameter {path!r} matches no pattern and there is no default.")
+    return "default"
+
+  transforms = {f"rule_{i}": tx for i, (_, tx) in enumerate(entries)}
+  if default is not None:
+    transforms["default"] = default
+  return optax.multi_transform(
+      transforms, lambda params: jax.tree_util.tree_map_with_path(label, params))
+
+
+# Role -> path patterns: LLaMA-style Hugging Face names on Flax modules, with
+# Flax (in, out) kernels: q/k/v (d, H*hd), o (H*hd, d), gate/up (d, F),
+# down (F, d), embedding (V, d), lm_head (d, V), router (d, E) and stacked
+# experts (E, in, out).
+ROLE_PATTERNS: dict[str, tuple[str, ...]] = {
+    "embedding": ("embed/embedding",),
+    "lm_head": ("lm_head/kernel",),
+    "query": ("q_proj/kernel",),
+    "key_value": ("k_proj/kernel", "v_proj/kernel"),
+    "output": ("o_proj/kernel",),
+    "gate_up": ("gate_proj/kernel", "up_proj/kernel"),
+    "down": ("down_proj/kernel",),
+    "router": ("router/kernel",),
+    "experts": ("experts/*",),
+}
+
+
+def symmetry_compatible(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    adamw_learning_rate: Optional[optax.ScalarOrSchedule] = None,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
+    adamw_weight_decay: optax.ScalarOrSchedule = 0.0,
+    num_heads: Optional[int] = None,
+    num_kv_heads: Optional[int] = None,
+    head_dim: Optional[int] = None,
+    tie_embeddings: bool = False,
+    embedding: Literal["row_norm", "hybrid"] = "row_norm",
+    lm_head: Literal["row_norm", "hybrid"] = "row_norm",
+    mlp: Literal["row_norm", "hybrid"] = "row_norm",
+    down: Literal["column", "polar"] = "column",
+    router: Literal["row_norm", "left_spectral"] = "row_norm",
+    stacked: bool = False,
+    patterns: Optional[Mapping[str, Patterns]] = None,
+    learning_rates: Optional[Mapping[str, optax.ScalarOrSchedule]] = None,
+    beta: float = 0.95,
+    ns_coeffs: _linalg.Coeffs = "quintic",
+    ns_steps: int = 5,
+    ns_dtype: Any = jnp.bfloat16,
+) -> optax.GradientTransformation:
+  """The symmetry-compatible layerwise stack for a decoder LM (seed 001).
+
+  ===========  ==========================================================
+  role         update
+  ===========  ==========================================================
+  query,       polar per head (``num_heads`` / ``num_kv_heads`` heads,
+  key_value,   or heads of ``head_dim``); whole matrix when neither given
+  output
+  embedding    row-norm over vocabulary rows (``embedding="hybrid"``:
+               row-then-polar); with ``tie_embeddings`` the LM-head rule
+  lm_head      centred row-norm over vocabulary columns (or centred hybrid)
+  gate_up      row-aware: units = hidden neurons, a neuron's vector is its
+               gate column followed by its up column (``mlp`` picks
+               row-norm or hybrid)
+  down         column-aware: units = hidden neurons (rows of the Flax
+               kernel), same ``mlp`` choice; or ``down="polar"``
+  router       centred row-norm over experts (or centred left spectral)
+  experts      polar per expert
+  (the rest)   AdamW: norms, biases, scalars
+  ===========  ==========================================================
+
+  Every rule runs under :func:`optimizer` with its role's learning rate and
+  ``weight_decay``; AdamW uses ``adamw_learning_rate`` (default
+  ``learning_rate``) and ``adamw_weight_decay``.
+
+  Args:
+    learning_rate: learning rate (or schedule) of the matrix rules.
+    adamw_learning_rate: learning rate of AdamW for the remaining parameters.
+    weight_decay: decoupled weight decay of the matrix rules.
+    adamw_weight_decay: weight decay of AdamW.
+    num_heads: query / output heads.
+    num_kv_heads: key / value heads (GQA); default ``num_heads``.
+    head_dim: head size; splits every attention kernel, GQA included.
+    tie_embeddings: the embedding is also the LM head.
+    embedding: rule of an untied embedding.
+    lm_head: rule of the LM head (always centred).
+    mlp: rule of gate/up and of a column-aware down.
+    down: ``"column"`` (column-aware, the ``mlp`` rule) or ``"polar"``.
+    router: rule of an MoE router (always centred).
+    stacked: hidden-layer parameters carry a leading layer axis (scan).
+    patterns: per-role overrides of :data:`ROLE_PATTERNS`.
+    learning_rates: per-role overrides of ``learning_rate``.
+    beta: momentum decay of every rule.
+    ns_coeffs: Newton-Schulz coefficients of the polar and hybrid rules.
+    ns_steps: Newton-Schulz iterations.
+    ns_dtype: dtype of the iterations.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> params = {"embed": {"embedding": jnp.ones((32, 8))},
+    ...           "layers_0": {"q_proj": {"kernel": jnp.ones((8, 8))},
+    ...                        "norm": {"scale": jnp.ones(8)}},
+    ...           "lm_head": {"kernel": jnp.ones((8, 32))}}
+    >>> tx = symmetry_compatible(0.02, adamw_learning_rate=3e-4, num_heads=2)
+    >>> updates, state = tx.update(params, tx.init(params), params)
+  """
+  roles = {**ROLE_PATTERNS}
+  for overrides in (patterns or {}, learning_rates or {}):
+    if unknown := set(overrides) - set(roles):
+      raise ValueError(f"Unknown roles {sorted(unknown)}; the roles are {sorted(roles)}.")
+  roles.update({r: (p,) if isinstance(p, str) else tuple(p) for r, p in (patterns or {}).items()})
+
+  layer = (0,) if stacked else ()
+  polar = functools.partial(scale_by_polar, beta=beta, ns_coeffs=ns_coeffs, ns_steps=ns_steps,
+                            ns_dtype=ns_dtype)
+
+  def units(kind, unit_axis, center=False, batch_axes=(), joint=()):
+    common = dict(center=center, batch_axes=batch_axes, joint=joint, beta=beta)
+    if kind == "row_norm":
+      return scale_by_row_norm(unit_axis, **common)
+    if kind == "hybrid":
+      return scale_by_hybrid(unit_axis, ns_coeffs=ns_coeffs, ns_steps=ns_steps, ns_dtype=ns_dtype, **common)
+    if kind == "left_spectral":
+      return scale_by_left_spectral(unit_axis, **common)
+    raise ValueError(f"Unknown rule {kind!r}.")
+
+  def heads(n, axis):
+    if head_dim is not None:
+      return polar(batch_axes=layer, head_dim=head_dim, head_axis=axis)
+    return polar(batch_axes=layer, num_heads=n, head_axis=axis)
+
+  if down not in ("column", "polar"):
+    raise ValueError(f"down must be 'column' or 'polar', got {down!r}.")
+  rules = {
+      "embedding": (units(lm_head, 0, center=True) if tie_embeddings else units(embedding, 0)),
+      "lm_head": units(lm_head, 1, center=True),
+      "query": heads(num_heads, -1),
+      "key_value": heads(num_kv_heads or num_heads, -1),
+      "output": heads(num_heads, -2),
+      "gate_up": units(mlp, -1, batch_axes=layer, joint=roles["gate_up"]),
+      "down": units(mlp, -2, batch_axes=layer) if down == "column" else polar(batch_axes=layer),
+      "router": units(router, -1, center=True, batch_axes=layer),
+      "experts": polar(batch_axes=layer + (len(layer),)),
+  }
+  lrs = {r: (learning_rates or {}).get(r, learning_rate) for r in roles}
+  default = optax.adamw(learning_rate if adamw_learning_rate is None else adamw_learning_rate,
+                        weight_decay=adamw_weight_decay)
+  return layerwise([(roles[r], optimizer(rules[r], lrs[r], weight_decay)) for r in roles], default)

@@ -1,0 +1,445 @@
+"""Tests of saggs_jax.equivariant: each rule against a float64 numpy reference of
+its definition, its symmetry group, zero rows, dtypes, per-head and joint
+layouts, Newton-Schulz numerics, routing by path and the seed's stack.
+
+Rules run with beta=0 (the update is the direction of the gradient itself) and
+float32 Polar Express iterations unless a test is about the defaults.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from saggs_jax import equivariant as eqv
+from saggs_jax.paths import path_str
+
+U, F = 12, 5  # units x features of the test matrices (U > F + 1: P(G) keeps full rank)
+EPS_SPECTRAL = 1e-6
+EXACT_NS = dict(ns_coeffs="polar_express", ns_steps=10, ns_dtype=jnp.float32)
+
+
+# ----------------------------------------------------------------- references
+
+
+def center(x):
+  return x - x.mean(axis=0, keepdims=True)
+
+
+def row_norm(x, eps=1e-8):
+  return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), eps)
+
+
+def polar(x):
+  u, s, vt = np.linalg.svd(x, full_matrices=False)
+  keep = s > 1e-9 * s.max()
+  return u[:, keep] @ vt[keep]
+
+
+def nuclear(x):
+  return np.linalg.svd(x, compute_uv=False).sum()
+
+
+def right_spectral(x, eps=EPS_SPECTRAL):
+  e = eps * np.sum(x**2)
+  lam, q = np.linalg.eigh(x.T @ x)
+  lam = np.maximum(lam, 0)
+  nu = np.sum(lam / np.sqrt(lam + e))
+  return nu * x @ (q / np.sqrt(lam + e)) @ q.T
+
+
+def left_spectral(x, eps=EPS_SPECTRAL):
+  e = eps * np.sum(x**2)
+  lam, q = np.linalg.eigh(x @ x.T)
+  lam = np.maximum(lam, 0)
+  nu = np.sum(lam / np.sqrt(lam + e))
+  return nu * (q / np.sqrt(lam + e)) @ q.T @ x
+
+
+def rand(key, shape, dtype=np.float64):
+  return np.random.default_rng(key).normal(size=shape).astype(dtype)
+
+
+def orthogonal(key, n):
+  q, r = np.linalg.qr(rand(key, (n, n)))
+  return q * np.sign(np.diag(r))
+
+
+def close(actual, expected, rtol=1e-4):
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * np.abs(expected).max())
+
+
+# ---------------------------------------------------------- rules on (U, F)
+
+# name -> (rule with units on axis 0, reference, centred, zero rows stay zero)
+RULES = {
+    "row_norm": (eqv.scale_by_row_norm(0, beta=0.0), row_norm, False, True),
+    "row_norm_centered": (eqv.scale_by_row_norm(0, center=True, beta=0.0),
+                          lambda x: center(row_norm(center(x))), True, False),
+    "right_spectral": (eqv.scale_by_right_spectral(0, beta=0.0), right_spectral, False, True),
+    "right_spectral_centered": (eqv.scale_by_right_spectral(0, center=True, beta=0.0),
+                                lambda x: right_spectral(center(x)), True, False),
+    "left_spectral": (eqv.scale_by_left_spectral(0, beta=0.0),
+                      lambda x: center(left_spectral(center(x))), True, False),
+    "hybrid_row_then_polar": (eqv.scale_by_hybrid(0, beta=0.0, **EXACT_NS),
+                              lambda x: nuclear(row_norm(x)) * polar(row_norm(x)), False, True),
+    "hybrid_row_then_polar_centered": (
+        eqv.scale_by_hybrid(0, center=True, beta=0.0, **EXACT_NS),
+        lambda x: center(nuclear(row_norm(center(x))) * polar(row_norm(center(x)))), True, False),
+    "hybrid_polar_then_row": (eqv.scale_by_hybrid(0, order="polar_then_row", beta=0.0, **EXACT_NS),
+                              lambda x: row_norm(polar(x)), False, True),
+    "hybrid_polar_then_row_centered": (
+        eqv.scale_by_hybrid(0, order="polar_then_row", center=True, beta=0.0, **EXACT_NS),
+        lambda x: center(row_norm(polar(center(x)))), True, False),
+    "polar": (eqv.scale_by_polar(0, 1, beta=0.0, **EXACT_NS), polar, False, True),
+}
+# One jitted update per rule, shared by every test that uses it.
+STEP = {name: jax.jit(lambda g, tx=tx: tx.update(g, tx.init(g))[0]) for name, (tx, *_) in RULES.items()}
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_rule_matches_definition(name):
+  _, reference, *_ = RULES[name]
+  g = rand(0, (U, F), np.float32)
+  close(STEP[name](g), reference(g.astype(np.float64)), rtol=2e-4)
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_rule_equivariance(name):
+  _, _, centred, _ = RULES[name]
+  g = rand(1, (U, F), np.float32)
+  out = np.asarray(STEP[name](g), np.float64)
+  if name == "polar":  # orthogonal on both sides
+    a, b = orthogonal(2, U), orthogonal(3, F)
+    close(STEP[name]((a @ g @ b).astype(np.float32)), a @ out @ b)
+  else:  # unit permutations x orthogonal maps of the features
+    perm, q = np.random.default_rng(2).permutation(U), orthogonal(3, F)
+    close(STEP[name]((g[perm] @ q).astype(np.float32)), out[perm] @ q)
+  if centred:  # a shared shift of every unit vector changes nothing
+    close(STEP[name](g + 3.0 * rand(4, (1, F), np.float32)), out, rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_zero_gradients(name):
+  *_, zero_rows_stay = RULES[name]
+  zero = np.asarray(STEP[name](np.zeros((U, F), np.float32)))
+  assert np.all(zero == 0.0)
+  g = rand(5, (U, F), np.float32)
+  g[[2, 7]] = 0.0
+  out = np.asarray(STEP[name](g))
+  assert np.all(np.isfinite(out))
+  if zero_rows_stay:
+    assert np.all(out[[2, 7]] == 0.0)
+
+
+@pytest.mark.parametrize("name", ["row_norm_centered", "left_spectral", "hybrid_row_then_polar", "polar"])
+def test_bfloat16_in_bfloat16_out(name):
+  tx = RULES[name][0]
+  g = rand(6, (U, F), np.float32)
+  state = tx.init(jnp.asarray(g, jnp.bfloat16))
+  chex.assert_trees_all_equal_dtypes(state.mu, jnp.zeros((), jnp.bfloat16))
+  out = STEP[name](jnp.asarray(g, jnp.bfloat16))
+  assert out.dtype == jnp.bfloat16
+  close(out, STEP[name](jnp.asarray(g, jnp.bfloat16).astype(jnp.float32)), rtol=3e-2)
+
+
+def test_unit_axis_and_momentum():
+  """A (d, V) LM-head layout (units on axis 1) and two EMA steps."""
+  tx = eqv.scale_by_row_norm(1, center=True, beta=0.9)
+  g1, g2 = rand(7, (F, U), np.float32), rand(8, (F, U), np.float32)
+  state = tx.init(g1)
+  _, state = tx.update(g1, state)
+  out, state = tx.update(g2, state)
+  mu = 0.9 * (0.1 * g1) + 0.1 * g2
+  close(state.mu, mu)
+  close(out, center(row_norm(center(mu.T))).T)
+
+
+def test_polar_nesterov_and_width_scale():
+  tx = eqv.scale_by_polar(beta=0.9, **EXACT_NS)
+  g1, g2 = rand(9, (4, 10), np.float32), rand(10, (4, 10), np.float32)
+  _, state = tx.update(g1, tx.init(g1))
+  out, _ = tx.update(g2, state)
+  mu = 0.9 * (0.1 * g1) + 0.1 * g2
+  close(out, np.sqrt(10 / 4) * polar(0.9 * mu + 0.1 * g2), rtol=1e-3)
+
+
+# ------------------------------------------------------ heads, stacks, pairs
+
+
+def test_polar_per_head_layouts():
+  d, heads, hd = 8, 2, 4
+  g = rand(11, (d, heads * hd), np.float32)
+  per_head = np.concatenate([polar(g[:, h * hd:(h + 1) * hd]) for h in range(heads)], axis=1)
+  for tx in (eqv.scale_by_polar(num_heads=heads, beta=0.0, **EXACT_NS),
+             eqv.scale_by_polar(head_dim=hd, beta=0.0, **EXACT_NS)):
+    close(tx.update(g, tx.init(g))[0], per_head, rtol=1e-3)
+  # The same kernel as a (d, H, hd) DenseGeneral: heads as a batch axis.
+  tx = eqv.scale_by_polar(0, 2, 1, beta=0.0, **EXACT_NS)
+  g3 = g.reshape(d, heads, hd)
+  close(tx.update(g3, tx.init(g3))[0], per_head.reshape(d, heads, hd), rtol=1e-3)
+  # An output kernel (H*hd, d): heads split the rows; scale sqrt(d / hd).
+  tx = eqv.scale_by_polar(num_heads=heads, head_axis=-2, beta=0.0, **EXACT_NS)
+  go = g.T
+  expected = np.concatenate([polar(go[h * hd:(h + 1) * hd]) for h in range(heads)], axis=0)
+  close(tx.update(go, tx.init(go))[0], np.sqrt(d / hd) * expected, rtol=1e-3)
+
+
+def test_batch_axes_are_independent_copies():
+  """Stacked layers of experts (L, E, in, out) and stacked LM heads (L, d, V)."""
+  g = rand(12, (2, 3, 4, 6), np.float32)
+  tx = eqv.scale_by_polar(batch_axes=(0, 1), beta=0.0, **EXACT_NS)
+  out = np.asarray(tx.update(g, tx.init(g))[0])
+  for l in range(2):
+    for e in range(3):
+      close(out[l, e], np.sqrt(6 / 4) * polar(g[l, e]), rtol=1e-3)
+  h = rand(13, (2, F, U), np.float32)
+  tx = eqv.scale_by_right_spectral(-1, batch_axes=0, beta=0.0)
+  out = np.asarray(tx.update(h, tx.init(h))[0])
+  for l in range(2):
+    close(out[l], right_spectral(h[l].T).T, rtol=2e-4)
+
+
+SWIGLU = {"layers_0": {"mlp": {"gate_proj": {"kernel": rand(14, (F, U), np.float32)},
+                               "up_proj": {"kernel": rand(15, (F, U), np.float32)}}},
+          "layers_1": {"mlp": {"gate_proj": {"kernel": rand(16, (F, U), np.float32)},
+                               "up_proj": {"kernel": rand(17, (F, U), np.float32)}}}}
+JOINT = ("gate_proj/kernel", "up_proj/kernel")
+
+
+@pytest.mark.parametrize("make, reference", [
+    (eqv.scale_by_row_norm, row_norm),
+    (eqv.scale_by_right_spectral, right_spectral),
+])
+def test_swiglu_gate_up_share_neurons(make, reference):
+  """Units are hidden neurons; a neuron's vector is [gate column, up column]."""
+  tx = make(-1, joint=JOINT, beta=0.0)
+  out = tx.update(SWIGLU, tx.init(SWIGLU))[0]
+  for layer in ("layers_0", "layers_1"):
+    gate, up = (SWIGLU[layer]["mlp"][k]["kernel"] for k in ("gate_proj", "up_proj"))
+    expected = reference(np.concatenate([gate.T, up.T], axis=1).astype(np.float64))
+    close(out[layer]["mlp"]["gate_proj"]["kernel"], expected[:, :F].T)
+    close(out[layer]["mlp"]["up_proj"]["kernel"], expected[:, F:].T)
+
+
+def test_joint_errors_name_the_path():
+  lonely = {"layers_0": {"mlp": {"gate_proj": {"kernel": np.zeros((F, U), np.float32)}}}}
+  with pytest.raises(ValueError, match="layers_0/mlp/gate_proj/kernel"):
+    eqv.scale_by_row_norm(-1, joint=JOINT).init(lonely)
+  mismatched = {"mlp": {"gate_proj": {"kernel": np.zeros((F, U))},
+                        "up_proj": {"kernel": np.zeros((F, U + 1))}}}
+  with pytest.raises(ValueError, match="mlp/up_proj/kernel"):
+    eqv.scale_by_row_norm(-1, joint=JOINT).init(mismatched)
+
+
+@pytest.mark.parametrize("tx, shape", [
+    (eqv.scale_by_row_norm(0), (4,)),
+    (eqv.scale_by_hybrid(1), (2, 3, 4)),
+    (eqv.scale_by_polar(), (2, 3, 4)),
+    (eqv.scale_by_polar(num_heads=3), (4, 8)),
+])
+def test_wrong_rank_or_layout_names_the_path(tx, shape):
+  with pytest.raises(ValueError, match="block/w"):
+    tx.init({"block": {"w": np.zeros(shape)}})
+
+
+# ------------------------------------------------------ Newton-Schulz numerics
+
+
+def ill_conditioned(m, n, cond=1e3):
+  k = min(m, n)
+  a, b = np.linalg.qr(rand(18, (m, k)))[0], np.linalg.qr(rand(19, (n, k)))[0]
+  return ((a * np.logspace(0, -np.log10(cond), k)) @ b.T).astype(np.float32)
+
+
+NS_BF16 = jax.jit(eqv.newton_schulz, static_argnames=("coeffs", "steps"))
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (32, 16)])
+@pytest.mark.parametrize("coeffs, band", [
+    # The quintic does not converge: its iterates settle where p maps
+    # about [0.68, 1.2] into itself (min of p there ~0.68), so 0.7 is out of reach.
+    ("quintic", (0.6, 1.25)),
+    ("polar_express", (0.9, 1.1)),
+])
+def test_newton_schulz_singular_values(shape, coeffs, band):
+  x = ill_conditioned(*shape)
+  out = NS_BF16(jnp.asarray(x), coeffs=coeffs, steps=8)
+  assert out.dtype == jnp.float32
+  s = np.linalg.svd(np.asarray(out, np.float64), compute_uv=False)
+  assert band[0] <= s.min() and s.max() <= band[1], (s.min(), s.max())
+  # And the singular vectors are those of x: out ~ polar(x) up to the band.
+  assert np.linalg.norm(out - polar(x.astype(np.float64))) <= 0.4 * np.sqrt(min(shape))
+
+
+def test_newton_schulz_coefficient_forms():
+  x = jnp.asarray(rand(20, (6, 9), np.float32))
+  quintic = eqv.newton_schulz(x, "quintic")
+  chex.assert_trees_all_close(eqv.newton_schulz(x, (3.4445, -4.7750, 2.0315)), quintic)
+  chex.assert_trees_all_close(eqv.newton_schulz(x, [eqv.QUINTIC[0]] * 5), quintic)
+  with pytest.raises(ValueError, match="nope"):
+    eqv.newton_schulz(x, "nope")
+
+
+# ------------------------------------------------------------ routing, stack
+
+
+def linen_params():
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      x = nn.Embed(U, 8, name="embed")(ids)
+      part = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+      x = nn.Dense(8, name="q_proj", kernel_init=part)(x)
+      return nn.LayerNorm(name="norm")(x)
+  return Block().init(jax.random.key(0), jnp.zeros((1, 3), jnp.int32))
+
+
+def nnx_state():
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(U, 8, rngs=rngs)
+      self.q_proj = nnx.Linear(8, 8, rngs=rngs)
+      self.norm = nnx.LayerNorm(8, rngs=rngs)
+  return nnx.split(Block(nnx.Rngs(0)), nnx.Param)[1]
+
+
+ROUTED = eqv.layerwise(
+    {"embed/embedding": eqv.scale_by_row_norm(0, beta=0.0),
+     ("q_proj/kernel",): eqv.scale_by_polar(num_heads=2, beta=0.0, **EXACT_NS)},
+    default=optax.sgd(1.0))
+ROUTED_STEP = jax.jit(lambda g: ROUTED.update(g, ROUTED.init(g))[0])
+
+
+@pytest.mark.parametrize("make", [linen_params, nnx_state])
+def test_layerwise_routes_flax_trees(make):
+  grads = jax.tree.map(lambda x: x + 0.1, make())  # nonzero biases
+  out = ROUTED_STEP(grads)
+  chex.assert_trees_all_equal_structs(out, grads)
+  flat = {path_str(k): v for k, v in jax.tree_util.tree_flatten_with_path(out)[0]}
+  g = {path_str(k): v for k, v in jax.tree_util.tree_flatten_with_path(grads)[0]}
+  emb = next(k for k in flat if k.endswith("embed/embedding"))
+  q = next(k for k in flat if k.endswith("q_proj/kernel"))
+  bias = next(k for k in flat if k.endswith("q_proj/bias"))
+  close(flat[emb], row_norm(np.asarray(g[emb], np.float64)))
+  wq = np.asarray(g[q], np.float64)
+  close(flat[q], np.concatenate([polar(wq[:, :4]), polar(wq[:, 4:])], axis=1), rtol=1e-3)
+  close(flat[bias], -np.asarray(g[bias]))  # default: sgd(1.0)
+
+
+def test_layerwise_errors_name_the_path():
+  params = {"params": {"q_proj": {"kernel": np.zeros((4, 4)), "bias": np.zeros(4)}}}
+  double = eqv.layerwise({"q_proj/kernel": optax.sgd(1.0), "q_proj/*": optax.sgd(1.0)})
+  with pytest.raises(ValueError, match="'params/q_proj/kernel' is matched by several"):
+    double.init(params)
+  wrong_rank = eqv.layerwise({"q_proj/*": eqv.scale_by_polar()})
+  with pytest.raises(ValueError, match="params/q_proj/bias"):
+    wrong_rank.init(params)
+  no_default = eqv.layerwise([("q_proj/kernel", optax.sgd(1.0))])
+  with pytest.raises(ValueError, match="params/q_proj/bias"):
+    no_default.init(params)
+
+
+def test_optimizer_decoupled_weight_decay_and_schedule():
+  lr = optax.linear_schedule(0.1, 0.05, transition_steps=1)
+  tx = eqv.optimizer(eqv.scale_by_row_norm(0, beta=0.0), lr, weight_decay=0.5)
+  w = rand(21, (U, F), np.float32)
+  g = rand(22, (U, F), np.float32)
+  state = tx.init(w)
+  for step_lr in (0.1, 0.05):
+    u, state = tx.update(g, state, w)
+    close(optax.apply_updates(w, u), w * (1 - step_lr * 0.5) - step_lr * row_norm(g))
+
+
+H, KV, HD, D, FF, V, E = 2, 1, 4, 8, 6, 10, 3
+
+
+def llama_grads(key, layers=None):
+  """Gradients of a tiny LLaMA-style decoder with one MoE block, Flax layouts."""
+  lead = () if layers is None else (layers,)
+  shapes = {
+      "embed/embedding": (V, D), "lm_head/kernel": (D, V), "norm/scale": (D,),
+      "layers/attn/q_proj/kernel": lead + (D, H * HD), "layers/attn/k_proj/kernel": lead + (D, KV * HD),
+      "layers/attn/v_proj/kernel": lead + (D, KV * HD), "layers/attn/o_proj/kernel": lead + (H * HD, D),
+      "layers/mlp/gate_proj/kernel": lead + (D, FF), "layers/mlp/up_proj/kernel": lead + (D, FF),
+      "layers/mlp/down_proj/kernel": lead + (FF, D), "layers/moe/router/kernel": lead + (D, E),
+      "layers/moe/experts/w_in": lead + (E, D, FF), "layers/attn_norm/scale": lead + (D,),
+  }
+  tree = {}
+  for i, (path, shape) in enumerate(shapes.items()):
+    *parents, leaf = path.split("/")
+    node = tree
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = rand(key + i, shape, np.float32)
+  return tree
+
+
+def expected_llama_update(g):
+  """The seed's stack by hand (beta=0, lr=1): minus each role's direction."""
+  L = g["layers"]
+  gu = np.concatenate([L["mlp"]["gate_proj"]["kernel"].T, L["mlp"]["up_proj"]["kernel"].T], axis=1)
+  neurons = row_norm(gu)
+  per_head = lambda w, n, axis: np.concatenate(  # noqa: E731
+      [polar(b) for b in np.split(w, n, axis=axis)], axis=axis)
+  return {
+      "embed/embedding": row_norm(g["embed"]["embedding"]),
+      "lm_head/kernel": center(row_norm(center(g["lm_head"]["kernel"].T))).T,
+      "layers/attn/q_proj/kernel": per_head(L["attn"]["q_proj"]["kernel"], H, 1),
+      "layers/attn/k_proj/kernel": per_head(L["attn"]["k_proj"]["kernel"], KV, 1),
+      "layers/attn/o_proj/kernel": np.sqrt(D / HD) * per_head(L["attn"]["o_proj"]["kernel"], H, 0),
+      "layers/mlp/gate_proj/kernel": neurons[:, :D].T,
+      "layers/mlp/up_proj/kernel": neurons[:, D:].T,
+      "layers/mlp/down_proj/kernel": row_norm(L["mlp"]["down_proj"]["kernel"]),
+      "layers/moe/router/kernel": center(row_norm(center(L["moe"]["router"]["kernel"].T))).T,
+      "layers/moe/experts/w_in": np.stack(
+          [polar(w) for w in L["moe"]["experts"]["w_in"]]),  # fan_out < fan_in: scale 1
+  }
+
+
+@functools.cache
+def stack_step(stacked):
+  tx = eqv.symmetry_compatible(1.0, adamw_learning_rate=1.0, num_heads=H, num_kv_heads=KV,
+                               stacked=stacked, beta=0.0, **EXACT_NS)
+  return jax.jit(lambda g: tx.update(g, tx.init(g), g)[0])
+
+
+def test_symmetry_compatible_stack():
+  g = llama_grads(100)
+  out = stack_step(False)(g)
+  flat = {path_str(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(out)[0]}
+  for path, expected in expected_llama_update(jax.tree.map(np.float64, g)).items():
+    close(-flat[path], expected, rtol=1e-3)
+  # Norm gains go to AdamW: its first step is -lr * g / (|g| + eps) = -sign(g).
+  close(flat["norm/scale"], -np.sign(g["norm"]["scale"]), rtol=1e-5)
+  # The stacked-layers layout gives every layer the update of the unstacked one.
+  layers = [llama_grads(100), llama_grads(200)]
+  both = jax.tree.map(lambda *x: np.stack(x), *[l["layers"] for l in layers])
+  stacked = stack_step(True)({**layers[0], "layers": both})
+  for i, single in enumerate([out, stack_step(False)(layers[1])]):
+    chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], stacked["layers"]), single["layers"],
+                                rtol=1e-4, atol=1e-5)
+
+
+def test_symmetry_compatible_options():
+  tied = eqv.symmetry_compatible(1.0, tie_embeddings=True, beta=0.0)
+  g = {"embed": {"embedding": rand(300, (V, D), np.float32)}}
+  out = tied.update(g, tied.init(g), g)[0]["embed"]["embedding"]
+  close(-out, center(row_norm(center(g["embed"]["embedding"]))))
+  with pytest.raises(ValueError, match="bogus"):
+    eqv.symmetry_compatible(1.0, patterns={"bogus": "x"})
+  # Hybrid / left-spectral variants build and keep every update finite.
+  tx = eqv.symmetry_compatible(0.1, embedding="hybrid", lm_head="hybrid", mlp="hybrid",
+                               down="polar", router="left_spectral", head_dim=HD)
+  g = llama_grads(400)
+  out = jax.jit(lambda g: tx.update(g, tx.init(g), g)[0])(g)
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))

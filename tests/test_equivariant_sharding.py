@@ -1,0 +1,66 @@
+"""The symmetry-compatible stack gives the same update sharded over 8 devices.
+
+XLA fixes the host device count when jax starts, so the check runs in a fresh
+interpreter with ``--xla_force_host_platform_device_count=8``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+CODE = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from saggs_jax import equivariant as eqv
+
+    assert jax.device_count() == 8, jax.devices()
+    rng = np.random.default_rng(0)
+    specs = {  # path -> (shape, partition spec): units or heads split over devices
+        ("embed", "embedding"): ((16, 8), P("x", None)),
+        ("lm_head", "kernel"): ((8, 16), P(None, "x")),
+        ("attn", "q_proj", "kernel"): ((8, 16), P(None, "x")),
+        ("attn", "o_proj", "kernel"): ((16, 8), P("x", None)),
+        ("mlp", "gate_proj", "kernel"): ((8, 16), P(None, "x")),
+        ("mlp", "up_proj", "kernel"): ((8, 16), P(None, "x")),
+        ("mlp", "down_proj", "kernel"): ((16, 8), P("x", None)),
+        ("moe", "router", "kernel"): ((8, 8), P(None, "x")),
+        ("moe", "experts", "w"): ((8, 8, 4), P("x", None, None)),
+        ("norm", "scale"): ((8,), P("x")),
+    }
+    def tree(leaf):
+        out = {}
+        for path, spec in specs.items():
+            node = out
+            for k in path[:-1]:
+                node = node.setdefault(k, {})
+            node[path[-1]] = leaf(spec)
+        return out
+    grads = tree(lambda s: jnp.asarray(rng.normal(size=s[0]), jnp.float32))
+    params = tree(lambda s: jnp.asarray(rng.normal(size=s[0]), jnp.float32))
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    shardings = tree(lambda s: NamedSharding(mesh, s[1]))
+
+    tx = eqv.symmetry_compatible(0.1, num_heads=4, weight_decay=0.1, router="left_spectral",
+                                 ns_dtype=jnp.float32)
+    def two_steps(g, p):
+        state = tx.init(p)
+        u, state = tx.update(g, state, p)
+        return tx.update(g, state, p)[0]
+    expected = jax.jit(two_steps)(grads, params)
+    put = lambda t: jax.tree.map(jax.device_put, t, shardings)
+    actual = jax.jit(two_steps, out_shardings=shardings)(put(grads), put(params))
+    assert actual["embed"]["embedding"].sharding.spec == P("x", None)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-5)
+    print("SHARDED-OK")
+""")
+
+
+def test_sharded_equals_unsharded():
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+  result = subprocess.run([sys.executable, "-c", CODE], env=env, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0 and "SHARDED-OK" in result.stdout, result.stderr[-3000:]
