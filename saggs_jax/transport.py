@@ -129,10 +129,13 @@ def transport(plan: Plan, state: Any, factors: Factors, where: str = "opt_state"
   hit = _declared_leaf(plan, state)
   if hit is not None:
     name = type(state).__name__
+    # nnx.state(optimizer) turns optax's NamedTuple states into plain mappings.
+    hint = (" An nnx.state(optimizer) has lost the optax state types: pass"
+            " optimizer.opt_state instead." if isinstance(state, Mapping) else "")
     raise TypeError(
         f"Cannot transport {name} at {where}: it holds parameter-shaped trees (e.g. at {hit!r})"
         f" and saggs_jax has no rule for it. Register one with"
         f" saggs_jax.register_transport({name}, {{'field': degree, ...}}), degree being 1 for"
         " gradient moments, 2 for squared gradients, -1 for parameter-like state and"
-        " saggs_jax.NESTED for inner optimizer states.")
+        f" saggs_jax.NESTED for inner optimizer states.{hint}")
   return state
