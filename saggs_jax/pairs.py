@@ -219,14 +219,14 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]]):
       groups = 1
     else:
       na, nb = sa[ax_a], sb[ax_b]
+      if pair.groups is None and na != nb:
+        raise ValueError(f"{pair.label}: group axes differ in size ({pa!r} {sa} vs {pb!r} {sb});"
+                         " pass groups= to split both into the same number of blocks.")
       groups = pair.groups or na
       for path, n, shape in ((pa, na, sa), (pb, nb, sb)):
         if n % groups:
           raise ValueError(f"{pair.label}: {groups} groups do not divide axis of size {n} of {path!r}"
                            f" with shape {shape}.")
-      if pair.groups is None and na != nb:
-        raise ValueError(f"{pair.label}: group axes differ in size ({pa!r} {sa} vs {pb!r} {sb});"
-                         " pass groups= to split both into the same number of blocks.")
     slots = {pa: Slot(key, +1, ax_a, groups, pair.stacked, True),
              pb: Slot(key, -1, ax_b, groups, pair.stacked, True)}
     followers = {+1: [], -1: []}

@@ -57,16 +57,23 @@ class SymmetryTransformation(optax.GradientTransformationExtraArgs):
     return self
 
 
-def _land_on(params, updates, target, plan):
-  """Updates that move the declared leaves of ``params`` to ``target``; others untouched."""
+def _land_on(params, updates, target, plan, stepped):
+  """Updates that move the declared leaves of ``params`` to ``target``; others untouched.
 
-  def visit(key_path, u, p, t):
+  ``stepped`` is ``params + updates``. Where balancing left an element as it
+  was (factor 1, or an inf/NaN parameter that no factor can move), the inner
+  update is kept as it is: ``target - params`` would turn an inf parameter
+  into NaN (inf - inf) and perturb exact updates by rounding.
+  """
+
+  def visit(key_path, u, p, t, s):
     if paths.path_str(key_path) not in plan.slots:
       return u
     dtype = compute_dtype(p.dtype)
-    return (t.astype(dtype) - p.astype(dtype)).astype(u.dtype)
+    moved = (t.astype(dtype) - p.astype(dtype)).astype(u.dtype)
+    return jnp.where((t == s) | jnp.isnan(t), u, moved)
 
-  return jax.tree_util.tree_map_with_path(visit, updates, params, target)
+  return jax.tree_util.tree_map_with_path(visit, updates, params, target, stepped)
 
 
 def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1
@@ -131,8 +138,9 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1
       proposal = proposal or (lambda: updates)
       factors = jax.lax.cond(count % every == 0, lambda: factors_of(proposal()),
                              lambda: unit_factors(plan))
-    target = scale_tree(plan, optax.apply_updates(params, updates), factors, 1.0)
-    return (_land_on(params, updates, target, plan), SaggsState(count, factors),
+    stepped = optax.apply_updates(params, updates)
+    target = scale_tree(plan, stepped, factors, 1.0)
+    return (_land_on(params, updates, target, plan, stepped), SaggsState(count, factors),
             transport(plan, earlier, factors))
 
   def update(updates, state, params=None, **extra_args):

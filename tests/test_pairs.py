@@ -1,0 +1,204 @@
+"""Pair declarations: what a group is, followers, stacked copies, and every bad declaration."""
+
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import models
+import saggs_jax as saggs
+
+
+def _arr(rng, *shape):
+  return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+# --- what each factor multiplies ----------------------------------------------
+
+def test_gqa_groups_are_contiguous_blocks():
+  """groups=G splits the axis into G contiguous blocks: block g of A times c_g, of B over c_g."""
+  rng = np.random.default_rng(0)
+  q, k = _arr(rng, 3, 8), _arr(rng, 3, 4)  # 4 query heads of 2, 2 KV heads of 2
+  params = {"q": q, "k": k}
+  c = np.array([2.0, 5.0], np.float32)
+  new, _ = saggs.reparameterize(params, None, [saggs.Pair("q", "k", axes=(1, 1), groups=2)],
+                                lambda path, shape: c)
+  np.testing.assert_allclose(new["q"], np.asarray(q) * np.repeat(c, 4)[None], rtol=1e-6)
+  np.testing.assert_allclose(new["k"], np.asarray(k) / np.repeat(c, 2)[None], rtol=1e-6)
+
+
+def test_default_groups_one_per_index_and_negative_axes():
+  rng = np.random.default_rng(1)
+  up, down = _arr(rng, 3, 5), _arr(rng, 5, 3)
+  c = np.arange(1, 6, dtype=np.float32)
+  pair = saggs.Pair("up", "down", axes=(-1, -2))
+  new, _ = saggs.reparameterize({"up": up, "down": down}, None, [pair], lambda p, s: c)
+  np.testing.assert_allclose(new["up"], np.asarray(up) * c[None, :], rtol=1e-6)
+  np.testing.assert_allclose(new["down"], np.asarray(down) / c[:, None], rtol=1e-6)
+
+
+def test_whole_tensor_pair():
+  params = {"a": jnp.full((2, 3), 8.0), "b": jnp.ones((4,))}
+  plan = saggs.pairs.resolve([saggs.Pair("a", "b")], params)
+  assert [i.factor_shape for i in plan.instances] == [()]
+  new, _ = saggs.canonicalize(params, None, [saggs.Pair("a", "b")])
+  np.testing.assert_allclose(np.linalg.norm(new["a"]), np.linalg.norm(new["b"]), rtol=1e-6)
+
+
+def test_followers_move_with_their_kernel_and_are_not_in_the_norms():
+  """Query bias scales with the query kernel, key bias with the key kernel, output bias stays."""
+  params = models.linen_init(seed=1)
+  a = params["params"]["attn"]
+  c = np.array([3.0, 0.5], np.float32)
+  new, _ = saggs.reparameterize(params, None, saggs.presets.flax_mha(), lambda p, s: c)
+  n = new["params"]["attn"]
+  np.testing.assert_allclose(n["query"]["kernel"], a["query"]["kernel"] * c[None, :, None], rtol=1e-6)
+  np.testing.assert_allclose(n["query"]["bias"], a["query"]["bias"] * c[:, None], rtol=1e-6)
+  np.testing.assert_allclose(n["key"]["kernel"], a["key"]["kernel"] / c[None, :, None], rtol=1e-6)
+  np.testing.assert_allclose(n["key"]["bias"], a["key"]["bias"] / c[:, None], rtol=1e-6)
+  np.testing.assert_allclose(n["value"]["bias"], a["value"]["bias"] * c[:, None], rtol=1e-6)
+  np.testing.assert_allclose(n["out"]["kernel"], a["out"]["kernel"] / c[:, None, None], rtol=1e-6)
+  np.testing.assert_array_equal(n["out"]["bias"], a["out"]["bias"])
+  np.testing.assert_array_equal(new["params"]["head"]["kernel"], params["params"]["head"]["kernel"])
+
+  # Norms exclude followers: huge biases do not change the balancing factors.
+  big = {"params": {**params["params"], "attn": {
+      **a, "query": {**a["query"], "bias": a["query"]["bias"] * 1e3}}}}
+  imb, imb_big = (saggs.imbalance(t, saggs.presets.flax_mha()) for t in (params, big))
+  for k in imb:
+    np.testing.assert_array_equal(imb[k], imb_big[k])
+
+
+def test_stacked_factors_have_shape_layers_by_groups():
+  params = models.llama_init(seed=2, stacked=True)
+  pairs = saggs.presets.llama(num_kv_heads=models.KVH, stacked=1)
+  state = saggs.saggs(pairs).init(params)
+  assert {k: v.shape for k, v in state.factors.items()} == {
+      "layers/attn/q_proj/kernel|layers/attn/k_proj/kernel": (models.L, models.KVH),
+      "layers/attn/v_proj/kernel|layers/attn/o_proj/kernel": (models.L, models.KVH),
+      "layers/mlp/up_proj/kernel|layers/mlp/down_proj/kernel": (models.L, models.F),
+  }
+  np.testing.assert_array_equal(state.count, 0)
+  for v in state.factors.values():
+    np.testing.assert_array_equal(v, np.ones(v.shape))
+  # Layer l of the stack gets its own factors.
+  c = np.array([[2.0, 3.0], [0.5, 7.0]], np.float32)
+  new, _ = saggs.reparameterize(params, None, pairs[:1], lambda p, s: c)
+  q = np.asarray(params["layers"]["attn"]["q_proj"]["kernel"])
+  expect = q * np.repeat(c, models.H * models.HD // models.KVH, axis=1)[:, None, :]
+  np.testing.assert_allclose(new["layers"]["attn"]["q_proj"]["kernel"], expect, rtol=1e-6)
+
+
+def test_describe_lists_every_resolved_leaf():
+  params = models.llama_init(seed=0)
+  text = saggs.describe(saggs.presets.llama(num_kv_heads=models.KVH), params)
+  for layer in range(models.L):
+    for m in ("attn/q_proj", "attn/k_proj", "attn/v_proj", "attn/o_proj", "mlp/up_proj",
+              "mlp/down_proj"):
+      assert f"layers/{layer}/{m}/kernel" in text
+  assert "gate_proj" not in text and "norm" not in text
+  assert text.splitlines()[-1] == f"6 pair instances, {models.L * (2 * models.KVH + models.F)} factors in all."
+
+
+# --- bad declarations fail at init, naming the pattern or path -------------------
+
+def _init(pairs, params):
+  return saggs.chain(optax.adam(1e-3), saggs.saggs(pairs)).init(params)
+
+
+def _layers():
+  rng = np.random.default_rng(3)
+  return {"layers": {str(i): {"q": _arr(rng, 4, 6), "k": _arr(rng, 4, 6), "b": _arr(rng, 6)}
+                     for i in range(2)}}
+
+
+def test_pattern_matching_nothing():
+  with pytest.raises(ValueError, match=re.escape("'layers/*/wq'") + ".*matches no parameter"):
+    _init([saggs.Pair("layers/*/wq", "layers/*/k")], _layers())
+  with pytest.raises(ValueError, match=re.escape("'nope'")):
+    _init([saggs.Pair("q", "k", follow_a="nope")], _layers())
+
+
+def test_unpaired_matches():
+  params = _layers()
+  del params["layers"]["1"]["k"]
+  with pytest.raises(ValueError, match=re.escape("'layers/1/q'") + ".*no partner"):
+    _init([saggs.Pair("layers/*/q", "layers/*/k")], params)
+
+
+def test_follower_without_partner():
+  params = _layers()
+  del params["layers"]["0"]["b"]
+  with pytest.raises(ValueError, match=re.escape("'b'") + ".*no match with the captures of "
+                     + re.escape("'layers/0/q'")):
+    _init([saggs.Pair("q", "k", axes=(1, 1), follow_a="b")], params)
+
+
+def test_groups_that_do_not_divide():
+  with pytest.raises(ValueError, match="4 groups do not divide axis of size 6 of "
+                     + re.escape("'layers/0/q'")):
+    _init([saggs.Pair("q", "k", axes=(1, 1), groups=4)], _layers())
+
+
+def test_group_axes_of_different_size_need_groups():
+  rng = np.random.default_rng(4)
+  params = {"q": _arr(rng, 4, 8), "k": _arr(rng, 4, 4)}
+  for pair in (saggs.Pair("q", "k", axes=(1, 1)), saggs.Pair("k", "q", axes=(1, 1))):
+    with pytest.raises(ValueError, match=re.escape("'q' (4, 8)") + ".*pass groups="):
+      _init([pair], params)
+  _init([saggs.Pair("q", "k", axes=(1, 1), groups=2)], params)  # fine with groups
+
+
+@pytest.mark.parametrize("axes, path", [((2, 1), "layers/0/q"), ((1, -3), "layers/0/k")])
+def test_axis_out_of_range(axes, path):
+  with pytest.raises(ValueError, match=f"group axis {axes[0] if path.endswith('q') else axes[1]}"
+                     f" is out of range for {re.escape(repr(path))}"):
+    _init([saggs.Pair("q", "k", axes=axes)], _layers())
+
+
+def test_axis_out_of_range_counts_after_stacked():
+  params = models.llama_init(seed=0, stacked=True)
+  with pytest.raises(ValueError, match="out of range for 'layers/mlp/down_proj/kernel'"):
+    _init([saggs.Pair("up_proj/kernel", "down_proj/kernel", axes=(1, 2), stacked=1)], params)
+
+
+def test_stacked_axes_must_agree():
+  rng = np.random.default_rng(5)
+  params = {"q": _arr(rng, 2, 4, 6), "k": _arr(rng, 3, 4, 6)}
+  with pytest.raises(ValueError, match="stacked axes differ between 'q'"):
+    _init([saggs.Pair("q", "k", axes=(1, 1), stacked=1)], params)
+
+
+def test_follower_without_matching_axis():
+  rng = np.random.default_rng(6)
+  params = {"q": _arr(rng, 4, 6), "k": _arr(rng, 4, 6), "qb": _arr(rng, 5)}
+  with pytest.raises(ValueError, match="follower 'qb'"):
+    _init([saggs.Pair("q", "k", axes=(1, 1), follow_a="qb")], params)
+
+
+def test_duplicate_paths():
+  rng = np.random.default_rng(7)
+  params = {"a/q": _arr(rng, 2), "a": {"q": _arr(rng, 2)}, "k": _arr(rng, 2)}
+  with pytest.raises(ValueError, match="Two leaves share the path 'a/q'"):
+    _init([saggs.Pair("k", "a/q")], params)
+
+
+@pytest.mark.parametrize("kwargs, msg", [
+    (dict(a="layers/*/q", b="k"), "different number of wildcards"),
+    (dict(a="q", b="k", axes=(1,)), "axes must be None or a pair of ints"),
+    (dict(a="q", b="k", axes=(1, 1), groups=0), "groups must be a positive int"),
+    (dict(a="q", b="k", stacked=-1), "stacked must be >= 0"),
+    (dict(a="q", b="k", follow_a="layers/*/b"), "different number of wildcards"),
+])
+def test_malformed_pair(kwargs, msg):
+  with pytest.raises(ValueError, match=msg):
+    saggs.Pair(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(strength=0.0), dict(strength=1.5), dict(every=0),
+                                    dict(every=1.5)])
+def test_bad_stage_arguments(kwargs):
+  with pytest.raises(ValueError):
+    saggs.scale_by_saggs([saggs.Pair("q", "k")], **kwargs)

@@ -1,0 +1,457 @@
+"""SAGGS dynamics: balancing math, moment transport, every-k, jit, dtypes, guards, chains.
+
+The tests run on a small two-layer toy with GQA-style Q/K groups and a ReLU
+MLP, pushed off balance first by a random exact reparameterisation so that
+the balancing has real work to do. Real model layouts are in test_models.py.
+"""
+
+import warnings
+
+import chex
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import models
+import saggs_jax as saggs
+from models import leaf_dict
+
+def random_like(tree, seed, positive=False):
+  """Random values for every float array with at least one axis (counters etc. kept)."""
+  rng = np.random.default_rng(seed)
+
+  def f(x):
+    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim == 0:
+      return x
+    v = rng.standard_normal(x.shape)
+    v = np.abs(v) + 0.1 if positive else v
+    return jnp.asarray(v, x.dtype)
+
+  return jax.tree.map(f, tree)
+
+
+# A two-layer toy with the same kinds of symmetry as a Transformer: Q/K per KV
+# head under GQA (4 query columns per group against 2 key columns), and a ReLU
+# MLP per hidden channel. All tests here share its shapes, so the eager JAX
+# primitives compile once for the whole file.
+SMALL_PAIRS = (saggs.Pair("layers/*/q", "layers/*/k", axes=(1, 1), groups=2),
+               saggs.Pair("layers/*/up", "layers/*/down", axes=(1, 0)))
+SMALL_DECLARED = {f"layers/{i}/{n}" for i in range(2) for n in ("q", "k", "up", "down")}
+
+
+def small_params(seed, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  mk = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
+  return {"layers": {str(i): {"q": mk(4, 8), "k": mk(4, 4), "up": mk(4, 6), "down": mk(6, 4),
+                              "norm": mk(4)} for i in range(2)}}
+
+
+def small_imbalanced(seed, dtype=jnp.float32):
+  """Small params pushed far off balance by an exact reparameterisation."""
+  return models.perturb(small_params(seed, dtype), SMALL_PAIRS, seed)
+
+
+@models.jit
+def small_apply(params, x):
+  h = x
+  for i in range(2):
+    p = params["layers"][str(i)]
+    q = (h @ p["q"]).reshape(-1, 2, 4).sum(-1)  # per group: linear in q_g
+    k = (h @ p["k"]).reshape(-1, 2, 2).sum(-1)  # per group: linear in k_g
+    qk = jnp.sum(q * k, -1, keepdims=True)
+    h = h + jax.nn.relu(h @ p["up"]) @ p["down"] + qk * p["norm"]
+  return h
+
+
+SMALL_X = jnp.asarray(np.random.default_rng(99).standard_normal((3, 4)), jnp.float32)
+
+
+def small_norms(params):
+  """Per pair instance: (||A_g||, ||B_g||) computed here with NumPy, independently of the library."""
+  out = {}
+  for i in range(2):
+    p = {k: np.asarray(v, np.float64) for k, v in params["layers"][str(i)].items()}
+    nrm = lambda x, axes: np.sqrt(np.sum(x * x, axis=axes))
+    out[f"{i}/qk"] = (nrm(p["q"].reshape(4, 2, 4), (0, 2)), nrm(p["k"].reshape(4, 2, 2), (0, 2)))
+    out[f"{i}/ud"] = (nrm(p["up"], 0), nrm(p["down"], 1))
+  return out
+
+
+step = models.step
+imbalance = saggs.imbalance
+
+
+def assert_same_function(p0, p1):
+  y0, y1 = small_apply(p0, SMALL_X), small_apply(p1, SMALL_X)
+  np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(y0))))
+
+
+# --- balancing ----------------------------------------------------------------
+
+HARD0 = saggs.chain(optax.sgd(0.0), saggs.saggs(SMALL_PAIRS))
+
+
+def test_hard_equalises_group_norms_at_geometric_mean():
+  params = small_imbalanced(1)
+  assert_same_function(small_params(1), params)
+  before = small_norms(params)
+  assert max(np.max(np.abs(np.log(a / b))) for a, b in before.values()) > 1.0
+  new, _, state = step(HARD0, params, HARD0.init(params), jax.tree.map(jnp.zeros_like, params))
+  assert_same_function(params, new)
+  after = small_norms(new)
+  for k, (a, b) in after.items():
+    np.testing.assert_allclose(a, b, rtol=1e-5, err_msg=k)
+    np.testing.assert_allclose(a, np.sqrt(before[k][0] * before[k][1]), rtol=1e-5, err_msg=k)
+  for v in imbalance(new, SMALL_PAIRS).values():
+    np.testing.assert_allclose(v, 0.0, atol=1e-5)
+  # The factors in the state are the ones that were applied: c = sqrt(||B|| / ||A||).
+  a0, b0 = before["1/qk"]
+  np.testing.assert_allclose(state[1].factors["layers/1/q|layers/1/k"], np.sqrt(b0 / a0), rtol=1e-5)
+  # Leaves outside the pairs keep their values.
+  for path, leaf in leaf_dict(params).items():
+    if path not in SMALL_DECLARED:
+      np.testing.assert_array_equal(leaf_dict(new)[path], leaf)
+
+
+@pytest.mark.parametrize("strength", [0.25, 0.5, 0.9])
+def test_soft_shrinks_log_imbalance_by_one_minus_strength(strength):
+  tx = saggs.chain(optax.sgd(0.0), saggs.soft(SMALL_PAIRS, strength=strength))
+  params = p0 = small_imbalanced(2)
+  state = tx.init(params)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  imb0 = imbalance(params, SMALL_PAIRS)
+  for n in range(1, 4):
+    params, _, state = step(tx, params, state, zeros)
+    imb = imbalance(params, SMALL_PAIRS)
+    for k, v in imb.items():
+      np.testing.assert_allclose(v, (1 - strength)**n * imb0[k], atol=1e-5, err_msg=f"{k} n={n}")
+  assert_same_function(p0, params)
+
+
+@hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
+@hypothesis.given(log_a=st.lists(st.floats(-6, 6), min_size=3, max_size=3),
+                  log_b=st.lists(st.floats(-6, 6), min_size=3, max_size=3),
+                  strength=st.floats(0.01, 1.0))
+def test_soft_factor_property(log_a, log_b, strength):
+  """For any group norms, one application multiplies log(||A||/||B||) by exactly 1 - strength."""
+  rng = np.random.default_rng(0)
+  a = rng.standard_normal((5, 3)) * np.exp(log_a)[None]
+  b = rng.standard_normal((3, 4)) * np.exp(log_b)[:, None]
+  params = {"a": jnp.asarray(a, jnp.float32), "b": jnp.asarray(b, jnp.float32)}
+  pairs = [saggs.Pair("a", "b", axes=(1, 0))]
+  c = saggs.balance.compute_factors(saggs.pairs.resolve(pairs, params), params, strength)["a|b"]
+  new, _ = saggs.reparameterize(params, None, pairs, lambda p, s: c)
+  before = np.log(np.linalg.norm(a, axis=0) / np.linalg.norm(b, axis=1))
+  after = np.log(np.linalg.norm(np.asarray(new["a"], np.float64), axis=0)
+                 / np.linalg.norm(np.asarray(new["b"], np.float64), axis=1))
+  np.testing.assert_allclose(after, (1 - strength) * before, atol=2e-5)
+
+
+def test_canonicalize_is_idempotent_and_constant_on_orbits():
+  params = small_params(3)
+  state = random_like(optax.adam(1e-2).init(params), 3, positive=True)
+  canon = saggs.canonicalize(params, state, SMALL_PAIRS)
+  moved = models.reparam(params, state, SMALL_PAIRS, models.orbit_factors(params, SMALL_PAIRS, 4))
+  assert not np.allclose(moved[0]["layers"]["0"]["q"], params["layers"]["0"]["q"], rtol=1e-2)
+  assert not np.allclose(moved[1][0].nu["layers"]["0"]["q"], state[0].nu["layers"]["0"]["q"],
+                         rtol=1e-2)
+  chex.assert_trees_all_close(saggs.canonicalize(*moved, SMALL_PAIRS), canon, rtol=2e-5, atol=1e-6)
+  chex.assert_trees_all_close(saggs.canonicalize(*canon, SMALL_PAIRS), canon, rtol=2e-5, atol=1e-6)
+
+
+# --- moment transport -----------------------------------------------------------
+
+def assert_transported(alone, chained, p_alone, p_chained, degree, what, declared=SMALL_DECLARED):
+  """``m * theta**k`` is invariant for declared leaves; other leaves are bit-identical."""
+  alone, chained = leaf_dict(alone), leaf_dict(chained)
+  pa, pc = leaf_dict(p_alone), leaf_dict(p_chained)
+  assert alone.keys() == chained.keys(), what
+  assert alone, what
+  moved = 0
+  for path, m in alone.items():
+    if path in declared:
+      m, mc = np.asarray(m, np.float64), np.asarray(chained[path], np.float64)
+      want = m * np.asarray(pa[path], np.float64)**degree
+      got = mc * np.asarray(pc[path], np.float64)**degree
+      np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6 * np.max(np.abs(want)),
+                                 err_msg=f"{what} {path}")
+      moved += not np.allclose(mc, m, rtol=1e-3)
+    else:
+      np.testing.assert_array_equal(chained[path], m, err_msg=f"{what} {path}")
+  assert moved, f"{what}: balancing moved nothing, the test would be vacuous"
+
+
+def _adam_moments(s):
+  return [("mu", s[0].mu, 1), ("nu", s[0].nu, 2)]
+
+
+def _partition_labels(params):  # Q/K with Adam, the rest with Lion
+  return jax.tree_util.tree_map_with_path(
+      lambda kp, _: "adam" if kp[-1].key in ("q", "k") else "lion", params)
+
+
+def _mask(params):  # masks out layer 0's K and layer 1's up and down
+  return jax.tree_util.tree_map_with_path(
+      lambda kp, _: (kp[1].key, kp[2].key) not in {("0", "k"), ("1", "up"), ("1", "down")}, params)
+
+
+STATE_CASES = {
+    "adam": (lambda p: optax.adam(1e-2), _adam_moments),
+    "adamw": (lambda p: optax.adamw(1e-2, weight_decay=0.1), _adam_moments),
+    "amsgrad": (lambda p: optax.amsgrad(1e-2),
+                lambda s: [("mu", s[0].mu, 1), ("nu", s[0].nu, 2), ("nu_max", s[0].nu_max, 2)]),
+    "lion": (lambda p: optax.lion(1e-3), lambda s: [("mu", s[0].mu, 1)]),
+    "trace": (lambda p: optax.sgd(1e-2, momentum=0.9), lambda s: [("trace", s[0].trace, 1)]),
+    "multisteps": (lambda p: optax.MultiSteps(optax.adam(1e-2), 2).gradient_transformation(),
+                   lambda s: [("acc_grads", s.acc_grads, 1)] + _adam_moments(s.inner_opt_state)),
+    "masked": (lambda p: optax.masked(optax.adam(1e-2), _mask(p)),
+               lambda s: _adam_moments(s.inner_state)),
+    "inject_hyperparams": (lambda p: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+                           lambda s: _adam_moments(s.inner_state)),
+    "partition": (lambda p: optax.partition({"adam": optax.adam(1e-2), "lion": optax.lion(1e-3)},
+                                            _partition_labels(p)),
+                  lambda s: _adam_moments(s.inner_states["adam"].inner_state)
+                  + [("lion.mu", s.inner_states["lion"].inner_state[0].mu, 1)]),
+}
+
+
+@pytest.mark.parametrize("case", list(STATE_CASES))
+def test_moments_transported(case):
+  """One step of ``saggs.chain(inner, saggs)`` against ``inner`` alone from the same state.
+
+  The chain's inner stage computes exactly what ``inner`` alone computes, then the
+  balancing rescales params by c and moments of degree k by c**-k: every product
+  ``moment * theta**k`` is unchanged, and leaves outside the pairs are bit-identical.
+  """
+  make, moments = STATE_CASES[case]
+  params = small_imbalanced(5)
+  inner = make(params)
+  tx = saggs.chain(inner, saggs.saggs(SMALL_PAIRS))
+  s0 = random_like(inner.init(params), 6, positive=True)
+  grads = random_like(params, 7)
+  p_alone, u_alone, s_alone = step(inner, params, s0, grads)
+  p_chain, u_chain, (s_chain, s_saggs) = step(tx, params, (s0, tx.init(params)[1]), grads)
+
+  assert int(s_saggs.count) == 1
+  assert_same_function(p_alone, p_chain)
+  for v in imbalance(p_chain, SMALL_PAIRS).values():
+    np.testing.assert_allclose(v, 0.0, atol=1e-5)
+  # p_chain is p_alone moved along the orbit by the factors in the state.
+  moved, _ = models.reparam(p_alone, None, SMALL_PAIRS,
+                            {k.split("|")[0]: f for k, f in s_saggs.factors.items()})
+  chex.assert_trees_all_close(p_chain, moved, rtol=1e-5, atol=1e-6)
+  for name, m_alone, k in moments(s_alone):
+    m_chain = dict((n, m) for n, m, _ in moments(s_chain))[name]
+    assert_transported(m_alone, m_chain, p_alone, p_chain, k, f"{case} {name}")
+  # Params and updates outside the pairs are bit-identical.
+  for path in leaf_dict(params):
+    if path not in SMALL_DECLARED:
+      np.testing.assert_array_equal(leaf_dict(u_chain)[path], leaf_dict(u_alone)[path])
+      np.testing.assert_array_equal(leaf_dict(p_chain)[path], leaf_dict(p_alone)[path])
+
+
+def _ema_transform():
+  import typing
+
+  class MyEmaState(typing.NamedTuple):
+    count: jax.Array
+    ema: optax.Updates
+
+  def init(params):
+    return MyEmaState(jnp.zeros([], jnp.int32), jax.tree.map(jnp.zeros_like, params))
+
+  def update(updates, state, params=None):
+    ema = jax.tree.map(lambda e, g: 0.9 * e + 0.1 * g, state.ema, updates)
+    return ema, MyEmaState(state.count + 1, ema)
+
+  return MyEmaState, optax.GradientTransformation(init, update)
+
+
+def test_unregistered_state_raises_then_register_transport_fixes_it():
+  state_type, inner = _ema_transform()
+  tx = saggs.chain(inner, saggs.saggs(SMALL_PAIRS))
+  params = small_imbalanced(8)
+  grads = random_like(params, 9)
+  s0 = (random_like(inner.init(params), 10), tx.init(params)[1])
+  with pytest.raises(TypeError, match=r"MyEmaState.*opt_state.*register_transport\(MyEmaState"):
+    tx.update(grads, s0, params)
+  saggs.register_transport(state_type, {"ema": 1})
+  p_chain, _, (s_chain, _) = step(tx, params, s0, grads)
+  p_alone, _, s_alone = step(inner, params, s0[0], grads)
+  assert_transported(s_alone.ema, s_chain.ema, p_alone, p_chain, 1, "registered ema")
+  with pytest.raises(ValueError, match="no fields"):
+    saggs.register_transport(state_type, {"nope": 1})
+
+
+def test_plain_container_of_moments_raises():
+  params = small_imbalanced(8)
+  inner = optax.GradientTransformation(lambda p: {"m": p}, lambda u, s, p=None: (u, s))
+  tx = saggs.chain(inner, saggs.saggs(SMALL_PAIRS))
+  with pytest.raises(TypeError, match="register_transport"):
+    tx.update(params, tx.init(params), params)
+
+
+# --- every-k, jit, retracing ------------------------------------------------------
+
+EVERY3 = saggs.chain(optax.sgd(0.1), saggs.saggs(SMALL_PAIRS, every=3))
+EVERY3_UPDATE = models.jit(EVERY3.update)
+
+
+def test_every_k_balances_only_on_updates_k_2k():
+  """With zero gradients only the balancing moves params: imbalance changes on updates 3, 6 only."""
+  params = small_params(0)
+  state = EVERY3.init(params)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  for n in range(1, 8):
+    params = models.perturb(params, SMALL_PAIRS, n, 0.2, 5.0)
+    before = imbalance(params, SMALL_PAIRS)
+    assert max(float(jnp.max(jnp.abs(v))) for v in before.values()) > 0.3
+    updates, state = EVERY3_UPDATE(zeros, state, params)
+    params = optax.apply_updates(params, updates)
+    after = imbalance(params, SMALL_PAIRS)
+    sstate = state[1]
+    assert int(sstate.count) == n
+    assert set(sstate.factors) == set(before)
+    if n % 3 == 0:
+      for k in after:
+        np.testing.assert_allclose(after[k], 0.0, atol=1e-5)
+        assert np.all(np.abs(np.log(sstate.factors[k])) > 1e-3)
+    else:
+      chex.assert_trees_all_equal(after, before)
+      chex.assert_trees_all_equal(updates, zeros)
+      for k, f in sstate.factors.items():
+        np.testing.assert_array_equal(f, np.ones(f.shape, np.float32))
+
+
+def test_every_k_skipped_updates_are_the_inner_updates_bit_for_bit():
+  params = small_imbalanced(1)
+  state = EVERY3.init(params)
+  sgd = optax.sgd(0.1)
+  for n in range(1, 5):
+    grads = random_like(params, 30 + n)
+    updates, state = EVERY3_UPDATE(grads, state, params)
+    inner, _ = sgd.update(grads, sgd.init(params), params)
+    if n % 3:
+      chex.assert_trees_all_equal(updates, inner)
+    else:
+      assert not np.allclose(updates["layers"]["0"]["q"], inner["layers"]["0"]["q"])
+    params = optax.apply_updates(params, updates)
+
+
+def test_jit_equals_eager_and_traces_once():
+  tx = saggs.chain(optax.adam(1e-2), saggs.soft(SMALL_PAIRS, strength=0.5, every=2))
+  traces = []
+
+  def train_step(params, state, grads):
+    traces.append(1)  # Python side effect: runs once per trace
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  jitted = models.jit(train_step)
+  p_eager = p_jit = small_params(1)
+  s_eager = s_jit = tx.init(p_eager)
+  for n in range(3):  # skip, balance, skip
+    grads = random_like(p_eager, 20 + n)
+    p_eager, s_eager = train_step(p_eager, s_eager, grads)
+    p_jit, s_jit = jitted(p_jit, s_jit, grads)
+    chex.assert_trees_all_close(p_jit, p_eager, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(s_jit, s_eager, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_equal_dtypes(s_jit, s_eager)
+  assert len(traces) == 3 + 1  # three eager calls, one trace for the jitted function
+
+
+# --- dtypes and guards -------------------------------------------------------------
+
+def test_bf16_dtypes_preserved_and_balanced():
+  params = small_imbalanced(11, dtype=jnp.bfloat16)
+  before = imbalance(params, SMALL_PAIRS)
+  assert max(float(jnp.max(jnp.abs(v))) for v in before.values()) > 1.0
+  tx = saggs.chain(optax.adam(1e-3), saggs.saggs(SMALL_PAIRS))
+  state = tx.init(params)
+  grads = random_like(params, 12)
+  new, updates, state = models.jit_step(tx, params, state, grads)
+  chex.assert_trees_all_equal_dtypes(new, params)
+  chex.assert_trees_all_equal_dtypes(updates, params)
+  chex.assert_trees_all_equal_dtypes(state[0][0].mu, params)
+  chex.assert_trees_all_equal_dtypes(state[0][0].nu, params)
+  for v in state[1].factors.values():
+    assert v.dtype == jnp.float32
+  for k, v in imbalance(new, SMALL_PAIRS).items():
+    assert v.dtype == jnp.float32
+    np.testing.assert_allclose(v, 0.0, atol=2e-2, err_msg=k)
+  chex.assert_tree_all_finite(new)
+  chex.assert_tree_all_finite(state)
+  # Transport in bf16 holds to bf16 precision.
+  p_alone, _, s_alone = models.jit_step(optax.adam(1e-3), params, optax.adam(1e-3).init(params), grads)
+  for v in (s_alone[0].mu, s_alone[0].nu, state[0][0].mu, state[0][0].nu):
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(v))
+  for path in SMALL_DECLARED:
+    m, mc = (np.asarray(leaf_dict(t)[path], np.float64) for t in (s_alone[0].mu, state[0][0].mu))
+    pa, pc = (np.asarray(leaf_dict(t)[path], np.float64) for t in (p_alone, new))
+    np.testing.assert_allclose(mc * pc, m * pa, rtol=3e-2, atol=3e-2 * np.max(np.abs(m * pa)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_zero_and_nonfinite_norms_give_factor_one(dtype):
+  """Groups: 0 zero A, 1 inf in A, 2 NaN in B, 3 zero B, 4 normal (A 4x B)."""
+  a = np.ones((3, 5), np.float32) * 4.0
+  b = np.ones((5, 3), np.float32)
+  a[:, 0] = 0.0
+  a[1, 1] = np.inf
+  b[2, 0] = np.nan
+  b[3, :] = 0.0
+  params = {"a": jnp.asarray(a, dtype), "b": jnp.asarray(b, dtype), "other": jnp.ones(2, dtype)}
+  pairs = [saggs.Pair("a", "b", axes=(1, 0))]
+  tx = saggs.chain(optax.adam(0.0), saggs.saggs(pairs))  # lr 0: the zero norms stay zero
+  grads = jax.tree.map(jnp.ones_like, params)
+  new, updates, state = models.jit_step(tx, params, tx.init(params), grads)
+  f = np.asarray(state[1].factors["a|b"])
+  np.testing.assert_array_equal(f[:4], np.ones(4, np.float32))
+  np.testing.assert_allclose(f[4], 0.5, rtol=1e-6)  # sqrt(||B|| / ||A||) = sqrt(1/4)
+  # No NaN appears anywhere it was not already: updates and moments are finite,
+  # and params are NaN exactly where they were NaN before.
+  chex.assert_tree_all_finite(updates)
+  chex.assert_tree_all_finite(state)
+  np.testing.assert_array_equal(np.isnan(np.asarray(new["a"], np.float32)), np.isnan(a))
+  np.testing.assert_array_equal(np.isnan(np.asarray(new["b"], np.float32)), np.isnan(b))
+  assert np.isinf(np.asarray(new["a"], np.float32)[1, 1])
+  for n in (new["a"], new["b"], updates["a"], state[0][0].mu["a"], state[0][0].nu["b"]):
+    assert n.dtype == dtype
+  # The healthy group is balanced.
+  a4, b4 = np.asarray(new["a"], np.float32)[:, 4], np.asarray(new["b"], np.float32)[4]
+  np.testing.assert_allclose(np.linalg.norm(a4), np.linalg.norm(b4), rtol=2e-2)
+
+
+def test_float16_norms_do_not_underflow():
+  """Squares of 1e-4 underflow in float16; norms are taken in float32, so balancing still works."""
+  params = {"a": jnp.full((4, 2), 1e-4, jnp.float16), "b": jnp.full((2, 4), 1e-2, jnp.float16)}
+  pairs = [saggs.Pair("a", "b", axes=(1, 0))]
+  new, _ = saggs.canonicalize(params, None, pairs)
+  assert new["a"].dtype == jnp.float16
+  np.testing.assert_allclose(np.asarray(new["a"], np.float32), 1e-3, rtol=1e-2)
+  np.testing.assert_allclose(np.asarray(new["b"], np.float32), 1e-3, rtol=1e-2)
+
+
+# --- inside a plain optax.chain ------------------------------------------------------
+
+def test_plain_optax_chain_balances_warns_once_and_does_not_transport():
+  params = small_imbalanced(13)
+  grads = random_like(params, 14)
+  tx = optax.chain(optax.adam(1e-2), saggs.saggs(SMALL_PAIRS))
+  state = tx.init(params)
+  with pytest.warns(UserWarning, match="saggs_jax.chain"):
+    new, _, state = step(tx, params, state, grads)
+  for v in imbalance(new, SMALL_PAIRS).values():
+    np.testing.assert_allclose(v, 0.0, atol=1e-5)
+  # Moments are the plain Adam ones, bit for bit: not transported.
+  _, _, s_alone = step(optax.adam(1e-2), params, optax.adam(1e-2).init(params), grads)
+  chex.assert_trees_all_equal(state[0], s_alone)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # a second warning would raise here
+    new2, _, state2 = step(tx, new, state, grads)
+  for v in imbalance(new2, SMALL_PAIRS).values():
+    np.testing.assert_allclose(v, 0.0, atol=1e-5)
