@@ -12,6 +12,7 @@ or non-finite norm gives c_g = 1, so no NaN or Inf is ever produced.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -29,8 +30,21 @@ def compute_dtype(dtype) -> jnp.dtype:
 
 
 def _group_sq_norms(x: jax.Array, slot: Slot) -> jax.Array:
-  split = x.reshape(slot.split_shape(x.shape)).astype(compute_dtype(x.dtype))
-  return jnp.sum(jnp.square(split), axis=slot.reduce_axes(x.shape))
+  dtype = compute_dtype(x.dtype)
+  sq = jnp.sum(jnp.square(x.astype(dtype)), axis=slot.reduce_axes(x.ndim))
+  if slot.axis is None:
+    return sq
+  # Per-index sums to per-group sums by a tiny one-hot matmul: reshaping a
+  # sharded axis into (groups, size) is not defined under Explicit sharding.
+  # Non-finite entries are summed apart (inf * 0 would leak NaN into every
+  # group) and make their own group's norm inf.
+  one_hot = jnp.asarray(slot.membership(x.shape[slot.axis]), dtype)
+
+  def group_sum(v):
+    return jnp.matmul(v.astype(dtype), one_hot, precision=jax.lax.Precision.HIGHEST)
+
+  finite = jnp.isfinite(sq)
+  return jnp.where(group_sum(~finite) > 0, jnp.inf, group_sum(jnp.where(finite, sq, 0)))
 
 
 def sq_norms(plan: Plan, params: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
@@ -68,28 +82,23 @@ def unit_factors(plan: Plan) -> Factors:
   return {i.key: jnp.ones(i.factor_shape, jnp.float32) for i in plan.instances}
 
 
-def leaf_multiplier(slots: tuple[Slot, ...], shape, factors: Factors, power: float, dtype):
-  """The array (broadcastable against the split leaf) that one leaf is multiplied by."""
-  mult = None
-  for slot in slots:
-    f = factors[slot.key].astype(dtype)
-    e = slot.sign * power
-    e = int(e) if float(e).is_integer() else e  # integer powers multiply exactly
-    f = (1 / f if e == -1 else f**e).reshape(slot.factor_shape(shape))
-    mult = f if mult is None else mult * f
-  return mult
+def _multiplier(slot: Slot, shape: tuple[int, ...], factors: Factors, power: float, dtype):
+  """``factors ** (sign * power)`` expanded to one entry per index of the group axis."""
+  f = factors[slot.key].astype(dtype)
+  e = slot.sign * power
+  e = int(e) if float(e).is_integer() else e  # integer powers multiply exactly
+  f = 1 / f if e == -1 else f**e
+  if slot.axis is not None:
+    n = shape[slot.axis]
+    f = jnp.repeat(f, n // slot.groups, axis=-1, total_repeat_length=n)
+  return f.reshape(slot.broadcast_shape(shape))
 
 
 def _scale_leaf(x, slots, factors, power):
-  if len({s.split_shape(x.shape) for s in slots}) != 1:
-    # Slots splitting the leaf differently are applied one after another.
-    for s in slots:
-      x = _scale_leaf(x, (s,), factors, power)
-    return x
   dtype = compute_dtype(x.dtype)
-  mult = leaf_multiplier(slots, x.shape, factors, power, dtype)
-  split = x.reshape(slots[0].split_shape(x.shape)).astype(dtype)
-  return (split * mult).reshape(x.shape).astype(x.dtype)
+  mult = functools.reduce(jnp.multiply,
+                          [_multiplier(s, x.shape, factors, power, dtype) for s in slots])
+  return (x.astype(dtype) * mult).astype(x.dtype)
 
 
 def scale_tree(plan: Plan, tree: Any, factors: Factors, power: float, is_leaf=None) -> Any:

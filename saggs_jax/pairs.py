@@ -88,8 +88,10 @@ class Pair:
 class Slot:
   """How one leaf moves under the factors of one resolved pair instance.
 
-  The leaf is reshaped to ``shape[:axis] + (groups, size // groups) +
-  shape[axis + 1:]`` and multiplied by ``factors ** sign`` broadcast over it.
+  Group g of the leaf is the block ``g * size // groups ... (g + 1) * size //
+  groups`` along ``axis``; it is multiplied by ``factors[..., g] ** sign``.
+  Nothing here reshapes the leaf itself, so a sharded group axis stays
+  sharded (and Explicit-mode sharding needs no resharding).
   """
 
   key: str  # the pair instance whose factors apply
@@ -99,25 +101,17 @@ class Slot:
   stacked: int
   primary: bool  # followers do not enter the norms
 
-  def split_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-    if self.axis is None:
-      return shape
-    n = shape[self.axis]
-    return shape[:self.axis] + (self.groups, n // self.groups) + shape[self.axis + 1:]
+  def reduce_axes(self, ndim: int) -> tuple[int, ...]:
+    """Axes summed to get one squared norm per stacked copy (and index of ``axis``)."""
+    return tuple(i for i in range(self.stacked, ndim) if i != self.axis)
 
-  def factor_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Shape that broadcasts ``factors`` against the split leaf."""
-    split = self.split_shape(shape)
-    out = [1] * len(split)
-    out[:self.stacked] = shape[:self.stacked]
-    if self.axis is not None:
-      out[self.axis] = self.groups
-    return tuple(out)
+  def broadcast_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of the per-element multiplier: stacked axes and ``axis`` kept, others 1."""
+    return tuple(n if i < self.stacked or i == self.axis else 1 for i, n in enumerate(shape))
 
-  def reduce_axes(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Axes of the split leaf summed to get one norm per factor entry."""
-    keep = set(range(self.stacked)) | ({self.axis} if self.axis is not None else set())
-    return tuple(i for i in range(len(self.split_shape(shape))) if i not in keep)
+  def membership(self, size: int) -> np.ndarray:
+    """(size, groups) one-hot matrix sending each index of ``axis`` to its group."""
+    return np.equal.outer(np.arange(size) // (size // self.groups), np.arange(self.groups))
 
 
 @dataclasses.dataclass(frozen=True)

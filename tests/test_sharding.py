@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 TESTS = pathlib.Path(__file__).resolve().parent
 
 SCRIPT = textwrap.dedent(r"""
@@ -26,7 +28,7 @@ SCRIPT = textwrap.dedent(r"""
     import saggs_jax as saggs
 
     assert jax.device_count() == 8, jax.devices()
-    mesh = jax.make_mesh((8,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((8,), ("model",), axis_types=(jax.sharding.AxisType.AXIS_TYPE,))
 
     # Column-parallel q/k/v/gate/up (heads and hidden channels split over
     # devices), row-parallel o/down, everything else replicated. The tree holds
@@ -104,7 +106,8 @@ SCRIPT = textwrap.dedent(r"""
     n_split = sum(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
                   for x in jax.tree.leaves(sharded))
     check(n_split == 14, f"{n_split} leaves split over devices")
-    new_params, new_state = run(sharded, [jax.device_put(g, p_sh) for g in grads])
+    with jax.set_mesh(mesh):
+      new_params, new_state = run(sharded, [jax.device_put(g, p_sh) for g in grads])
 
     # Same numbers as unsharded.
     for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(new_params),
@@ -140,8 +143,10 @@ SCRIPT = textwrap.dedent(r"""
 """)
 
 
-def test_sharded_equals_unsharded_and_keeps_shardings():
-  script = SCRIPT.replace("TESTS", repr(str(TESTS))).replace("ROOT", repr(str(TESTS.parent)))
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_sharded_equals_unsharded_and_keeps_shardings(axis_type):
+  script = (SCRIPT.replace("TESTS", repr(str(TESTS))).replace("ROOT", repr(str(TESTS.parent)))
+            .replace("AXIS_TYPE", axis_type))
   # The optimisation level only changes how hard LLVM works on the CPU code
   # (compile time), not what is computed or how it is partitioned.
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
