@@ -88,9 +88,9 @@ def _multiplier(slot: Slot, shape: tuple[int, ...], factors: Factors, power: flo
   e = slot.sign * power
   e = int(e) if float(e).is_integer() else e  # integer powers multiply exactly
   f = 1 / f if e == -1 else f**e
-  if slot.axis is not None:
+  if slot.axis is not None:  # (..., groups) -> (..., size): each factor over its block
     n = shape[slot.axis]
-    f = jnp.repeat(f, n // slot.groups, axis=-1, total_repeat_length=n)
+    f = jnp.broadcast_to(f[..., None], f.shape + (n // slot.groups,)).reshape(f.shape[:-1] + (n,))
   return f.reshape(slot.broadcast_shape(shape))
 
 
