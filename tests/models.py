@@ -1,4 +1,10 @@
-"""Tiny models shared by the tests: Flax attention (Linen and NNX) and a LLaMA-style stack.
+"""Models and helpers shared by the tests.
+
+* Flax multi-head attention, Linen and NNX, biases included;
+* a tiny LLaMA-style decoder (GQA, RoPE, SwiGLU) as a pure function of a
+  params dict, per-layer or stacked, with a learnable counting task;
+* a GELU MLP, whose up/down rescaling is *not* a symmetry;
+* random values, orbit moves, optimizer steps and output comparisons.
 
 Weights are drawn with NumPy (no JAX compiles). The forward passes are jitted
 once at module level, without LLVM optimisation, so every test reuses the same
@@ -8,7 +14,9 @@ jits its argument itself.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import zlib
 
 import flax.linen as nn
 import jax
@@ -20,10 +28,28 @@ from flax import nnx
 import saggs_jax as saggs
 
 # Test programs are tiny and run once or twice: spend as little compile time as
-# possible on them. The LLVM optimisation level changes compile time only, not
-# what is computed.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+# possible on them (several seconds per function on a busy CPU otherwise). The
+# LLVM optimisation level changes compile time only, not what is computed.
+jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+
+
+def random_like(tree, seed: int, *, scale: float = 1.0, positive: bool = False):
+  """Normal values (``|N| + 0.1`` if ``positive``) for every float leaf with at least one axis.
+
+  Leaves may be arrays or ``ShapeDtypeStruct``s; other leaves (counters, scalar
+  hyperparameters) are kept. Drawn with NumPy: no JAX compiles.
+  """
+  rng = np.random.default_rng(seed)
+
+  def draw(x):
+    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim == 0:
+      return x
+    v = rng.standard_normal(x.shape)
+    v = np.abs(v) + 0.1 if positive else v
+    return jnp.asarray(scale * v, x.dtype)
+
+  return jax.tree.map(draw, tree)
+
 
 # ---------------------------------------------------------------------------
 # Flax multi-head attention (Linen and NNX), biases included.
@@ -45,13 +71,6 @@ linen_forward = linen_model.apply  # plain: check_symmetry jits it itself
 linen_apply = jit(linen_forward)
 
 
-def fill(shapes, seed: int, scale: float = 0.5):
-  """Random values for a tree of ``ShapeDtypeStruct``s, drawn with NumPy (no JAX compiles)."""
-  rng = np.random.default_rng(seed)
-  return jax.tree.map(
-      lambda s: jnp.asarray(scale * rng.standard_normal(s.shape), s.dtype), shapes)
-
-
 def mha_input(seed: int = 0):
   return jnp.asarray(np.random.default_rng(100 + seed).standard_normal((2, 5, MHA_D)), jnp.float32)
 
@@ -59,7 +78,7 @@ def mha_input(seed: int = 0):
 def linen_init(seed: int = 0):
   """``{"params": ...}`` of ``LinenAttn`` with random kernels and non-zero biases."""
   shapes = jax.eval_shape(linen_model.init, jax.random.PRNGKey(0), mha_input(0))
-  return fill(shapes, seed)
+  return random_like(shapes, seed, scale=0.5)
 
 
 class NnxAttn(nnx.Module):
@@ -77,7 +96,7 @@ def nnx_model(seed: int = 0) -> NnxAttn:
   """An ``NnxAttn`` with random kernels and non-zero biases."""
   abstract = nnx.eval_shape(lambda: NnxAttn(nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
-  params = fill(nnx.to_pure_dict(state), seed)
+  params = random_like(nnx.to_pure_dict(state), seed, scale=0.5)
   nnx.replace_by_pure_dict(state, params)
   return nnx.merge(graphdef, state)
 
@@ -94,141 +113,165 @@ nnx_apply = jit(nnx_forward)
 
 
 # ---------------------------------------------------------------------------
-# LLaMA-style decoder: GQA, RoPE, SwiGLU, RMSNorm; Flax (in, out) kernels.
-
-D, H, KVH, HD, F, L, V = 16, 4, 2, 4, 32, 2, 11
-SEQ = 6
-
-
-def _layer_init(rng, dtype, qk_norm=False):
-  def normal(shape, scale):
-    return jnp.asarray(scale * rng.standard_normal(shape), dtype)
-
-  def gain(n):
-    return jnp.asarray(1.0 + 0.1 * rng.standard_normal((n,)), dtype)
-
-  s = D**-0.5
-  layer = {
-      "input_norm": {"scale": gain(D)},
-      "attn": {
-          "q_proj": {"kernel": normal((D, H * HD), s)},
-          "k_proj": {"kernel": normal((D, KVH * HD), s)},
-          "v_proj": {"kernel": normal((D, KVH * HD), s)},
-          "o_proj": {"kernel": normal((H * HD, D), (H * HD)**-0.5)},
-      },
-      "post_norm": {"scale": gain(D)},
-      "mlp": {
-          "gate_proj": {"kernel": normal((D, F), s)},
-          "up_proj": {"kernel": normal((D, F), s)},
-          "down_proj": {"kernel": normal((F, D), F**-0.5)},
-      },
-  }
-  if qk_norm:
-    layer["attn"]["q_norm"] = {"scale": gain(H * HD)}
-    layer["attn"]["k_norm"] = {"scale": gain(KVH * HD)}
-  return layer
+# LLaMA-style decoder: pre-norm blocks with RMSNorm, grouped-query attention
+# with RoPE, a SwiGLU MLP; Flax (in, out) kernels. Leaf names follow
+# ``saggs.presets.llama`` (``layers/0/attn/q_proj/kernel``, ...), so
+# ``llama_pairs(c)`` declares every exact symmetry of the model. With
+# ``stacked=True`` the layers form one tree with a leading layer axis, run with
+# ``lax.scan`` (the scanned-layers layout). ``qk_norm=True`` adds an OLMo-2
+# style QK-norm, which breaks the per-KV-head Q/K symmetry.
 
 
-def _np_stack(*xs):
-  return jnp.asarray(np.stack([np.asarray(x) for x in xs]))
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Sizes and layout; a static argument of the jitted forward pass (hashable)."""
+  vocab: int = 16
+  d_model: int = 16
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 4
+  mlp_hidden: int = 24
+  stacked: bool = False
+  qk_norm: bool = False
 
 
-def llama_init(seed: int = 0, *, stacked: bool = False, dtype=jnp.float32, qk_norm=False):
-  """Params of a 2-layer model; ``stacked`` puts the layers on a leading axis."""
-  rng = np.random.default_rng(seed)
-  params = {
-      "embed": {"embedding": jnp.asarray(rng.standard_normal((V, D)), dtype)},
-      "final_norm": {"scale": jnp.ones((D,), dtype)},
-      "lm_head": {"kernel": jnp.asarray(D**-0.5 * rng.standard_normal((D, V)), dtype)},
-  }
-  layers = [_layer_init(rng, dtype, qk_norm) for _ in range(L)]
-  if stacked:
-    params["layers"] = jax.tree.map(_np_stack, *layers)
-  else:
-    params["layers"] = {str(i): layer for i, layer in enumerate(layers)}
-  return params
+CONFIG = Config()
+STACKED = dataclasses.replace(CONFIG, stacked=True)
+
+
+def llama_pairs(c: Config = CONFIG) -> list[saggs.Pair]:
+  """Q/K and V/O per KV head, SwiGLU up/down per channel."""
+  return saggs.presets.llama(c.num_kv_heads, stacked=int(c.stacked))
 
 
 def stack_layers(params):
-  """Unstacked params -> stacked params (same values)."""
-  out = dict(params)
-  layers = [params["layers"][str(i)] for i in range(L)]
-  out["layers"] = jax.tree.map(_np_stack, *layers)
-  return out
+  """Per-layer params (``layers/<i>/...``) -> stacked params (``layers/...``), same values."""
+  layers = params["layers"]
+  return {**params, "layers": jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)),
+                                           *(layers[str(i)] for i in range(len(layers))))}
 
 
-def tokens(seed: int = 0, batch: int = 2):
-  return jnp.asarray(np.random.default_rng(200 + seed).integers(0, V, (batch, SEQ)), jnp.int32)
+def _dense(rng, d_in, d_out):
+  """A Dense layer's ``{"kernel": (d_in, d_out)}`` with fan-in scaling, in NumPy."""
+  return {"kernel": rng.standard_normal((d_in, d_out)) / np.sqrt(d_in)}
 
 
-def _rms_norm(x, scale, eps=1e-6):
-  x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+def llama_init(seed: int = 0, c: Config = CONFIG) -> dict:
+  """Random float32 params, drawn with NumPy (eager JAX ops would compile per shape).
+
+  Norm gains are 1 + 0.1 N(0, 1), so that none of them is trivially one.
+  """
+  rng = np.random.default_rng(seed)
+  dense = functools.partial(_dense, rng)
+
+  def norm(n):
+    return {"scale": 1.0 + 0.1 * rng.standard_normal(n)}
+
+  def layer():
+    d, q_dim, kv_dim = c.d_model, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    attn = {"q_proj": dense(d, q_dim), "k_proj": dense(d, kv_dim), "v_proj": dense(d, kv_dim),
+            "o_proj": dense(q_dim, d)}
+    if c.qk_norm:
+      attn.update(q_norm=norm(q_dim), k_norm=norm(kv_dim))
+    return {"attn_norm": norm(d), "attn": attn, "mlp_norm": norm(d),
+            "mlp": {"gate_proj": dense(d, c.mlp_hidden), "up_proj": dense(d, c.mlp_hidden),
+                    "down_proj": dense(c.mlp_hidden, d)}}
+
+  params = {"embed": {"embedding": rng.standard_normal((c.vocab, c.d_model))},
+            "layers": {str(i): layer() for i in range(c.num_layers)},
+            "final_norm": norm(c.d_model),
+            "lm_head": dense(c.d_model, c.vocab)}
+  params = stack_layers(params) if c.stacked else params
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+
+
+def _rms_norm(x, p):
+  return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6) * p["scale"]
 
 
 def _rope(x):
-  """Rotate-half RoPE over the last axis of (B, T, heads, HD)."""
-  t = jnp.arange(x.shape[1], dtype=jnp.float32)
-  inv = 1.0 / (10000.0**(jnp.arange(0, HD, 2, dtype=jnp.float32) / HD))
-  ang = t[:, None] * inv[None, :]
-  sin = jnp.concatenate([jnp.sin(ang)] * 2, -1)[None, :, None, :]
-  cos = jnp.concatenate([jnp.cos(ang)] * 2, -1)[None, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  rot = jnp.concatenate([-x2, x1], axis=-1)
-  return (x.astype(jnp.float32) * cos + rot * sin).astype(x.dtype)
+  """Rotates pairs (i, i + hd/2) of x (batch, seq, heads, hd) by position-dependent angles."""
+  seq_len, hd = x.shape[1], x.shape[-1]
+  angles = jnp.arange(seq_len)[:, None] * 100.0 ** (-jnp.arange(hd // 2) * 2 / hd)
+  cos, sin = jnp.cos(angles)[:, None], jnp.sin(angles)[:, None]
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _layer(layer, h, qk_norm=False):
-  b, t, _ = h.shape
-  a = layer["attn"]
-  x = _rms_norm(h, layer["input_norm"]["scale"])
-  q = x @ a["q_proj"]["kernel"]
-  k = x @ a["k_proj"]["kernel"]
-  if qk_norm:  # OLMo-2 style: one RMSNorm over the whole projection, across heads
-    q = _rms_norm(q, a["q_norm"]["scale"])
-    k = _rms_norm(k, a["k_norm"]["scale"])
-  q = _rope(q.reshape(b, t, H, HD))
-  k = _rope(k.reshape(b, t, KVH, HD))
-  v = (x @ a["v_proj"]["kernel"]).reshape(b, t, KVH, HD)
-  # GQA: query head h reads KV head h // (H // KVH).
-  k = jnp.repeat(k, H // KVH, axis=2)
-  v = jnp.repeat(v, H // KVH, axis=2)
-  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(HD)
-  mask = jnp.tril(jnp.ones((t, t), bool))
-  probs = jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1).astype(v.dtype)
-  o = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, H * HD)
-  h = h + o @ a["o_proj"]["kernel"]
-  m = layer["mlp"]
-  x = _rms_norm(h, layer["post_norm"]["scale"])
-  y = jax.nn.silu(x @ m["gate_proj"]["kernel"]) * (x @ m["up_proj"]["kernel"])
-  return h + y @ m["down_proj"]["kernel"]
+def _attention(x, p, c: Config):
+  b, t, _ = x.shape
+  q, k = x @ p["q_proj"]["kernel"], x @ p["k_proj"]["kernel"]
+  if c.qk_norm:  # one RMSNorm over the whole projection, across heads
+    q, k = _rms_norm(q, p["q_norm"]), _rms_norm(k, p["k_norm"])
+  q = _rope(q.reshape(b, t, c.num_heads, c.head_dim))
+  k = _rope(k.reshape(b, t, c.num_kv_heads, c.head_dim))
+  v = (x @ p["v_proj"]["kernel"]).reshape(b, t, c.num_kv_heads, c.head_dim)
+  # Query head h reads KV head h // (heads / kv_heads): contiguous blocks, as the pairs assume.
+  rep = c.num_heads // c.num_kv_heads
+  k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(c.head_dim)
+  logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -jnp.inf)
+  out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, -1), v)
+  return out.reshape(b, t, -1) @ p["o_proj"]["kernel"]
 
 
-def _llama_apply(params, toks, *, qk_norm=False):
-  h = params["embed"]["embedding"][toks]
-  layers = params["layers"]
-  if "attn" in layers:  # stacked: scan over the leading layer axis
-    h, _ = jax.lax.scan(lambda c, lp: (_layer(lp, c, qk_norm), None), h, layers)
+def _mlp(x, p):
+  gate = jax.nn.silu(x @ p["gate_proj"]["kernel"])
+  return (gate * (x @ p["up_proj"]["kernel"])) @ p["down_proj"]["kernel"]
+
+
+def _block(x, p, c: Config):
+  x = x + _attention(_rms_norm(x, p["attn_norm"]), p["attn"], c)
+  return x + _mlp(_rms_norm(x, p["mlp_norm"]), p["mlp"])
+
+
+def llama_forward(params: dict, tokens: jax.Array, c: Config = CONFIG) -> jax.Array:
+  """Logits (batch, seq, vocab) for int tokens (batch, seq); plain, for ``check_symmetry``."""
+  x = params["embed"]["embedding"][tokens]
+  if c.stacked:
+    x, _ = jax.lax.scan(lambda h, p: (_block(h, p, c), None), x, params["layers"])
   else:
-    for i in range(len(layers)):
-      h = _layer(layers[str(i)], h, qk_norm)
-  h = _rms_norm(h, params["final_norm"]["scale"])
-  return h @ params["lm_head"]["kernel"]
+    for i in range(c.num_layers):
+      x = _block(x, params["layers"][str(i)], c)
+  return _rms_norm(x, params["final_norm"]) @ params["lm_head"]["kernel"]
 
 
-llama_forward = _llama_apply  # plain functions for check_symmetry, which jits them itself
-llama_qknorm_forward = functools.partial(_llama_apply, qk_norm=True)
-llama_apply = jit(_llama_apply)
+llama_apply = jit(llama_forward, static_argnames="c")
+
+
+def llama_loss(params: dict, batch: jax.Array, c: Config = CONFIG) -> jax.Array:
+  """Mean next-token cross-entropy over windows (batch, seq + 1)."""
+  logits = llama_forward(params, batch[:, :-1], c)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def tokens(seed: int = 0, batch: int = 2, seq_len: int = 8, c: Config = CONFIG) -> jax.Array:
+  """Random int32 tokens (batch, seq_len)."""
+  return jnp.asarray(np.random.default_rng(200 + seed).integers(0, c.vocab, (batch, seq_len)),
+                     jnp.int32)
+
+
+def batches(seed: int, num: int, c: Config = CONFIG, batch_size: int = 8, seq_len: int = 8
+            ) -> jax.Array:
+  """(num, batch_size, seq_len + 1) int32 windows of strided counting modulo vocab.
+
+  A learnable, deterministic task: each sequence counts up from a random start
+  with a random stride, so attention has to read the stride from the context.
+  """
+  rng = np.random.default_rng(seed)
+  start = rng.integers(0, c.vocab, (num, batch_size, 1))
+  stride = rng.integers(1, 4, (num, batch_size, 1))
+  return jnp.asarray((start + stride * np.arange(seq_len + 1)) % c.vocab, jnp.int32)
 
 
 # ---------------------------------------------------------------------------
 # A GELU MLP: up/down is *not* an exact symmetry.
 
-def gelu_mlp_init(seed: int = 0):
+def gelu_mlp_init(seed: int = 0, c: Config = CONFIG):
   rng = np.random.default_rng(seed)
-  return {"mlp": {"up": {"kernel": jnp.asarray(rng.standard_normal((D, F)) * D**-0.5, jnp.float32)},
-                  "down": {"kernel": jnp.asarray(rng.standard_normal((F, D)) * F**-0.5, jnp.float32)}}}
+  mlp = {"up": _dense(rng, c.d_model, c.mlp_hidden), "down": _dense(rng, c.mlp_hidden, c.d_model)}
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), {"mlp": mlp})
 
 
 def gelu_mlp_forward(params, x):
@@ -237,31 +280,65 @@ def gelu_mlp_forward(params, x):
 
 
 # ---------------------------------------------------------------------------
-# Helpers.
+# Paths, norms and output comparisons, computed independently of the library
+# where they check it.
 
 def leaf_dict(tree):
   """``{path: leaf}`` with the library's path convention (MaskedNode leaves vanish)."""
   return dict(saggs.paths.leaves_with_paths(tree))
 
 
-def random_factors(seed: int = 0, low: float = 0.2, high: float = 5.0):
-  """A ``factor`` callable for ``saggs.reparameterize``: per-group random factors, log-uniform."""
-  rng = np.random.default_rng(seed)
+def norms(x, axes):
+  """Frobenius norms over ``axes``, in NumPy float64."""
+  x = np.asarray(x, np.float64)
+  return np.sqrt(np.sum(x * x, axis=axes))
+
+
+def assert_balanced(pair_norms, rtol=1e-5):
+  """``pair_norms``: ``{name: (||A_g||, ||B_g||)}``, equal per group."""
+  for name, (a, b) in pair_norms.items():
+    np.testing.assert_allclose(a, b, rtol=rtol, err_msg=name)
+
+
+def assert_imbalanced(pair_norms, at_least=0.5):
+  """Some group's ``|log(||A_g|| / ||B_g||)|`` exceeds ``at_least``: the test has work to do."""
+  worst = max(np.max(np.abs(np.log(a / b))) for a, b in pair_norms.values())
+  assert worst > at_least, f"test setup: params are not imbalanced ({worst})"
+
+
+def assert_same_output(y1, y0):
+  """Equal outputs up to float32 rounding, relative to the largest output."""
+  np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(y0))))
+
+
+def assert_same_function(apply_fn, p0, p1, *inputs):
+  """``p0`` and ``p1`` compute the same function on ``inputs``."""
+  assert_same_output(apply_fn(p1, *inputs), apply_fn(p0, *inputs))
+
+
+# ---------------------------------------------------------------------------
+# Orbit moves and optimizer steps. Library calls run eagerly on purpose: eager
+# JAX compiles each primitive once per shape and dtype and shares it across
+# every test, while a jitted program would compile again for each new optimizer.
+
+def random_factors(seed: int = 0, low: float = 0.1, high: float = 10.0):
+  """A ``factor`` callable for ``saggs.reparameterize``: log-uniform factors in
+  [low, high], a pure function of (seed, A path)."""
 
   def fn(path, shape):
-    del path
+    rng = np.random.default_rng([seed, zlib.crc32(path.encode())])
     return np.exp(rng.uniform(np.log(low), np.log(high), shape)).astype(np.float32)
 
   return fn
 
 
-# ---------------------------------------------------------------------------
-# Library calls used by many tests. They run eagerly on purpose: eager JAX
-# compiles each primitive once per shape and dtype and shares it across every
-# test, while a jitted program would compile again for each new optimizer.
+def inverse(fn):
+  """The factor callable that undoes ``fn``."""
+  return lambda path, shape: 1 / fn(path, shape)
+
 
 def orbit_factors(params, pairs, seed: int = 0, low: float = 0.1, high: float = 10.0):
-  """Random log-uniform factors for every pair instance, keyed by A path."""
+  """``random_factors`` of every pair instance, keyed by A path."""
   fn = random_factors(seed, low, high)
   return {i.a: fn(i.a, i.factor_shape) for i in saggs.pairs.resolve(pairs, params).instances}
 
@@ -273,7 +350,7 @@ def reparam(params, opt_state, pairs, factors):
 
 def perturb(params, pairs, seed: int = 0, low: float = 0.1, high: float = 10.0):
   """``params`` moved along its symmetry orbit by random factors (the same function)."""
-  return reparam(params, None, pairs, orbit_factors(params, pairs, seed, low, high))[0]
+  return saggs.reparameterize(params, None, pairs, random_factors(seed, low, high))[0]
 
 
 def step(tx, params, state, grads):
@@ -284,5 +361,6 @@ def step(tx, params, state, grads):
 
 @functools.partial(jit, static_argnums=0)
 def jit_step(tx, params, state, grads):
-  """``step`` as one compiled program: cheaper than eager for a one-off dtype or shape."""
+  """``step`` as one compiled program (one compile per ``tx``): cheaper than eager for a
+  one-off dtype or shape, and for many steps of one optimizer."""
   return step(tx, params, state, grads)

@@ -3,9 +3,9 @@
 Library calls run eagerly on tiny arrays; only optimizer updates are jitted.
 """
 
+import functools
 import hashlib
 import re
-import zlib
 
 import chex
 import jax
@@ -18,11 +18,10 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import models
 import saggs_jax as saggs
-import tiny_models as tm
 
-CONFIG = tm.Config()
-PAIRS = tm.pairs(CONFIG)
+PAIRS = models.llama_pairs()
 # A transform multiplies each element by a factor, so it keeps every element's
 # relative precision: no absolute tolerance is needed...
 EXACT = dict(rtol=1e-5, atol=0.0)
@@ -30,48 +29,24 @@ EXACT = dict(rtol=1e-5, atol=0.0)
 CLOSE = dict(rtol=1e-5, atol=1e-7)
 
 
-def factor_fn(seed: int, low: float = 1 / 8, high: float = 8.0):
-  """``fn(path_a, shape)``: log-uniform factors, a pure function of (seed, path)."""
-
-  def fn(path, shape):
-    rng = np.random.default_rng([seed, zlib.crc32(path.encode())])
-    return np.exp(rng.uniform(np.log(low), np.log(high), shape)).astype(np.float32)
-
-  return fn
-
-
-def inverse(fn):
-  return lambda path, shape: 1 / fn(path, shape)
-
-
-def random_like(tree, seed: int):
-  rng = np.random.default_rng(seed)
-  return jax.tree.map(lambda x: jnp.asarray(rng.normal(size=np.shape(x)), x.dtype), tree)
+# ``fn(path_a, shape)``: log-uniform factors in [1/8, 8], a pure function of (seed, path).
+factor_fn = functools.partial(models.random_factors, low=1 / 8, high=8.0)
 
 
 def accumulator(tx):
   """``fn(params, grads)``: the state after updates with ``grads`` at fixed ``params``."""
-  update = tm.jit(tx.update)  # one compile per optimizer, however many calls
 
   def accumulate(params, grads):
     state = tx.init(params)
-    for g in grads:
-      _, state = update(g, state, params)
+    for g in grads:  # one compile per optimizer, however many calls
+      state = models.jit_step(tx, params, state, g)[2]
     return state
 
   return accumulate
 
 
-def random_state(tx, params, seed: int):
-  """``tx.init(params)`` with every float leaf (moments, SAGGS factors) drawn at random."""
-  rng = np.random.default_rng(seed)
-  return jax.tree.map(
-      lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype)
-      if jnp.issubdtype(x.dtype, jnp.floating) else x, tx.init(params))
-
-
-def params_of(config=CONFIG, seed=0):
-  return tm.init(seed, config)
+def params_of(config=models.CONFIG, seed=0):
+  return models.llama_init(seed, config)
 
 
 def _attn_or_mlp(tree):
@@ -98,10 +73,10 @@ def test_reparameterize_transports_every_layout(layout):
   # Gradients move contravariantly (dL/d(cA) = dL/dA / c), so the state built from
   # the moved gradients at the moved parameters is the transported state.
   accumulate, params, f = accumulator(LAYOUTS[layout]()), params_of(), factor_fn(0)
-  grads = [random_like(params, 1), random_like(params, 2)]
+  grads = [models.random_like(params, 1), models.random_like(params, 2)]
   state = accumulate(params, grads)
   moved_params, moved_state = saggs.reparameterize(params, state, PAIRS, f)
-  moved_grads = [saggs.reparameterize(g, None, PAIRS, inverse(f))[0] for g in grads]
+  moved_grads = [saggs.reparameterize(g, None, PAIRS, models.inverse(f))[0] for g in grads]
   chex.assert_trees_all_close(moved_state, accumulate(moved_params, moved_grads), **CLOSE)
   with pytest.raises(AssertionError):  # the moments did move
     chex.assert_trees_all_close(moved_state, state, **EXACT)
@@ -115,7 +90,7 @@ class NnxMLP(nnx.Module):
   """
 
   def __init__(self, rngs=None):
-    rngs, d, hidden = rngs or nnx.Rngs(0), CONFIG.d_model, CONFIG.mlp_hidden
+    rngs, d, hidden = rngs or nnx.Rngs(0), models.CONFIG.d_model, models.CONFIG.mlp_hidden
     self.up_proj = nnx.Linear(d, hidden, use_bias=False, rngs=rngs)
     self.down_proj = nnx.Linear(hidden, d, use_bias=False, rngs=rngs)
 
@@ -132,14 +107,15 @@ def test_reparameterize_nnx_optimizer_state():
   f = factor_fn(1)
   model = NnxMLP()
   optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
-  params, grads = nnx_params(model), random_like(nnx_params(model), 3)
+  params, grads = nnx_params(model), models.random_like(nnx_params(model), 3)
   optimizer.update(model, grads)
   moved_params, moved_state = saggs.reparameterize(params, optimizer.opt_state, NNX_PAIRS, f)
 
   moved_model = NnxMLP()
   nnx.update(moved_model, moved_params)
   moved_optimizer = nnx.Optimizer(moved_model, optax.adamw(1e-2), wrt=nnx.Param)
-  moved_optimizer.update(moved_model, saggs.reparameterize(grads, None, NNX_PAIRS, inverse(f))[0])
+  moved_grads = saggs.reparameterize(grads, None, NNX_PAIRS, models.inverse(f))[0]
+  moved_optimizer.update(moved_model, moved_grads)
   chex.assert_trees_all_close(moved_state, moved_optimizer.opt_state, **EXACT)
 
 
@@ -152,10 +128,11 @@ def test_nnx_state_of_optimizer_is_rejected_with_a_hint():
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["layers", "stacked"])
 def test_canonicalize_is_idempotent_and_orbit_invariant(stacked):
-  config = tm.Config(stacked=stacked)
-  pairs = tm.pairs(config)
+  config = models.STACKED if stacked else models.CONFIG
+  pairs = models.llama_pairs(config)
   params = params_of(config)
-  state = random_state(saggs.chain(optax.adamw(1e-2), saggs.saggs(pairs)), params, 4)
+  # Every float leaf (moments, SAGGS factors) drawn at random.
+  state = models.random_like(saggs.chain(optax.adamw(1e-2), saggs.saggs(pairs)).init(params), 4)
   assert max(float(jnp.max(jnp.abs(x))) for x in saggs.imbalance(params, pairs).values()) > 0.1
 
   canon = saggs.canonicalize(params, state, pairs)
@@ -227,7 +204,7 @@ def chain_state(pairs=PAIRS, params=None):
   """Params and a SAGGS chain state with random moments and factors."""
   params = params_of() if params is None else params
   tx = saggs.chain(optax.adamw(1e-2), saggs.saggs(pairs, every=1))
-  return params, random_state(tx, params, 6)
+  return params, models.random_like(tx.init(params), 6)
 
 
 def test_round_trip_into_an_equivalent_but_different_state(manager):
@@ -251,7 +228,7 @@ def test_round_trip_nnx_model_and_optimizer(manager):
 
   model = NnxMLP()
   optimizer = nnx.Optimizer(model, tx(), wrt=nnx.Param)
-  optimizer.update(model, random_like(nnx_params(model), 8))
+  optimizer.update(model, models.random_like(nnx_params(model), 8))
   saggs.checkpoint.save(manager, 1, nnx.state(model, nnx.Param), optimizer.opt_state)
 
   other = NnxMLP(rngs=nnx.Rngs(1))
@@ -267,7 +244,7 @@ def test_round_trip_nnx_model_and_optimizer(manager):
   nnx.update(other, params)
   other_optimizer.opt_state = opt_state
 
-  grads = random_like(nnx_params(model), 9)
+  grads = models.random_like(nnx_params(model), 9)
   optimizer.update(model, grads)
   other_optimizer.update(other, grads)
   chex.assert_trees_all_equal(nnx_params(other), nnx_params(model))
@@ -288,7 +265,7 @@ MISMATCHES = {
                       lambda: chain_state(),
                       "opt_state/0/0/count"),
     "other shapes": (lambda: chain_state(),
-                     lambda: chain_state(params=params_of(tm.Config(mlp_hidden=8))),
+                     lambda: chain_state(params=params_of(models.Config(mlp_hidden=8))),
                      "opt_state/0/0/mu/layers/0/mlp/down_proj/kernel"),
 }
 

@@ -21,35 +21,19 @@ from flax.training import train_state
 
 import models
 import saggs_jax as saggs
-from models import leaf_dict
+from models import assert_balanced, assert_imbalanced, assert_same_function, leaf_dict, norms
 
+C = models.CONFIG
 MHA = tuple(saggs.presets.flax_mha())
-LLAMA = tuple(saggs.presets.llama(num_kv_heads=models.KVH))
-LLAMA_STACKED = tuple(saggs.presets.llama(num_kv_heads=models.KVH, stacked=1))
+LLAMA = tuple(models.llama_pairs())
+LLAMA_STACKED = tuple(models.llama_pairs(models.STACKED))
 
 
 def mha_head_norms(attn):
   """Per-head (||A_h||, ||B_h||) of Q/K and V/O kernels, computed with NumPy (followers excluded)."""
-  k = {n: np.asarray(attn[n]["kernel"], np.float64) for n in ("query", "key", "value", "out")}
-  nrm = lambda x, axes: np.sqrt(np.sum(x * x, axis=axes))
-  return {"qk": (nrm(k["query"], (0, 2)), nrm(k["key"], (0, 2))),
-          "vo": (nrm(k["value"], (0, 2)), nrm(k["out"], (1, 2)))}
-
-
-def assert_balanced(norms, rtol=1e-5):
-  for name, (a, b) in norms.items():
-    np.testing.assert_allclose(a, b, rtol=rtol, err_msg=name)
-
-
-def assert_imbalanced(norms, at_least=0.5):
-  worst = max(np.max(np.abs(np.log(a / b))) for a, b in norms.values())
-  assert worst > at_least, f"test setup: params are not imbalanced ({worst})"
-
-
-def assert_same_function(apply_fn, p0, p1, *inputs):
-  y0, y1 = apply_fn(p0, *inputs), apply_fn(p1, *inputs)
-  scale = float(jnp.max(jnp.abs(y0)))
-  np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-5 * scale)
+  k = {n: attn[n]["kernel"] for n in ("query", "key", "value", "out")}
+  return {"qk": (norms(k["query"], (0, 2)), norms(k["key"], (0, 2))),
+          "vo": (norms(k["value"], (0, 2)), norms(k["out"], (1, 2)))}
 
 
 def _zeros(p):
@@ -153,8 +137,7 @@ def test_nnx_optimizer_update_under_nnx_jit():
   grads = nnx.to_pure_dict(train_step(model, optimizer, x))
   p1 = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   assert_balanced(mha_head_norms(p1["attn"]))
-  y1 = model(x)
-  np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(y0))))
+  models.assert_same_output(model(x), y0)
   del pure0
   # The optimizer state inside nnx.Optimizer was transported as well.
   adam_state, saggs_state = nnx.as_pure(optimizer.opt_state)
@@ -176,32 +159,29 @@ def test_nnx_optimizer_update_under_nnx_jit():
 
 def llama_group_norms(layer):
   """Per-group norms of one layer (unstacked) with NumPy."""
-  a = {k: np.asarray(v["kernel"], np.float64) for k, v in layer["attn"].items()}
-  m = {k: np.asarray(v["kernel"], np.float64) for k, v in layer["mlp"].items()}
-  g, d = models.KVH, models.D
-  nrm = lambda x, axes: np.sqrt(np.sum(x * x, axis=axes))
-  return {"qk": (nrm(a["q_proj"].reshape(d, g, -1), (0, 2)), nrm(a["k_proj"].reshape(d, g, -1), (0, 2))),
-          "vo": (nrm(a["v_proj"].reshape(d, g, -1), (0, 2)), nrm(a["o_proj"].reshape(g, -1, d), (1, 2))),
-          "ud": (nrm(m["up_proj"], 0), nrm(m["down_proj"], 1))}
+  k = {n: np.asarray(v["kernel"]) for n, v in (*layer["attn"].items(), *layer["mlp"].items())}
+  g, d = C.num_kv_heads, C.d_model
+  per_head = lambda name: k[name].reshape(d, g, -1)  # (in, KV heads, rest of the block)
+  return {"qk": (norms(per_head("q_proj"), (0, 2)), norms(per_head("k_proj"), (0, 2))),
+          "vo": (norms(per_head("v_proj"), (0, 2)), norms(k["o_proj"].reshape(g, -1, d), (1, 2))),
+          "ud": (norms(k["up_proj"], 0), norms(k["down_proj"], 1))}
 
 
 def test_llama_check_symmetry_passes():
   toks = models.tokens()
   dev = saggs.check_symmetry(models.llama_forward, models.llama_init(0), LLAMA, toks)
-  assert len(dev) == 3 * models.L and max(dev.values()) < 1e-5
-  dev = saggs.check_symmetry(models.llama_forward, models.llama_init(0, stacked=True),
-                             LLAMA_STACKED, toks)
+  assert len(dev) == 3 * C.num_layers and max(dev.values()) < 1e-5
+  dev = saggs.check_symmetry(functools.partial(models.llama_forward, c=models.STACKED),
+                             models.llama_init(0, models.STACKED), LLAMA_STACKED, toks)
   assert len(dev) == 3 and max(dev.values()) < 1e-5
 
 
-def _llama_pairs(stacked):
-  return LLAMA_STACKED if stacked else LLAMA
 
 
 @functools.partial(models.jit, static_argnums=0)
 def _llama_experiment(stacked, params, factors, grads):
   """Perturb, then one hard and one soft (strength 0.3) step with Adam at lr 0, in one program."""
-  pairs = _llama_pairs(stacked)
+  pairs = LLAMA_STACKED if stacked else LLAMA
   moved = models.reparam(params, None, pairs, factors)[0]
   out = {"moved": moved, "imb_moved": saggs.imbalance(moved, pairs)}
   for name, strength in (("hard", 1.0), ("soft", 0.3)):
@@ -211,19 +191,20 @@ def _llama_experiment(stacked, params, factors, grads):
   return out
 
 
-def _with_outputs(out, params, toks):
+def _with_outputs(out, params, toks, stacked):
   """Model outputs, from the one shared compiled forward pass."""
-  out["y"] = models.llama_apply(params, toks)
-  out["y_moved"] = models.llama_apply(out["moved"], toks)
+  apply = functools.partial(models.llama_apply, tokens=toks, c=models.STACKED if stacked else C)
+  out["y"] = apply(params)
+  out["y_moved"] = apply(out["moved"])
   for name in ("hard", "soft"):
-    out[name]["y"] = models.llama_apply(out[name]["params"], toks)
+    out[name]["y"] = apply(out[name]["params"])
   return out
 
 
 def _layers_of(params, stacked):
   if stacked:
-    return [jax.tree.map(lambda x: x[i], params["layers"]) for i in range(models.L)]
-  return [params["layers"][str(i)] for i in range(models.L)]
+    return [jax.tree.map(lambda x: x[i], params["layers"]) for i in range(C.num_layers)]
+  return [params["layers"][str(i)] for i in range(C.num_layers)]
 
 
 def test_llama_hard_and_soft_keep_the_function_per_layer_and_scanned():
@@ -241,31 +222,30 @@ def test_llama_hard_and_soft_keep_the_function_per_layer_and_scanned():
   stacked_factors = {}
   for path, f in factors.items():  # layers/<i>/<rest> -> layers/<rest>, stacked over i
     i, rest = path.split("/", 2)[1:]
-    stacked_factors.setdefault(f"layers/{rest}", [None] * models.L)[int(i)] = f
+    stacked_factors.setdefault(f"layers/{rest}", [None] * C.num_layers)[int(i)] = f
   stacked_factors = {k: np.stack(v) for k, v in stacked_factors.items()}
 
   stacked_params = models.stack_layers(params)
   runs = {
-      False: _with_outputs(_llama_experiment(False, params, factors, grads), params, toks),
+      False: _with_outputs(_llama_experiment(False, params, factors, grads), params, toks, False),
       True: _with_outputs(_llama_experiment(True, stacked_params, stacked_factors,
-                                            models.stack_layers(grads)), stacked_params, toks),
+                                            models.stack_layers(grads)), stacked_params, toks,
+                          True),
   }
   for stacked, out in runs.items():
-    scale = float(jnp.max(jnp.abs(out["y"])))
-    close = lambda y: np.testing.assert_allclose(y, out["y"], rtol=1e-5, atol=1e-5 * scale)
-    close(out["y_moved"])
+    models.assert_same_output(out["y_moved"], out["y"])
     for layer in _layers_of(out["moved"], stacked):
       assert_imbalanced(llama_group_norms(layer))
     for name, strength in (("hard", 1.0), ("soft", 0.3)):
-      close(out[name]["y"])
+      models.assert_same_output(out[name]["y"], out["y"])
       for k, v in out[name]["imb"].items():
         np.testing.assert_allclose(v, (1 - strength) * out["imb_moved"][k], atol=1e-5, err_msg=k)
     for layer in _layers_of(out["hard"]["params"], stacked):
       assert_balanced(llama_group_norms(layer))
-    expect = {"q_proj": models.KVH, "v_proj": models.KVH, "up_proj": models.F}
+    expect = {"q_proj": C.num_kv_heads, "v_proj": C.num_kv_heads, "up_proj": C.mlp_hidden}
     for key, f in out["hard"]["state"][1].factors.items():
       n = next(v for k, v in expect.items() if k in key)
-      assert f.shape == ((models.L, n) if stacked else (n,)), key
+      assert f.shape == ((C.num_layers, n) if stacked else (n,)), key
 
   # The scanned run is the per-layer run, stacked.
   flat, scan = runs[False], runs[True]
@@ -281,7 +261,7 @@ def test_llama_hard_and_soft_keep_the_function_per_layer_and_scanned():
       a, b = key.split("|")
       per_layer = [flat[name]["state"][1].factors[
           a.replace("layers/", f"layers/{i}/") + "|" + b.replace("layers/", f"layers/{i}/")]
-                   for i in range(models.L)]
+                   for i in range(C.num_layers)]
       np.testing.assert_allclose(f, np.stack(per_layer), rtol=1e-5)
 
 
@@ -289,19 +269,20 @@ def test_llama_hard_and_soft_keep_the_function_per_layer_and_scanned():
 
 def test_check_symmetry_rejects_qk_norm():
   """With QK-norm over the whole projection, per-KV-head Q/K rescaling is not a symmetry."""
-  params = models.llama_init(7, qk_norm=True)
+  config = models.Config(qk_norm=True)
+  params, forward = models.llama_init(7, config), functools.partial(models.llama_forward, c=config)
   with pytest.raises(ValueError, match="attention Q/K is not a symmetry") as info:
-    saggs.check_symmetry(models.llama_qknorm_forward, params, LLAMA, models.tokens())
+    saggs.check_symmetry(forward, params, LLAMA, models.tokens())
   assert "layers/0/attn/q_proj/kernel" in str(info.value)
   # Without the Q/K pair the rest of the preset is still exact in that model.
-  dev = saggs.check_symmetry(models.llama_qknorm_forward, params, LLAMA[1:], models.tokens())
+  dev = saggs.check_symmetry(forward, params, LLAMA[1:], models.tokens())
   assert max(dev.values()) < 1e-5
 
 
 def test_check_symmetry_rejects_gelu_mlp():
   params = models.gelu_mlp_init(8)
   pair = saggs.Pair("mlp/up/kernel", "mlp/down/kernel", axes=(1, 0), name="GELU up/down")
-  x = jnp.asarray(np.random.default_rng(8).standard_normal((3, models.D)), jnp.float32)
+  x = jnp.asarray(np.random.default_rng(8).standard_normal((3, C.d_model)), jnp.float32)
   with pytest.raises(ValueError, match="GELU up/down is not a symmetry.*'mlp/up/kernel'"):
     saggs.check_symmetry(models.gelu_mlp_forward, params, [pair], x)
   # A factor of exactly 1 is trivially exact: the failure is the activation, not the check.

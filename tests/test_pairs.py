@@ -10,6 +10,8 @@ import pytest
 import models
 import saggs_jax as saggs
 
+C = models.CONFIG
+
 
 def _arr(rng, *shape):
   return jnp.asarray(rng.standard_normal(shape), jnp.float32)
@@ -72,13 +74,13 @@ def test_followers_move_with_their_kernel_and_are_not_in_the_norms():
 
 
 def test_stacked_factors_have_shape_layers_by_groups():
-  params = models.llama_init(seed=2, stacked=True)
-  pairs = saggs.presets.llama(num_kv_heads=models.KVH, stacked=1)
+  params = models.llama_init(2, models.STACKED)
+  pairs = saggs.presets.llama(num_kv_heads=C.num_kv_heads, stacked=1)
   state = saggs.saggs(pairs).init(params)
   assert {k: v.shape for k, v in state.factors.items()} == {
-      "layers/attn/q_proj/kernel|layers/attn/k_proj/kernel": (models.L, models.KVH),
-      "layers/attn/v_proj/kernel|layers/attn/o_proj/kernel": (models.L, models.KVH),
-      "layers/mlp/up_proj/kernel|layers/mlp/down_proj/kernel": (models.L, models.F),
+      "layers/attn/q_proj/kernel|layers/attn/k_proj/kernel": (C.num_layers, C.num_kv_heads),
+      "layers/attn/v_proj/kernel|layers/attn/o_proj/kernel": (C.num_layers, C.num_kv_heads),
+      "layers/mlp/up_proj/kernel|layers/mlp/down_proj/kernel": (C.num_layers, C.mlp_hidden),
   }
   np.testing.assert_array_equal(state.count, 0)
   for v in state.factors.values():
@@ -87,19 +89,20 @@ def test_stacked_factors_have_shape_layers_by_groups():
   c = np.array([[2.0, 3.0], [0.5, 7.0]], np.float32)
   new, _ = saggs.reparameterize(params, None, pairs[:1], lambda p, s: c)
   q = np.asarray(params["layers"]["attn"]["q_proj"]["kernel"])
-  expect = q * np.repeat(c, models.H * models.HD // models.KVH, axis=1)[:, None, :]
+  expect = q * np.repeat(c, C.num_heads * C.head_dim // C.num_kv_heads, axis=1)[:, None, :]
   np.testing.assert_allclose(new["layers"]["attn"]["q_proj"]["kernel"], expect, rtol=1e-6)
 
 
 def test_describe_lists_every_resolved_leaf():
-  params = models.llama_init(seed=0)
-  text = saggs.describe(saggs.presets.llama(num_kv_heads=models.KVH), params)
-  for layer in range(models.L):
+  params = models.llama_init(0)
+  text = saggs.describe(saggs.presets.llama(num_kv_heads=C.num_kv_heads), params)
+  for layer in range(C.num_layers):
     for m in ("attn/q_proj", "attn/k_proj", "attn/v_proj", "attn/o_proj", "mlp/up_proj",
               "mlp/down_proj"):
       assert f"layers/{layer}/{m}/kernel" in text
   assert "gate_proj" not in text and "norm" not in text
-  assert text.splitlines()[-1] == f"6 pair instances, {models.L * (2 * models.KVH + models.F)} factors in all."
+  factors = C.num_layers * (2 * C.num_kv_heads + C.mlp_hidden)
+  assert text.splitlines()[-1] == f"6 pair instances, {factors} factors in all."
 
 
 # --- bad declarations fail at init, naming the pattern or path -------------------
@@ -159,7 +162,7 @@ def test_axis_out_of_range(axes, path):
 
 
 def test_axis_out_of_range_counts_after_stacked():
-  params = models.llama_init(seed=0, stacked=True)
+  params = models.llama_init(0, models.STACKED)
   with pytest.raises(ValueError, match="out of range for 'layers/mlp/down_proj/kernel'"):
     _init([saggs.Pair("up_proj/kernel", "down_proj/kernel", axes=(1, 2), stacked=1)], params)
 

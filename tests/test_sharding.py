@@ -27,6 +27,7 @@ SCRIPT = textwrap.dedent(r"""
     import models
     import saggs_jax as saggs
 
+    C = models.CONFIG
     assert jax.device_count() == 8, jax.devices()
     mesh = jax.make_mesh((8,), ("model",), axis_types=(jax.sharding.AxisType.AXIS_TYPE,))
 
@@ -54,14 +55,14 @@ SCRIPT = textwrap.dedent(r"""
       # An exact reparameterisation done in NumPy: Q*c/K/c per KV head, V*c/O/c, up*c/down/c.
       a, m = layer["attn"], layer["mlp"]
       rep = lambda c, n: np.repeat(c, n, axis=-1)[..., None, :]
-      per_kv = models.H * models.HD // models.KVH
-      c = np.exp(rng.uniform(-2, 2, lead + (models.KVH,)))
+      per_kv = C.num_heads * C.head_dim // C.num_kv_heads
+      c = np.exp(rng.uniform(-2, 2, lead + (C.num_kv_heads,)))
       a["q_proj"]["kernel"] = a["q_proj"]["kernel"] * rep(c, per_kv)
-      a["k_proj"]["kernel"] = a["k_proj"]["kernel"] / rep(c, models.HD)
-      c = np.exp(rng.uniform(-2, 2, lead + (models.KVH,)))
-      a["v_proj"]["kernel"] = a["v_proj"]["kernel"] * rep(c, models.HD)
+      a["k_proj"]["kernel"] = a["k_proj"]["kernel"] / rep(c, C.head_dim)
+      c = np.exp(rng.uniform(-2, 2, lead + (C.num_kv_heads,)))
+      a["v_proj"]["kernel"] = a["v_proj"]["kernel"] * rep(c, C.head_dim)
       a["o_proj"]["kernel"] = a["o_proj"]["kernel"] / np.swapaxes(rep(c, per_kv), -1, -2)
-      c = np.exp(rng.uniform(-2, 2, lead + (models.F,)))
+      c = np.exp(rng.uniform(-2, 2, lead + (C.mlp_hidden,)))
       m["up_proj"]["kernel"] = m["up_proj"]["kernel"] * c[..., None, :]
       m["down_proj"]["kernel"] = m["down_proj"]["kernel"] / c[..., :, None]
       return layer
@@ -75,18 +76,17 @@ SCRIPT = textwrap.dedent(r"""
 
     rng = np.random.default_rng(1)
     flat = jax.tree.map(np.asarray, models.llama_init(0))
-    stack = jax.tree.map(np.asarray, models.llama_init(1, stacked=True))
+    stack = jax.tree.map(np.asarray, models.llama_init(1, models.STACKED))
     params = {
         "layers": {"0": imbalance_by_hand(flat["layers"]["0"], (), rng)},
-        "scanned": imbalance_by_hand(stack["layers"], (models.L,), rng),
+        "scanned": imbalance_by_hand(stack["layers"], (C.num_layers,), rng),
         "final_norm": flat["final_norm"],
     }
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
-    pairs = (saggs.presets.llama(num_kv_heads=models.KVH, prefix="layers/**")
-             + saggs.presets.llama(num_kv_heads=models.KVH, stacked=1, prefix="scanned/**"))
+    pairs = (saggs.presets.llama(num_kv_heads=C.num_kv_heads, prefix="layers/**")
+             + saggs.presets.llama(num_kv_heads=C.num_kv_heads, stacked=1, prefix="scanned/**"))
     tx = saggs.chain(optax.adam(1e-2), saggs.saggs(pairs))
-    grads = [jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), params)
-             for _ in range(2)]
+    grads = [models.random_like(params, seed) for seed in (2, 3)]
 
     @jax.jit
     def train_step(params, state, grads):
@@ -129,12 +129,13 @@ SCRIPT = textwrap.dedent(r"""
     imb = saggs.imbalance(ref_params, pairs)
     check(all(float(np.max(np.abs(v))) < 1e-4 for v in imb.values()), f"imbalance {imb}")
     shapes = {k: v.shape for k, v in new_state[1].factors.items()}
-    want = {"layers/0/attn/q_proj/kernel|layers/0/attn/k_proj/kernel": (models.KVH,),
-            "layers/0/attn/v_proj/kernel|layers/0/attn/o_proj/kernel": (models.KVH,),
-            "layers/0/mlp/up_proj/kernel|layers/0/mlp/down_proj/kernel": (models.F,),
-            "scanned/attn/q_proj/kernel|scanned/attn/k_proj/kernel": (models.L, models.KVH),
-            "scanned/attn/v_proj/kernel|scanned/attn/o_proj/kernel": (models.L, models.KVH),
-            "scanned/mlp/up_proj/kernel|scanned/mlp/down_proj/kernel": (models.L, models.F)}
+    L, G, F = C.num_layers, C.num_kv_heads, C.mlp_hidden
+    want = {"layers/0/attn/q_proj/kernel|layers/0/attn/k_proj/kernel": (G,),
+            "layers/0/attn/v_proj/kernel|layers/0/attn/o_proj/kernel": (G,),
+            "layers/0/mlp/up_proj/kernel|layers/0/mlp/down_proj/kernel": (F,),
+            "scanned/attn/q_proj/kernel|scanned/attn/k_proj/kernel": (L, G),
+            "scanned/attn/v_proj/kernel|scanned/attn/o_proj/kernel": (L, G),
+            "scanned/mlp/up_proj/kernel|scanned/mlp/down_proj/kernel": (L, F)}
     check(shapes == want, f"factor shapes {shapes}")
 
     if failures:

@@ -12,7 +12,6 @@ divergence of a non-equivariant optimizer must exceed 100 * TOL.
 """
 
 import functools
-import zlib
 
 import chex
 import jax
@@ -21,17 +20,15 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+import models
 import saggs_jax as saggs
-import tiny_models as tm
 
-CONFIG = tm.Config()
-PAIRS = tm.pairs(CONFIG)
+PAIRS = models.llama_pairs()
 TOL = 1e-5
 WARMUP, DIVERGE, FOLLOW = 20, 20, 60
-BATCHES = tm.batches(1, WARMUP + FOLLOW, CONFIG)
+BATCHES = models.batches(1, WARMUP + FOLLOW)
 
-grad_fn = tm.jit(jax.value_and_grad(functools.partial(tm.loss, c=CONFIG)))
-logits_fn = tm.jit(tm.apply, static_argnums=2)
+grad_fn = models.jit(jax.value_and_grad(models.llama_loss))
 
 OPTIMIZERS = {
     "sgd": lambda: optax.sgd(0.1),
@@ -45,39 +42,33 @@ OPTIMIZERS = {
 
 @functools.cache
 def optimizer(name):
-  """The optimizer and its jitted ``update(grads, state, params) -> (params, state)``."""
-  tx = OPTIMIZERS[name]()
-
-  def update(grads, state, params):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return tx, tm.jit(update)
+  """One instance per name, so that ``models.jit_step`` compiles once per optimizer."""
+  return OPTIMIZERS[name]()
 
 
 def train(name, params, state, batches):
   """Runs one update per batch; returns params, state and the losses before each update."""
-  update, losses = optimizer(name)[1], []
+  tx, losses = optimizer(name), []
   # Restored arrays are committed to a device, fresh ones are not; a mix would
   # make the second step compile again.
   params, state = jax.device_put((params, state), jax.devices()[0])
   for batch in batches:
     loss, grads = grad_fn(params, batch)
-    params, state = update(grads, state, params)
+    params, _, state = models.jit_step(tx, params, state, grads)
     losses.append(loss)
   return params, state, np.asarray(losses)
 
 
+QUARTER_TO_FOUR = models.random_factors(0, 1 / 4, 4.0)
+
+
 def factor_fn(path, shape):
   """Q*2 / K/2, and log-uniform factors in [1/4, 4] per group on V/O and up/down."""
-  if "q_proj" in path:
-    return np.full(shape, 2.0, np.float32)
-  rng = np.random.default_rng(zlib.crc32(path.encode()))
-  return np.exp(rng.uniform(-np.log(4), np.log(4), shape)).astype(np.float32)
+  return np.full(shape, 2.0, np.float32) if "q_proj" in path else QUARTER_TO_FOUR(path, shape)
 
 
 def inverse(params, state):
-  return saggs.reparameterize(params, state, PAIRS, lambda p, s: 1 / factor_fn(p, s))
+  return saggs.reparameterize(params, state, PAIRS, models.inverse(factor_fn))
 
 
 def canonical(params):
@@ -96,8 +87,8 @@ def checkpoints(tmp_path_factory):
 
   Returns ``{"as_is"|"moved": {"raw"|"canonical": (params, opt_state)}}``.
   """
-  tx = optimizer("adamw")[0]
-  params = tm.init(0, CONFIG)
+  tx = optimizer("adamw")
+  params = models.llama_init(0)
   trained = train("adamw", params, tx.init(params), BATCHES[:WARMUP])[:2]
   saved = {"as_is": trained, "moved": saggs.reparameterize(*trained, PAIRS, factor_fn)}
   target = (params, tx.init(params))
@@ -114,15 +105,15 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["layers", "stacked"])
 def test_equivalent_states_give_equal_outputs(stacked):
-  config = tm.Config(stacked=stacked)
-  pairs = tm.pairs(config)
-  params = tm.init(2, config)
+  config = models.STACKED if stacked else models.CONFIG
+  pairs = models.llama_pairs(config)
+  params = models.llama_init(2, config)
   tokens = BATCHES[0, :, :-1]
-  reference = logits_fn(params, tokens, config)
+  reference = models.llama_apply(params, tokens, config)
   for equivalent in (saggs.reparameterize(params, None, pairs, factor_fn)[0],
                      saggs.canonicalize(params, None, pairs)[0]):
     assert distance(equivalent, params) > 0.05  # a genuinely different point...
-    chex.assert_trees_all_close(logits_fn(equivalent, tokens, config), reference,
+    chex.assert_trees_all_close(models.llama_apply(equivalent, tokens, config), reference,
                                 rtol=TOL, atol=TOL)  # ...computing the same function
 
 
@@ -132,7 +123,7 @@ def test_gradients_transform_contravariantly(checkpoints):
   loss_p, grads_p = grad_fn(p, BATCHES[WARMUP])
   loss_q, grads_q = grad_fn(q, BATCHES[WARMUP])
   np.testing.assert_allclose(loss_q, loss_p, rtol=TOL)
-  moved_grads_p = saggs.reparameterize(grads_p, None, PAIRS, lambda a, s: 1 / factor_fn(a, s))[0]
+  moved_grads_p = saggs.reparameterize(grads_p, None, PAIRS, models.inverse(factor_fn))[0]
   chex.assert_trees_all_close(grads_q, moved_grads_p, rtol=1e-4, atol=1e-7)
 
 
@@ -146,7 +137,7 @@ def test_adamw_diverges_from_equivalent_checkpoints(checkpoints):
 
 @pytest.mark.parametrize("name", ["adamw+saggs", "adamw"])
 def test_canonicalized_checkpoints_follow_one_trajectory(checkpoints, name):
-  tx = optimizer(name)[0]
+  tx = optimizer(name)
 
   def start(key):
     params, adam_state = checkpoints[key]["canonical"]
@@ -175,8 +166,8 @@ def test_transported_moments_alone_do_not_make_adamw_equivariant(checkpoints):
 
 @pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adamw", "lion"])
 def test_standard_optimizers_are_not_equivariant(name):
-  tx = optimizer(name)[0]
-  params = tm.init(3, CONFIG)
+  tx = optimizer(name)
+  params = models.llama_init(3)
   warm = train(name, params, tx.init(params), BATCHES[:10])[:2]
   moved = saggs.reparameterize(*warm, PAIRS, factor_fn)
   chex.assert_trees_all_close(inverse(*moved), warm, rtol=TOL, atol=1e-8)  # same state
