@@ -38,14 +38,16 @@ def main():
   parser.add_argument("--size", choices=sorted(common.SIZES), default=common.default_size())
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--steps", type=int, default=100)
-  parser.add_argument("--skip-train-step", action="store_true")
+  parser.add_argument("--part", choices=("both", "update", "step"), default="both",
+                      help="time the optimizer update, the full train step, or both")
   args = parser.parse_args()
   config, graphdef, params, batch = common.setup(args.size)
   txs = variants(saggs.presets.llama(num_kv_heads=config.num_kv_heads))
 
-  common.bench("optimizer update", common.make_opt_step, txs, params, common.fake_grads(params),
-               args.rounds, args.steps)
-  if not args.skip_train_step:
+  if args.part != "step":
+    common.bench("optimizer update", common.make_opt_step, txs, params, common.fake_grads(params),
+                 args.rounds, args.steps)
+  if args.part != "update":
     common.bench("full train step", lambda tx: lm.make_train_step(graphdef, tx), txs, params,
                  common.random_tokens(batch, config.seq_len), args.rounds, args.steps)
 
