@@ -37,7 +37,8 @@ def check_symmetry(apply_fn: Callable[..., Any], params: Any, pairs: Sequence[Pa
 
   Each pair instance in turn gets random factors in ``[low, high]`` (the
   others left alone); the outputs ``apply_fn(params, *inputs)`` before and
-  after must agree within ``atol + rtol * max|output|``. A Q/K pair in a model
+  after must agree within ``atol + rtol * max|output|``, with matmuls at full
+  precision on every backend. A Q/K pair in a model
   with QK-norm, or an up/down pair in a GELU MLP, fails here.
 
   Args:
@@ -66,7 +67,14 @@ def check_symmetry(apply_fn: Callable[..., Any], params: Any, pairs: Sequence[Pa
     >>> _ = saggs.check_symmetry(f, params, [saggs.Pair("up", "down", axes=(1, 0))], jnp.ones((1, 3)))
   """
   plan = resolve(pairs, params)
-  fn = jax.jit(apply_fn)
+  jitted = jax.jit(apply_fn)
+
+  def fn(*args):
+    # Full float32 matmuls: TF32 (GPU) or bf16 passes (TPU) would show up as
+    # deviations of a symmetry that is exact.
+    with jax.default_matmul_precision("highest"):
+      return jitted(*args)
+
   reference = jax.tree.leaves(fn(params, *inputs))
   ref_dtype = jnp.result_type(*reference)
   if rtol is None:
