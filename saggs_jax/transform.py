@@ -103,7 +103,7 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1
   Example::
 
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
-    >>> params = {"q": jnp.full((4, 2), 4.0), "k": jnp.ones((4, 2))}
+    >>> params = {"q": jnp.full((2, 2), 4.0), "k": jnp.ones((2, 2))}  # norms 8 and 2
     >>> tx = saggs.chain(optax.adam(0.0), saggs.scale_by_saggs([saggs.Pair("q", "k")]))
     >>> state = tx.init(params)
     >>> updates, state = tx.update(params, state, params)
