@@ -8,7 +8,7 @@
 * :mod:`saggs_jax.equivariant` holds symmetry-compatible update rules.
 """
 
-from saggs_jax import checkpoint, presets
+from saggs_jax import checkpoint, equivariant, presets
 from saggs_jax.canonical import canonicalize, reparameterize
 from saggs_jax.diagnostics import check_symmetry, imbalance
 from saggs_jax.pairs import Pair, describe
@@ -18,7 +18,7 @@ from saggs_jax.transport import NESTED, register_transport
 
 __all__ = [
     "NESTED", "Pair", "SaggsState", "SymmetryTransformation", "canonicalize", "chain", "checkpoint",
-    "check_symmetry", "describe", "imbalance", "presets", "register_transport",
+    "check_symmetry", "describe", "equivariant", "imbalance", "presets", "register_transport",
     "reparameterize", "saggs", "scale_by_saggs", "soft",
 ]
 __version__ = "0.1.0"

@@ -44,11 +44,8 @@ class SymmetryTransformation(optax.GradientTransformationExtraArgs):
   """An optax transformation that can also transport the states of earlier stages.
 
   ``transport_update(updates, state, params, earlier_states)`` returns
-  ``(updates, state, earlier_states)``. The optional ``proposal()`` recomputes
-  ``updates`` from the chain's inputs; on skipped updates the factor branch of
-  ``every > 1`` then reads only buffers that already exist. :func:`chain`
-  calls it; a plain ``optax.chain`` calls ``update``, which balances the
-  parameters only.
+  ``(updates, state, earlier_states)``. :func:`chain` calls it; a plain
+  ``optax.chain`` calls ``update``, which balances the parameters only.
   """
 
   def __new__(cls, init, update, transport_update: TransportUpdate):
@@ -89,7 +86,7 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1
   symmetry orbit); a smaller strength shrinks ``log(||A_g||/||B_g||)`` by the
   factor ``1 - strength``. The function computed by the model is unchanged.
   Applied on updates number ``every``, ``2 * every``, ...; on the others a
-  ``lax.cond`` skips the norms and the factors are ones.
+  ``lax.cond`` passes the inner updates and moments through untouched.
 
   Args:
     pairs: the :class:`~saggs_jax.Pair` declarations.
@@ -121,27 +118,29 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1
   def init(params):
     return SaggsState(jnp.zeros([], jnp.int32), unit_factors(resolve(pairs, params)))
 
-  def transport_update(updates, state, params, earlier, proposal=None):
+  def transport_update(updates, state, params, earlier):
     if params is None:
       raise ValueError("SAGGS needs the current parameters: call update(updates, state, params).")
     plan = resolve(pairs, params)
     count = optax.safe_increment(state.count)
 
-    def factors_of(updates):
-      return compute_factors(plan, optax.apply_updates(params, updates), strength)
+    def rebalance(operand):
+      updates, earlier = operand
+      stepped = optax.apply_updates(params, updates)
+      factors = compute_factors(plan, stepped, strength)
+      target = scale_tree(plan, stepped, factors, 1.0)
+      return (_land_on(params, updates, target, plan, stepped), transport(plan, earlier, factors),
+              factors)
+
+    def skip(operand):  # no arithmetic at all: the inner updates pass through
+      return (*operand, unit_factors(plan))
 
     if every == 1:
-      factors = factors_of(updates)
+      updates, earlier, factors = rebalance((updates, earlier))
     else:
-      # Only the small factors leave the cond; on skipped updates the scaling
-      # below multiplies by ones and fuses into the inner optimizer's kernels.
-      proposal = proposal or (lambda: updates)
-      factors = jax.lax.cond(count % every == 0, lambda: factors_of(proposal()),
-                             lambda: unit_factors(plan))
-    stepped = optax.apply_updates(params, updates)
-    target = scale_tree(plan, stepped, factors, 1.0)
-    return (_land_on(params, updates, target, plan, stepped), SaggsState(count, factors),
-            transport(plan, earlier, factors))
+      updates, earlier, factors = jax.lax.cond(count % every == 0, rebalance, skip,
+                                               (updates, earlier))
+    return updates, SaggsState(count, factors), earlier
 
   def update(updates, state, params=None, **extra_args):
     del extra_args
@@ -186,19 +185,6 @@ def soft(pairs: Sequence[Pair], strength: float = 0.5, every: int = 1) -> Symmet
   return scale_by_saggs(pairs, strength=strength, every=every)
 
 
-def _run(stages, updates, state, params, extra_args):
-  grads, new_states = updates, []
-  for i, (t, s) in enumerate(zip(stages, state)):
-    if isinstance(t, SymmetryTransformation):
-      proposal = lambda i=i: _run(stages[:i], grads, state[:i], params, extra_args)[0]  # noqa: E731
-      updates, s, earlier = t.transport_update(updates, s, params, tuple(new_states), proposal)
-      new_states = list(earlier)
-    else:
-      updates, s = t.update(updates, s, params, **extra_args)
-    new_states.append(s)
-  return updates, tuple(new_states)
-
-
 def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
   """``optax.chain`` whose symmetry stages also transport earlier stages' moments.
 
@@ -223,6 +209,14 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
   def update(updates, state, params=None, **extra_args):
     if len(state) != len(stages):
       raise ValueError(f"State has {len(state)} stages but the chain has {len(stages)}.")
-    return _run(stages, updates, state, params, extra_args)
+    new_states = []
+    for t, s in zip(stages, state):
+      if isinstance(t, SymmetryTransformation):
+        updates, s, earlier = t.transport_update(updates, s, params, tuple(new_states))
+        new_states = list(earlier)
+      else:
+        updates, s = t.update(updates, s, params, **extra_args)
+      new_states.append(s)
+    return updates, tuple(new_states)
 
   return optax.GradientTransformationExtraArgs(init, update)

@@ -18,6 +18,7 @@ import pytest
 
 import models
 import saggs_jax as saggs
+from saggs_jax import equivariant
 from models import assert_balanced, assert_imbalanced, leaf_dict, norms, random_like
 
 
@@ -185,6 +186,12 @@ def _mask(params):  # masks out layer 0's K and layer 1's up and down
       lambda kp, _: (kp[1].key, kp[2].key) not in {("0", "k"), ("1", "up"), ("1", "down")}, params)
 
 
+def _equivariant_momentum(s):  # the MomentumState of the layerwise row-norm rule
+  is_momentum = lambda x: isinstance(x, equivariant.MomentumState)  # noqa: E731
+  (found,) = [x for x in jax.tree.leaves(s, is_leaf=is_momentum) if is_momentum(x)]
+  return [("mu", found.mu, 1)]
+
+
 STATE_CASES = {
     "adam": (lambda p: optax.adam(1e-2), _adam_moments),
     "adamw": (lambda p: optax.adamw(1e-2, weight_decay=0.1), _adam_moments),
@@ -202,6 +209,9 @@ STATE_CASES = {
                                             _partition_labels(p)),
                   lambda s: _adam_moments(s.inner_states["adam"].inner_state)
                   + [("lion.mu", s.inner_states["lion"].inner_state[0].mu, 1)]),
+    "equivariant": (lambda p: equivariant.layerwise(
+        {("q", "k", "up", "down"): equivariant.optimizer(equivariant.scale_by_row_norm(1), 1e-2)},
+        default=optax.adam(1e-2)), _equivariant_momentum),
 }
 
 

@@ -28,6 +28,7 @@ import optax
 
 from saggs_jax.equivariant import _linalg
 from saggs_jax.paths import match, path_str
+from saggs_jax.transport import register_transport
 
 Axes = Union[int, Sequence[int]]
 
@@ -36,6 +37,10 @@ class MomentumState(NamedTuple):
   """State of every rule: ``mu``, the EMA of the gradients, shaped like the params."""
 
   mu: optax.Updates
+
+
+# SAGGS chained after these rules transports their momentum like Adam's mu.
+register_transport(MomentumState, {"mu": 1})
 
 
 class _Plan(NamedTuple):
