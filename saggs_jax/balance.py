@@ -32,7 +32,7 @@ def compute_dtype(dtype) -> jnp.dtype:
 def _group_sq_norms(x: jax.Array, slot: Slot) -> jax.Array:
   dtype = compute_dtype(x.dtype)
   sq = jnp.sum(jnp.square(x.astype(dtype)), axis=slot.reduce_axes(x.ndim))
-  if slot.axis is None:
+  if slot.axis is None or slot.groups == x.shape[slot.axis]:  # already one sum per group
     return sq
   # Per-index sums to per-group sums by a tiny one-hot matmul: reshaping a
   # sharded axis into (groups, size) is not defined under Explicit sharding.
@@ -54,8 +54,7 @@ def sq_norms(plan: Plan, params: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
   for inst in plan.instances:
     norms = []
     for path in (inst.a, inst.b):
-      slot = next(s for s in plan.slots[path] if s.key == inst.key)
-      norms.append(_group_sq_norms(leaves[path], slot))
+      norms.append(_group_sq_norms(leaves[path], plan.slot(path, inst.key)))
     out[inst.key] = tuple(norms)
   return out
 

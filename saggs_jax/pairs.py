@@ -99,7 +99,6 @@ class Slot:
   axis: int | None  # absolute group axis; None: whole tensor per copy
   groups: int
   stacked: int
-  primary: bool  # followers do not enter the norms
 
   def reduce_axes(self, ndim: int) -> tuple[int, ...]:
     """Axes summed to get one squared norm per stacked copy (and index of ``axis``)."""
@@ -134,6 +133,10 @@ class Plan:
   instances: tuple[Instance, ...]
   slots: dict[str, tuple[Slot, ...]]
   shapes: dict[str, tuple[int, ...]]
+
+  def slot(self, path: str, key: str) -> Slot:
+    """How the leaf at ``path`` moves in the pair instance ``key``."""
+    return next(s for s in self.slots[path] if s.key == key)
 
 
 def _leaf_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
@@ -187,7 +190,7 @@ def _follower_slot(pair, key, sign, kernel_path, kernel_shape, kernel_axis, grou
           f"{pair.label}: follower {path!r} with shape {shape} has no axis matching group axis"
           f" {kernel_axis} of {kernel_path!r} {kernel_shape}; a follower must share its kernel's"
           " trailing axes (a bias does).")
-  return Slot(key, sign, axis, groups, pair.stacked, primary=False)
+  return Slot(key, sign, axis, groups, pair.stacked)
 
 
 def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]]):
@@ -221,8 +224,8 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]]):
         if n % groups:
           raise ValueError(f"{pair.label}: {groups} groups do not divide axis of size {n} of {path!r}"
                            f" with shape {shape}.")
-    slots = {pa: Slot(key, +1, ax_a, groups, pair.stacked, True),
-             pb: Slot(key, -1, ax_b, groups, pair.stacked, True)}
+    slots = {pa: Slot(key, +1, ax_a, groups, pair.stacked),
+             pb: Slot(key, -1, ax_b, groups, pair.stacked)}
     followers = {+1: [], -1: []}
     for sign, pattern, found in follower_matches:
       if caps not in found:
@@ -280,7 +283,7 @@ def describe(pairs: Sequence[Pair], params: Any) -> str:
   for inst in plan.instances:
     for side, path in [("a", inst.a), ("b", inst.b)] + [("a+", p) for p in inst.followers_a] + [
         ("b+", p) for p in inst.followers_b]:
-      slot = next(s for s in plan.slots[path] if s.key == inst.key)
+      slot = plan.slot(path, inst.key)
       axis = "whole" if slot.axis is None else str(slot.axis)
       rows.append((inst.pair.label, side, path, str(plan.shapes[path]), axis, str(inst.factor_shape)))
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
