@@ -30,6 +30,9 @@ def variants(pairs):
       "saggs every=1": saggs.chain(adamw(), saggs.saggs(pairs, every=1)),
       "saggs every=100": saggs.chain(adamw(), saggs.saggs(pairs, every=100)),
       "soft every=1": saggs.chain(adamw(), saggs.soft(pairs, strength=0.5, every=1)),
+      "saggs deferred every=1": saggs.chain(adamw(), saggs.saggs(pairs, every=1, deferred=True)),
+      "saggs deferred every=100": saggs.chain(adamw(), saggs.saggs(pairs, every=100, deferred=True)),
+      "soft deferred every=1": saggs.chain(adamw(), saggs.soft(pairs, strength=0.5, deferred=True)),
   }
 
 

@@ -77,10 +77,6 @@ def compute_factors(plan: Plan, params: Any, strength: float) -> Factors:
   return {k: factors_from_norms(a, b, strength) for k, (a, b) in sq_norms(plan, params).items()}
 
 
-def unit_factors(plan: Plan) -> Factors:
-  return {i.key: jnp.ones(i.factor_shape, jnp.float32) for i in plan.instances}
-
-
 def _multiplier(slot: Slot, shape: tuple[int, ...], factors: Factors, power: float, dtype):
   """``factors ** (sign * power)`` expanded to one entry per index of the group axis."""
   f = factors[slot.key].astype(dtype)

@@ -155,6 +155,26 @@ def test_nnx_optimizer_update_under_nnx_jit():
   assert int(nnx.as_pure(optimizer.opt_state)[1].count) == 2
 
 
+def test_nnx_optimizer_deferred_balances_at_the_next_update():
+  x = models.mha_input()
+  model = models.nnx_model(seed=5)
+  nnx.update(model, models.perturb(nnx.state(model, nnx.Param), MHA, seed=5))
+  y0 = model(x)
+  tx = saggs.chain(optax.adamw(0.0, weight_decay=0.1), saggs.saggs(MHA, deferred=True))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, optimizer, x):
+    optimizer.update(model, nnx.grad(lambda m: jnp.mean(m(x)**2))(model))
+
+  attn = lambda: nnx.to_pure_dict(nnx.state(model, nnx.Param))["attn"]  # noqa: E731
+  train_step(model, optimizer, x)
+  assert_imbalanced(mha_head_norms(attn()))  # lr 0, and the first update does not balance
+  train_step(model, optimizer, x)
+  assert_balanced(mha_head_norms(attn()))
+  models.assert_same_output(model(x), y0)
+
+
 # --- LLaMA-style: GQA, RoPE, SwiGLU ---------------------------------------------------
 
 def llama_group_norms(layer):

@@ -43,8 +43,7 @@ def small_imbalanced(seed, dtype=jnp.float32):
   return models.perturb(small_params(seed, dtype), SMALL_PAIRS, seed)
 
 
-@models.jit
-def small_apply(params, x):
+def _small_apply(params, x):
   h = x
   for i in range(2):
     p = params["layers"][str(i)]
@@ -55,6 +54,7 @@ def small_apply(params, x):
   return h
 
 
+small_apply = models.jit(_small_apply)
 SMALL_X = jnp.asarray(np.random.default_rng(99).standard_normal((3, 4)), jnp.float32)
 
 
@@ -321,23 +321,69 @@ def test_every_k_balances_only_on_updates_k_2k():
         np.testing.assert_array_equal(f, np.ones(f.shape, np.float32))
 
 
-def test_every_k_skipped_updates_are_the_inner_updates_bit_for_bit():
+EVERY3_DEFERRED = saggs.chain(optax.sgd(0.1), saggs.saggs(SMALL_PAIRS, every=3, deferred=True))
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_every_k_skipped_updates_are_the_inner_updates_bit_for_bit(deferred):
+  """Eager SAGGS balances on updates 3, 6, ...; deferred on 4, 7, ... All others are plain SGD."""
+  tx = EVERY3_DEFERRED if deferred else EVERY3
   params = small_imbalanced(1)
-  state = EVERY3.init(params)
+  state = tx.init(params)
   sgd = optax.sgd(0.1)
-  for n in range(1, 5):
+  for n in range(1, 6):
     grads = random_like(params, 30 + n)
-    new, updates, state = models.jit_step(EVERY3, params, state, grads)
+    new, updates, state = models.jit_step(tx, params, state, grads)
     inner, _ = sgd.update(grads, sgd.init(params), params)
-    if n % 3:
-      chex.assert_trees_all_equal(updates, inner)
-    else:
+    if (n > 1 and (n - 1) % 3 == 0) if deferred else n % 3 == 0:
       assert not np.allclose(updates["layers"]["0"]["q"], inner["layers"]["0"]["q"])
+    else:
+      chex.assert_trees_all_equal(updates, inner)
     params = new
 
 
-def test_jit_equals_eager_and_traces_once():
-  tx = saggs.chain(optax.adam(1e-2), saggs.soft(SMALL_PAIRS, strength=0.5, every=2))
+SMALL_GRAD = models.jit(jax.grad(lambda params: jnp.mean(_small_apply(params, SMALL_X) ** 2)))
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_deferred_returns_the_eager_state_before_its_latest_balancing(every):
+  """Deferred SAGGS returns A(B(s)) where eager returns B(A(s)): on real gradients, the
+  same function at every update, the same state after updates that do not balance, and
+  after one that does, the eager state once that balancing (here: hard) is applied."""
+  eager = saggs.chain(optax.adam(1e-2), saggs.saggs(SMALL_PAIRS, every=every))
+  deferred = saggs.chain(optax.adam(1e-2), saggs.saggs(SMALL_PAIRS, every=every, deferred=True))
+  p_e = p_d = small_imbalanced(21)
+  s_e, s_d = eager.init(p_e), deferred.init(p_d)
+  last_eager_factors = None
+  for n in range(1, 7):
+    p_e, _, s_e = models.jit_step(eager, p_e, s_e, SMALL_GRAD(p_e))
+    p_d, _, s_d = models.jit_step(deferred, p_d, s_d, SMALL_GRAD(p_d))
+    assert_same_function(p_d, p_e)
+    if n % every:
+      want = (p_d, s_d[0])
+    else:
+      assert max(float(jnp.max(jnp.abs(v))) for v in imbalance(p_d, SMALL_PAIRS).values()) > 1e-3
+      want = saggs.canonicalize(p_d, s_d[0], SMALL_PAIRS)
+    chex.assert_trees_all_close(want, (p_e, s_e[0]), rtol=2e-4, atol=1e-6)
+    # The factors a deferred update applies are those of the eager update before it.
+    balanced = n > 1 and (n - 1) % every == 0
+    for k, f in s_d[1].factors.items():
+      np.testing.assert_allclose(f, last_eager_factors[k] if balanced else np.ones(f.shape),
+                                 rtol=1e-4)
+    last_eager_factors = s_e[1].factors
+
+
+def test_deferred_needs_saggs_chain():
+  params = small_params(0)
+  tx = optax.chain(optax.adam(1e-2), saggs.saggs(SMALL_PAIRS, deferred=True))
+  with pytest.raises(ValueError, match="saggs_jax.chain"):
+    tx.update(params, tx.init(params), params)
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_jit_equals_eager_and_traces_once(deferred):
+  tx = saggs.chain(optax.adam(1e-2), saggs.soft(SMALL_PAIRS, strength=0.5, every=2,
+                                                deferred=deferred))
   traces = []
 
   def train_step(params, state, grads):
@@ -348,14 +394,14 @@ def test_jit_equals_eager_and_traces_once():
   jitted = models.jit(train_step)
   p_eager = p_jit = small_params(1)
   s_eager = s_jit = tx.init(p_eager)
-  for n in range(3):  # skip, balance, skip
+  for n in range(4):  # eager: skip, balance, skip, balance; deferred: the same, one later
     grads = random_like(p_eager, 20 + n)
     p_eager, s_eager = train_step(p_eager, s_eager, grads)
     p_jit, s_jit = jitted(p_jit, s_jit, grads)
     chex.assert_trees_all_close(p_jit, p_eager, rtol=1e-5, atol=1e-6)
     chex.assert_trees_all_close(s_jit, s_eager, rtol=1e-5, atol=1e-6)
     chex.assert_trees_all_equal_dtypes(s_jit, s_eager)
-  assert len(traces) == 3 + 1  # three eager calls, one trace for the jitted function
+  assert len(traces) == 4 + 1  # four eager calls, one trace for the jitted function
 
 
 # --- dtypes and guards -------------------------------------------------------------
@@ -389,8 +435,9 @@ def test_bf16_dtypes_preserved_and_balanced():
     np.testing.assert_allclose(mc * pc, m * pa, rtol=3e-2, atol=3e-2 * np.max(np.abs(m * pa)))
 
 
+@pytest.mark.parametrize("deferred", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-def test_zero_and_nonfinite_norms_give_factor_one(dtype):
+def test_zero_and_nonfinite_norms_give_factor_one(dtype, deferred):
   """Groups: 0 zero A, 1 inf in A, 2 NaN in B, 3 zero B, 4 normal (A 4x B)."""
   a = np.ones((3, 5), np.float32) * 4.0
   b = np.ones((5, 3), np.float32)
@@ -400,9 +447,11 @@ def test_zero_and_nonfinite_norms_give_factor_one(dtype):
   b[3, :] = 0.0
   params = {"a": jnp.asarray(a, dtype), "b": jnp.asarray(b, dtype), "other": jnp.ones(2, dtype)}
   pairs = [saggs.Pair("a", "b", axes=(1, 0))]
-  tx = saggs.chain(optax.adam(0.0), saggs.saggs(pairs))  # lr 0: the zero norms stay zero
+  tx = saggs.chain(optax.adam(0.0), saggs.saggs(pairs, deferred=deferred))  # lr 0: zeros stay
   grads = jax.tree.map(jnp.ones_like, params)
   new, updates, state = models.jit_step(tx, params, tx.init(params), grads)
+  if deferred:  # the first update does not balance; the second balances what the first left
+    new, updates, state = models.jit_step(tx, new, state, grads)
   f = np.asarray(state[1].factors["a|b"])
   np.testing.assert_array_equal(f[:4], np.ones(4, np.float32))
   np.testing.assert_allclose(f[4], 0.5, rtol=1e-6)  # sqrt(||B|| / ||A||) = sqrt(1/4)

@@ -85,58 +85,68 @@ SCRIPT = textwrap.dedent(r"""
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     pairs = (saggs.presets.llama(num_kv_heads=C.num_kv_heads, prefix="layers/**")
              + saggs.presets.llama(num_kv_heads=C.num_kv_heads, stacked=1, prefix="scanned/**"))
-    tx = saggs.chain(optax.adam(1e-2), saggs.saggs(pairs))
     grads = [models.random_like(params, seed) for seed in (2, 3)]
-
-    @jax.jit
-    def train_step(params, state, grads):
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-
-    def run(params, grads):
-      state = tx.init(params)
-      for g in grads:
-        params, state = train_step(params, state, g)
-      return params, state
-
-    ref_params, ref_state = run(params, grads)
-
     p_sh = shardings(params)
     sharded = jax.device_put(params, p_sh)
     n_split = sum(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
                   for x in jax.tree.leaves(sharded))
     check(n_split == 14, f"{n_split} leaves split over devices")
-    with jax.set_mesh(mesh):
-      new_params, new_state = run(sharded, [jax.device_put(g, p_sh) for g in grads])
 
-    # Same numbers as unsharded.
-    for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(new_params),
-                           jax.tree.leaves(ref_params)):
-      check(np.allclose(a, b, rtol=2e-5, atol=2e-6),
-            f"params{jax.tree_util.keystr(kp)}: max diff {np.max(np.abs(np.asarray(a) - np.asarray(b)))}")
-    for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(new_state),
-                           jax.tree.leaves(ref_state)):
-      check(np.allclose(a, b, rtol=2e-5, atol=1e-7 * np.max(np.abs(b))),
-            f"state{jax.tree_util.keystr(kp)}: max diff"
-            f" {np.max(np.abs(np.asarray(a) - np.asarray(b)))} of {np.max(np.abs(b))}")
-    # Output shardings are the input shardings: params, and Adam's moments of each param.
-    adam = new_state[0][0]
-    for name, tree in (("params", new_params), ("mu", adam.mu), ("nu", adam.nu)):
-      for (kp, x), want in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(p_sh)):
-        check(x.sharding.is_equivalent_to(want, x.ndim),
-              f"{name}{jax.tree_util.keystr(kp)}: sharding {x.sharding.spec} != {want.spec}")
-    # Balanced after the step; factors per group, (layers, groups) for the stack.
-    imb = saggs.imbalance(ref_params, pairs)
-    check(all(float(np.max(np.abs(v))) < 1e-4 for v in imb.values()), f"imbalance {imb}")
-    shapes = {k: v.shape for k, v in new_state[1].factors.items()}
-    L, G, F = C.num_layers, C.num_kv_heads, C.mlp_hidden
-    want = {"layers/0/attn/q_proj/kernel|layers/0/attn/k_proj/kernel": (G,),
-            "layers/0/attn/v_proj/kernel|layers/0/attn/o_proj/kernel": (G,),
-            "layers/0/mlp/up_proj/kernel|layers/0/mlp/down_proj/kernel": (F,),
-            "scanned/attn/q_proj/kernel|scanned/attn/k_proj/kernel": (L, G),
-            "scanned/attn/v_proj/kernel|scanned/attn/o_proj/kernel": (L, G),
-            "scanned/mlp/up_proj/kernel|scanned/mlp/down_proj/kernel": (L, F)}
-    check(shapes == want, f"factor shapes {shapes}")
+    # Eager SAGGS balances after updates 1 and 2 (every=1) or 2 only (every=2, through the
+    # lax.cond); deferred balances at the start of update 2.
+    for every, deferred in ((1, False), (2, False), (1, True)):
+      tx = saggs.chain(optax.adam(1e-2), saggs.saggs(pairs, every=every, deferred=deferred))
+
+      @jax.jit
+      def train_step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+      def run(params, grads):
+        state = tx.init(params)
+        for g in grads:
+          params, state = train_step(params, state, g)
+        return params, state
+
+      ref_params, ref_state = run(params, grads)
+      with jax.set_mesh(mesh):
+        new_params, new_state = run(sharded, [jax.device_put(g, p_sh) for g in grads])
+
+      # Same numbers as unsharded.
+      for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(new_params),
+                             jax.tree.leaves(ref_params)):
+        check(np.allclose(a, b, rtol=2e-5, atol=2e-6),
+              f"every={every} deferred={deferred} params{jax.tree_util.keystr(kp)}: max diff"
+              f" {np.max(np.abs(np.asarray(a) - np.asarray(b)))}")
+      for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(new_state),
+                             jax.tree.leaves(ref_state)):
+        check(np.allclose(a, b, rtol=2e-5, atol=1e-7 * np.max(np.abs(b))),
+              f"every={every} deferred={deferred} state{jax.tree_util.keystr(kp)}: max diff"
+              f" {np.max(np.abs(np.asarray(a) - np.asarray(b)))} of {np.max(np.abs(b))}")
+      # Output shardings are the input shardings: params, and Adam's moments of each param.
+      adam = new_state[0][0]
+      for name, tree in (("params", new_params), ("mu", adam.mu), ("nu", adam.nu)):
+        for (kp, x), want in zip(jax.tree_util.tree_leaves_with_path(tree),
+                                 jax.tree.leaves(p_sh)):
+          check(x.sharding.is_equivalent_to(want, x.ndim),
+                f"every={every} deferred={deferred} {name}{jax.tree_util.keystr(kp)}: sharding"
+                f" {x.sharding.spec} != {want.spec}")
+      # Balanced after the step (eager); factors per group, (layers, groups) for the stack.
+      imb = saggs.imbalance(ref_params, pairs)
+      check(deferred or all(float(np.max(np.abs(v))) < 1e-4 for v in imb.values()),
+            f"imbalance {imb}")
+      check(not deferred or any(float(np.max(np.abs(np.log(f)))) > 0.1
+                                for f in new_state[1].factors.values()),
+            "deferred: the second update did not balance")
+      shapes = {k: v.shape for k, v in new_state[1].factors.items()}
+      L, G, F = C.num_layers, C.num_kv_heads, C.mlp_hidden
+      want = {"layers/0/attn/q_proj/kernel|layers/0/attn/k_proj/kernel": (G,),
+              "layers/0/attn/v_proj/kernel|layers/0/attn/o_proj/kernel": (G,),
+              "layers/0/mlp/up_proj/kernel|layers/0/mlp/down_proj/kernel": (F,),
+              "scanned/attn/q_proj/kernel|scanned/attn/k_proj/kernel": (L, G),
+              "scanned/attn/v_proj/kernel|scanned/attn/o_proj/kernel": (L, G),
+              "scanned/mlp/up_proj/kernel|scanned/mlp/down_proj/kernel": (L, F)}
+      check(shapes == want, f"factor shapes {shapes}")
 
     if failures:
       sys.exit(f"{len(failures)} sharding check(s) failed")

@@ -37,6 +37,8 @@ OPTIMIZERS = {
     "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
     "lion": lambda: optax.lion(1e-3, weight_decay=0.1),
     "adamw+saggs": lambda: saggs.chain(optax.adamw(1e-2, weight_decay=0.1), saggs.saggs(PAIRS)),
+    "adamw+saggs deferred": lambda: saggs.chain(optax.adamw(1e-2, weight_decay=0.1),
+                                                saggs.saggs(PAIRS, deferred=True)),
 }
 
 
@@ -135,7 +137,7 @@ def test_adamw_diverges_from_equivalent_checkpoints(checkpoints):
   assert distance(canonical(runs[1][0]), canonical(runs[0][0])) > 100 * TOL
 
 
-@pytest.mark.parametrize("name", ["adamw+saggs", "adamw"])
+@pytest.mark.parametrize("name", ["adamw+saggs", "adamw+saggs deferred", "adamw"])
 def test_canonicalized_checkpoints_follow_one_trajectory(checkpoints, name):
   tx = optimizer(name)
 
