@@ -22,6 +22,7 @@ from saggs_jax import paths
 from saggs_jax.pairs import Plan, Slot
 
 Factors = dict[str, jax.Array]
+MODE = 0
 
 
 def compute_dtype(dtype) -> jnp.dtype:
@@ -89,11 +90,15 @@ def _multiplier(slot: Slot, shape: tuple[int, ...], factors: Factors, power: flo
   return f.reshape(slot.broadcast_shape(shape))
 
 
+def leaf_multiplier(slots: list[Slot], shape: tuple[int, ...], factors: Factors, power: float,
+                    dtype) -> jax.Array:
+  """What a leaf of ``shape`` declared in ``slots`` is multiplied by, broadcastable to it."""
+  return functools.reduce(jnp.multiply, [_multiplier(s, shape, factors, power, dtype) for s in slots])
+
+
 def _scale_leaf(x, slots, factors, power):
   dtype = compute_dtype(x.dtype)
-  mult = functools.reduce(jnp.multiply,
-                          [_multiplier(s, x.shape, factors, power, dtype) for s in slots])
-  return (x.astype(dtype) * mult).astype(x.dtype)
+  return (x.astype(dtype) * leaf_multiplier(slots, x.shape, factors, power, dtype)).astype(x.dtype)
 
 
 def scale_tree(plan: Plan, tree: Any, factors: Factors, power: float, is_leaf=None) -> Any:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from saggs_jax import paths
-from saggs_jax.balance import Factors, compute_dtype, compute_factors, scale_tree
+from saggs_jax.balance import Factors, compute_dtype, compute_factors, leaf_multiplier, scale_tree
 from saggs_jax.pairs import Pair, resolve
 from saggs_jax.transport import transport
 
@@ -69,23 +69,23 @@ def _ones_like_output(fn, *args):
   return jax.tree.map(jnp.ones_like, jax.eval_shape(fn, *args))
 
 
-def _land_on(params, updates, target, plan, stepped):
+def _land_on(params, updates, target, plan, factors):
   """Updates that move the declared leaves of ``params`` to ``target``; others untouched.
 
-  ``stepped`` is ``params + updates``. Where balancing left an element as it
-  was (factor 1, or an inf/NaN parameter that no factor can move), the inner
-  update is kept as it is: ``target - params`` would turn an inf parameter
-  into NaN (inf - inf) and perturb exact updates by rounding.
+  Where the factor is 1 (which includes every group with a zero or non-finite
+  norm) the inner update is kept bit for bit: ``target - params`` would
+  perturb it by rounding, and turn an inf parameter into NaN (inf - inf).
   """
 
-  def visit(key_path, u, p, t, s):
-    if paths.path_str(key_path) not in plan.slots:
+  def visit(key_path, u, p, t):
+    slots = plan.slots.get(paths.path_str(key_path))
+    if slots is None:
       return u
     dtype = compute_dtype(p.dtype)
     moved = (t.astype(dtype) - p.astype(dtype)).astype(u.dtype)
-    return jnp.where((t == s) | jnp.isnan(t), u, moved)
+    return jnp.where(leaf_multiplier(slots, p.shape, factors, 1.0, dtype) == 1, u, moved)
 
-  return jax.tree_util.tree_map_with_path(visit, updates, params, target, stepped)
+  return jax.tree_util.tree_map_with_path(visit, updates, params, target)
 
 
 def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
@@ -165,8 +165,7 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
       balanced = scale_tree(plan, params, factors, 1.0)
       updates, prior_states = prior(scale_tree(plan, grads, factors, -1.0),
                                     transport(plan, prior_states, factors), balanced)
-      stepped = optax.apply_updates(params, updates)
-      updates = _land_on(params, updates, optax.apply_updates(balanced, updates), plan, stepped)
+      updates = _land_on(params, updates, optax.apply_updates(balanced, updates), plan, factors)
       return updates, SaggsState(count, factors), prior_states
 
     def rebalance(operand):
@@ -174,7 +173,7 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
       stepped = optax.apply_updates(params, updates)
       factors = factors_of(stepped)
       target = scale_tree(plan, stepped, factors, 1.0)
-      return (_land_on(params, updates, target, plan, stepped),
+      return (_land_on(params, updates, target, plan, factors),
               transport(plan, prior_states, factors), factors)
 
     def skip(operand):  # no arithmetic at all: the inner updates pass through
