@@ -27,6 +27,7 @@ def variants(pairs):
   adamw = lambda: optax.adamw(3e-4, weight_decay=0.1)  # noqa: E731
   return {
       "adamw": adamw(),
+      "adamw (control)": adamw(),  # the same optimizer again: the noise floor of this run
       "saggs every=1": saggs.chain(adamw(), saggs.saggs(pairs, every=1)),
       "saggs every=100": saggs.chain(adamw(), saggs.saggs(pairs, every=100)),
       "soft every=1": saggs.chain(adamw(), saggs.soft(pairs, strength=0.5, every=1)),

@@ -1,8 +1,9 @@
 """Model sizes and timing helpers shared by the benchmarks in this folder.
 
 Every benchmark compiles each variant first, then times them in alternating
-rounds in one process (a, b, c, a, b, c, ...), so drift in machine load hits
-all of them alike, and reports the median over rounds as ratios to baselines.
+rounds in one process (a, b, c, b, c, a, c, a, b, ...), so drift in machine
+load hits all of them alike, and reports the median over rounds of per-round
+ratios to baselines.
 """
 
 from __future__ import annotations
@@ -79,8 +80,11 @@ def time_round(step, carry, arg, steps):
 def bench(kind: str, steps_fn: Callable, txs: Mapping[str, optax.GradientTransformation],
           params: Any, arg: Any, rounds: int, steps: int,
           bases: Sequence[str] = ("adamw",), round_seconds: float | None = None) -> dict[str, float]:
-  """Times ``steps_fn(tx)`` for every ``tx`` in alternating rounds; prints and
-  returns the median seconds per step, with its ratio to each of ``bases``.
+  """Times ``steps_fn(tx)`` for every ``tx`` in alternating rounds; prints the
+  median seconds per step and, against each of ``bases``, the median and
+  quartiles of the per-round ratios (a round's variants ran back to back, so
+  their ratio is what drift in machine load disturbs least). Returns the
+  medians.
 
   A round runs ``steps`` consecutive steps of each variant; with
   ``round_seconds``, a variant runs about that long per round instead (one
@@ -97,17 +101,24 @@ def bench(kind: str, steps_fn: Callable, txs: Mapping[str, optax.GradientTransfo
       carries[name], t = time_round(steppers[name], carries[name], arg, 1)
       counts[name] = int(np.clip(round(round_seconds / t), 1, steps))
   times = {name: [] for name in txs}
-  for _ in range(rounds):
-    for name in txs:
+  names = list(txs)
+  for r in range(rounds):
+    # Each round starts one variant later, so no variant always runs first or
+    # always follows the same neighbour (both shift timings by a few percent).
+    for name in names[r % len(names):] + names[:r % len(names)]:
       carries[name], t = time_round(steppers[name], carries[name], arg, counts[name])
       times[name].append(t)
   medians = {name: float(np.median(ts)) for name, ts in times.items()}
   width = max(map(len, txs))
   same = len(set(counts.values())) == 1
   print(f"\n{kind}: median of {rounds} alternating rounds"
-        + (f" x {steps} steps" if same else " (steps per round in brackets)"))
+        + (f" x {steps} steps" if same else " (steps per round in brackets)")
+        + "; ratios are medians of per-round ratios [quartiles]")
   for name, med in medians.items():
-    ratios = "   ".join(f"ratio vs {base} {med / medians[base]:.3f}" for base in bases)
+    ratios = []
+    for base in bases:
+      q1, q2, q3 = np.percentile(np.divide(times[name], times[base]), (25, 50, 75))
+      ratios.append(f"ratio vs {base} {q2:.3f} [{q1:.2f}-{q3:.2f}]")
     count = "" if same else f" [{counts[name]:>3}]"
-    print(f"  {name:<{width}}{count} {med * 1e3:9.3f} ms   {ratios}")
+    print(f"  {name:<{width}}{count} {med * 1e3:9.3f} ms   " + "   ".join(ratios))
   return medians
