@@ -1,11 +1,14 @@
 """Cost of SAGGS against plain AdamW: optimizer update alone, and the full train step.
 
 Every variant is compiled first, then timed in alternating rounds in one
-process (adamw, saggs/1, saggs/100, soft/1, adamw, ...), so drift in machine
-load hits all of them alike. Each round times ``--steps`` consecutive steps
-(a multiple of 100, so every=100 balances exactly once per round); the
-median over rounds is reported as a ratio to AdamW. Sizes and timing helpers
-live in ``bench/common.py``.
+process (each round starting one variant later), so drift in machine load
+hits all of them alike. Each round times ``--steps`` consecutive steps (a
+multiple of 100, so every=100 balances exactly once per round); ratios to
+AdamW are medians of per-round ratios, with quartiles. A second AdamW
+("control") shows the noise floor of the run. Variants: eager SAGGS (the
+default: balance after the inner step) and deferred SAGGS (``deferred=True``:
+balance at the start of the next one), hard at every=1 and every=100, and soft.
+Sizes and timing helpers live in ``bench/common.py``.
 
   python bench/bench_saggs.py                  # CPU-sized model
   python bench/bench_saggs.py --size gpt2      # GPT-2-small-sized (GPU)

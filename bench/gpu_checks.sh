@@ -10,5 +10,5 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import jax; print(jax.__version__, jax.devices())" 2>&1 | tee "$out/env.txt"
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_saggs.py tests/test_models.py \
   tests/test_trajectory.py tests/test_equivariant.py 2>&1 | tail -n 25 | tee "$out/tests.txt"
-timeout 240 python3 bench/bench_saggs.py --size gpt2 --rounds 5 2>&1 | tee "$out/bench_saggs.txt"
+timeout 300 python3 bench/bench_saggs.py --size gpt2 --rounds 5 2>&1 | tee "$out/bench_saggs.txt"
 timeout 200 python3 bench/bench_equivariant.py --size gpt2 --rounds 5 2>&1 | tee "$out/bench_equivariant.txt"

@@ -16,7 +16,7 @@ own arithmetic.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
