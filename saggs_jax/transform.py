@@ -42,17 +42,13 @@ class SaggsState(NamedTuple):
   factors: Factors
 
 
-# ``prior(grads, prior_states, params) -> (updates, prior_states)``: the stages
-# before a symmetry stage, run as one.
-Prior = Callable[[optax.Updates, tuple, optax.Params], tuple[optax.Updates, tuple]]
-
-
 class SymmetryTransformation(optax.GradientTransformationExtraArgs):
   """An optax transformation that also acts on the stages before it.
 
   ``around(prior, grads, state, prior_states, params)`` runs ``prior``, the
-  stages before this one, itself (so it can transform their inputs, their
-  outputs or both) and returns ``(updates, state, prior_states)``.
+  stages before this one as ``prior(grads, prior_states, params) -> (updates,
+  prior_states)``, itself (so it can transform their inputs, their outputs or
+  both) and returns ``(updates, state, prior_states)``.
   :func:`chain` calls it; a plain ``optax.chain`` calls ``update``, which can
   balance the parameters only.
   """
