@@ -22,7 +22,6 @@ from saggs_jax import paths
 from saggs_jax.pairs import Plan, Slot
 
 Factors = dict[str, jax.Array]
-MODE = 0
 
 
 def compute_dtype(dtype) -> jnp.dtype:
