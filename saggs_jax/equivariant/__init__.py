@@ -20,8 +20,9 @@ Example:
   >>> updates, state = tx.update(params, tx.init(params), params)
 """
 
-from saggs_jax.equivariant._linalg import NS_COEFFS, POLAR_EXPRESS, QUINTIC, newton_schulz
+from saggs_jax.equivariant._linalg import NS_COEFFS, POLAR_EXPRESS, QUINTIC, CoefficientSet, newton_schulz
 from saggs_jax.equivariant.rules import (
+    REFERENCE,
     MomentumState,
     scale_by_hybrid,
     scale_by_left_spectral,
@@ -32,10 +33,12 @@ from saggs_jax.equivariant.rules import (
 from saggs_jax.equivariant.stack import ROLE_PATTERNS, layerwise, optimizer, symmetry_compatible
 
 __all__ = [
+    "CoefficientSet",
     "MomentumState",
     "NS_COEFFS",
     "POLAR_EXPRESS",
     "QUINTIC",
+    "REFERENCE",
     "ROLE_PATTERNS",
     "layerwise",
     "newton_schulz",

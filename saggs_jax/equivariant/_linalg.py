@@ -7,12 +7,12 @@ copies. Inputs are floating arrays of at least float32; callers promote.
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Literal, NamedTuple, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 
-Coeffs = Union[str, Sequence[float], Sequence[Sequence[float]]]
+Coeffs = Union[str, "CoefficientSet", Sequence[float], Sequence[Sequence[float]]]
 
 # Keller Jordan's Muon quintic: steep at 0, so 5 steps suffice, but it does not
 # converge; singular values settle in about [0.68, 1.2].
@@ -37,21 +37,67 @@ POLAR_EXPRESS = tuple(
     (a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _POLAR_EXPRESS[:-1]
 ) + _POLAR_EXPRESS[-1:]
 
-NS_COEFFS = {"quintic": QUINTIC, "polar_express": POLAR_EXPRESS}
+# The set the Polar Express authors ship for Muon (5 steps, fitted with a 2e-2
+# safety margin and a cushion of 2); it assumes the normaliser 1.02 ||X||_F.
+# Lau & Su's reference code uses it for Muon.
+POLAR_EXPRESS_CUSHION = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+# Algorithm 1's set with the safety factor 1.05 instead of 1.01; Lau & Su's
+# reference code uses it for its inverse square roots, after normalising by
+# 1.02 ||A||_F.
+POLAR_EXPRESS_105 = tuple(
+    (a / 1.05, b / 1.05**3, c / 1.05**5) for a, b, c in _POLAR_EXPRESS[:-1]
+) + _POLAR_EXPRESS[-1:]
 
 
-def _schedule(coeffs: Coeffs, steps: int) -> tuple[tuple[float, float, float], ...]:
-  """``steps`` coefficient triples; a schedule shorter than ``steps`` repeats its last."""
+class CoefficientSet(NamedTuple):
+  """Per-step ``(a, b, c)`` triples (the last repeats) and the normaliser they
+  were fitted for: the input is divided by ``headroom * ||X||_F`` first."""
+
+  triples: tuple[tuple[float, float, float], ...]
+  headroom: float = 1.01
+
+
+NS_COEFFS = {
+    "quintic": CoefficientSet(QUINTIC),
+    "polar_express": CoefficientSet(POLAR_EXPRESS),
+    "polar_express_cushion": CoefficientSet(POLAR_EXPRESS_CUSHION, 1.02),
+    "polar_express_1.05": CoefficientSet(POLAR_EXPRESS_105, 1.02),
+}
+
+EpsForm = Literal["floor", "add"]
+
+
+def _guard(norm: jax.Array, eps: float, form: EpsForm) -> jax.Array:
+  """``max(norm, eps)`` ("floor": exact above eps) or ``norm + eps`` ("add")."""
+  if form == "floor":
+    return jnp.maximum(norm, eps)
+  if form == "add":
+    return norm + eps
+  raise ValueError(f"eps_form must be 'floor' or 'add', got {form!r}.")
+
+
+def _schedule(coeffs: Coeffs, steps: int) -> tuple[tuple[tuple[float, float, float], ...], float]:
+  """``steps`` coefficient triples (a set shorter than ``steps`` repeats its
+  last) and the headroom of the normaliser."""
+  headroom = 1.01
   if isinstance(coeffs, str):
     if coeffs not in NS_COEFFS:
       raise ValueError(f"Unknown Newton-Schulz coefficients {coeffs!r}; expected one of {sorted(NS_COEFFS)}.")
     coeffs = NS_COEFFS[coeffs]
+  if isinstance(coeffs, CoefficientSet):
+    coeffs, headroom = coeffs
   elif len(coeffs) == 3 and all(isinstance(c, (int, float)) for c in coeffs):
     coeffs = (coeffs,)
   coeffs = tuple(tuple(float(c) for c in abc) for abc in coeffs)
   if not coeffs or any(len(abc) != 3 for abc in coeffs):
     raise ValueError(f"Newton-Schulz coefficients must be (a, b, c) triples, got {coeffs!r}.")
-  return tuple(coeffs[min(i, len(coeffs) - 1)] for i in range(steps))
+  return tuple(coeffs[min(i, len(coeffs) - 1)] for i in range(steps)), headroom
 
 
 def newton_schulz(
@@ -60,19 +106,24 @@ def newton_schulz(
     steps: int = 5,
     dtype: jnp.dtype = jnp.bfloat16,
     eps: float = 1e-7,
+    eps_form: EpsForm = "floor",
 ) -> jax.Array:
   r"""Approximates the polar factor :math:`UV^\top` of each matrix in ``x``.
 
-  With :math:`X_0 = X / \max(1.01\,\|X\|_F, \epsilon)` (singular values in
-  :math:`[0, 1)`), each step applies the odd quintic
+  With :math:`X_0 = X / \max(h\,\|X\|_F, \epsilon)` (``eps_form="add"``:
+  :math:`h\|X\|_F + \epsilon`; :math:`h` the coefficient set's headroom,
+  1.01 unless the set says otherwise), each step applies the odd quintic
   :math:`X \leftarrow aX + b(XX^\top)X + c(XX^\top)^2X`, which maps every singular
   value :math:`\sigma` to :math:`a\sigma + b\sigma^3 + c\sigma^5` and leaves the
   singular vectors alone. Rows and columns that are zero stay exactly zero.
 
   Args:
     x: ``(..., m, n)`` matrices.
-    coeffs: ``"polar_express"`` (default), ``"quintic"``, one ``(a, b, c)``
-      triple or a per-step sequence of triples (its last repeats). At equal
+    coeffs: a name in :data:`NS_COEFFS` (``"polar_express"``, the default;
+      ``"quintic"``; ``"polar_express_cushion"`` and ``"polar_express_1.05"``,
+      the sets of Lau & Su's reference code), a :class:`CoefficientSet`, one
+      ``(a, b, c)`` triple or a per-step sequence of triples (its last
+      repeats). At equal
       steps Polar Express leaves every singular value closer to 1 than the
       quintic does: on a condition number ~1e3 input (16 x 32, bfloat16), 5
       steps give about [0.67, 1.13] against the quintic's [0.36, 1.15], and 6
@@ -80,7 +131,8 @@ def newton_schulz(
       about [0.68, 1.2]).
     steps: number of iterations (unrolled: each is three small matmuls).
     dtype: dtype the iterations run in (the normalisation is in ``x.dtype``).
-    eps: floor of the normaliser, so a zero matrix maps to zero.
+    eps: floor (or shift) of the normaliser, so a zero matrix maps to zero.
+    eps_form: ``"floor"`` or ``"add"``, see above.
 
   Returns:
     An array like ``x`` (same dtype).
@@ -92,15 +144,16 @@ def newton_schulz(
     >>> bool(jnp.allclose(o @ o.T, jnp.eye(4), atol=1e-2))
     True
   """
+  triples, headroom = _schedule(coeffs, steps)
   # Iterate on the wide orientation: the Gram matrix X X^T is then the small one.
   tall = x.shape[-2] > x.shape[-1]
   y = x.mT if tall else x
   norm = jnp.linalg.norm(y, axis=(-2, -1), keepdims=True)
-  y = (y / jnp.maximum(1.01 * norm, eps)).astype(dtype)
+  y = (y / _guard(headroom * norm, eps, eps_form)).astype(dtype)
 
   # Unrolled rather than a scan: a handful of steps compiles quickly, and on GPU
   # a while loop costs a device-to-host sync of its predicate per iteration.
-  for a, b, c in _schedule(coeffs, steps):
+  for a, b, c in triples:
     gram = y @ y.mT
     y = a * y + (b * gram + c * gram @ gram) @ y
   y = y.astype(x.dtype)
@@ -112,31 +165,92 @@ def center(x: jax.Array) -> jax.Array:
   return x - jnp.mean(x, axis=-2, keepdims=True)
 
 
-def row_normalize(x: jax.Array, eps: float) -> jax.Array:
-  """R(X): every unit vector divided by ``max(||row||, eps)``; zero rows stay zero."""
-  return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps)
+def row_normalize(x: jax.Array, eps: float, eps_form: EpsForm = "floor") -> jax.Array:
+  """R(X): every unit vector divided by ``max(||row||, eps)`` (or ``||row|| + eps``);
+  zero rows stay zero."""
+  return x / _guard(jnp.linalg.norm(x, axis=-1, keepdims=True), eps, eps_form)
 
 
-def spectral(x: jax.Array, eps: float) -> jax.Array:
-  r"""The one-sided spectral map :math:`\nu\, X (X^\top X + \epsilon' I)^{-1/2}`.
+def inv_sqrt(a: jax.Array, damping: jax.Array | float, coeffs: Coeffs, steps: int) -> jax.Array:
+  r"""An iterative :math:`(A + \delta I)^{-1/2}` of symmetric PSD matrices ``a``.
 
-  :math:`\nu = \operatorname{tr}(C (C + \epsilon' I)^{-1/2})` with
-  :math:`C = X^\top X` is the nuclear norm softened below :math:`\sqrt{\epsilon'}`.
-  The floor is relative, :math:`\epsilon' = \epsilon \|X\|_F^2`, so the map is
-  positively homogeneous (scale the gradient, scale the update) and float32
-  eigenvalues are resolved at any gradient scale.
+  With :math:`B = A + \delta I` divided by :math:`s = h\|B\|_F + \delta`
+  (spectrum in :math:`(0, 1)`), the coupled iteration :math:`Y_0 = B/s`,
+  :math:`Z_0 = I`, :math:`T = \phi(I - Z Y)`, :math:`Y \leftarrow Y T`,
+  :math:`Z \leftarrow T Z` with :math:`\phi(r) = (a + b + c) - (b + 2c) r + c r^2`
+  applies the same odd quintic :math:`p(x) = x\,\phi(1 - x^2)` to the singular
+  values of :math:`(B/s)^{1/2}` that :func:`newton_schulz` applies to a
+  matrix's, so :math:`Y \to (B/s)^{1/2}` and :math:`Z \to (B/s)^{-1/2}`;
+  the result is :math:`Z / \sqrt{s}`. Runs in the dtype of ``a``.
+
+  Args:
+    a: ``(..., n, n)`` symmetric PSD matrices (symmetrised first).
+    damping: :math:`\delta`, a float or an array broadcasting against
+      ``(..., 1, 1)``.
+    coeffs: a coefficient set (see :func:`newton_schulz`); its headroom is h.
+    steps: iterations.
+  """
+  triples, headroom = _schedule(coeffs, steps)
+  eye = jnp.eye(a.shape[-1], dtype=a.dtype)
+  b = 0.5 * (a + a.mT) + damping * eye
+  scale = headroom * jnp.linalg.norm(b, axis=(-2, -1), keepdims=True) + damping
+  scale = jnp.maximum(scale, jnp.finfo(a.dtype).tiny)
+  y, z = b / scale, jnp.broadcast_to(eye, b.shape)
+  for ca, cb, cc in triples:
+    r = eye - z @ y
+    r = 0.5 * (r + r.mT)
+    t = (ca + cb + cc) * eye - (cb + 2 * cc) * r + cc * r @ r
+    y, z = y @ t, t @ z
+  return z * jax.lax.rsqrt(scale)
+
+
+Gram = Literal["smaller", "right", "left"]
+
+
+def spectral(
+    x: jax.Array,
+    eps: float,
+    *,
+    relative: bool = True,
+    method: Union[Literal["eigh"], Coeffs] = "eigh",
+    steps: int = 5,
+    gram: Gram = "smaller",
+) -> tuple[jax.Array, jax.Array]:
+  r"""The one-sided spectral map, as its direction and its nuclear-norm factor.
+
+  Returns :math:`X (X^\top X + \epsilon' I)^{-1/2}` and
+  :math:`\nu = \operatorname{tr}(C (C + \epsilon' I)^{-1/2})`, :math:`C = X^\top X`,
+  the nuclear norm softened below :math:`\sqrt{\epsilon'}` (shape ``(..., 1, 1)``).
+  With ``relative`` the floor is :math:`\epsilon' = \epsilon \|X\|_F^2`, so
+  the map is positively homogeneous (scale the gradient, scale
+  :math:`\nu`) and float32 eigenvalues are resolved at any gradient scale;
+  otherwise :math:`\epsilon' = \epsilon`.
 
   The push-through identity :math:`X f(X^\top X) = f(XX^\top) X` makes this
-  equal to the left form :math:`\nu (XX^\top + \epsilon' I)^{-1/2} X`; the
-  smaller Gram matrix is the one decomposed (with ``eigh``).
+  equal to the left form :math:`(XX^\top + \epsilon' I)^{-1/2} X` (and
+  :math:`\nu` to :math:`\operatorname{tr}(C' (C' + \epsilon' I)^{-1/2})`, :math:`C' = XX^\top`):
+  ``gram`` picks the Gram matrix, by default the smaller. ``method="eigh"``
+  decomposes it exactly (after dividing X by its norm); a coefficient set
+  runs :func:`inv_sqrt` on the Gram of X as given, for ``steps`` steps. The
+  iteration is approximate: the two Gram matrices then give different results.
   """
-  scale = jnp.linalg.norm(x, axis=(-2, -1), keepdims=True)
-  y = x / jnp.maximum(scale, jnp.finfo(x.dtype).tiny)
-  left = y.shape[-2] < y.shape[-1]
-  gram = y @ y.mT if left else y.mT @ y
-  lam, q = jnp.linalg.eigh(gram)
-  lam = jnp.maximum(lam, 0.0)  # eigh can return tiny negatives
-  inv_sqrt = jax.lax.rsqrt(lam + eps)
-  nu = jnp.sum(lam * inv_sqrt, axis=-1)[..., None, None]
-  root = (q * inv_sqrt[..., None, :]) @ q.mT
-  return scale * nu * (root @ y if left else y @ root)
+  rows, cols = x.shape[-2:]
+  left = gram == "left" or (gram == "smaller" and rows < cols)
+  if gram not in ("smaller", "right", "left"):
+    raise ValueError(f"gram must be 'smaller', 'right' or 'left', got {gram!r}.")
+  norm = jnp.linalg.norm(x, axis=(-2, -1), keepdims=True)
+  if isinstance(method, str) and method == "eigh":
+    y = x / jnp.maximum(norm, jnp.finfo(x.dtype).tiny)
+    floor = eps if relative else eps / jnp.maximum(norm, jnp.finfo(x.dtype).tiny) ** 2
+    c = y @ y.mT if left else y.mT @ y
+    lam, q = jnp.linalg.eigh(c)
+    lam = jnp.maximum(lam, 0.0)  # eigh can return tiny negatives
+    inv = jax.lax.rsqrt(lam + floor)
+    nu = norm * jnp.sum(lam * inv, axis=-1)[..., None, None]
+    root = (q * inv[..., None, :]) @ q.mT
+  else:
+    c = x @ x.mT if left else x.mT @ x
+    root = inv_sqrt(c, eps * norm**2 if relative else eps, method, steps)
+    nu = jnp.sum(c * root.mT, axis=(-2, -1), keepdims=True)  # tr(C R)
+    y = x
+  return (root @ y if left else y @ root), nu

@@ -80,8 +80,20 @@ def _make_plan(shape, batch, rows, cols) -> _Plan:
   return _Plan(tuple(shape), perm, matrix_shape)
 
 
-def _unit_planner(unit_axis: int, batch_axes: Axes) -> Callable[[tuple[int, ...]], _Plan]:
-  """Rows: ``unit_axis``; columns: the one remaining non-batch axis."""
+def _split(shape, axis: int, count: int, interleaved: bool):
+  """Splits ``axis`` into ``count`` pieces, contiguous or interleaved (piece k
+  holds indices k, k + count, ...). Returns the split shape, the axis that
+  indexes the pieces, and a map from the other axes to their new positions
+  (``axis`` itself goes to the axis within a piece)."""
+  n = shape[axis]
+  split = shape[:axis] + ((n // count, count) if interleaved else (count, n // count)) + shape[axis + 1:]
+  piece, within = (axis + 1, axis) if interleaved else (axis, axis + 1)
+  return split, piece, lambda axes: tuple(within if a == axis else a + (a > axis) for a in axes)
+
+
+def _unit_planner(unit_axis: int, batch_axes: Axes, fused: int, interleaved: bool):
+  """Rows: ``unit_axis`` (holding ``fused`` branches per unit); columns: the
+  one remaining non-batch axis, then the branch index."""
   nbatch = len(_as_tuple(batch_axes))
 
   def plan(shape):
@@ -89,12 +101,17 @@ def _unit_planner(unit_axis: int, batch_axes: Axes) -> Callable[[tuple[int, ...]
       raise ValueError(f"expected rank {nbatch + 2} (units, features and {nbatch} batch axes)")
     batch, (unit,) = _normalize(batch_axes, len(shape)), _normalize(unit_axis, len(shape))
     features = tuple(a for a in range(len(shape)) if a != unit and a not in batch)
-    return _make_plan(shape, batch, (unit,), features)
+    if fused == 1:
+      return _make_plan(shape, batch, (unit,), features)
+    if fused < 1 or shape[unit] % fused:
+      raise ValueError(f"unit axis {unit} of size {shape[unit]} does not hold {fused} fused branches")
+    split, piece, move = _split(shape, unit, fused, interleaved)
+    return _make_plan(split, move(batch), move((unit,)), move(features) + (piece,))
 
   return plan
 
 
-def _polar_planner(reduction_axes, output_axes, batch_axes, num_heads, head_dim, head_axis):
+def _polar_planner(reduction_axes, output_axes, batch_axes, num_heads, head_dim, head_axis, interleaved):
   """Rows: reduction axes; columns: output axes; ``head_axis`` optionally split into heads."""
   rank = sum(len(_as_tuple(a)) for a in (reduction_axes, output_axes, batch_axes))
   if num_heads is not None and head_dim is not None:
@@ -112,10 +129,9 @@ def _polar_planner(reduction_axes, output_axes, batch_axes, num_heads, head_dim,
     if h in batch or heads < 1 or shape[h] % heads:
       raise ValueError(f"axis {h} of size {shape[h]} does not split into "
                        f"{f'{num_heads} heads' if num_heads else f'heads of size {head_dim}'}")
-    # Axis h becomes (heads, size / heads); the head index joins the batch axes.
-    shift = lambda axes: tuple(a + (a >= h) for a in axes)
-    split = shape[:h] + (heads, shape[h] // heads) + shape[h + 1:]
-    return _make_plan(split, shift(batch) + (h,), shift(rows), shift(cols))
+    # The head index joins the batch axes.
+    split, piece, move = _split(shape, h, heads, interleaved)
+    return _make_plan(split, move(batch) + (piece,), move(rows), move(cols))
 
   return plan
 
@@ -163,7 +179,14 @@ def _batched(direction, xs: list[jax.Array]) -> list[jax.Array]:
   return out
 
 
-def _rule(name: str, planner, direction, *, beta, nesterov, mu_dtype, joint=(), batched=False):
+def _accumulate(g, mu, beta: float, ema: bool):
+  """``beta mu + (1 - beta) g`` (an EMA) or ``beta mu + g`` (a sum, as in torch's SGD)."""
+  if ema:
+    return optax.tree.update_moment(g, mu, beta, 1)
+  return jax.tree.map(lambda g, m: beta * m + g, g, mu)
+
+
+def _rule(name: str, planner, direction, *, beta, nesterov, mu_dtype, joint=(), batched=False, ema=True):
   """Momentum, then ``direction`` on every block of matrices ``(batch..., rows, cols)``.
 
   Leaves of one ``joint`` group are concatenated along the columns, so a unit's
@@ -196,8 +219,8 @@ def _rule(name: str, planner, direction, *, beta, nesterov, mu_dtype, joint=(), 
 
   def update_fn(updates, state, params=None):
     del params
-    mu = optax.tree.update_moment(updates, state.mu, beta, 1)
-    m = optax.tree.update_moment(updates, mu, beta, 1) if nesterov else mu
+    mu = _accumulate(updates, state.mu, beta, ema)
+    m = _accumulate(updates, mu, beta, ema) if nesterov else mu
     leaves, treedef, plans, blocks = plan_tree(m)
     dtypes = [g.dtype for g in jax.tree.leaves(updates)]
     xs = []
@@ -227,12 +250,15 @@ def scale_by_polar(
     num_heads: Optional[int] = None,
     head_dim: Optional[int] = None,
     head_axis: int = -1,
+    interleaved: bool = False,
     beta: float = 0.95,
     nesterov: bool = True,
+    ema: bool = True,
     ns_coeffs: _linalg.Coeffs = "polar_express",
     ns_steps: int = 5,
     ns_dtype: jnp.dtype = jnp.bfloat16,
     eps: float = 1e-7,
+    eps_form: _linalg.EpsForm = "floor",
     mu_dtype: Optional[jnp.dtype] = None,
 ) -> optax.GradientTransformation:
   r"""Muon: the polar factor of the Nesterov momentum, per matrix (and per head).
@@ -250,6 +276,10 @@ def scale_by_polar(
   a ``(d, H*hd)`` query kernel takes ``num_heads=H`` (``head_axis=-1``), a
   ``(H*hd, d)`` output kernel ``head_axis=-2``; a ``(d, H, hd)`` DenseGeneral
   kernel takes ``reduction_axes=0, output_axes=2, batch_axes=1`` instead.
+  With ``interleaved`` head k holds indices k, k + H, ...: the gate and up
+  halves of a gpt-oss fused ``(E, d, 2F)`` expert kernel are
+  ``num_heads=2, interleaved=True`` (``reduction_axes=2, output_axes=1,
+  batch_axes=0`` for Lau & Su's shape factor).
 
   Args:
     reduction_axes: input axes (rows of the Flax ``(in, out)`` layout).
@@ -258,13 +288,18 @@ def scale_by_polar(
     num_heads: split ``head_axis`` into this many heads.
     head_dim: split ``head_axis`` into heads of this size.
     head_axis: the axis holding the heads.
+    interleaved: heads interleave along ``head_axis`` instead of being contiguous.
     beta: momentum decay.
     nesterov: use the Nesterov look-ahead ``beta M + (1 - beta) G``.
+    ema: ``False`` accumulates ``M <- beta M + G`` (look-ahead ``beta M +
+      G``) like torch's SGD momentum; the polar factor is the same up to the
+      normaliser's eps.
     ns_coeffs: ``"polar_express"`` (default), ``"quintic"`` (Keller Jordan's
       Muon) or explicit triples; see :func:`newton_schulz`.
     ns_steps: Newton-Schulz iterations.
     ns_dtype: dtype of the iterations.
     eps: floor of the Frobenius normaliser.
+    eps_form: ``"floor"`` (``max(h ||X||, eps)``) or ``"add"`` (``h ||X|| + eps``).
     mu_dtype: momentum dtype (default: the parameter's).
 
   Example:
@@ -275,14 +310,15 @@ def scale_by_polar(
     >>> u["q"].shape
     (8, 8)
   """
-  planner = _polar_planner(reduction_axes, output_axes, batch_axes, num_heads, head_dim, head_axis)
+  planner = _polar_planner(reduction_axes, output_axes, batch_axes, num_heads, head_dim, head_axis,
+                           interleaved)
 
   def direction(x):
     width = math.sqrt(max(1.0, x.shape[-1] / x.shape[-2]))
-    return width * _linalg.newton_schulz(x, ns_coeffs, ns_steps, ns_dtype, eps)
+    return width * _linalg.newton_schulz(x, ns_coeffs, ns_steps, ns_dtype, eps, eps_form)
 
   return _rule("scale_by_polar", planner, direction, beta=beta, nesterov=nesterov, mu_dtype=mu_dtype,
-               batched=True)
+               batched=True, ema=ema)
 
 
 def scale_by_row_norm(
@@ -291,8 +327,11 @@ def scale_by_row_norm(
     center: bool = False,
     batch_axes: Axes = (),
     joint: Sequence[str] = (),
+    fused: int = 1,
+    interleaved: bool = False,
     beta: float = 0.95,
     eps: float = 1e-8,
+    eps_form: _linalg.EpsForm = "floor",
     mu_dtype: Optional[jnp.dtype] = None,
 ) -> optax.GradientTransformation:
   r"""Row-norm: every unit vector of the momentum scaled to unit length.
@@ -317,8 +356,13 @@ def scale_by_row_norm(
       ``saggs_jax.paths``) share units, e.g. ``("gate_proj/kernel",
       "up_proj/kernel")``: a neuron's vector is its gate vector followed by
       its up vector.
+    fused: the unit axis holds this many branches per unit (a fused
+      ``gate_up`` kernel: 2); a unit's vector holds its vectors in every branch.
+    interleaved: the branches interleave along the unit axis (gpt-oss:
+      gate, up, gate, up, ...) instead of following each other (OLMoE).
     beta: momentum decay.
     eps: floor of the row norms.
+    eps_form: ``"floor"`` (``max(||x||, eps)``) or ``"add"`` (``||x|| + eps``).
     mu_dtype: momentum dtype (default: the parameter's).
 
   Example:
@@ -330,9 +374,30 @@ def scale_by_row_norm(
            [0. , 0. ]], dtype=float32)
   """
   p = _maybe_center(center)
-  return _rule("scale_by_row_norm", _unit_planner(unit_axis, batch_axes),
-               lambda x: p(_linalg.row_normalize(p(x), eps)),
+  return _rule("scale_by_row_norm", _unit_planner(unit_axis, batch_axes, fused, interleaved),
+               lambda x: p(_linalg.row_normalize(p(x), eps, eps_form)),
                beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint)
+
+
+
+def _nuclear_scale(nu: jax.Array, alpha: float, floor: float) -> jax.Array:
+  """``max(nu, floor) ** alpha``: the nuclear-norm factor of the spectral and hybrid rules."""
+  nu = jnp.maximum(nu, floor)
+  return nu if alpha == 1.0 else nu**alpha
+
+
+def _spectral_rule(name, unit_axis, *, center, batch_axes, joint, fused, interleaved, beta, eps,
+                   relative_eps, alpha, inv_sqrt, inv_sqrt_steps, gram, mu_dtype):
+  p = _maybe_center(center)
+  floor = 0.0 if relative_eps else eps
+
+  def direction(m):
+    u, nu = _linalg.spectral(p(m), eps, relative=relative_eps, method=inv_sqrt, steps=inv_sqrt_steps,
+                             gram=gram)
+    return p(_nuclear_scale(nu, alpha, floor) * u)
+
+  return _rule(name, _unit_planner(unit_axis, batch_axes, fused, interleaved), direction,
+               beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint, batched=True)
 
 
 def scale_by_right_spectral(
@@ -341,30 +406,46 @@ def scale_by_right_spectral(
     center: bool = False,
     batch_axes: Axes = (),
     joint: Sequence[str] = (),
+    fused: int = 1,
+    interleaved: bool = False,
     beta: float = 0.95,
     eps: float = 1e-6,
+    relative_eps: bool = True,
+    alpha: float = 1.0,
+    inv_sqrt: Union[str, _linalg.Coeffs] = "eigh",
+    inv_sqrt_steps: int = 5,
+    gram: _linalg.Gram = "smaller",
     mu_dtype: Optional[jnp.dtype] = None,
 ) -> optax.GradientTransformation:
   r"""Right (one-sided) spectral update.
 
   .. math::
-    u = \nu\, X (X^\top X + \epsilon' I)^{-1/2}, \quad
+    u = \nu^\alpha\, X (X^\top X + \epsilon' I)^{-1/2}, \quad
     \nu = \operatorname{tr}\big(C (C + \epsilon' I)^{-1/2}\big), \quad C = X^\top X,
 
   with :math:`X = M` (rows: units) or :math:`P(M)` with ``center`` (then the
   update is re-centred), and :math:`\epsilon' = \epsilon \|X\|_F^2` so the rule
-  is scale-equivariant. Computed with ``eigh`` in float32 on the smaller Gram
-  matrix. Equivariant under unit permutations and orthogonal maps of the
-  features. Zero units stay zero (without ``center``).
+  is scale-equivariant (``relative_eps=False``: :math:`\epsilon' = \epsilon`).
+  By default computed with ``eigh`` in float32 on the smaller Gram matrix.
+  Equivariant under unit permutations and orthogonal maps of the features.
+  Zero units stay zero (without ``center``).
 
   Args:
     unit_axis: the axis of units.
     center: use :math:`P(M)` (shared-shift invariant).
     batch_axes: axes of independent copies.
-    joint: patterns of parameters that share units (see
-      :func:`scale_by_row_norm`).
+    joint, fused, interleaved: units shared by several parameters or fused
+      in one (see :func:`scale_by_row_norm`).
     beta: momentum decay.
-    eps: relative eigenvalue floor.
+    eps: eigenvalue floor (relative to :math:`\|X\|_F^2` with ``relative_eps``).
+    relative_eps: scale the floor with :math:`\|X\|_F^2`.
+    alpha: power of the nuclear-norm factor (0: none; :math:`\nu` is clamped
+      below at ``eps`` when the floor is absolute).
+    inv_sqrt: ``"eigh"`` (exact) or a coefficient set for the iterative
+      inverse square root (see :func:`saggs_jax.equivariant._linalg.inv_sqrt`).
+    inv_sqrt_steps: iterations of the iterative inverse square root.
+    gram: ``"smaller"``, ``"right"`` (:math:`X^\top X`) or ``"left"``
+      (:math:`XX^\top`): the Gram matrix whose inverse square root is taken.
     mu_dtype: momentum dtype (default: the parameter's).
 
   Example:
@@ -375,10 +456,11 @@ def scale_by_right_spectral(
     Array([[3., 0.],
            [0., 3.]], dtype=float32)
   """
-  p = _maybe_center(center)
-  return _rule("scale_by_right_spectral", _unit_planner(unit_axis, batch_axes),
-               lambda x: p(_linalg.spectral(p(x), eps)),
-               beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint, batched=True)
+  return _spectral_rule("scale_by_right_spectral", unit_axis, center=center, batch_axes=batch_axes,
+                        joint=joint, fused=fused, interleaved=interleaved, beta=beta, eps=eps,
+                        relative_eps=relative_eps, alpha=alpha, inv_sqrt=inv_sqrt,
+                        inv_sqrt_steps=inv_sqrt_steps, gram=gram, mu_dtype=mu_dtype)
+
 
 
 def scale_by_left_spectral(
@@ -387,21 +469,28 @@ def scale_by_left_spectral(
     center: bool = True,
     batch_axes: Axes = (),
     joint: Sequence[str] = (),
+    fused: int = 1,
+    interleaved: bool = False,
     beta: float = 0.95,
     eps: float = 1e-6,
+    relative_eps: bool = True,
+    alpha: float = 1.0,
+    inv_sqrt: Union[str, _linalg.Coeffs] = "eigh",
+    inv_sqrt_steps: int = 5,
+    gram: _linalg.Gram = "smaller",
     mu_dtype: Optional[jnp.dtype] = None,
 ) -> optax.GradientTransformation:
   r"""Left spectral update, for MoE routers (units = experts).
 
   .. math::
-    u = P\big(\nu\, (XX^\top + \epsilon' I)^{-1/2} X\big), \quad X = P(M),
+    u = P\big(\nu^\alpha\, (XX^\top + \epsilon' I)^{-1/2} X\big), \quad X = P(M),
 
   equivariant under expert permutations and invariant under a shared shift of
   the expert vectors. By the push-through identity
   :math:`(XX^\top + \epsilon' I)^{-1/2} X = X (X^\top X + \epsilon' I)^{-1/2}`
   it is the centred :func:`scale_by_right_spectral`; the ``experts x experts``
-  Gram matrix is the one decomposed whenever it is the smaller. Arguments as
-  there; ``center`` defaults to True.
+  Gram matrix is the one decomposed whenever it is the smaller (``gram="left"``
+  always uses it). Arguments as there; ``center`` defaults to True.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -411,8 +500,10 @@ def scale_by_left_spectral(
     >>> bool(jnp.allclose(u.sum(axis=1), 0.0, atol=1e-4))  # centred over experts
     True
   """
-  return scale_by_right_spectral(unit_axis, center=center, batch_axes=batch_axes, joint=joint,
-                                 beta=beta, eps=eps, mu_dtype=mu_dtype)
+  return _spectral_rule("scale_by_left_spectral", unit_axis, center=center, batch_axes=batch_axes,
+                        joint=joint, fused=fused, interleaved=interleaved, beta=beta, eps=eps,
+                        relative_eps=relative_eps, alpha=alpha, inv_sqrt=inv_sqrt,
+                        inv_sqrt_steps=inv_sqrt_steps, gram=gram, mu_dtype=mu_dtype)
 
 
 def scale_by_hybrid(
@@ -422,34 +513,63 @@ def scale_by_hybrid(
     center: bool = False,
     batch_axes: Axes = (),
     joint: Sequence[str] = (),
+    fused: int = 1,
+    interleaved: bool = False,
     beta: float = 0.95,
     eps: float = 1e-8,
+    eps_form: _linalg.EpsForm = "floor",
+    alpha: float = 1.0,
+    nuclear_norm_axes: Axes = (),
+    polar: Literal["newton_schulz", "gram"] = "newton_schulz",
     ns_coeffs: _linalg.Coeffs = "polar_express",
     ns_steps: int = 5,
     ns_dtype: jnp.dtype = jnp.bfloat16,
+    relative_eps: bool = True,
+    inv_sqrt: Union[str, _linalg.Coeffs] = "eigh",
+    inv_sqrt_steps: int = 5,
+    gram: _linalg.Gram = "smaller",
     mu_dtype: Optional[jnp.dtype] = None,
 ) -> optax.GradientTransformation:
   r"""Hybrid row-norm / spectral update.
 
-  ``"row_then_polar"``: :math:`u = \nu(X)\,\mathrm{polar}(X)` with
+  ``"row_then_polar"``: :math:`u = \nu(X)^\alpha\,\mathrm{polar}(X)` with
   :math:`X = R(M)` and :math:`\nu(X) = \langle \mathrm{polar}(X), X\rangle`,
   the nuclear norm of X (exactly so when the polar factor is exact).
-  ``"polar_then_row"``: :math:`u = R(\mathrm{polar}(M))`. With ``center``,
-  :math:`P` is applied first and last. Equivariant under unit permutations and
-  orthogonal maps of the features (and shared shifts with ``center``).
+  ``"polar_then_row"``: :math:`u = R(\nu(M)^\alpha\,\mathrm{polar}(M))`, in
+  which the factor cancels (but for eps). With ``center``, :math:`P` is
+  applied first and last, and in ``"row_then_polar"`` again between
+  :math:`R` and the polar step (the row scaling moves the units' mean off
+  zero): :math:`u = P(\nu^\alpha \mathrm{polar}(X))`, :math:`X = P(R(P(M)))`.
+  Equivariant under unit permutations and orthogonal maps of the features
+  (and shared shifts with ``center``).
+
+  The polar factor is :func:`newton_schulz` of X (``polar="newton_schulz"``)
+  or :math:`X (X^\top X + \epsilon' I)^{-1/2}` (``polar="gram"``, the
+  spectral map of :func:`scale_by_right_spectral` with its ``relative_eps``,
+  ``inv_sqrt``, ``inv_sqrt_steps`` and ``gram``).
 
   Args:
     unit_axis: the axis of units.
     order: which map comes first.
-    center: apply :math:`P` first and last.
+    center: apply :math:`P` first and last (and between, see above).
     batch_axes: axes of independent copies.
-    joint: patterns of parameters that share units (see
-      :func:`scale_by_row_norm`).
+    joint, fused, interleaved: units shared by several parameters or fused
+      in one (see :func:`scale_by_row_norm`).
     beta: momentum decay.
-    eps: floor of the row norms and of the Frobenius normaliser.
+    eps: floor of the row norms and of the Frobenius normaliser, the damping
+      of ``polar="gram"``, and the floor of :math:`\nu`.
+    eps_form: ``"floor"`` (``max(||x||, eps)``) or ``"add"`` (``||x|| + eps``)
+      for the row norms and the Newton-Schulz normaliser.
+    alpha: power of the nuclear-norm factor.
+    nuclear_norm_axes: batch axes over which :math:`\nu` is summed, so that
+      their matrices share one factor (Lau & Su's batched-expert hybrid sums
+      over the experts of a tensor); default one factor per matrix.
+    polar: how the polar factor is computed, see above.
     ns_coeffs: Newton-Schulz coefficients (see :func:`newton_schulz`).
     ns_steps: Newton-Schulz iterations.
     ns_dtype: dtype of the iterations.
+    relative_eps, inv_sqrt, inv_sqrt_steps, gram: the Gram inverse square
+      root of ``polar="gram"``, see :func:`scale_by_right_spectral`.
     mu_dtype: momentum dtype (default: the parameter's).
 
   Example:
@@ -462,15 +582,53 @@ def scale_by_hybrid(
   """
   if order not in ("row_then_polar", "polar_then_row"):
     raise ValueError(f"order must be 'row_then_polar' or 'polar_then_row', got {order!r}.")
+  if polar not in ("newton_schulz", "gram"):
+    raise ValueError(f"polar must be 'newton_schulz' or 'gram', got {polar!r}.")
+  if not set(_as_tuple(nuclear_norm_axes)) <= set(_as_tuple(batch_axes)):
+    raise ValueError(f"nuclear_norm_axes {nuclear_norm_axes} must be among the batch axes {batch_axes}.")
   p = _maybe_center(center)
-  polar = lambda x: _linalg.newton_schulz(x, ns_coeffs, ns_steps, ns_dtype, eps)
+  row = lambda x: _linalg.row_normalize(x, eps, eps_form)  # noqa: E731
+
+  def polar_and_scale(x):
+    if polar == "gram":
+      o, nu = _linalg.spectral(x, eps, relative=relative_eps, method=inv_sqrt, steps=inv_sqrt_steps,
+                               gram=gram)
+    else:
+      o = _linalg.newton_schulz(x, ns_coeffs, ns_steps, ns_dtype, eps, eps_form)
+      nu = jnp.sum(o * x, axis=(-2, -1), keepdims=True)
+    if nuclear_norm_axes != ():
+      batch = sorted(_normalize(batch_axes, x.ndim))
+      shared = tuple(batch.index(a) for a in _normalize(nuclear_norm_axes, x.ndim))
+      nu = jnp.sum(nu, axis=shared, keepdims=True)
+    return _nuclear_scale(nu, alpha, eps) * o
 
   def direction(m):
     if order == "polar_then_row":
-      return p(_linalg.row_normalize(polar(p(m)), eps))
-    x = _linalg.row_normalize(p(m), eps)
-    o = polar(x)
-    return p(jnp.sum(o * x, axis=(-2, -1), keepdims=True) * o)
+      return p(row(polar_and_scale(p(m))))
+    return p(polar_and_scale(p(row(p(m)))))
 
-  return _rule("scale_by_hybrid", _unit_planner(unit_axis, batch_axes), direction,
-               beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint, batched=True)
+  return _rule("scale_by_hybrid", _unit_planner(unit_axis, batch_axes, fused, interleaved), direction,
+               beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint,
+               batched=nuclear_norm_axes == ())
+
+
+
+# Lau & Su's reference code (timlautk/equivariant_optimizers): the keyword
+# arguments that make each rule compute what its class computes. Add the
+# layout (axes, heads, fused branches, centring, order) of the block, and for
+# its batched-expert hybrid ``nuclear_norm_axes`` = the expert axis; its
+# left-Gram hybrid (``left=True``) takes ``gram="left"``.
+REFERENCE: dict[str, dict] = {
+    # MuonHeadsPolarExpress, BatchedExpertMuonPolarExpress.
+    "scale_by_polar": dict(ema=False, ns_coeffs="polar_express_cushion", eps=1e-6, eps_form="add"),
+    # RowNormM, BatchedExpertRowNormM (row_mode="inverse_eps").
+    "scale_by_row_norm": dict(eps=1e-8, eps_form="add"),
+    # RightPolarGradM, LeftPolarGradM (backend="polar_express", num_steps=5).
+    "scale_by_right_spectral": dict(eps=1e-8, relative_eps=False, inv_sqrt="polar_express_1.05",
+                                    gram="right"),
+    "scale_by_left_spectral": dict(eps=1e-8, relative_eps=False, inv_sqrt="polar_express_1.05",
+                                   gram="left"),
+    # HybridPolarGradM, BatchedExpertHybridPolarGradM.
+    "scale_by_hybrid": dict(eps=1e-8, eps_form="add", polar="gram", relative_eps=False,
+                            inv_sqrt="polar_express_1.05", gram="right"),
+}
