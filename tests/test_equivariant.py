@@ -92,9 +92,10 @@ RULES = {
                       lambda x: center(left_spectral(center(x))), True, False),
     "hybrid_row_then_polar": (eqv.scale_by_hybrid(0, beta=0.0, **EXACT_NS),
                               lambda x: nuclear(row_norm(x)) * polar(row_norm(x)), False, True),
-    "hybrid_row_then_polar_centered": (
+    "hybrid_row_then_polar_centered": (  # re-centred between R and the polar step
         eqv.scale_by_hybrid(0, center=True, beta=0.0, **EXACT_NS),
-        lambda x: center(nuclear(row_norm(center(x))) * polar(row_norm(center(x)))), True, False),
+        lambda x: center(nuclear(center(row_norm(center(x)))) * polar(center(row_norm(center(x))))),
+        True, False),
     "hybrid_polar_then_row": (eqv.scale_by_hybrid(0, order="polar_then_row", beta=0.0, **EXACT_NS),
                               lambda x: row_norm(polar(x)), False, True),
     "hybrid_polar_then_row_centered": (

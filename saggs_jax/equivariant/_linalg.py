@@ -130,7 +130,8 @@ def newton_schulz(
       steps about [0.93, 1.01], a band the quintic never reaches (it settles in
       about [0.68, 1.2]).
     steps: number of iterations (unrolled: each is three small matmuls).
-    dtype: dtype the iterations run in (the normalisation is in ``x.dtype``).
+    dtype: dtype of the matmul operands; the products accumulate, and the
+      iterate and the normalisation stay, in ``x.dtype``.
     eps: floor (or shift) of the normaliser, so a zero matrix maps to zero.
     eps_form: ``"floor"`` or ``"add"``, see above.
 
@@ -149,14 +150,18 @@ def newton_schulz(
   tall = x.shape[-2] > x.shape[-1]
   y = x.mT if tall else x
   norm = jnp.linalg.norm(y, axis=(-2, -1), keepdims=True)
-  y = (y / _guard(headroom * norm, eps, eps_form)).astype(dtype)
+  y = y / _guard(headroom * norm, eps, eps_form)
+
+  # Matmul operands in `dtype`, products and the iterate in x's dtype: rounding
+  # the iterate to bfloat16 at every step would cost as much accuracy again.
+  def dot(p, q):
+    return jnp.matmul(p.astype(dtype), q.astype(dtype), preferred_element_type=x.dtype)
 
   # Unrolled rather than a scan: a handful of steps compiles quickly, and on GPU
   # a while loop costs a device-to-host sync of its predicate per iteration.
   for a, b, c in triples:
-    gram = y @ y.mT
-    y = a * y + (b * gram + c * gram @ gram) @ y
-  y = y.astype(x.dtype)
+    gram = dot(y, y.mT)
+    y = a * y + dot(b * gram + c * dot(gram, gram), y)
   return y.mT if tall else y
 
 
