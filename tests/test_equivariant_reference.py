@@ -148,3 +148,87 @@ def test_default_bfloat16_matches_reference(case):
     worst = min(worst, cos)
     assert cos >= 0.99, (s, n, k, cos)
   print(case, f"min cosine {worst:.4f}")
+
+
+# ------------------------------------------------------------ the stack preset
+
+from test_equivariant import H, KV, center, llama_grads, polar, row_norm  # noqa: E402
+
+# Path -> role as the reference scripts route a LLaMA-style decoder with MoE.
+ROLE_OF = {
+    "embed/embedding": "embedding", "lm_head/kernel": "lm_head", "norm/scale": "adamw",
+    "layers/attn/q_proj/kernel": "query", "layers/attn/k_proj/kernel": "key_value",
+    "layers/attn/v_proj/kernel": "key_value", "layers/attn/o_proj/kernel": "output",
+    "layers/mlp/gate_proj/kernel": "gate_up", "layers/mlp/up_proj/kernel": "gate_up",
+    "layers/mlp/down_proj/kernel": "down", "layers/moe/router/kernel": "router",
+    "layers/moe/experts/w_in": "experts", "layers/attn_norm/scale": "adamw",
+}
+# train_qwen3.py's defaults (lr_muon, lr_embed, lr_lm_head, lr for AdamW,
+# wd_muon, weight_decay) and train_olmoe.py's lr_router.
+SCRIPT_RATES = {"query": 2e-2, "key_value": 2e-2, "output": 2e-2, "gate_up": 2e-2, "down": 2e-2,
+                "experts": 2e-2, "embedding": 0.5, "lm_head": 5e-3, "router": 7.5e-4, "adamw": 5e-2}
+SCRIPT_DECAYS = {**dict.fromkeys(SCRIPT_RATES, 1e-3), "embedding": 0.0, "lm_head": 0.0, "router": 0.0}
+
+
+def flat(tree):
+  return {jax.tree_util.keystr(k, simple=True, separator="/"): np.asarray(v, np.float64)
+          for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def stack_update(grads, params, **kw):
+  tx = eqv.symmetry_compatible(preset="reference", num_heads=H, num_kv_heads=KV, ns_coeffs="polar_express",
+                               ns_steps=10, ns_dtype=jnp.float32, **kw)  # polar ~ exact
+  return flat(jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])(grads, params))
+
+
+def check_rules(g, out):
+  """The scripts' rule per role (one step, lr 1): dense SwiGLU gate, up and
+  down each polar (Flax (in, out): factor sqrt(max(1, out/in))), experts
+  polar with factor sqrt(max(1, in/out)), row-norm embedding, centred
+  row-norm LM head and router."""
+  width = lambda w: np.sqrt(max(1.0, w.shape[1] / w.shape[0]))  # noqa: E731
+  for name in ("gate_proj", "up_proj", "down_proj"):
+    w = g[f"layers/mlp/{name}/kernel"]
+    np.testing.assert_allclose(out[f"layers/mlp/{name}/kernel"], -width(w) * polar(w), atol=2e-3)
+  experts = g["layers/moe/experts/w_in"]
+  np.testing.assert_allclose(out["layers/moe/experts/w_in"],
+                             -np.stack([width(w.T) * polar(w) for w in experts]), atol=2e-3)
+  np.testing.assert_allclose(out["embed/embedding"], -row_norm(g["embed/embedding"]), atol=1e-5)
+  for path in ("lm_head/kernel", "layers/moe/router/kernel"):
+    np.testing.assert_allclose(out[path], -center(row_norm(center(g[path].T))).T, atol=1e-5)
+
+
+def test_reference_preset_routes_every_role_to_its_rate():
+  """Distinct rates per role: each parameter's update, against the same step
+  at rate 1, is scaled by its own role's rate (params zero: no weight decay)."""
+  g = llama_grads(600)
+  zeros = jax.tree.map(np.zeros_like, g)
+  distinct = {r: 2.0**-i for i, r in enumerate(SCRIPT_RATES)}
+  ones = stack_update(g, zeros, learning_rates=dict.fromkeys(SCRIPT_RATES, 1.0))
+  check_rules(flat(g), ones)
+  for rates, expected in ((distinct, distinct), ({}, SCRIPT_RATES)):
+    out = stack_update(g, zeros, learning_rates=rates)
+    assert set(out) == set(ROLE_OF)
+    for path, role in ROLE_OF.items():
+      np.testing.assert_allclose(out[path], expected[role] * ones[path], rtol=1e-5,
+                                 atol=1e-9, err_msg=path)
+
+
+def test_reference_preset_weight_decay_per_role():
+  """Zero gradients: the update is -lr * wd * p with the scripts' lr and wd per role."""
+  params = llama_grads(700)
+  out = stack_update(jax.tree.map(np.zeros_like, params), params)
+  p = flat(params)
+  for path, role in ROLE_OF.items():
+    np.testing.assert_allclose(out[path], -SCRIPT_RATES[role] * SCRIPT_DECAYS[role] * p[path],
+                               rtol=1e-5, atol=1e-12, err_msg=path)
+
+
+def test_polar_summed_momentum_state():
+  """``ema=False`` keeps torch's SGD buffer ``b <- beta b + g``; the golden
+  vectors cannot tell it from the EMA (the polar factor ignores the scale)."""
+  tx = eqv.scale_by_polar(beta=0.9, ema=False, ns_dtype=jnp.float32)
+  g1, g2 = (np.random.default_rng(k).normal(size=(4, 6)).astype(np.float32) for k in (1, 2))
+  _, state = tx.update(g1, tx.init(g1))
+  _, state = tx.update(g2, state)
+  np.testing.assert_allclose(state.mu, 0.9 * g1 + g2, rtol=1e-6)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 import jax
@@ -11,6 +10,7 @@ import optax
 
 from saggs_jax.equivariant import _linalg
 from saggs_jax.equivariant.rules import (
+    REFERENCE,
     scale_by_hybrid,
     scale_by_left_spectral,
     scale_by_polar,
@@ -121,26 +121,41 @@ ROLE_PATTERNS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Lau & Su's training scripts (timlautk/equivariant_optimizers, train_qwen3.py
+# defaults; the router's rate from train_olmoe.py and train_gpt-oss.py):
+# learning rate and decoupled weight decay per role, "adamw" for the rest.
+REFERENCE_LEARNING_RATES: dict[str, float] = {
+    "embedding": 0.5, "lm_head": 5e-3, "router": 7.5e-4, "adamw": 5e-2,
+    **{r: 2e-2 for r in ("query", "key_value", "output", "gate_up", "down", "experts")},
+}
+REFERENCE_WEIGHT_DECAYS: dict[str, float] = {
+    "embedding": 0.0, "lm_head": 0.0, "router": 0.0, "adamw": 1e-3,
+    **{r: 1e-3 for r in ("query", "key_value", "output", "gate_up", "down", "experts")},
+}
+
+
 def symmetry_compatible(
-    learning_rate: optax.ScalarOrSchedule,
+    learning_rate: Optional[optax.ScalarOrSchedule] = None,
     *,
+    preset: Literal["default", "reference"] = "default",
     adamw_learning_rate: Optional[optax.ScalarOrSchedule] = None,
-    weight_decay: optax.ScalarOrSchedule = 0.0,
-    adamw_weight_decay: optax.ScalarOrSchedule = 0.0,
+    weight_decay: Optional[optax.ScalarOrSchedule] = None,
+    adamw_weight_decay: Optional[optax.ScalarOrSchedule] = None,
     num_heads: Optional[int] = None,
     num_kv_heads: Optional[int] = None,
     head_dim: Optional[int] = None,
     tie_embeddings: bool = False,
     embedding: Literal["row_norm", "hybrid"] = "row_norm",
     lm_head: Literal["row_norm", "hybrid"] = "row_norm",
-    mlp: Literal["row_norm", "hybrid"] = "row_norm",
+    mlp: Optional[Literal["row_norm", "hybrid", "polar"]] = None,
     down: Literal["column", "polar"] = "column",
     router: Literal["row_norm", "left_spectral"] = "row_norm",
     stacked: bool = False,
     patterns: Optional[Mapping[str, Patterns]] = None,
     learning_rates: Optional[Mapping[str, optax.ScalarOrSchedule]] = None,
+    weight_decays: Optional[Mapping[str, optax.ScalarOrSchedule]] = None,
     beta: float = 0.95,
-    ns_coeffs: _linalg.Coeffs = "polar_express",
+    ns_coeffs: Optional[_linalg.Coeffs] = None,
     ns_steps: int = 5,
     ns_dtype: Any = jnp.bfloat16,
 ) -> optax.GradientTransformation:
@@ -157,7 +172,7 @@ def symmetry_compatible(
   lm_head      centred row-norm over vocabulary columns (or centred hybrid)
   gate_up      row-aware: units = hidden neurons, a neuron's vector is its
                gate column followed by its up column (``mlp`` picks
-               row-norm or hybrid)
+               row-norm or hybrid; ``"polar"``: gate and up each polar)
   down         column-aware: units = hidden neurons (rows of the Flax
                kernel), same ``mlp`` choice; or ``down="polar"``
   router       centred row-norm over experts (or centred left spectral)
@@ -166,31 +181,45 @@ def symmetry_compatible(
   ===========  ==========================================================
 
   Every rule runs under :func:`optimizer` with its role's learning rate and
-  ``weight_decay``; AdamW uses ``adamw_learning_rate`` (default
+  weight decay; AdamW uses ``adamw_learning_rate`` (default
   ``learning_rate``) and ``adamw_weight_decay``.
 
+  ``preset="reference"`` reproduces Lau & Su's training scripts: every rule
+  with its :data:`REFERENCE` settings (Muon's summed momentum and
+  coefficient set, the ``x / (||x|| + eps)`` row scaling, ...), ``mlp="polar"``
+  (dense SwiGLU gate, up and down each orthogonalised whole), Muon's shape
+  factor of experts ``sqrt(max(1, in/out))`` as for gpt-oss's ``(E, in,
+  out)`` experts, AdamW with ``b2=0.95``, and the rates and weight decays of
+  :data:`REFERENCE_LEARNING_RATES` and :data:`REFERENCE_WEIGHT_DECAYS`
+  (``learning_rate`` and ``weight_decay``, when given, replace those of the
+  matrix roles; ``learning_rates`` and ``weight_decays`` any role's).
+
   Args:
-    learning_rate: learning rate (or schedule) of the matrix rules.
+    learning_rate: learning rate (or schedule) of the matrix rules (required
+      by the default preset).
+    preset: ``"default"`` or ``"reference"``, see above.
     adamw_learning_rate: learning rate of AdamW for the remaining parameters.
-    weight_decay: decoupled weight decay of the matrix rules.
-    adamw_weight_decay: weight decay of AdamW.
+    weight_decay: decoupled weight decay of the matrix rules (default 0).
+    adamw_weight_decay: weight decay of AdamW (default 0).
     num_heads: query / output heads.
     num_kv_heads: key / value heads (GQA); default ``num_heads``.
     head_dim: head size; splits every attention kernel, GQA included.
-    tie_embeddings: the embedding is also the LM head.
+    tie_embeddings: the embedding is also the LM head (and takes its rate
+      under the reference preset, as the scripts do).
     embedding: rule of an untied embedding.
     lm_head: rule of the LM head (always centred).
-    mlp: rule of gate/up and of a column-aware down.
+    mlp: rule of gate/up and of a column-aware down (default ``"row_norm"``).
     down: ``"column"`` (column-aware, the ``mlp`` rule) or ``"polar"``.
     router: rule of an MoE router (always centred).
     stacked: hidden-layer parameters carry a leading layer axis (scan).
     patterns: per-role overrides of :data:`ROLE_PATTERNS`.
-    learning_rates: per-role overrides of ``learning_rate``.
+    learning_rates: per-role overrides of the learning rates.
+    weight_decays: per-role overrides of the weight decays.
     beta: momentum decay of every rule.
     ns_coeffs: Newton-Schulz coefficients of the polar and hybrid rules
-      (``"polar_express"`` or ``"quintic"``, see :func:`newton_schulz`).
+      (default ``"polar_express"``, see :func:`newton_schulz`).
     ns_steps: Newton-Schulz iterations.
-    ns_dtype: dtype of the iterations.
+    ns_dtype: dtype of the iterations' matmuls.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -200,25 +229,35 @@ def symmetry_compatible(
     ...           "lm_head": {"kernel": jnp.ones((8, 32))}}
     >>> tx = symmetry_compatible(0.02, adamw_learning_rate=3e-4, num_heads=2)
     >>> updates, state = tx.update(params, tx.init(params), params)
+    >>> ref = symmetry_compatible(preset="reference", num_heads=2, learning_rates={"lm_head": 1e-2})
+    >>> updates, state = ref.update(params, ref.init(params), params)
   """
   roles = {**ROLE_PATTERNS}
-  for overrides in (patterns or {}, learning_rates or {}):
-    if unknown := set(overrides) - set(roles):
-      raise ValueError(f"Unknown roles {sorted(unknown)}; the roles are {sorted(roles)}.")
+  for overrides in (patterns or {}, learning_rates or {}, weight_decays or {}):
+    if unknown := set(overrides) - set(roles) - {"adamw"}:
+      raise ValueError(f"Unknown roles {sorted(unknown)}; the roles are {sorted(roles) + ['adamw']}.")
   roles.update({r: (p,) if isinstance(p, str) else tuple(p) for r, p in (patterns or {}).items()})
+  lrs, wds = _rates(preset, learning_rate, adamw_learning_rate, weight_decay, adamw_weight_decay,
+                    learning_rates, weight_decays, tie_embeddings)
+  reference = preset == "reference"
+  settings = {name: (REFERENCE[name] if reference else {}) for name in REFERENCE}
+  mlp = mlp or ("polar" if reference else "row_norm")
+  ns = dict(ns_coeffs=ns_coeffs or settings["scale_by_polar"].get("ns_coeffs", "polar_express"),
+            ns_steps=ns_steps, ns_dtype=ns_dtype)
 
   layer = (0,) if stacked else ()
-  polar = functools.partial(scale_by_polar, beta=beta, ns_coeffs=ns_coeffs, ns_steps=ns_steps,
-                            ns_dtype=ns_dtype)
+
+  def polar(*axes, **kw):
+    return scale_by_polar(*axes, beta=beta, **{**settings["scale_by_polar"], **ns}, **kw)
 
   def units(kind, unit_axis, center=False, batch_axes=(), joint=()):
     common = dict(center=center, batch_axes=batch_axes, joint=joint, beta=beta)
     if kind == "row_norm":
-      return scale_by_row_norm(unit_axis, **common)
+      return scale_by_row_norm(unit_axis, **common, **settings["scale_by_row_norm"])
     if kind == "hybrid":
-      return scale_by_hybrid(unit_axis, ns_coeffs=ns_coeffs, ns_steps=ns_steps, ns_dtype=ns_dtype, **common)
+      return scale_by_hybrid(unit_axis, **common, **{**settings["scale_by_hybrid"], **ns})
     if kind == "left_spectral":
-      return scale_by_left_spectral(unit_axis, **common)
+      return scale_by_left_spectral(unit_axis, **common, **settings["scale_by_left_spectral"])
     raise ValueError(f"Unknown rule {kind!r}.")
 
   def heads(n, axis):
@@ -228,18 +267,48 @@ def symmetry_compatible(
 
   if down not in ("column", "polar"):
     raise ValueError(f"down must be 'column' or 'polar', got {down!r}.")
+  if mlp == "polar":
+    gate_up = down_rule = polar(batch_axes=layer)
+  else:
+    gate_up = units(mlp, -1, batch_axes=layer, joint=roles["gate_up"])
+    down_rule = units(mlp, -2, batch_axes=layer) if down == "column" else polar(batch_axes=layer)
+  experts = layer + (len(layer),)
   rules = {
       "embedding": (units(lm_head, 0, center=True) if tie_embeddings else units(embedding, 0)),
       "lm_head": units(lm_head, 1, center=True),
       "query": heads(num_heads, -1),
       "key_value": heads(num_kv_heads or num_heads, -1),
       "output": heads(num_heads, -2),
-      "gate_up": units(mlp, -1, batch_axes=layer, joint=roles["gate_up"]),
-      "down": units(mlp, -2, batch_axes=layer) if down == "column" else polar(batch_axes=layer),
+      "gate_up": gate_up,
+      "down": down_rule,
       "router": units(router, -1, center=True, batch_axes=layer),
-      "experts": polar(batch_axes=layer + (len(layer),)),
+      "experts": polar(-1, -2, experts) if reference else polar(batch_axes=experts),
   }
-  lrs = {r: (learning_rates or {}).get(r, learning_rate) for r in roles}
-  default = optax.adamw(learning_rate if adamw_learning_rate is None else adamw_learning_rate,
-                        weight_decay=adamw_weight_decay)
-  return layerwise([(roles[r], optimizer(rules[r], lrs[r], weight_decay)) for r in roles], default)
+  default = optax.adamw(lrs["adamw"], b2=0.95 if reference else 0.999, weight_decay=wds["adamw"])
+  return layerwise([(roles[r], optimizer(rules[r], lrs[r], wds[r])) for r in roles], default)
+
+
+def _rates(preset, learning_rate, adamw_learning_rate, weight_decay, adamw_weight_decay,
+           learning_rates, weight_decays, tie_embeddings):
+  """Learning rate and weight decay per role (``"adamw"`` for the rest)."""
+  if preset == "reference":
+    lrs, wds = dict(REFERENCE_LEARNING_RATES), dict(REFERENCE_WEIGHT_DECAYS)
+    scope = ("query", "key_value", "output", "gate_up", "down", "experts")
+  elif preset == "default":
+    if learning_rate is None:
+      raise ValueError("symmetry_compatible needs a learning_rate (or preset='reference').")
+    lrs = dict.fromkeys(REFERENCE_LEARNING_RATES, learning_rate)
+    wds = dict.fromkeys(REFERENCE_WEIGHT_DECAYS, 0.0)
+    scope = tuple(r for r in lrs if r != "adamw")
+  else:
+    raise ValueError(f"preset must be 'default' or 'reference', got {preset!r}.")
+  for rates, value, adamw, overrides in ((lrs, learning_rate, adamw_learning_rate, learning_rates),
+                                         (wds, weight_decay, adamw_weight_decay, weight_decays)):
+    if value is not None:
+      rates.update(dict.fromkeys(scope, value))
+    if adamw is not None:
+      rates["adamw"] = adamw
+    rates.update(overrides or {})
+    if preset == "reference" and tie_embeddings and "embedding" not in (overrides or {}):
+      rates["embedding"] = rates["lm_head"]  # the scripts route a tied embedding as the LM head
+  return lrs, wds
