@@ -38,14 +38,6 @@ def meta(case):
   return json.loads(str(DATA[f"{case}/meta"]))
 
 
-def muon(kw, name, ns_dtype):
-  """MuonHeadsPolarExpress on a torch (out, in) matrix: the shape factor is
-  sqrt(max(1, out/in)) of each block, so ``out`` is the output axis."""
-  cfg = (kw["head_configs"] or {}).get(name)
-  heads = {} if cfg is None else dict(num_heads=cfg["num_heads"],
-                                      head_axis=0 if cfg["layout"] == "qkv" else 1)
-  return eqv.scale_by_polar(1, 0, beta=kw["momentum"], nesterov=kw["nesterov"], ns_dtype=ns_dtype,
-                            **heads, **eqv.REFERENCE["scale_by_polar"])
 
 
 # BatchedExpertMuonPolarExpress layouts of an (E, a, b) tensor: (output, reduction, heads).
@@ -65,45 +57,55 @@ UNITS_3D = {
 }
 
 
-def rule(opt, name, ns_dtype):
-  """The library rule that computes what reference class ``opt`` computes."""
+def rule(opt, name, ns_dtype, settings=eqv.REFERENCE, shared_nuclear_norm=True):
+  """The library rule that computes what reference class ``opt`` computes on
+  tensor ``name`` (with ``settings`` per rule; ``shared_nuclear_norm``: one
+  factor for the experts of a tensor)."""
   cls, kw = opt["class"], opt["kwargs"]
   if cls == "MuonHeadsPolarExpress":
-    return muon(kw, name, ns_dtype)
+    # The shape factor is sqrt(max(1, out/in)) of each block: out is the output axis.
+    cfg = (kw["head_configs"] or {}).get(name)
+    axes = (1, 0, ())
+    heads = {} if cfg is None else dict(num_heads=cfg["num_heads"],
+                                        head_axis=0 if cfg["layout"] == "qkv" else 1)
   if cls == "BatchedExpertMuonPolarExpress":
     out, red, heads = EXPERT_MUON[kw["expert_layout"]]
-    return eqv.scale_by_polar(red, out, 0, beta=kw["momentum"], nesterov=kw["nesterov"],
-                              ns_dtype=ns_dtype, **heads, **eqv.REFERENCE["scale_by_polar"])
+    axes = (red, out, 0)
+  if "Muon" in cls:
+    return eqv.scale_by_polar(*axes, beta=kw["momentum"], nesterov=kw["nesterov"], ns_dtype=ns_dtype,
+                              **heads, **settings["scale_by_polar"])
   if cls in ("RightPolarGradM", "LeftPolarGradM"):
     make = eqv.scale_by_right_spectral if cls == "RightPolarGradM" else eqv.scale_by_left_spectral
     return make(0, center=kw["center_rows"], beta=kw["beta"], alpha=kw["alpha"],
-                **eqv.REFERENCE[make.__name__])
+                **settings[make.__name__])
   expert = cls.startswith("BatchedExpert")
   units = UNITS_3D[kw["expert_layout"]] if expert else UNITS_2D[kw["orientation"]]
   common = dict(center=kw.get("center_rows", False), beta=kw["beta"], **units)
   if cls.endswith("RowNormM"):
-    return eqv.scale_by_row_norm(**common, **eqv.REFERENCE["scale_by_row_norm"])
-  reference = {**eqv.REFERENCE["scale_by_hybrid"], "gram": "left" if kw["left"] else "right"}
-  return eqv.scale_by_hybrid(**common, order=kw["order"], alpha=kw["alpha"],
-                             nuclear_norm_axes=0 if expert else (), **reference)
+    return eqv.scale_by_row_norm(**common, **settings["scale_by_row_norm"])
+  return eqv.scale_by_hybrid(**common, order=kw["order"], alpha=kw["alpha"], ns_dtype=ns_dtype,
+                             nuclear_norm_axes=0 if expert and shared_nuclear_norm else (),
+                             **{**settings["scale_by_hybrid"], "gram": "left" if kw["left"] else "right"})
 
 
-def optimizer(case, ns_dtype):
+def optimizer(case, ns_dtype, **kw):
   """The case's optimizers with the scenario's lr and weight decay as state."""
-  groups = [(tuple(o["tensors"]), rule(o, o["tensors"][0], ns_dtype)) for o in meta(case)["optimizers"]]
+  groups = [(tuple(o["tensors"]), rule(o, o["tensors"][0], ns_dtype, **kw))
+            for o in meta(case)["optimizers"]]
   make = lambda learning_rate, weight_decay: eqv.layerwise(  # noqa: E731
       [(names, eqv.optimizer(r, learning_rate, weight_decay)) for names, r in groups])
   return optax.inject_hyperparams(make)(learning_rate=1.0, weight_decay=0.0)
 
 
-def runs(case, mode):
-  """Yields (scenario, tensor, step, library update, reference update)."""
+def runs(case, mode, scenarios=SCENARIOS, ns_dtype=None, **kw):
+  """Yields (scenario, tensor, step, library update, reference update); ``kw``
+  go to :func:`rule`."""
   m = meta(case)
   names = [t["name"] for t in m["tensors"]]
-  tx = optimizer(case, jnp.float32 if mode == "fp32" else jnp.bfloat16)
+  tx = optimizer(case, ns_dtype or (jnp.float32 if mode == "fp32" else jnp.bfloat16), **kw)
   step = jax.jit(tx.update)
   grads = {n: DATA[f"{case}/{n}/grads"] for n in names}
-  for s in SCENARIOS:
+  for s in scenarios:
     lr, wd = m["scenarios"][s]["lr"], m["scenarios"][s]["weight_decay"]
     start = {n: (np.zeros_like(grads[n][0]) if s == "zero" else DATA[f"{case}/{n}/init"]) for n in names}
     ref = {n: np.concatenate([start[n][None], DATA[f"{case}/{s}/{mode}/{n}/params"]]) for n in names}
