@@ -511,3 +511,50 @@ def test_stack_defaults_on_zero_gradients(variants):
   for grads in (tiny, zeros):
     out, state = step(grads, state)
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))
+
+
+# --------------------------------------------- Gram Newton-Schulz, inverse root
+
+NS_GRAM = jax.jit(functools.partial(eqv.newton_schulz, gram=True), static_argnames=("coeffs", "steps", "dtype"))
+
+
+@pytest.mark.parametrize("shape", [(8, 40), (40, 8), (3, 12, 12)])
+def test_gram_newton_schulz_matches_exact_polar(shape):
+  """Float32, enough steps: the Gram iteration reaches the SVD polar factor
+  (which the input's condition number ~10 allows in 10 steps)."""
+  x = rand(30, shape, np.float32)
+  out = np.asarray(NS_GRAM(jnp.asarray(x), steps=10, dtype=jnp.float32), np.float64)
+  expected = np.stack([polar(m) for m in x.reshape((-1,) + shape[-2:]).astype(np.float64)])
+  np.testing.assert_allclose(out.reshape(expected.shape), expected, atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", [(16, 64), (64, 16)])
+def test_gram_newton_schulz_default_bfloat16(shape):
+  """bfloat16 matmuls, 5 steps, condition number 1e2: the band of the plain
+  iteration ([0.7, 1.3]), and within 0.2 (relative) of it; zeros stay zeros."""
+  x = jnp.asarray(ill_conditioned(*shape, cond=1e2))
+  gram, plain = NS_GRAM(x, steps=5, dtype=jnp.bfloat16), NS_BF16(x, steps=5)
+  s = singular_values(gram)
+  assert 0.7 <= s.min() and s.max() <= 1.3, (s.min(), s.max())
+  assert np.linalg.norm(gram - plain) <= 0.2 * np.linalg.norm(plain)
+  assert np.all(np.asarray(NS_GRAM(jnp.zeros(shape), steps=5, dtype=jnp.bfloat16)) == 0.0)
+
+
+def test_polar_rule_with_gram_newton_schulz():
+  g = rand(31, (8, 3 * 16), np.float32)  # three (8, 16) heads
+  tx, gram_tx = (eqv.scale_by_polar(num_heads=3, beta=0.0, ns_gram=flag, **EXACT_NS) for flag in (False, True))
+  close(gram_tx.update(g, gram_tx.init(g))[0], tx.update(g, tx.init(g))[0], rtol=1e-4)
+
+
+def test_iterative_inverse_square_root():
+  """The coupled iteration behind Lau & Su's spectral rules reaches the exact
+  (C + d I)^(-1/2) given steps (12 here, condition number 1e2); at their 5
+  steps it is within 20% of it."""
+  q = orthogonal(32, 6)
+  c = (q * np.logspace(0, -2, 6)) @ q.T
+  lam, v = np.linalg.eigh(c + 1e-3 * np.eye(6))
+  exact = (v / np.sqrt(lam)) @ v.T
+  inv_sqrt = eqv._linalg.inv_sqrt
+  for steps, tol in ((12, 1e-4), (5, 0.2)):
+    out = np.asarray(inv_sqrt(jnp.asarray(c, jnp.float32), 1e-3, "polar_express_1.05", steps), np.float64)
+    assert np.linalg.norm(out - exact) <= tol * np.linalg.norm(exact), (steps, np.linalg.norm(out - exact))

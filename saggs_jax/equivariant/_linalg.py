@@ -107,6 +107,7 @@ def newton_schulz(
     dtype: jnp.dtype = jnp.bfloat16,
     eps: float = 1e-7,
     eps_form: EpsForm = "floor",
+    gram: bool = False,
 ) -> jax.Array:
   r"""Approximates the polar factor :math:`UV^\top` of each matrix in ``x``.
 
@@ -134,6 +135,16 @@ def newton_schulz(
       iterate and the normalisation stay, in ``x.dtype``.
     eps: floor (or shift) of the normaliser, so a zero matrix maps to zero.
     eps_form: ``"floor"`` or ``"add"``, see above.
+    gram: iterate on the small Gram matrix :math:`A = XX^\top` (of the wide
+      orientation, ``m x m`` for an ``m x n`` input, ``m <= n``) instead of on
+      X: every iterate is :math:`Q X_0` with :math:`Q` a polynomial in
+      :math:`A_0`, so the steps update :math:`P = aI + bA + cA^2`,
+      :math:`Q \leftarrow PQ`, :math:`A \leftarrow PAP` (``m x m`` products
+      only) and X is touched twice, to form :math:`A_0` and to apply Q. Per
+      step that is about :math:`4m^3` flops against :math:`2m^2n + m^3`:
+      cheaper once ``n`` exceeds about ``2m`` (see
+      ``bench/bench_gram_newton_schulz.py``). Same result in exact
+      arithmetic; rounding differs.
 
   Returns:
     An array like ``x`` (same dtype).
@@ -159,9 +170,20 @@ def newton_schulz(
 
   # Unrolled rather than a scan: a handful of steps compiles quickly, and on GPU
   # a while loop costs a device-to-host sync of its predicate per iteration.
-  for a, b, c in triples:
-    gram = dot(y, y.mT)
-    y = a * y + dot(b * gram + c * dot(gram, gram), y)
+  if gram:
+    # The m x m products stay in x's dtype: rounding them lets A drift from
+    # Q A_0 Q, and the polynomials blow up what drifts past their interval.
+    eye = jnp.eye(y.shape[-2], dtype=y.dtype)
+    a_k, q = dot(y, y.mT), None
+    for a, b, c in triples:
+      p = a * eye + b * a_k + c * a_k @ a_k
+      q = p if q is None else p @ q
+      a_k = p @ a_k @ p
+    y = dot(q, y)
+  else:
+    for a, b, c in triples:
+      a_k = dot(y, y.mT)
+      y = a * y + dot(b * a_k + c * dot(a_k, a_k), y)
   return y.mT if tall else y
 
 

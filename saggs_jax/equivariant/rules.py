@@ -259,6 +259,7 @@ def scale_by_polar(
     ns_dtype: jnp.dtype = jnp.bfloat16,
     eps: float = 1e-7,
     eps_form: _linalg.EpsForm = "floor",
+    ns_gram: bool = False,
     mu_dtype: Optional[jnp.dtype] = None,
 ) -> optax.GradientTransformation:
   r"""Muon: the polar factor of the Nesterov momentum, per matrix (and per head).
@@ -297,9 +298,11 @@ def scale_by_polar(
     ns_coeffs: ``"polar_express"`` (default), ``"quintic"`` (Keller Jordan's
       Muon) or explicit triples; see :func:`newton_schulz`.
     ns_steps: Newton-Schulz iterations.
-    ns_dtype: dtype of the iterations.
+    ns_dtype: dtype of the iterations' matmuls.
     eps: floor of the Frobenius normaliser.
     eps_form: ``"floor"`` (``max(h ||X||, eps)``) or ``"add"`` (``h ||X|| + eps``).
+    ns_gram: iterate on the Gram matrix of each block (faster for blocks
+      more than about twice as long as wide; see :func:`newton_schulz`).
     mu_dtype: momentum dtype (default: the parameter's).
 
   Example:
@@ -315,7 +318,7 @@ def scale_by_polar(
 
   def direction(x):
     width = math.sqrt(max(1.0, x.shape[-1] / x.shape[-2]))
-    return width * _linalg.newton_schulz(x, ns_coeffs, ns_steps, ns_dtype, eps, eps_form)
+    return width * _linalg.newton_schulz(x, ns_coeffs, ns_steps, ns_dtype, eps, eps_form, ns_gram)
 
   return _rule("scale_by_polar", planner, direction, beta=beta, nesterov=nesterov, mu_dtype=mu_dtype,
                batched=True, ema=ema)
@@ -524,6 +527,7 @@ def scale_by_hybrid(
     ns_coeffs: _linalg.Coeffs = "polar_express",
     ns_steps: int = 5,
     ns_dtype: jnp.dtype = jnp.bfloat16,
+    ns_gram: bool = False,
     relative_eps: bool = True,
     inv_sqrt: Union[str, _linalg.Coeffs] = "eigh",
     inv_sqrt_steps: int = 5,
@@ -567,7 +571,8 @@ def scale_by_hybrid(
     polar: how the polar factor is computed, see above.
     ns_coeffs: Newton-Schulz coefficients (see :func:`newton_schulz`).
     ns_steps: Newton-Schulz iterations.
-    ns_dtype: dtype of the iterations.
+    ns_dtype: dtype of the iterations' matmuls.
+    ns_gram: iterate on the Gram matrix (see :func:`newton_schulz`).
     relative_eps, inv_sqrt, inv_sqrt_steps, gram: the Gram inverse square
       root of ``polar="gram"``, see :func:`scale_by_right_spectral`.
     mu_dtype: momentum dtype (default: the parameter's).
@@ -594,7 +599,7 @@ def scale_by_hybrid(
       o, nu = _linalg.spectral(x, eps, relative=relative_eps, method=inv_sqrt, steps=inv_sqrt_steps,
                                gram=gram)
     else:
-      o = _linalg.newton_schulz(x, ns_coeffs, ns_steps, ns_dtype, eps, eps_form)
+      o = _linalg.newton_schulz(x, ns_coeffs, ns_steps, ns_dtype, eps, eps_form, ns_gram)
       nu = jnp.sum(o * x, axis=(-2, -1), keepdims=True)
     if nuclear_norm_axes != ():
       batch = sorted(_normalize(batch_axes, x.ndim))

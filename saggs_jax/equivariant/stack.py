@@ -158,6 +158,7 @@ def symmetry_compatible(
     ns_coeffs: Optional[_linalg.Coeffs] = None,
     ns_steps: int = 5,
     ns_dtype: Any = jnp.bfloat16,
+    ns_gram: bool = False,
 ) -> optax.GradientTransformation:
   """The symmetry-compatible layerwise stack for a decoder LM (seed 001).
 
@@ -220,6 +221,7 @@ def symmetry_compatible(
       (default ``"polar_express"``, see :func:`newton_schulz`).
     ns_steps: Newton-Schulz iterations.
     ns_dtype: dtype of the iterations' matmuls.
+    ns_gram: Newton-Schulz on the Gram matrix (see :func:`newton_schulz`).
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -243,7 +245,7 @@ def symmetry_compatible(
   settings = {name: (REFERENCE[name] if reference else {}) for name in REFERENCE}
   mlp = mlp or ("polar" if reference else "row_norm")
   ns = dict(ns_coeffs=ns_coeffs or settings["scale_by_polar"].get("ns_coeffs", "polar_express"),
-            ns_steps=ns_steps, ns_dtype=ns_dtype)
+            ns_steps=ns_steps, ns_dtype=ns_dtype, ns_gram=ns_gram)
 
   layer = (0,) if stacked else ()
 
