@@ -13,7 +13,12 @@ standard library, trained with
   every 2-D parameter, embedding and LM head included; Adam on the norms);
 * ``stack``: ``saggs_jax.equivariant.symmetry_compatible`` with the model's
   heads: polar per attention head, row-norm embedding, centred row-norm LM
-  head, row-aware SwiGLU gate/up, column-aware down, AdamW on the norms.
+  head, row-aware SwiGLU gate/up, column-aware down, AdamW on the norms;
+* ``reference``: the same with ``preset="reference"``, Lau & Su's training
+  scripts (Muon per head and on SwiGLU, row-norm embedding, centred row-norm
+  LM head, their numerics) with their per-role rates, all scaled so that the
+  hidden matrices get the swept rate (0.02 = the scripts' own) and AdamW gets
+  its scripts' rate times the same factor.
 
 Each optimizer runs a small learning-rate sweep (for Muon and the stack the rate
 of the matrix rules; their Adam(W) part uses ``--aux-lr``), every setting with
@@ -65,12 +70,13 @@ from matplotlib.figure import Figure
 import lm
 from saggs_jax import equivariant as eqv
 
-OPTIMIZERS = ("adamw", "muon", "stack")
+OPTIMIZERS = ("adamw", "muon", "stack", "reference")
 # Peak learning rates swept by default: for muon and stack the rate of the
 # matrix rules (their updates have about unit spectral norm per block or unit
 # norm per row, so rates are ~10x AdamW's). Centred on each optimizer's best
 # rate at the default model size and 200 steps (a 4-rate pilot, seed 0).
-DEFAULT_LRS = {"adamw": (3e-3, 1e-2, 3e-2), "muon": (0.02, 0.05, 0.1), "stack": (0.01, 0.02, 0.05)}
+DEFAULT_LRS = {"adamw": (3e-3, 1e-2, 3e-2), "muon": (0.02, 0.05, 0.1), "stack": (0.01, 0.02, 0.05),
+               "reference": (0.01, 0.02, 0.05)}
 
 
 def parse_args() -> argparse.Namespace:
@@ -120,9 +126,15 @@ def make_optimizer(name: str, lr: float, config: lm.ModelConfig,
   if name == "muon":
     return optax.contrib.muon(schedule(lr, args), weight_decay=wd, adam_learning_rate=aux,
                               adam_weight_decay=wd)
+  heads = dict(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+  if name == "reference":
+    scale = lr / eqv.REFERENCE_LEARNING_RATES["query"]
+    return eqv.symmetry_compatible(
+        preset="reference", **heads,
+        learning_rates={r: schedule(v * scale, args) for r, v in eqv.REFERENCE_LEARNING_RATES.items()},
+        weight_decays=dict.fromkeys(eqv.REFERENCE_WEIGHT_DECAYS, wd))
   return eqv.symmetry_compatible(
-      schedule(lr, args), adamw_learning_rate=aux, weight_decay=wd, adamw_weight_decay=wd,
-      num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+      schedule(lr, args), adamw_learning_rate=aux, weight_decay=wd, adamw_weight_decay=wd, **heads)
 
 
 def mean_history(histories: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

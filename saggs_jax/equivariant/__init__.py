@@ -30,7 +30,14 @@ from saggs_jax.equivariant.rules import (
     scale_by_right_spectral,
     scale_by_row_norm,
 )
-from saggs_jax.equivariant.stack import ROLE_PATTERNS, layerwise, optimizer, symmetry_compatible
+from saggs_jax.equivariant.stack import (
+    REFERENCE_LEARNING_RATES,
+    REFERENCE_WEIGHT_DECAYS,
+    ROLE_PATTERNS,
+    layerwise,
+    optimizer,
+    symmetry_compatible,
+)
 
 __all__ = [
     "CoefficientSet",
@@ -39,6 +46,8 @@ __all__ = [
     "POLAR_EXPRESS",
     "QUINTIC",
     "REFERENCE",
+    "REFERENCE_LEARNING_RATES",
+    "REFERENCE_WEIGHT_DECAYS",
     "ROLE_PATTERNS",
     "layerwise",
     "newton_schulz",
