@@ -256,15 +256,18 @@ def test_joint_errors_name_the_path():
     eqv.scale_by_row_norm(-1, joint=JOINT).init(mismatched)
 
 
-@pytest.mark.parametrize("tx, shape", [
-    (eqv.scale_by_row_norm(0), (4,)),
-    (eqv.scale_by_hybrid(1), (2, 3, 4)),
-    (eqv.scale_by_polar(), (2, 3, 4)),
-    (eqv.scale_by_polar(num_heads=3), (4, 8)),
+@pytest.mark.parametrize("name, kwargs, shape", [
+    ("scale_by_row_norm", dict(unit_axis=0), (4,)),
+    ("scale_by_right_spectral", dict(unit_axis=0), (4,)),
+    ("scale_by_left_spectral", dict(unit_axis=0), (2, 3, 4)),
+    ("scale_by_hybrid", dict(unit_axis=1), (2, 3, 4)),
+    ("scale_by_polar", {}, (2, 3, 4)),
+    ("scale_by_polar", dict(num_heads=3), (4, 8)),
 ])
-def test_wrong_rank_or_layout_names_the_path(tx, shape):
-  with pytest.raises(ValueError, match="block/w"):
-    tx.init({"block": {"w": np.zeros(shape)}})
+def test_wrong_rank_or_layout_names_the_rule_and_path(name, kwargs, shape):
+  """The error names the rule the user called, and the parameter."""
+  with pytest.raises(ValueError, match=f"^{name}: parameter 'block/w' of shape"):
+    getattr(eqv, name)(**kwargs).init({"block": {"w": np.zeros(shape)}})
 
 
 # ------------------------------------------------------ Newton-Schulz numerics

@@ -375,9 +375,13 @@ def scale_by_right_spectral(
     Array([[3., 0.],
            [0., 3.]], dtype=float32)
   """
+  return _spectral("scale_by_right_spectral", unit_axis, center, batch_axes, joint, beta, eps, mu_dtype)
+
+
+def _spectral(name, unit_axis, center, batch_axes, joint, beta, eps, mu_dtype):
+  """The (optionally centred) right spectral rule, its errors naming ``name``."""
   p = _maybe_center(center)
-  return _rule("scale_by_right_spectral", _unit_planner(unit_axis, batch_axes),
-               lambda x: p(_linalg.spectral(p(x), eps)),
+  return _rule(name, _unit_planner(unit_axis, batch_axes), lambda x: p(_linalg.spectral(p(x), eps)),
                beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint, batched=True)
 
 
@@ -411,8 +415,7 @@ def scale_by_left_spectral(
     >>> bool(jnp.allclose(u.sum(axis=1), 0.0, atol=1e-4))  # centred over experts
     True
   """
-  return scale_by_right_spectral(unit_axis, center=center, batch_axes=batch_axes, joint=joint,
-                                 beta=beta, eps=eps, mu_dtype=mu_dtype)
+  return _spectral("scale_by_left_spectral", unit_axis, center, batch_axes, joint, beta, eps, mu_dtype)
 
 
 def scale_by_hybrid(
