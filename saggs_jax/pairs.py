@@ -22,6 +22,11 @@ def _as_tuple(x) -> tuple[str, ...]:
   return (x,) if isinstance(x, str) else tuple(x)
 
 
+def _is_int(x) -> bool:
+  """An int that is not a bool: ``True`` would silently read as 1."""
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class Pair:
   """An exact symmetry: ``a`` scaled by ``c`` per group, ``b`` by ``1/c``.
@@ -42,7 +47,7 @@ class Pair:
       shares its kernel's trailing axes, so its group axis is the kernel's
       counted from the end.
     follow_b: likewise for ``b``.
-    name: label used in errors and in :func:`saggs_jax.describe`.
+    name: label used in errors (with the patterns) and in :func:`saggs_jax.describe`.
 
   Example::
 
@@ -63,25 +68,44 @@ class Pair:
   def __post_init__(self):
     object.__setattr__(self, "follow_a", _as_tuple(self.follow_a))
     object.__setattr__(self, "follow_b", _as_tuple(self.follow_b))
+    for p in (self.a, self.b, *self.follow_a, *self.follow_b):
+      if not isinstance(p, str):
+        raise ValueError(f"{self._spelled}: patterns must be strings, got {p!r}.")
     if self.axes is not None:
-      axes = tuple(self.axes)
-      if len(axes) != 2 or not all(isinstance(x, (int, np.integer)) for x in axes):
-        raise ValueError(f"{self.label}: axes must be None or a pair of ints, got {self.axes!r}.")
-      object.__setattr__(self, "axes", tuple(int(x) for x in axes))
-    if self.groups is not None and (not isinstance(self.groups, (int, np.integer)) or self.groups < 1):
-      raise ValueError(f"{self.label}: groups must be a positive int, got {self.groups!r}.")
-    if self.stacked < 0:
-      raise ValueError(f"{self.label}: stacked must be >= 0, got {self.stacked!r}.")
+      if not (isinstance(self.axes, (tuple, list)) and len(self.axes) == 2
+              and all(map(_is_int, self.axes))):
+        raise ValueError(
+            f"{self._spelled}: axes must be None or a pair of ints (axis_a, axis_b), got"
+            f" {self.axes!r}; e.g. axes=(1, 1) groups axis 1 of both sides.")
+      object.__setattr__(self, "axes", tuple(int(x) for x in self.axes))
+    if self.groups is not None:
+      if not _is_int(self.groups) or self.groups < 1:
+        raise ValueError(f"{self._spelled}: groups must be a positive int, got {self.groups!r}.")
+      if self.axes is None:
+        raise ValueError(
+            f"{self._spelled}: groups={self.groups!r} needs a group axis to split; pass"
+            " axes=(axis_a, axis_b), or drop groups for one group per whole tensor.")
+      object.__setattr__(self, "groups", int(self.groups))
+    if not _is_int(self.stacked) or self.stacked < 0:
+      raise ValueError(f"{self._spelled}: stacked must be an int >= 0 (the number of leading copy"
+                       f" axes), got {self.stacked!r}.")
+    object.__setattr__(self, "stacked", int(self.stacked))
     n = paths.num_captures(self.a)
     for p in (self.b, *self.follow_a, *self.follow_b):
       if paths.num_captures(p) != n:
         raise ValueError(
-            f"{self.label}: pattern {p!r} has a different number of wildcards than {self.a!r};"
+            f"{self._spelled}: pattern {p!r} has a different number of wildcards than {self.a!r};"
             " matches are paired by their wildcard captures.")
 
   @property
   def label(self) -> str:
     return self.name or f"Pair({self.a!r}, {self.b!r})"
+
+  @property
+  def _spelled(self) -> str:
+    """The label with the patterns: errors name both."""
+    plain = f"Pair({self.a!r}, {self.b!r})"
+    return f"{self.name!r} = {plain}" if self.name else plain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,38 +180,40 @@ def _matches(pattern: str, shapes: dict[str, tuple[int, ...]], pair: Pair) -> di
       continue
     if caps in found:
       raise ValueError(
-          f"{pair.label}: pattern {pattern!r} matches both {found[caps]!r} and {path!r} with the"
-          " same wildcard captures, so their partners are ambiguous. Make the pattern more specific.")
+          f"{pair._spelled}: pattern {pattern!r} matches both {found[caps]!r} and {path!r} with"
+          " the same wildcard captures, so their partners are ambiguous. Make the pattern more"
+          " specific.")
     found[caps] = path
   if not found:
-    raise ValueError(f"{pair.label}: pattern {pattern!r} matches no parameter path.")
+    raise ValueError(f"{pair._spelled}: pattern {pattern!r} matches no parameter path.")
   return found
 
 
 def _group_axis(pair: Pair, side: int, path: str, shape: tuple[int, ...]) -> int | None:
   if len(shape) < pair.stacked:
-    raise ValueError(f"{pair.label}: {path!r} has shape {shape}, fewer than stacked={pair.stacked} axes.")
+    raise ValueError(
+        f"{pair._spelled}: {path!r} has shape {shape}, fewer than stacked={pair.stacked} axes.")
   if pair.axes is None:
     return None
   ax = pair.axes[side]
   per_copy = len(shape) - pair.stacked
   if not -per_copy <= ax < per_copy:
     raise ValueError(
-        f"{pair.label}: group axis {ax} is out of range for {path!r} with shape {shape}"
+        f"{pair._spelled}: group axis {ax} is out of range for {path!r} with shape {shape}"
         f" ({per_copy} axes after stacked={pair.stacked}).")
   return pair.stacked + ax % per_copy
 
 
 def _follower_slot(pair, key, sign, kernel_path, kernel_shape, kernel_axis, groups, path, shape):
   if tuple(shape[:pair.stacked]) != tuple(kernel_shape[:pair.stacked]):
-    raise ValueError(f"{pair.label}: follower {path!r} {shape} does not share the stacked axes of"
-                     f" {kernel_path!r} {kernel_shape}.")
+    raise ValueError(f"{pair._spelled}: follower {path!r} {shape} does not share the stacked"
+                     f" axes of {kernel_path!r} {kernel_shape}.")
   axis = None
   if kernel_axis is not None:
     axis = kernel_axis - (len(kernel_shape) - len(shape))
     if axis < pair.stacked or shape[axis] != kernel_shape[kernel_axis]:
       raise ValueError(
-          f"{pair.label}: follower {path!r} with shape {shape} has no axis matching group axis"
+          f"{pair._spelled}: follower {path!r} with shape {shape} has no axis matching group axis"
           f" {kernel_axis} of {kernel_path!r} {kernel_shape}; a follower must share its kernel's"
           " trailing axes (a bias does).")
   return Slot(key, sign, axis, groups, pair.stacked)
@@ -201,8 +227,8 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]]):
     caps = unpaired[0]
     side, path = ("a", a_matches[caps]) if caps in a_matches else ("b", b_matches[caps])
     other = pair.b if side == "a" else pair.a
-    raise ValueError(f"{pair.label}: {path!r} (matched by {side}) has no partner matching {other!r}"
-                     " with the same wildcard captures.")
+    raise ValueError(f"{pair._spelled}: {path!r} (matched by {side}) has no partner matching"
+                     f" {other!r} with the same wildcard captures.")
   follower_matches = [(+1, p, _matches(p, shapes, pair)) for p in pair.follow_a]
   follower_matches += [(-1, p, _matches(p, shapes, pair)) for p in pair.follow_b]
   for caps in sorted(a_matches):
@@ -210,26 +236,26 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]]):
     sa, sb = shapes[pa], shapes[pb]
     key = f"{pa}|{pb}"
     if sa[:pair.stacked] != sb[:pair.stacked]:
-      raise ValueError(f"{pair.label}: stacked axes differ between {pa!r} {sa} and {pb!r} {sb}.")
+      raise ValueError(f"{pair._spelled}: stacked axes differ between {pa!r} {sa} and {pb!r} {sb}.")
     ax_a, ax_b = _group_axis(pair, 0, pa, sa), _group_axis(pair, 1, pb, sb)
     if pair.axes is None:
       groups = 1
     else:
       na, nb = sa[ax_a], sb[ax_b]
       if pair.groups is None and na != nb:
-        raise ValueError(f"{pair.label}: group axes differ in size ({pa!r} {sa} vs {pb!r} {sb});"
+        raise ValueError(f"{pair._spelled}: group axes differ in size ({pa!r} {sa} vs {pb!r} {sb});"
                          " pass groups= to split both into the same number of blocks.")
       groups = pair.groups or na
       for path, n, shape in ((pa, na, sa), (pb, nb, sb)):
         if n % groups:
-          raise ValueError(f"{pair.label}: {groups} groups do not divide axis of size {n} of {path!r}"
-                           f" with shape {shape}.")
+          raise ValueError(f"{pair._spelled}: {groups} groups do not divide axis of size {n} of"
+                           f" {path!r} with shape {shape}.")
     slots = {pa: Slot(key, +1, ax_a, groups, pair.stacked),
              pb: Slot(key, -1, ax_b, groups, pair.stacked)}
     followers = {+1: [], -1: []}
     for sign, pattern, found in follower_matches:
       if caps not in found:
-        raise ValueError(f"{pair.label}: follower pattern {pattern!r} has no match with the"
+        raise ValueError(f"{pair._spelled}: follower pattern {pattern!r} has no match with the"
                          f" captures of {pa!r}.")
       path = found[caps]
       kpath, kax = (pa, ax_a) if sign > 0 else (pb, ax_b)

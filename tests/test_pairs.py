@@ -191,12 +191,23 @@ def test_duplicate_paths():
 @pytest.mark.parametrize("kwargs, msg", [
     (dict(a="layers/*/q", b="k"), "different number of wildcards"),
     (dict(a="q", b="k", axes=(1,)), "axes must be None or a pair of ints"),
+    (dict(a="q", b="k", axes=1), r"axes must be None or a pair of ints \(axis_a, axis_b\), got 1;"),
+    (dict(a="q", b="k", axes=(True, 1)), r"axes must be None or a pair of ints .*got \(True, 1\)"),
+    (dict(a="q", b="k", axes="11"), "axes must be None or a pair of ints .*got '11'"),
     (dict(a="q", b="k", axes=(1, 1), groups=0), "groups must be a positive int"),
-    (dict(a="q", b="k", stacked=-1), "stacked must be >= 0"),
-    (dict(a="q", b="k", follow_a="layers/*/b"), "different number of wildcards"),
+    (dict(a="q", b="k", axes=(1, 1), groups=True), "groups must be a positive int, got True"),
+    (dict(a="q", b="k", groups=2), "groups=2 needs a group axis"),
+    (dict(a="q", b="k", stacked=-1), "stacked must be an int >= 0"),
+    (dict(a="q", b="k", stacked=1.5), "stacked must be an int >= 0 .*got 1.5"),
+    (dict(a="q", b="k", stacked="1"), "stacked must be an int >= 0 .*got '1'"),
+    (dict(a="q", b="k", stacked=True), "stacked must be an int >= 0 .*got True"),
+    (dict(a="q", b="k", follow_a="layers/*/b"),
+     r"pattern 'layers/\*/b' has a different number of wildcards"),
+    (dict(a="q", b="k", follow_b=["kb", 3]), "patterns must be strings, got 3"),
 ])
 def test_malformed_pair(kwargs, msg):
-  with pytest.raises(ValueError, match=msg):
+  with pytest.raises(ValueError, match=re.escape("Pair('q', 'k'): ") + msg
+                     if kwargs["a"] == "q" else msg):
     saggs.Pair(**kwargs)
 
 
