@@ -185,7 +185,9 @@ def _matches(pattern: str, shapes: dict[str, tuple[int, ...]], pair: Pair) -> di
           " specific.")
     found[caps] = path
   if not found:
-    raise ValueError(f"{pair._spelled}: pattern {pattern!r} matches no parameter path.")
+    near = paths.nearest(pattern, shapes)
+    hint = f"; did you mean {', '.join(map(repr, near))}?" if near else "."
+    raise ValueError(f"{pair._spelled}: pattern {pattern!r} matches no parameter path{hint}")
   return found
 
 
@@ -302,7 +304,11 @@ def describe(pairs: Sequence[Pair], params: Any) -> str:
     >>> import jax.numpy as jnp, saggs_jax as saggs
     >>> params = {"q": jnp.ones((8, 4)), "k": jnp.ones((8, 4))}
     >>> print(saggs.describe([saggs.Pair("q", "k", axes=(1, 1), groups=2)], params))
-    ... # doctest: +SKIP
+    pair            side  path  shape   group axis  factors
+    --------------  ----  ----  ------  ----------  -------
+    Pair('q', 'k')  a     q     (8, 4)  1           (2,)
+    Pair('q', 'k')  b     k     (8, 4)  1           (2,)
+    1 pair instance, 2 factors in all.
   """
   plan = resolve(pairs, params)
   rows = [("pair", "side", "path", "shape", "group axis", "factors")]
@@ -315,6 +321,8 @@ def describe(pairs: Sequence[Pair], params: Any) -> str:
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
   lines.insert(1, "  ".join("-" * w for w in widths))
-  n_groups = sum(math.prod(i.factor_shape) for i in plan.instances)
-  lines.append(f"{len(plan.instances)} pair instances, {n_groups} factors in all.")
+  n_instances = len(plan.instances)
+  n_factors = sum(math.prod(i.factor_shape) for i in plan.instances)
+  lines.append(f"{n_instances} pair instance{'s' * (n_instances != 1)},"
+               f" {n_factors} factor{'s' * (n_factors != 1)} in all.")
   return "\n".join(lines)

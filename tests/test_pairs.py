@@ -105,6 +105,13 @@ def test_describe_lists_every_resolved_leaf():
   assert text.splitlines()[-1] == f"6 pair instances, {factors} factors in all."
 
 
+def test_describe_counts_one_instance_in_the_singular():
+  params = {"q": jnp.ones((2, 4)), "k": jnp.ones((2, 4))}
+  assert saggs.describe([saggs.Pair("q", "k")], params).splitlines()[-1] == (
+      "1 pair instance, 1 factor in all.")
+  assert saggs.describe([saggs.Pair("q", "k", axes=(1, 1))], params).splitlines()[-1] == (
+      "1 pair instance, 4 factors in all.")
+
 # --- bad declarations fail at init, naming the pattern or path -------------------
 
 def _init(pairs, params):
@@ -120,8 +127,22 @@ def _layers():
 def test_pattern_matching_nothing():
   with pytest.raises(ValueError, match=re.escape("'layers/*/wq'") + ".*matches no parameter"):
     _init([saggs.Pair("layers/*/wq", "layers/*/k")], _layers())
-  with pytest.raises(ValueError, match=re.escape("'nope'")):
+  with pytest.raises(ValueError, match=re.escape("'nope' matches no parameter path.")):
     _init([saggs.Pair("q", "k", follow_a="nope")], _layers())
+
+
+def test_misspelled_pattern_suggests_nearest_paths():
+  """Up to three suggestions, one per weight rather than one per layer."""
+  pairs = [saggs.Pair("atn/q_proj/kernel", "attn/k_proj/kernel", axes=(1, 1), groups=2)]
+  expect = ("pattern 'atn/q_proj/kernel' matches no parameter path; did you mean"
+            " 'layers/0/attn/q_proj/kernel', 'layers/0/attn/k_proj/kernel',"
+            " 'layers/0/attn/o_proj/kernel'?")
+  with pytest.raises(ValueError, match=re.escape(expect)):
+    _init(pairs, models.llama_init(0))
+  # Nothing close: no guess.
+  with pytest.raises(ValueError, match=re.escape("Pair('wq', 'wk'): pattern 'wq' matches no"
+                                                 " parameter path.") + "$"):
+    saggs.describe([saggs.Pair("wq", "wk")], {"embed": jnp.ones(2), "head": jnp.ones(2)})
 
 
 def test_unpaired_matches():
