@@ -13,6 +13,7 @@ import functools
 import math
 from typing import Any, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from saggs_jax import paths
@@ -163,18 +164,20 @@ class Plan:
     return next(s for s in self.slots[path] if s.key == key)
 
 
-def _leaf_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+def _leaf_specs(tree: Any) -> tuple[tuple[str, tuple[int, ...], Any], ...]:
+  """``(path, shape, dtype)`` of every leaf: all that resolution reads, hence its cache key."""
   out = {}
   for path, leaf in paths.leaves_with_paths(tree):
     if path in out:
       raise ValueError(f"Two leaves share the path {path!r}; paths must be unique.")
-    out[path] = tuple(np.shape(leaf))
-  return out
+    dtype = getattr(leaf, "dtype", None)
+    out[path] = (tuple(np.shape(leaf)), np.asarray(leaf).dtype if dtype is None else dtype)
+  return tuple((path, *spec) for path, spec in out.items())
 
 
-def _matches(pattern: str, shapes: dict[str, tuple[int, ...]], pair: Pair) -> dict[tuple, str]:
+def _matches(pattern: str, dtypes: dict[str, Any], pair: Pair) -> dict[tuple, str]:
   found: dict[tuple, str] = {}
-  for path in shapes:
+  for path in dtypes:
     caps = paths.match(pattern, path)
     if caps is None:
       continue
@@ -183,9 +186,14 @@ def _matches(pattern: str, shapes: dict[str, tuple[int, ...]], pair: Pair) -> di
           f"{pair._spelled}: pattern {pattern!r} matches both {found[caps]!r} and {path!r} with"
           " the same wildcard captures, so their partners are ambiguous. Make the pattern more"
           " specific.")
+    if not jnp.issubdtype(dtypes[path], jnp.floating):
+      raise ValueError(
+          f"{pair._spelled}: pattern {pattern!r} matches {path!r} of dtype {dtypes[path]}; only"
+          " floating-point leaves can be rescaled (an integer would be truncated). Narrow the"
+          " pattern or store the leaf as floats.")
     found[caps] = path
   if not found:
-    near = paths.nearest(pattern, shapes)
+    near = paths.nearest(pattern, dtypes)
     hint = f"; did you mean {', '.join(map(repr, near))}?" if near else "."
     raise ValueError(f"{pair._spelled}: pattern {pattern!r} matches no parameter path{hint}")
   return found
@@ -221,9 +229,10 @@ def _follower_slot(pair, key, sign, kernel_path, kernel_shape, kernel_axis, grou
   return Slot(key, sign, axis, groups, pair.stacked)
 
 
-def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]]):
-  a_matches = _matches(pair.a, shapes, pair)
-  b_matches = _matches(pair.b, shapes, pair)
+def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, Any]):
+  """Yields each instance of ``pair`` with ``(path, slot, role)`` for each of its leaves."""
+  a_matches = _matches(pair.a, dtypes, pair)
+  b_matches = _matches(pair.b, dtypes, pair)
   unpaired = sorted(set(a_matches) ^ set(b_matches))
   if unpaired:
     caps = unpaired[0]
@@ -231,8 +240,8 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]]):
     other = pair.b if side == "a" else pair.a
     raise ValueError(f"{pair._spelled}: {path!r} (matched by {side}) has no partner matching"
                      f" {other!r} with the same wildcard captures.")
-  follower_matches = [(+1, p, _matches(p, shapes, pair)) for p in pair.follow_a]
-  follower_matches += [(-1, p, _matches(p, shapes, pair)) for p in pair.follow_b]
+  follower_matches = [(+1, p, _matches(p, dtypes, pair)) for p in pair.follow_a]
+  follower_matches += [(-1, p, _matches(p, dtypes, pair)) for p in pair.follow_b]
   for caps in sorted(a_matches):
     pa, pb = a_matches[caps], b_matches[caps]
     sa, sb = shapes[pa], shapes[pb]
@@ -252,8 +261,8 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]]):
         if n % groups:
           raise ValueError(f"{pair._spelled}: {groups} groups do not divide axis of size {n} of"
                            f" {path!r} with shape {shape}.")
-    slots = {pa: Slot(key, +1, ax_a, groups, pair.stacked),
-             pb: Slot(key, -1, ax_b, groups, pair.stacked)}
+    members = [(pa, Slot(key, +1, ax_a, groups, pair.stacked), "side a"),
+               (pb, Slot(key, -1, ax_b, groups, pair.stacked), "side b")]
     followers = {+1: [], -1: []}
     for sign, pattern, found in follower_matches:
       if caps not in found:
@@ -261,31 +270,64 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]]):
                          f" captures of {pa!r}.")
       path = found[caps]
       kpath, kax = (pa, ax_a) if sign > 0 else (pb, ax_b)
-      slots[path] = _follower_slot(pair, key, sign, kpath, shapes[kpath], kax, groups, path,
-                                   shapes[path])
+      slot = _follower_slot(pair, key, sign, kpath, shapes[kpath], kax, groups, path, shapes[path])
+      members.append((path, slot, f"a follower of side {'a' if sign > 0 else 'b'}"
+                      f" (pattern {pattern!r})"))
       followers[sign].append(path)
     fshape = tuple(sa[:pair.stacked]) + ((groups,) if pair.axes is not None else ())
-    yield Instance(key, pair, pa, pb, tuple(followers[+1]), tuple(followers[-1]), fshape), slots
+    yield Instance(key, pair, pa, pb, tuple(followers[+1]), tuple(followers[-1]), fshape), members
+
+
+def _claim(inst: Instance, members, declared: dict, roles: dict) -> None:
+  """Records the leaves of ``inst``; raises if it or one of its leaves is declared already.
+
+  The factors of all instances are applied at once, which balances each one
+  exactly only when no leaf is shared: a shared leaf would need the factors
+  solved jointly, and an instance declared twice would be applied twice.
+  """
+  both = frozenset((inst.a, inst.b))
+  if both in declared:
+    raise ValueError(
+        f"{declared[both].pair._spelled} and {inst.pair._spelled} both pair {inst.a!r} with"
+        f" {inst.b!r}, so its factors would be applied twice. Declare each pair once.")
+  declared[both] = inst
+  for path, _, role in members:
+    if path not in roles:
+      roles[path] = (role, inst)
+      continue
+    first_role, first = roles[path]
+    if first.key == inst.key:
+      raise ValueError(
+          f"{inst.pair._spelled}: {path!r} is both {first_role} and {role} of the pair of"
+          f" {inst.a!r} and {inst.b!r}; a leaf moves with one side of a pair only. Remove it from"
+          " one of the patterns.")
+    raise ValueError(
+        f"{path!r} is {first_role} of {first.pair._spelled} (pairing {first.a!r} with {first.b!r})"
+        f" and {role} of {inst.pair._spelled} (pairing {inst.a!r} with {inst.b!r}). Overlapping"
+        " symmetries (one leaf in two pair instances) are not supported yet: the factors of all"
+        " instances are applied at once, which does not balance them jointly. Declare each leaf"
+        " in at most one pair.")
 
 
 @functools.lru_cache(maxsize=256)
-def _resolve_cached(pairs: tuple[Pair, ...], shape_items: tuple) -> Plan:
-  shapes = dict(shape_items)
-  instances, slots = [], {}
+def _resolve_cached(pairs: tuple[Pair, ...], leaf_specs: tuple) -> Plan:
+  shapes = {path: shape for path, shape, _ in leaf_specs}
+  dtypes = {path: dtype for path, _, dtype in leaf_specs}
+  instances, slots, declared, roles = [], {}, {}, {}
   for pair in pairs:
-    for inst, inst_slots in _resolve_pair(pair, shapes):
+    for inst, members in _resolve_pair(pair, shapes, dtypes):
+      _claim(inst, members, declared, roles)
       instances.append(inst)
-      for path, slot in inst_slots.items():
-        slots.setdefault(path, ())
-        slots[path] += (slot,)
+      slots.update((path, (slot,)) for path, slot, _ in members)
   return Plan(tuple(instances), slots, shapes)
 
 
 def resolve(pairs: Sequence[Pair], tree: Any) -> Plan:
   """Resolves ``pairs`` on the leaves of ``tree``; raises ValueError on a bad declaration.
 
-  Resolution looks only at paths and shapes, so it runs once per tree
-  structure at trace time and costs nothing inside a compiled step.
+  Resolution looks only at paths, shapes and dtypes, so it runs once per tree
+  structure at trace time and costs nothing inside a compiled step. Every leaf
+  is in at most one pair instance, and only floating-point leaves are.
   """
   if isinstance(pairs, Pair):
     pairs = (pairs,)
@@ -293,7 +335,7 @@ def resolve(pairs: Sequence[Pair], tree: Any) -> Plan:
   for p in pairs:
     if not isinstance(p, Pair):
       raise TypeError(f"Expected saggs_jax.Pair, got {type(p).__name__}: {p!r}")
-  return _resolve_cached(pairs, tuple(_leaf_shapes(tree).items()))
+  return _resolve_cached(pairs, _leaf_specs(tree))
 
 
 def describe(pairs: Sequence[Pair], params: Any) -> str:

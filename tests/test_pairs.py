@@ -112,6 +112,25 @@ def test_describe_counts_one_instance_in_the_singular():
   assert saggs.describe([saggs.Pair("q", "k", axes=(1, 1))], params).splitlines()[-1] == (
       "1 pair instance, 4 factors in all.")
 
+
+def test_valid_declarations_resolve():
+  """Every accepted form: followers on both sides, groups, numpy ints, list axes, low precision."""
+  rng = np.random.default_rng(8)
+  params = {"q": _arr(rng, 3, 8), "k": _arr(rng, 3, 8), "qb": _arr(rng, 8), "kb": _arr(rng, 8),
+            "v": jnp.ones((2, 5, 4), jnp.bfloat16), "o": jnp.ones((2, 4, 5), jnp.float16),
+            "step": jnp.zeros((), jnp.int32), "mask": jnp.ones((3,), bool)}  # not in any pair
+  pairs = [saggs.Pair("q", "k", axes=[1, -1], groups=np.int64(2), follow_a="qb", follow_b=("kb",)),
+           saggs.Pair("v", "o", axes=(1, 0), stacked=np.int32(1))]
+  plan = saggs.pairs.resolve(pairs, params)
+  assert [(i.a, i.b, i.followers_a, i.followers_b, i.factor_shape) for i in plan.instances] == [
+      ("q", "k", ("qb",), ("kb",), (2,)), ("v", "o", (), (), (2, 4))]
+  assert pairs[0].axes == (1, -1) and type(pairs[0].groups) is int
+  assert {path: [(s.sign, s.axis) for s in slots] for path, slots in plan.slots.items()} == {
+      "q": [(1, 1)], "qb": [(1, 0)], "k": [(-1, 1)], "kb": [(-1, 0)], "v": [(1, 2)],
+      "o": [(-1, 1)]}
+  _init(pairs, params)
+
+
 # --- bad declarations fail at init, naming the pattern or path -------------------
 
 def _init(pairs, params):
@@ -230,6 +249,89 @@ def test_malformed_pair(kwargs, msg):
   with pytest.raises(ValueError, match=re.escape("Pair('q', 'k'): ") + msg
                      if kwargs["a"] == "q" else msg):
     saggs.Pair(**kwargs)
+
+
+# --- declarations that resolve but would be silently wrong ------------------------
+
+def _qkvo():
+  rng = np.random.default_rng(9)
+  return {name: _arr(rng, 4, 6) for name in ("q", "k", "v", "o")} | {"b": _arr(rng, 6)}
+
+
+@pytest.mark.parametrize("pairs, params, msg", [
+    # A preset, then one of its pairs again.
+    (saggs.presets.llama(C.num_kv_heads) + saggs.presets.llama(C.num_kv_heads)[:1],
+     models.llama_init(0),
+     "'attention Q/K' = Pair('q_proj/kernel', 'k_proj/kernel') and 'attention Q/K' ="
+     " Pair('q_proj/kernel', 'k_proj/kernel') both pair 'layers/0/attn/q_proj/kernel' with"
+     " 'layers/0/attn/k_proj/kernel'"),
+    # Two patterns reaching the same leaves, in either orientation.
+    ([saggs.Pair("layers/*/q", "layers/*/k"), saggs.Pair("q", "k")], _layers(),
+     "Pair('layers/*/q', 'layers/*/k') and Pair('q', 'k') both pair 'layers/0/q' with"
+     " 'layers/0/k'"),
+    ([saggs.Pair("q", "k", axes=(1, 1)), saggs.Pair("k", "q")], _qkvo(),
+     "Pair('q', 'k') and Pair('k', 'q') both pair 'k' with 'q'"),
+])
+def test_instance_declared_twice(pairs, params, msg):
+  with pytest.raises(ValueError, match=re.escape(msg) + ", so its factors would be applied twice"):
+    _init(pairs, params)
+
+
+_OVERLAP = "Overlapping symmetries (one leaf in two pair instances) are not supported yet"
+
+
+@pytest.mark.parametrize("pairs, msg", [
+    # Primary in two instances: q/k and q/v.
+    ([saggs.Pair("q", "k", axes=(1, 1)), saggs.Pair("q", "v", axes=(1, 1))],
+     "'q' is side a of Pair('q', 'k') (pairing 'q' with 'k') and side a of Pair('q', 'v')"),
+    # Three pairs sharing one leaf: the first repeat is reported.
+    ([saggs.Pair("q", "k"), saggs.Pair("v", "k"), saggs.Pair("o", "k")],
+     "'k' is side b of Pair('q', 'k') (pairing 'q' with 'k') and side b of Pair('v', 'k')"),
+    # A follower of one pair that is a primary of another, in both orders.
+    ([saggs.Pair("q", "k", axes=(1, 1), follow_a="v"), saggs.Pair("v", "o", axes=(1, 1))],
+     "'v' is a follower of side a (pattern 'v') of Pair('q', 'k') (pairing 'q' with 'k') and"
+     " side a of Pair('v', 'o')"),
+    ([saggs.Pair("v", "o", axes=(1, 1)), saggs.Pair("q", "k", axes=(1, 1), follow_b="o")],
+     "'o' is side b of Pair('v', 'o') (pairing 'v' with 'o') and a follower of side b"
+     " (pattern 'o') of Pair('q', 'k')"),
+    # A follower of two pairs.
+    ([saggs.Pair("q", "k", axes=(1, 1), follow_a="b"),
+      saggs.Pair("v", "o", axes=(1, 1), follow_b="b", name="V/O")],
+     "'b' is a follower of side a (pattern 'b') of Pair('q', 'k') (pairing 'q' with 'k') and a"
+     " follower of side b (pattern 'b') of 'V/O' = Pair('v', 'o')"),
+])
+def test_leaf_in_two_instances(pairs, msg):
+  with pytest.raises(ValueError, match=re.escape(msg) + ".*" + re.escape(_OVERLAP)):
+    _init(pairs, _qkvo())
+
+
+@pytest.mark.parametrize("pair, msg", [
+    (saggs.Pair("q", "k", follow_a="k"),
+     "'k' is both side b and a follower of side a (pattern 'k')"),
+    (saggs.Pair("q", "k", axes=(1, 1), follow_b="q"),
+     "'q' is both side a and a follower of side b (pattern 'q')"),
+    (saggs.Pair("q", "k", axes=(1, 1), follow_a="b", follow_b="b"),
+     "'b' is both a follower of side a (pattern 'b') and a follower of side b (pattern 'b')"),
+    (saggs.Pair("q", "q"), "'q' is both side a and side b"),
+])
+def test_leaf_on_both_sides_of_one_pair(pair, msg):
+  with pytest.raises(ValueError, match=re.escape(f"{pair.label}: {msg}") + ".*one side of a pair"):
+    _init([pair], _qkvo())
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, bool])
+@pytest.mark.parametrize("leaf, pair", [
+    ("k", saggs.Pair("q", "k", axes=(1, 1))),
+    ("b", saggs.Pair("q", "k", axes=(1, 1), follow_a="b")),
+])
+def test_non_float_leaf_in_a_pair(dtype, leaf, pair):
+  params = _qkvo()
+  plan = saggs.pairs.resolve([pair], params)  # floats resolve and are cached...
+  assert plan.instances[0].a == "q"
+  params[leaf] = params[leaf].astype(dtype)  # ...the same shapes with integers do not
+  msg = f"{pair.label}: pattern '{leaf}' matches '{leaf}' of dtype {jnp.dtype(dtype).name}; only"
+  with pytest.raises(ValueError, match=re.escape(msg) + ".*integer would be truncated"):
+    saggs.canonicalize(params, None, [pair])
 
 
 @pytest.mark.parametrize("kwargs", [dict(strength=0.0), dict(strength=1.5), dict(every=0),
