@@ -515,65 +515,111 @@ def llama_grads(key, layers=None):
   return tree
 
 
-def expected_llama_update(g):
-  """The seed's stack by hand (beta=0, lr=1): minus each role's direction."""
+def unit_rule(kind, x, centred=False):
+  """A unit rule on (units, features) in numpy: row-norm, hybrid (row then
+  polar, scaled by the nuclear norm) or left spectral."""
+  p = center if centred else (lambda y: y)
+  if kind == "row_norm":
+    return p(row_norm(p(x)))
+  if kind == "hybrid":
+    r = row_norm(p(x))
+    return p(nuclear(r) * polar(r))
+  assert kind == "left_spectral", kind
+  return p(left_spectral(p(x)))
+
+
+def expected_llama_directions(g, embedding="row_norm", lm_head="row_norm", mlp="row_norm",
+                              down="column", router="row_norm"):
+  """The seed's stack by hand (beta=0): each role's direction, by path."""
   L = g["layers"]
   gu = np.concatenate([L["mlp"]["gate_proj"]["kernel"].T, L["mlp"]["up_proj"]["kernel"].T], axis=1)
-  neurons = row_norm(gu)
+  neurons = unit_rule(mlp, gu)
   per_head = lambda w, n, axis: np.concatenate(  # noqa: E731
       [polar(b) for b in np.split(w, n, axis=axis)], axis=axis)
+  w_down = L["mlp"]["down_proj"]["kernel"]
   return {
-      "embed/embedding": row_norm(g["embed"]["embedding"]),
-      "lm_head/kernel": center(row_norm(center(g["lm_head"]["kernel"].T))).T,
+      "embed/embedding": unit_rule(embedding, g["embed"]["embedding"]),
+      "lm_head/kernel": unit_rule(lm_head, g["lm_head"]["kernel"].T, centred=True).T,
       "layers/attn/q_proj/kernel": per_head(L["attn"]["q_proj"]["kernel"], H, 1),
       "layers/attn/k_proj/kernel": per_head(L["attn"]["k_proj"]["kernel"], KV, 1),
+      "layers/attn/v_proj/kernel": per_head(L["attn"]["v_proj"]["kernel"], KV, 1),
       "layers/attn/o_proj/kernel": np.sqrt(D / HD) * per_head(L["attn"]["o_proj"]["kernel"], H, 0),
       "layers/mlp/gate_proj/kernel": neurons[:, :D].T,
       "layers/mlp/up_proj/kernel": neurons[:, D:].T,
-      "layers/mlp/down_proj/kernel": row_norm(L["mlp"]["down_proj"]["kernel"]),
-      "layers/moe/router/kernel": center(row_norm(center(L["moe"]["router"]["kernel"].T))).T,
+      "layers/mlp/down_proj/kernel": (unit_rule(mlp, w_down) if down == "column"
+                                      else np.sqrt(D / FF) * polar(w_down)),
+      "layers/moe/router/kernel": unit_rule(router, L["moe"]["router"]["kernel"].T, centred=True).T,
       "layers/moe/experts/w_in": np.stack(
           [polar(w) for w in L["moe"]["experts"]["w_in"]]),  # fan_out < fan_in: scale 1
   }
 
 
+# Distinct rates and decays, one per-role override: each must reach its leaves.
+LR, ADAMW_LR, WD, ADAMW_WD, OUTPUT_LR = 0.3, 0.05, 0.1, 0.2, 0.7
+ADAMW_PATHS = ("norm/scale", "layers/attn_norm/scale")
+
+
 @functools.cache
-def stack_step(stacked):
-  tx = eqv.symmetry_compatible(1.0, adamw_learning_rate=1.0, num_heads=H, num_kv_heads=KV,
-                               stacked=stacked, beta=0.0, **EXACT_NS)
-  return jax.jit(lambda g: tx.update(g, tx.init(g), g)[0])
+def stack_step(stacked, **variants):
+  tx = eqv.symmetry_compatible(LR, adamw_learning_rate=ADAMW_LR, weight_decay=WD,
+                               adamw_weight_decay=ADAMW_WD, learning_rates={"output": OUTPUT_LR},
+                               num_heads=H, num_kv_heads=KV, stacked=stacked, beta=0.0,
+                               **EXACT_NS, **variants)
+  return jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])
+
+
+def flat_paths(tree):
+  return {path_str(k): np.asarray(v, np.float64) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def check_llama_update(out, g, p, **variants):
+  """u = -lr (direction + wd p) per role; AdamW's first step on the rest:
+  -lr (g / (|g| + eps) + wd p) = -lr (sign(g) + wd p)."""
+  directions = expected_llama_directions(jax.tree.map(np.float64, g), **variants)
+  out, g, p = flat_paths(out), flat_paths(g), flat_paths(p)
+  assert set(directions) | set(ADAMW_PATHS) == set(out)
+  for path, direction in directions.items():
+    lr = OUTPUT_LR if path == "layers/attn/o_proj/kernel" else LR
+    close(out[path], -lr * (direction + WD * p[path]), rtol=1e-3)
+  for path in ADAMW_PATHS:
+    close(out[path], -ADAMW_LR * (np.sign(g[path]) + ADAMW_WD * p[path]), rtol=1e-5)
 
 
 def test_symmetry_compatible_stack():
-  g = llama_grads(100)
-  out = stack_step(False)(g)
-  flat = {path_str(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(out)[0]}
-  for path, expected in expected_llama_update(jax.tree.map(np.float64, g)).items():
-    close(-flat[path], expected, rtol=1e-3)
-  # Norm gains go to AdamW: its first step is -lr * g / (|g| + eps) = -sign(g).
-  close(flat["norm/scale"], -np.sign(g["norm"]["scale"]), rtol=1e-5)
+  g, p = llama_grads(100), llama_grads(600)
+  out = stack_step(False)(g, p)
+  check_llama_update(out, g, p)
   # The stacked-layers layout gives every layer the update of the unstacked one.
-  layers = [llama_grads(100), llama_grads(200)]
-  both = jax.tree.map(lambda *x: np.stack(x), *[l["layers"] for l in layers])
-  stacked = stack_step(True)({**layers[0], "layers": both})
-  for i, single in enumerate([out, stack_step(False)(layers[1])]):
+  gs, ps = [g, llama_grads(200)], [p, llama_grads(700)]
+  stack = lambda trees: {**trees[0], "layers": jax.tree.map(  # noqa: E731
+      lambda *x: np.stack(x), *[t["layers"] for t in trees])}
+  stacked = stack_step(True)(stack(gs), stack(ps))
+  for i, single in enumerate([out, stack_step(False)(gs[1], ps[1])]):
     chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], stacked["layers"]), single["layers"],
                                 rtol=1e-4, atol=1e-5)
 
 
-def test_symmetry_compatible_options():
+@pytest.mark.parametrize("variants", [
+    dict(embedding="hybrid", lm_head="hybrid", mlp="hybrid", down="polar", router="left_spectral",
+         head_dim=HD),
+    dict(mlp="hybrid"),  # a column-aware hybrid down
+])
+def test_symmetry_compatible_variants(variants):
+  """Each option builds the rule it names, checked against numpy."""
+  g, p = llama_grads(400), llama_grads(800)
+  check_llama_update(stack_step(False, **variants)(g, p), g, p,
+                     **{k: v for k, v in variants.items() if k != "head_dim"})
+
+
+def test_symmetry_compatible_tied_and_errors():
   tied = eqv.symmetry_compatible(1.0, tie_embeddings=True, beta=0.0)
   g = {"embed": {"embedding": rand(300, (V, D), np.float32)}}
   out = tied.update(g, tied.init(g), g)[0]["embed"]["embedding"]
   close(-out, center(row_norm(center(g["embed"]["embedding"]))))
-  with pytest.raises(ValueError, match="bogus"):
+  with pytest.raises(ValueError, match=r"Unknown roles \['bogus'\]"):
     eqv.symmetry_compatible(1.0, patterns={"bogus": "x"})
-  # Hybrid / left-spectral variants build and keep every update finite.
-  tx = eqv.symmetry_compatible(0.1, embedding="hybrid", lm_head="hybrid", mlp="hybrid",
-                               down="polar", router="left_spectral", head_dim=HD)
-  g = llama_grads(400)
-  out = jax.jit(lambda g: tx.update(g, tx.init(g), g)[0])(g)
-  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))
+  with pytest.raises(ValueError, match="down must be 'column' or 'polar', got 'rows'"):
+    eqv.symmetry_compatible(1.0, down="rows")
 
 
 @pytest.mark.parametrize("variants", [{}, dict(embedding="hybrid", lm_head="hybrid", mlp="hybrid",
