@@ -6,22 +6,46 @@ For a pair instance with group norms ``||A_g||`` and ``||B_g||`` the factor is
 
 strength=1 (hard SAGGS) equalises both norms at ``sqrt(||A_g|| ||B_g||)``, the
 unique minimiser of ``||c A||^2 + ||B / c||^2``; 0 < strength < 1 shrinks the
-log-imbalance ``log(||A_g|| / ||B_g||)`` by the factor ``1 - strength``. A zero
-or non-finite norm gives c_g = 1, so no NaN or Inf is ever produced.
+log-imbalance ``log(||A_g|| / ||B_g||)`` by the factor ``1 - strength``.
+
+Guards, so that no NaN or Inf is ever produced:
+
+* norms are scale-safe: they are kept as logarithms, and when a float32 sum of
+  squares overflows, underflows or meets a non-finite entry, every norm is
+  recomputed from entries divided by the tensor's largest finite magnitude;
+* a zero or non-finite norm gives ``c_g = 1``, and a non-finite entry only
+  affects its own group;
+* a factor never overflows a leaf's dtype: ``c`` is clipped so that
+  ``c ||A_g||`` and ``||B_g|| / c`` (followers included) stay below the largest
+  finite value of each leaf's dtype, which bounds every scaled entry. This
+  only binds for tensors whose norm nears that value (float16 mostly); there
+  the factor is the closest admissible one, or 1 if none is.
+
+On a mesh the squared norms are summed per group where the data lives and
+combined with one all-reduce of at most one value per group; inside
+``shard_map`` ``axis_name`` names the mesh axes to sum over.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+import string
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
 
 from saggs_jax import paths
 from saggs_jax.pairs import Plan, Slot
 
 Factors = dict[str, jax.Array]
+AxisName = str | Sequence[str] | None
+
+# A float32 sum of squares this small may have lost digits to underflow: such
+# norms (and overflowing or non-finite ones) are recomputed on the safe path.
+_SMALLEST_SAFE_SUM = 1e-20
 
 
 def compute_dtype(dtype) -> jnp.dtype:
@@ -29,52 +53,127 @@ def compute_dtype(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def _group_sq_norms(x: jax.Array, slot: Slot) -> jax.Array:
+def _explicit(x) -> bool:
+  """Whether ``x`` is typed with an Explicit-mode sharding (its shardings must then agree)."""
+  return jax.typeof(x).sharding.mesh._any_axis_explicit
+
+
+def _replicated(x):
+  return jax.sharding.reshard(x, PartitionSpec()) if _explicit(x) else x
+
+
+def _group_sum(v: jax.Array, slot: Slot, axis_name: AxisName) -> jax.Array:
+  """Sums ``v`` over each group of ``slot``: shape ``stacked_shape (+ (groups,))``, replicated.
+
+  Several indices per group are summed by a one-hot contraction, so a sharded
+  group axis is reduced where it lives and only per-group partial sums are
+  all-reduced (reshaping it into (groups, size) is not defined under
+  Explicit sharding and would gather it under Auto).
+  """
+  if slot.axis is None or slot.groups == v.shape[slot.axis]:
+    s = jnp.sum(v, axis=slot.reduce_axes(v.ndim))
+  else:
+    letters = string.ascii_letters[:v.ndim]
+    out = letters[:slot.stacked] + "Z"
+    spec = f"{letters},{letters[slot.axis]}Z->{out}"
+    one_hot = jnp.asarray(slot.membership(v.shape[slot.axis]), v.dtype)
+    kwargs = {"out_sharding": PartitionSpec()} if _explicit(v) else {}
+    s = jnp.einsum(spec, v, one_hot, precision=jax.lax.Precision.HIGHEST, **kwargs)
+  s = _replicated(s)
+  return s if axis_name is None else jax.lax.psum(s, axis_name)
+
+
+def _fast_sq(x: jax.Array, slot: Slot, axis_name: AxisName) -> jax.Array:
   dtype = compute_dtype(x.dtype)
-  sq = jnp.sum(jnp.square(x.astype(dtype)), axis=slot.reduce_axes(x.ndim))
-  if slot.axis is None or slot.groups == x.shape[slot.axis]:  # already one sum per group
-    return sq
-  # Per-index sums to per-group sums by a tiny one-hot matmul: reshaping a
-  # sharded axis into (groups, size) is not defined under Explicit sharding.
-  # Non-finite entries are summed apart (inf * 0 would leak NaN into every
-  # group) and make their own group's norm inf.
-  one_hot = jnp.asarray(slot.membership(x.shape[slot.axis]), dtype)
-
-  def group_sum(v):
-    return jnp.matmul(v.astype(dtype), one_hot, precision=jax.lax.Precision.HIGHEST)
-
-  finite = jnp.isfinite(sq)
-  return jnp.where(group_sum(~finite) > 0, jnp.inf, group_sum(jnp.where(finite, sq, 0)))
+  return _group_sum(jnp.square(x.astype(dtype)), slot, axis_name)
 
 
-def sq_norms(plan: Plan, params: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
-  """Per instance: squared group norms of the A and B primaries, shape ``factor_shape``."""
+def _safe_log_norm(x: jax.Array, slot: Slot, axis_name: AxisName) -> jax.Array:
+  """``log ||x_g||`` from entries scaled by the largest finite magnitude of each copy.
+
+  Non-finite groups give +inf, zero groups -inf; both mean "do not balance".
+  """
+  dtype = compute_dtype(x.dtype)
+  x = x.astype(dtype)
+  finite = jnp.isfinite(x)
+  x = jnp.where(finite, x, 0)
+  scale = _replicated(jnp.max(jnp.abs(x), axis=tuple(range(slot.stacked, x.ndim))))
+  if axis_name is not None:
+    scale = jax.lax.pmax(scale, axis_name)
+  scale = jnp.where(scale > 0, scale, 1)
+  expand = scale.reshape(scale.shape + (1,) * (x.ndim - slot.stacked))
+  sq = _group_sum(jnp.square(x / expand), slot, axis_name)
+  log_scale = jnp.log(scale)[..., None] if slot.axis is not None else jnp.log(scale)
+  bad = _group_sum((~finite).astype(dtype), slot, axis_name) > 0
+  return jnp.where(bad, jnp.inf, log_scale + 0.5 * jnp.log(sq))
+
+
+def log_norms(plan: Plan, params: Any, axis_name: AxisName = None
+              ) -> dict[str, tuple[jax.Array, jax.Array]]:
+  """Per instance: ``log`` of the group norms of the A and B primaries, shape ``factor_shape``.
+
+  One float32 pass per leaf; a ``lax.cond`` takes the scale-safe pass only when
+  some sum of squares overflowed, underflowed or met a non-finite entry.
+  """
+  leaves = dict(paths.leaves_with_paths(params))
+  members = [(inst.key, path) for inst in plan.instances for path in (inst.a, inst.b)]
+
+  def fast(_):
+    return [0.5 * jnp.log(s) for s in sq]
+
+  def safe(_):
+    return [_safe_log_norm(leaves[p], plan.slot(p, k), axis_name) for k, p in members]
+
+  sq = [_fast_sq(leaves[p], plan.slot(p, k), axis_name) for k, p in members]
+  trusted = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(s) & (s >= _SMALLEST_SAFE_SUM))
+                                                for s in sq])
+  logs = jax.lax.cond(trusted, fast, safe, None)
+  return {key: (logs[2 * i], logs[2 * i + 1]) for i, key in enumerate(dict.fromkeys(
+      k for k, _ in members))}
+
+
+def _log_headroom(plan: Plan, leaves: dict, inst, side: str, log_norm: jax.Array,
+                  axis_name: AxisName) -> jax.Array:
+  """``min over the side's leaves of log(max_dtype / ||leaf_g||)``: how far ``c`` (A) or ``1/c`` (B) may grow."""
+  primary = inst.a if side == "a" else inst.b
+  followers = inst.followers_a if side == "a" else inst.followers_b
+  room = _log_max(leaves[primary].dtype) - log_norm
+  for path in followers:  # small (biases): their norms cost next to nothing
+    x = leaves[path]
+    log_f = 0.5 * jnp.log(_fast_sq(x, plan.slot(path, inst.key), axis_name))
+    room = jnp.minimum(room, jnp.where(jnp.isfinite(log_f), _log_max(x.dtype) - log_f, jnp.inf))
+  return room
+
+
+def _log_max(dtype) -> float:
+  """log of the largest value a leaf of ``dtype`` may be scaled to, with a rounding margin."""
+  return float(np.log(float(jnp.finfo(dtype).max)) + np.log1p(-2.0**-8))
+
+
+def factors_from_log_norms(log_a: jax.Array, log_b: jax.Array, strength: float,
+                           room_a: jax.Array | float = np.inf,
+                           room_b: jax.Array | float = np.inf) -> jax.Array:
+  """``(||B|| / ||A||) ** (strength / 2)`` from log-norms, guarded and clipped to
+  ``1/exp(room_b) <= c <= exp(room_a)``; 1 where the norms are zero or non-finite
+  or no factor fits."""
+  ok = jnp.isfinite(log_a) & jnp.isfinite(log_b) & (-room_b <= room_a)
+  log_c = jnp.clip(0.5 * strength * (log_b - log_a), -room_b, room_a)
+  return jnp.where(ok, jnp.exp(jnp.where(ok, log_c, 0)), 1).astype(jnp.float32)
+
+
+def compute_factors(plan: Plan, params: Any, strength: float, axis_name: AxisName = None
+                    ) -> Factors:
+  """The balancing factors of every instance in ``plan`` for ``params``."""
   leaves = dict(paths.leaves_with_paths(params))
   out = {}
+  norms = log_norms(plan, params, axis_name)
   for inst in plan.instances:
-    norms = []
-    for path in (inst.a, inst.b):
-      norms.append(_group_sq_norms(leaves[path], plan.slot(path, inst.key)))
-    out[inst.key] = tuple(norms)
+    log_a, log_b = norms[inst.key]
+    out[inst.key] = factors_from_log_norms(
+        log_a, log_b, strength,
+        _log_headroom(plan, leaves, inst, "a", log_a, axis_name),
+        _log_headroom(plan, leaves, inst, "b", log_b, axis_name))
   return out
-
-
-def log_imbalance(sq_a: jax.Array, sq_b: jax.Array) -> jax.Array:
-  """``log(||A|| / ||B||)`` per group."""
-  return 0.5 * (jnp.log(sq_a) - jnp.log(sq_b))
-
-
-def factors_from_norms(sq_a: jax.Array, sq_b: jax.Array, strength: float) -> jax.Array:
-  """``(||B|| / ||A||) ** (strength / 2)`` with the zero / non-finite guard."""
-  ok = (sq_a > 0) & (sq_b > 0) & jnp.isfinite(sq_a) & jnp.isfinite(sq_b)
-  safe_a, safe_b = jnp.where(ok, sq_a, 1), jnp.where(ok, sq_b, 1)
-  c = jnp.exp((0.25 * strength) * (jnp.log(safe_b) - jnp.log(safe_a)))
-  return jnp.where(ok & jnp.isfinite(c), c, jnp.ones_like(c))
-
-
-def compute_factors(plan: Plan, params: Any, strength: float) -> Factors:
-  """The balancing factors of every instance in ``plan`` for ``params``."""
-  return {k: factors_from_norms(a, b, strength) for k, (a, b) in sq_norms(plan, params).items()}
 
 
 def _multiplier(slot: Slot, shape: tuple[int, ...], factors: Factors, power: float, dtype):
@@ -89,15 +188,27 @@ def _multiplier(slot: Slot, shape: tuple[int, ...], factors: Factors, power: flo
   return f.reshape(slot.broadcast_shape(shape))
 
 
-def leaf_multiplier(slots: list[Slot], shape: tuple[int, ...], factors: Factors, power: float,
+def _like(m: jax.Array, x: jax.Array) -> jax.Array:
+  """``m`` (broadcastable to ``x``) sharded as ``x`` along its kept axes, so the
+  product is local; Explicit mode requires it, Auto mode infers it."""
+  if not _explicit(x):
+    return m
+  spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
+  return jax.sharding.reshard(m, PartitionSpec(*(s if n > 1 else None
+                                                 for s, n in zip(spec, m.shape))))
+
+
+def leaf_multiplier(slots: list[Slot], x: jax.Array, factors: Factors, power: float,
                     dtype) -> jax.Array:
-  """What a leaf of ``shape`` declared in ``slots`` is multiplied by, broadcastable to it."""
-  return functools.reduce(jnp.multiply, [_multiplier(s, shape, factors, power, dtype) for s in slots])
+  """What leaf ``x`` declared in ``slots`` is multiplied by, broadcastable to it."""
+  m = functools.reduce(jnp.multiply,
+                       [_multiplier(s, x.shape, factors, power, dtype) for s in slots])
+  return _like(m, x)
 
 
 def _scale_leaf(x, slots, factors, power):
   dtype = compute_dtype(x.dtype)
-  return (x.astype(dtype) * leaf_multiplier(slots, x.shape, factors, power, dtype)).astype(x.dtype)
+  return (x.astype(dtype) * leaf_multiplier(slots, x, factors, power, dtype)).astype(x.dtype)
 
 
 def scale_tree(plan: Plan, tree: Any, factors: Factors, power: float, is_leaf=None) -> Any:
