@@ -79,7 +79,8 @@ def register_transport(state_type: type, fields: Mapping[str, Degree]) -> None:
   known = getattr(state_type, "_fields", None) or [f.name for f in dataclasses.fields(state_type)]
   unknown = set(fields) - set(known)
   if unknown:
-    raise ValueError(f"{state_type.__name__} has no fields {sorted(unknown)}; it has {list(known)}.")
+    raise ValueError(f"{state_type.__name__} has no fields {sorted(unknown)};"
+                     f" it has {list(known)}.")
   for field, degree in fields.items():
     if degree != NESTED and (isinstance(degree, bool) or not isinstance(degree, (int, float))):
       raise ValueError(f"{state_type.__name__}.{field}: degree must be a number or"
@@ -223,14 +224,17 @@ def _transport_factored(plan: Plan, state, factors: Factors, where: str):
         return None
       hit = _varying(plan, path, axes)
       if hit is not None:
+        axis, slot = hit
+        regroup = ("" if axis < slot.stacked else "Declare the pair with one group per tensor"
+                   " (axes=None) or a group axis other than the two largest, or keep")
         raise _refusal(
             state, f"{where}.{field}[{path!r}]",
             f"Adafactor keeps only means of g**2 over axes {axes[0]} and {axes[1]} of {path!r}"
-            f" {shape}, and the factors of {hit[1].key!r} change along axis {hit[0]}, so the"
-            " transported means are not determined by the stored ones.",
-            "Declare the pair with one group per tensor (axes=None) or a group axis other than"
-            " the two largest, or keep this moment unfactored: optax.adafactor(...,"
-            f" factored=False) or min_dim_size_to_factor > {shape[axes[1]]}.")
+            f" {shape}, and the factors of {slot.key!r} change along axis {axis}"
+            f" ({'stacked copies' if axis < slot.stacked else 'groups'}), so the transported"
+            " means are not determined by the stored ones.",
+            f"{regroup or 'Keep'} this moment unfactored: optax.adafactor(..., factored=False)"
+            f" or min_dim_size_to_factor > {shape[axes[1]]}.")
       return _scale(plan, path, x, factors, -2, drop=axes[which])
     return leaf
 
