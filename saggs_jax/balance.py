@@ -29,7 +29,6 @@ combined with one all-reduce of at most one value per group; inside
 from __future__ import annotations
 
 import functools
-import string
 from typing import Any, Sequence
 
 import jax
@@ -58,28 +57,38 @@ def _explicit(x) -> bool:
   return jax.typeof(x).sharding.mesh._any_axis_explicit
 
 
-def _replicated(x):
-  return jax.sharding.reshard(x, PartitionSpec()) if _explicit(x) else x
+def replicated(x):
+  """``x`` (small: one value per group) pinned replicated on the current mesh, so that XLA
+  neither shards nor gathers it; nothing to do without a mesh or inside ``shard_map``."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.manual_axes:
+    return x
+  if _explicit(x):
+    return jax.sharding.reshard(x, PartitionSpec())
+  return jax.lax.with_sharding_constraint(x, PartitionSpec())
 
 
 def _group_sum(v: jax.Array, slot: Slot, axis_name: AxisName) -> jax.Array:
   """Sums ``v`` over each group of ``slot``: shape ``stacked_shape (+ (groups,))``, replicated.
 
-  Several indices per group are summed by a one-hot contraction, so a sharded
-  group axis is reduced where it lives and only per-group partial sums are
-  all-reduced (reshaping it into (groups, size) is not defined under
-  Explicit sharding and would gather it under Auto).
+  It is one reduction over every axis but the stacked ones, whatever the
+  layout: on a mesh each device sums its own entries per group and a single
+  all-reduce of one value per group combines them. Several indices per group
+  are masked by a one-hot broadcast inside that reduction (``groups``
+  multiply-adds per entry, fused, never materialised): summing the other
+  axes first would all-reduce one value per index when they are sharded, and
+  reshaping the group axis into (groups, size) would gather it when its
+  shards straddle groups.
   """
+  axes = slot.reduce_axes(v.ndim)
   if slot.axis is None or slot.groups == v.shape[slot.axis]:
-    s = jnp.sum(v, axis=slot.reduce_axes(v.ndim))
+    s = jnp.sum(v, axis=axes)
   else:
-    letters = string.ascii_letters[:v.ndim]
-    out = letters[:slot.stacked] + "Z"
-    spec = f"{letters},{letters[slot.axis]}Z->{out}"
-    one_hot = jnp.asarray(slot.membership(v.shape[slot.axis]), v.dtype)
-    kwargs = {"out_sharding": PartitionSpec()} if _explicit(v) else {}
-    s = jnp.einsum(spec, v, one_hot, precision=jax.lax.Precision.HIGHEST, **kwargs)
-  s = _replicated(s)
+    one_hot = jnp.asarray(slot.membership(v.shape[slot.axis]), v.dtype)  # (size, groups)
+    mask = one_hot.reshape((1,) * slot.axis + one_hot.shape[:1] + (1,) * (v.ndim - slot.axis - 1)
+                           + one_hot.shape[1:])
+    s = jnp.sum(v[..., None] * mask, axis=tuple(range(slot.stacked, v.ndim)))
+  s = replicated(s)
   return s if axis_name is None else jax.lax.psum(s, axis_name)
 
 
@@ -97,7 +106,7 @@ def _safe_log_norm(x: jax.Array, slot: Slot, axis_name: AxisName) -> jax.Array:
   x = x.astype(dtype)
   finite = jnp.isfinite(x)
   x = jnp.where(finite, x, 0)
-  scale = _replicated(jnp.max(jnp.abs(x), axis=tuple(range(slot.stacked, x.ndim))))
+  scale = replicated(jnp.max(jnp.abs(x), axis=tuple(range(slot.stacked, x.ndim))))
   if axis_name is not None:
     scale = jax.lax.pmax(scale, axis_name)
   scale = jnp.where(scale > 0, scale, 1)
@@ -189,10 +198,10 @@ def _multiplier(slot: Slot, shape: tuple[int, ...], factors: Factors, power: flo
 
 
 def _like(m: jax.Array, x: jax.Array) -> jax.Array:
-  """``m`` (broadcastable to ``x``) sharded as ``x`` along its kept axes, so the
-  product is local; Explicit mode requires it, Auto mode infers it."""
+  """``m`` (broadcastable to ``x``) laid out so that ``m * x`` is local: sharded as ``x``
+  along its kept axes under Explicit sharding, replicated otherwise."""
   if not _explicit(x):
-    return m
+    return replicated(m)
   spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
   return jax.sharding.reshard(m, PartitionSpec(*(s if n > 1 else None
                                                  for s, n in zip(spec, m.shape))))

@@ -22,7 +22,7 @@ import optax
 
 from saggs_jax import paths
 from saggs_jax.balance import (AxisName, Factors, compute_dtype, compute_factors, leaf_multiplier,
-                               scale_tree)
+                               replicated, scale_tree)
 from saggs_jax.pairs import Pair, resolve
 from saggs_jax.transport import transport
 
@@ -176,18 +176,20 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
   _check_number("every", every, 1, np.inf, integer=True)
   warned = []
 
-  def factors_of(params):
+  def factors_of(params, axis_name=axis_name):
     return compute_factors(resolve(pairs, params), params, strength, axis_name)
 
   def scheduled_factors(count, params):
     """The factors of update number ``count``: ones when it does not balance."""
     if every == 1:
       return factors_of(params)
-    return jax.lax.cond((count - 1) % every == 0, factors_of,
-                        lambda p: _ones_like_output(factors_of, p), params)
+    factors = jax.lax.cond((count - 1) % every == 0, factors_of,
+                           lambda p: _ones_like_output(factors_of, p), params)
+    return jax.tree.map(replicated, factors)  # else XLA may shard them, then gather each update
 
-  def init(params):
-    return SaggsState(jnp.zeros([], jnp.int32), _ones_like_output(factors_of, params))
+  def init(params):  # may run outside shard_map: no axis to sum over
+    return SaggsState(jnp.zeros([], jnp.int32),
+                      _ones_like_output(lambda p: factors_of(p, axis_name=None), params))
 
   def start(state, params):
     if params is None:
