@@ -1,6 +1,6 @@
 """Tests of saggs_jax.equivariant: each rule against a float64 numpy reference of
 its definition, its symmetry group, zero rows, dtypes, per-head and joint
-layouts, Newton-Schulz numerics, routing by path and the seed's stack.
+layouts, Newton-Schulz numerics, routing by path and Lau and Su's layerwise stack.
 
 Rules run with beta=0 (the update is the direction of the gradient itself) and
 float32 Polar Express iterations unless a test is about the defaults.
@@ -530,7 +530,7 @@ def unit_rule(kind, x, centred=False):
 
 def expected_llama_directions(g, embedding="row_norm", lm_head="row_norm", mlp="row_norm",
                               down="column", router="row_norm"):
-  """The seed's stack by hand (beta=0): each role's direction, by path."""
+  """Lau and Su's stack by hand (beta=0): each role's direction, by path."""
   L = g["layers"]
   gu = np.concatenate([L["mlp"]["gate_proj"]["kernel"].T, L["mlp"]["up_proj"]["kernel"].T], axis=1)
   neurons = unit_rule(mlp, gu)
