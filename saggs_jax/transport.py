@@ -17,7 +17,9 @@ change the optimizer's trajectory. The images transported are
 * a raveled image: every parameter raveled and concatenated in tree order, the
   vector ``optax.flatten`` hands its inner optimizer;
 * Adafactor's factored second moment (``v_row``, ``v_col``), where the
-  factorisation allows it (see :func:`_transport_factored`).
+  factorisation allows it (see :func:`_transport_factored`);
+* Lookahead's fast optimizer state, laid out like ``params.fast``, when the
+  slow weights follow the fast ones (see :func:`_transport_lookahead`).
 
 A moment field holding anything else, and an unregistered state holding an
 array at a declared path, of a declared shape or raveled, is refused.
