@@ -13,6 +13,7 @@ whose reasons :func:`test_exclusions_are_documented_limits` checks.
 """
 
 import functools
+import inspect
 from typing import Callable, NamedTuple, Optional
 
 import jax
@@ -288,6 +289,9 @@ def test_state_shape_dtype_shard_stability(lookup, name, dtype):
 
 @pytest.mark.parametrize("name", WITH_STAND_IN)
 def test_optimizers_accept_learning_rate_schedule(lookup, name):
+  # The body skips optimizers whose learning_rate is not annotated as a schedule.
+  factory = OPTIMIZERS[name].factory
+  assert inspect.signature(factory).parameters["learning_rate"].annotation is optax.ScalarOrSchedule
   fn, case = body("test_optimizers_accept_learning_rate_schedule_if_type_annotated_as_such")
   fn(case, **lookup(name), wrapper_name=None, wrapper_kwargs=None)
 
