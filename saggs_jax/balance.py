@@ -68,11 +68,12 @@ def replicated(x):
   return jax.lax.with_sharding_constraint(x, PartitionSpec())
 
 
-def _group_sum(v: jax.Array, slot: Slot, axis_name: AxisName) -> jax.Array:
-  """Sums ``v`` over each group of ``slot``: shape ``stacked_shape (+ (groups,))``, replicated.
+def _group_reduce(v: jax.Array, slot: Slot, axis_name: AxisName, op: str = "sum") -> jax.Array:
+  """Sums (or, for ``v >= 0``, maxes) ``v`` over each group of ``slot``: shape
+  ``stacked_shape (+ (groups,))``, replicated.
 
   It is one reduction over every axis but the stacked ones, whatever the
-  layout: on a mesh each device sums its own entries per group and a single
+  layout: on a mesh each device reduces its own entries per group and a single
   all-reduce of one value per group combines them. Several indices per group
   are masked by a one-hot broadcast inside that reduction (``groups``
   multiply-adds per entry, fused, never materialised): summing the other
@@ -80,83 +81,116 @@ def _group_sum(v: jax.Array, slot: Slot, axis_name: AxisName) -> jax.Array:
   reshaping the group axis into (groups, size) would gather it when its
   shards straddle groups.
   """
-  axes = slot.reduce_axes(v.ndim)
+  reduce, collective = {"sum": (jnp.sum, jax.lax.psum), "max": (jnp.max, jax.lax.pmax)}[op]
   if slot.axis is None or slot.groups == v.shape[slot.axis]:
-    s = jnp.sum(v, axis=axes)
+    s = reduce(v, axis=slot.reduce_axes(v.ndim))
   else:
     one_hot = jnp.asarray(slot.membership(v.shape[slot.axis]), v.dtype)  # (size, groups)
     mask = one_hot.reshape((1,) * slot.axis + one_hot.shape[:1] + (1,) * (v.ndim - slot.axis - 1)
                            + one_hot.shape[1:])
-    s = jnp.sum(v[..., None] * mask, axis=tuple(range(slot.stacked, v.ndim)))
+    s = reduce(v[..., None] * mask, axis=tuple(range(slot.stacked, v.ndim)))
   s = replicated(s)
-  return s if axis_name is None else jax.lax.psum(s, axis_name)
+  return s if axis_name is None else collective(s, axis_name)
 
 
-def _fast_sq(x: jax.Array, slot: Slot, axis_name: AxisName) -> jax.Array:
-  dtype = compute_dtype(x.dtype)
-  return _group_sum(jnp.square(x.astype(dtype)), slot, axis_name)
+def _log_norm(x: jax.Array, slot: Slot, axis_name: AxisName) -> jax.Array:
+  """``log ||x_g||`` from one float32 pass (inf, -inf or inexact when the squares over- or underflow)."""
+  return 0.5 * jnp.log(_group_reduce(jnp.square(x.astype(compute_dtype(x.dtype))), slot, axis_name))
 
 
-def _safe_log_norm(x: jax.Array, slot: Slot, axis_name: AxisName) -> jax.Array:
-  """``log ||x_g||`` from entries scaled by the largest finite magnitude of each copy.
-
-  Non-finite groups give +inf, zero groups -inf; both mean "do not balance".
-  """
+def _safe_log_norm_and_max(x: jax.Array, slot: Slot, axis_name: AxisName):
+  """``log ||x_g||`` and ``log max |x_g|`` from entries scaled by each copy's largest
+  finite magnitude (to the nearest power of two). A non-finite group's norm is +inf and a zero group's -inf: both mean
+  "do not balance"; its maximum counts finite entries only (inf stays inf when scaled)."""
   dtype = compute_dtype(x.dtype)
   x = x.astype(dtype)
   finite = jnp.isfinite(x)
-  x = jnp.where(finite, x, 0)
-  scale = replicated(jnp.max(jnp.abs(x), axis=tuple(range(slot.stacked, x.ndim))))
+  mag = jnp.where(finite, jnp.abs(x), 0)
+  scale = replicated(jnp.max(mag, axis=tuple(range(slot.stacked, x.ndim))))
   if axis_name is not None:
     scale = jax.lax.pmax(scale, axis_name)
-  scale = jnp.where(scale > 0, scale, 1)
-  expand = scale.reshape(scale.shape + (1,) * (x.ndim - slot.stacked))
-  sq = _group_sum(jnp.square(x / expand), slot, axis_name)
-  log_scale = jnp.log(scale)[..., None] if slot.axis is not None else jnp.log(scale)
-  bad = _group_sum((~finite).astype(dtype), slot, axis_name) > 0
-  return jnp.where(bad, jnp.inf, log_scale + 0.5 * jnp.log(sq))
-
-
-def log_norms(plan: Plan, params: Any, axis_name: AxisName = None
-              ) -> dict[str, tuple[jax.Array, jax.Array]]:
-  """Per instance: ``log`` of the group norms of the A and B primaries, shape ``factor_shape``.
-
-  One float32 pass per leaf; a ``lax.cond`` takes the scale-safe pass only when
-  some sum of squares overflowed, underflowed or met a non-finite entry.
-  """
-  leaves = dict(paths.leaves_with_paths(params))
-  members = [(inst.key, path) for inst in plan.instances for path in (inst.a, inst.b)]
-
-  def fast(_):
-    return [0.5 * jnp.log(s) for s in sq]
-
-  def safe(_):
-    return [_safe_log_norm(leaves[p], plan.slot(p, k), axis_name) for k, p in members]
-
-  sq = [_fast_sq(leaves[p], plan.slot(p, k), axis_name) for k, p in members]
-  trusted = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(s) & (s >= _SMALLEST_SAFE_SUM))
-                                                for s in sq])
-  logs = jax.lax.cond(trusted, fast, safe, None)
-  return {key: (logs[2 * i], logs[2 * i + 1]) for i, key in enumerate(dict.fromkeys(
-      k for k, _ in members))}
-
-
-def _log_headroom(plan: Plan, leaves: dict, inst, side: str, log_norm: jax.Array,
-                  axis_name: AxisName) -> jax.Array:
-  """``min over the side's leaves of log(max_dtype / ||leaf_g||)``: how far ``c`` (A) or ``1/c`` (B) may grow."""
-  primary = inst.a if side == "a" else inst.b
-  followers = inst.followers_a if side == "a" else inst.followers_b
-  room = _log_max(leaves[primary].dtype) - log_norm
-  for path in followers:  # small (biases): their norms cost next to nothing
-    x = leaves[path]
-    log_f = 0.5 * jnp.log(_fast_sq(x, plan.slot(path, inst.key), axis_name))
-    room = jnp.minimum(room, jnp.where(jnp.isfinite(log_f), _log_max(x.dtype) - log_f, jnp.inf))
-  return room
+  # Divide by 2**e, the scale's binary exponent, as two exact multiplies by normal
+  # powers of two: 1 / scale itself is subnormal near the dtype's maximum, and flushed.
+  _, e = jnp.frexp(scale)
+  e = e.reshape(e.shape + (1,) * (x.ndim - slot.stacked))
+  mag = mag * jnp.ldexp(jnp.ones((), dtype), -(e // 2)) * jnp.ldexp(jnp.ones((), dtype), e // 2 - e)
+  log_scale = (e.reshape(e.shape[:slot.stacked] + (1,) * (slot.axis is not None)) * np.log(2.0)
+               ).astype(dtype)
+  sq = _group_reduce(jnp.square(mag), slot, axis_name)
+  bad = _group_reduce((~finite).astype(dtype), slot, axis_name) > 0
+  log_max = log_scale + jnp.log(_group_reduce(mag, slot, axis_name, "max"))
+  return jnp.where(bad, jnp.inf, log_scale + 0.5 * jnp.log(sq)), log_max
 
 
 def _log_max(dtype) -> float:
   """log of the largest value a leaf of ``dtype`` may be scaled to, with a rounding margin."""
   return float(np.log(float(jnp.finfo(dtype).max)) + np.log1p(-2.0**-8))
+
+
+def _room(log_max_dtype: float, log_size: jax.Array) -> jax.Array:
+  """How far a leaf whose group entries are at most ``exp(log_size)`` may be scaled up."""
+  return jnp.where(jnp.isfinite(log_size), log_max_dtype - log_size, jnp.inf)
+
+
+def norms_and_room(plan: Plan, params: Any, axis_name: AxisName = None) -> dict[str, tuple]:
+  """Per instance ``(log||A_g||, log||B_g||, room_a, room_b)``, each of shape ``factor_shape``.
+
+  ``room_a`` bounds ``log c`` and ``room_b`` bounds ``-log c`` so that no scaled
+  entry of the side (primary and followers) exceeds its dtype. The common case
+  takes one float32 pass per primary: when both norms are at most the smaller
+  dtype maximum, ``c ||A_g|| <= max(||A_g||, ||B_g||)`` cannot overflow, and
+  followers (biases, small) are bounded by their norms. A ``lax.cond`` takes the
+  scale-safe pass, bounded by the entries' largest magnitudes, when some sum of
+  squares overflowed, underflowed, met a non-finite entry or exceeds a dtype.
+  """
+  leaves = dict(paths.leaves_with_paths(params))
+
+  def slot(path, inst):
+    return plan.slot(path, inst.key)
+
+  def follower_room(inst, followers):
+    room = jnp.full(inst.factor_shape, jnp.inf, jnp.float32)
+    for path in followers:
+      room = jnp.minimum(room, _room(_log_max(leaves[path].dtype),
+                                     _log_norm(leaves[path], slot(path, inst), axis_name)))
+    return room
+
+  log_fast = {inst.key: [_log_norm(leaves[p], slot(p, inst), axis_name) for p in (inst.a, inst.b)]
+              for inst in plan.instances}
+
+  def fast(_):
+    return {inst.key: (*log_fast[inst.key], follower_room(inst, inst.followers_a),
+                       follower_room(inst, inst.followers_b)) for inst in plan.instances}
+
+  def safe(_):
+    out = {}
+    for inst in plan.instances:
+      logs, rooms = [], []
+      for primary, followers in ((inst.a, inst.followers_a), (inst.b, inst.followers_b)):
+        log_norm, room = None, jnp.inf
+        for path in (primary, *followers):
+          norm, size = _safe_log_norm_and_max(leaves[path], slot(path, inst), axis_name)
+          log_norm = norm if log_norm is None else log_norm
+          room = jnp.minimum(room, _room(_log_max(leaves[path].dtype), size))
+        logs.append(log_norm)
+        rooms.append(room)
+      out[inst.key] = (*logs, *rooms)
+    return out
+
+  checks = []
+  for inst in plan.instances:
+    la, lb = log_fast[inst.key]
+    limit = min(_log_max(leaves[inst.a].dtype), _log_max(leaves[inst.b].dtype))
+    for log_norm in (la, lb):
+      checks.append(jnp.all(jnp.isfinite(log_norm) & (log_norm <= limit)
+                            & (log_norm >= 0.5 * np.log(_SMALLEST_SAFE_SUM))))
+  trusted = functools.reduce(jnp.logical_and, checks, jnp.bool_(True))
+  return jax.lax.cond(trusted, fast, safe, None)
+
+
+def log_norms(plan: Plan, params: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
+  """Per instance: ``log`` of the group norms of the A and B primaries (scale-safe)."""
+  return {k: v[:2] for k, v in norms_and_room(plan, params).items()}
 
 
 def factors_from_log_norms(log_a: jax.Array, log_b: jax.Array, strength: float,
@@ -173,16 +207,8 @@ def factors_from_log_norms(log_a: jax.Array, log_b: jax.Array, strength: float,
 def compute_factors(plan: Plan, params: Any, strength: float, axis_name: AxisName = None
                     ) -> Factors:
   """The balancing factors of every instance in ``plan`` for ``params``."""
-  leaves = dict(paths.leaves_with_paths(params))
-  out = {}
-  norms = log_norms(plan, params, axis_name)
-  for inst in plan.instances:
-    log_a, log_b = norms[inst.key]
-    out[inst.key] = factors_from_log_norms(
-        log_a, log_b, strength,
-        _log_headroom(plan, leaves, inst, "a", log_a, axis_name),
-        _log_headroom(plan, leaves, inst, "b", log_b, axis_name))
-  return out
+  return {k: factors_from_log_norms(la, lb, strength, ra, rb)
+          for k, (la, lb, ra, rb) in norms_and_room(plan, params, axis_name).items()}
 
 
 def _multiplier(slot: Slot, shape: tuple[int, ...], factors: Factors, power: float, dtype):

@@ -376,7 +376,7 @@ EQUIVARIANCE_CASES = {  # rates small enough that the toy's dynamics are not cha
     "adam": lambda: optax.adam(1e-3),
     "lion": lambda: optax.lion(1e-4, weight_decay=0.1),
     "sgd_momentum": lambda: optax.sgd(2e-4, momentum=0.9),
-    "muon": lambda: optax.contrib.muon(1e-2),
+    "muon": lambda: optax.contrib.muon(3e-3),
     "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3),
     "multisteps": lambda: optax.MultiSteps(optax.adam(1e-3), 2).gradient_transformation(),
 }
@@ -504,6 +504,80 @@ def test_float16_norms_do_not_underflow():
   np.testing.assert_allclose(np.asarray(new["b"], np.float32), 1e-3, rtol=1e-2)
 
 
+@pytest.mark.parametrize("scale", [1e25, 1e-20])
+def test_norms_are_scale_safe(scale):
+  """Squared norms of q * s overflow (s = 1e25) or underflow (s = 1e-20) float32, and those
+  of k / s the other way; the pair is still balanced, with finite factors and imbalance."""
+  rng = np.random.default_rng(0)
+  q, k = rng.standard_normal((4, 8)), rng.standard_normal((4, 4))
+  params = {"q": jnp.asarray(q * scale, jnp.float32), "k": jnp.asarray(k / scale, jnp.float32)}
+  pairs = [saggs.Pair("q", "k", axes=(1, 1), groups=2)]
+  want = np.log(norms((q * scale).reshape(4, 2, 4), (0, 2)) / norms((k / scale).reshape(4, 2, 2), (0, 2)))
+  np.testing.assert_allclose(imbalance(params, pairs)["q|k"], want, rtol=1e-5)
+  canon, _ = saggs.canonicalize(params, None, pairs)
+  chex.assert_tree_all_finite(canon)
+  np.testing.assert_allclose(imbalance(canon, pairs)["q|k"], 0.0, atol=1e-5)
+  # The stage computes the same factors. (Its updates are added to the params, so a jump of
+  # 25 orders of magnitude keeps only the precision of the larger: canonicalize does not.)
+  tx = saggs.chain(optax.sgd(0.0), saggs.saggs(pairs))
+  new, _, state = models.jit_step(tx, params, tx.init(params), jax.tree.map(jnp.zeros_like, params))
+  chex.assert_tree_all_finite(new)
+  np.testing.assert_allclose(np.log(state[1].factors["q|k"]), -want / 2, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,big,small", [(jnp.float16, 6e4, 1e-3), (jnp.bfloat16, 3e38, 1e25)])
+def test_factors_never_overflow_the_dtype(dtype, big, small):
+  """q is all ``big`` and k one ``big`` entry among small ones: the hard factor would push
+  that k entry past the dtype's largest value. It is clipped instead: finite, and as close
+  to balance as the dtype allows."""
+  q = np.full((4, 2), big, np.float32)
+  k = np.full((2, 4), small, np.float32)
+  k[0, 0] = big
+  params = {"q": jnp.asarray(q, dtype), "k": jnp.asarray(k, dtype)}
+  pairs = [saggs.Pair("q", "k", axes=(1, 0))]
+  new, _ = saggs.canonicalize(params, None, pairs)
+  chex.assert_tree_all_finite(new)
+  assert new["q"].dtype == dtype
+  c = np.asarray(new["q"], np.float64)[0] / np.asarray(q, np.float64)[0]
+  assert np.all(c < 1)  # it moved towards balance on both groups ...
+  hard = np.sqrt(norms(k, 1) / norms(q, 0))
+  assert c[0] > 1.2 * hard[0]  # ... but stopped short of the hard factor on group 0
+  np.testing.assert_allclose(c[1], hard[1], rtol=1e-2)  # group 1 has room: exact
+  limit = float(jnp.finfo(dtype).max)
+  assert np.max(np.abs(np.asarray(new["k"], np.float64))) <= limit
+
+
+def test_a_non_finite_entry_changes_only_its_own_group():
+  rng = np.random.default_rng(1)
+  q, k = rng.standard_normal((4, 8)), rng.standard_normal((4, 4))
+  k[1, 0] = np.inf  # KV head 0
+  params = {"q": jnp.asarray(q, jnp.float32), "k": jnp.asarray(k, jnp.float32)}
+  pairs = [saggs.Pair("q", "k", axes=(1, 1), groups=2)]
+  _, _, state = step(saggs.chain(optax.sgd(0.0), saggs.saggs(pairs)), params,
+                     saggs.chain(optax.sgd(0.0), saggs.saggs(pairs)).init(params),
+                     jax.tree.map(jnp.zeros_like, params))
+  f = np.asarray(state[1].factors["q|k"])
+  assert f[0] == 1.0
+  np.testing.assert_allclose(f[1], np.sqrt(norms(k[:, 2:], (0, 1)) / norms(q[:, 4:], (0, 1))),
+                             rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"strength": "0.5"}, "strength must be a number"), ({"strength": 0}, "strength"),
+    ({"strength": 1.5}, "strength"), ({"every": True}, "every must be an int"),
+    ({"every": 0}, "every"), ({"every": 2.0}, "every must be an int")])
+def test_bad_arguments_are_clear_errors(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    saggs.scale_by_saggs(SMALL_PAIRS, **kwargs)
+
+
+def test_a_symmetry_stage_must_follow_its_optimizer():
+  with pytest.raises(ValueError, match=r"position 0 must come after the optimizer"):
+    saggs.chain(saggs.soft(SMALL_PAIRS), optax.adamw(1e-3))
+  with pytest.raises(ValueError, match=r"only symmetry stages may follow"):
+    saggs.chain(optax.adam(1e-3), saggs.saggs(SMALL_PAIRS), optax.scale(0.5))
+
+
 # --- inside a plain optax.chain ------------------------------------------------------
 
 def test_plain_optax_chain_balances_warns_once_and_does_not_transport():
@@ -511,8 +585,10 @@ def test_plain_optax_chain_balances_warns_once_and_does_not_transport():
   grads = random_like(params, 14)
   tx = optax.chain(optax.adam(1e-2), saggs.saggs(SMALL_PAIRS))
   state = tx.init(params)
-  with pytest.warns(UserWarning, match="saggs_jax.chain"):
+  with pytest.warns(UserWarning, match="saggs_jax.chain") as record:
     new, _, state = step(tx, params, state, grads)
+  assert record[0].filename == models.__file__  # the user's line, not optax's
+
   for v in imbalance(new, SMALL_PAIRS).values():
     np.testing.assert_allclose(v, 0.0, atol=1e-5)
   # Moments are the plain Adam ones, bit for bit: not transported.
