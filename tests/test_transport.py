@@ -9,6 +9,7 @@ its own updates, so its degrees are checked by its equivariance at eps=0
 instead. Then the library's transport must equal the oracle.
 """
 
+import functools
 import typing
 
 import chex
@@ -63,10 +64,15 @@ def hand_state(state, degrees, touched=None):
   return jax.tree_util.tree_map_with_path(visit, state)
 
 
+@functools.lru_cache(maxsize=None)
+def _update(opt):  # one compile per optimizer is much cheaper than eager steps
+  return models.jit(opt.update)
+
+
 def run(opt, grads, params=PARAMS, state=None):
   state = opt.init(params) if state is None else state
   for g in grads:
-    updates, state = opt.update(g, state, params)
+    updates, state = _update(opt)(g, state, params)
   return updates, state
 
 
@@ -200,7 +206,7 @@ def _function(p):
 def trajectory(opt, steps, state=None, params=PARAMS):
   state = opt.init(params) if state is None else state
   for _ in range(steps):
-    updates, state = opt.update(jax.grad(_loss)(params), state, params)
+    updates, state = _update(opt)(jax.grad(_loss)(params), state, params)
     params = optax.apply_updates(params, updates)
   return params
 
