@@ -6,22 +6,45 @@ For a pair instance with group norms ``||A_g||`` and ``||B_g||`` the factor is
 
 strength=1 (hard SAGGS) equalises both norms at ``sqrt(||A_g|| ||B_g||)``, the
 unique minimiser of ``||c A||^2 + ||B / c||^2``; 0 < strength < 1 shrinks the
-log-imbalance ``log(||A_g|| / ||B_g||)`` by the factor ``1 - strength``. A zero
-or non-finite norm gives c_g = 1, so no NaN or Inf is ever produced.
+log-imbalance ``log(||A_g|| / ||B_g||)`` by the factor ``1 - strength``.
+
+Guards, so that no NaN or Inf is ever produced:
+
+* norms are scale-safe: they are kept as logarithms, and when a float32 sum of
+  squares overflows, underflows or meets a non-finite entry, every norm is
+  recomputed from entries divided by the tensor's largest finite magnitude;
+* a zero or non-finite norm gives ``c_g = 1``, and a non-finite entry only
+  affects its own group;
+* a factor never overflows a leaf's dtype: ``c`` is clipped so that
+  ``c ||A_g||`` and ``||B_g|| / c`` (followers included) stay below the largest
+  finite value of each leaf's dtype, which bounds every scaled entry. This
+  only binds for tensors whose norm nears that value (float16 mostly); there
+  the factor is the closest admissible one, or 1 if none is.
+
+On a mesh the squared norms are summed per group where the data lives and
+combined with one all-reduce of at most one value per group; inside
+``shard_map`` ``axis_name`` names the mesh axes to sum over.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
 
 from saggs_jax import paths
 from saggs_jax.pairs import Plan, Slot
 
 Factors = dict[str, jax.Array]
+AxisName = str | Sequence[str] | None
+
+# A float32 sum of squares this small may have lost digits to underflow: such
+# norms (and overflowing or non-finite ones) are recomputed on the safe path.
+_SMALLEST_SAFE_SUM = 1e-20
 
 
 def compute_dtype(dtype) -> jnp.dtype:
@@ -29,52 +52,163 @@ def compute_dtype(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def _group_sq_norms(x: jax.Array, slot: Slot) -> jax.Array:
+def _explicit(x) -> bool:
+  """Whether ``x`` is typed with an Explicit-mode sharding (its shardings must then agree)."""
+  return jax.typeof(x).sharding.mesh._any_axis_explicit
+
+
+def replicated(x):
+  """``x`` (small: one value per group) pinned replicated on the current mesh, so that XLA
+  neither shards nor gathers it; nothing to do without a mesh or inside ``shard_map``."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.manual_axes:
+    return x
+  if _explicit(x):
+    return jax.sharding.reshard(x, PartitionSpec())
+  return jax.lax.with_sharding_constraint(x, PartitionSpec())
+
+
+def _group_reduce(v: jax.Array, slot: Slot, axis_name: AxisName, op: str = "sum") -> jax.Array:
+  """Sums (or, for ``v >= 0``, maxes) ``v`` over each group of ``slot``: shape
+  ``stacked_shape (+ (groups,))``, replicated.
+
+  It is one reduction over every axis but the stacked ones, whatever the
+  layout: on a mesh each device reduces its own entries per group and a single
+  all-reduce of one value per group combines them. Several indices per group
+  are masked by a one-hot broadcast inside that reduction (``groups``
+  multiply-adds per entry, fused, never materialised): summing the other
+  axes first would all-reduce one value per index when they are sharded, and
+  reshaping the group axis into (groups, size) would gather it when its
+  shards straddle groups.
+  """
+  reduce, collective = {"sum": (jnp.sum, jax.lax.psum), "max": (jnp.max, jax.lax.pmax)}[op]
+  if slot.axis is None or slot.groups == v.shape[slot.axis]:
+    s = reduce(v, axis=slot.reduce_axes(v.ndim))
+  else:
+    one_hot = jnp.asarray(slot.membership(v.shape[slot.axis]), v.dtype)  # (size, groups)
+    mask = one_hot.reshape((1,) * slot.axis + one_hot.shape[:1] + (1,) * (v.ndim - slot.axis - 1)
+                           + one_hot.shape[1:])
+    s = reduce(v[..., None] * mask, axis=tuple(range(slot.stacked, v.ndim)))
+  s = replicated(s)
+  return s if axis_name is None else collective(s, axis_name)
+
+
+def _log_norm(x: jax.Array, slot: Slot, axis_name: AxisName) -> jax.Array:
+  """``log ||x_g||`` from one float32 pass (inf, -inf or inexact when the squares over- or underflow)."""
+  return 0.5 * jnp.log(_group_reduce(jnp.square(x.astype(compute_dtype(x.dtype))), slot, axis_name))
+
+
+def _safe_log_norm_and_max(x: jax.Array, slot: Slot, axis_name: AxisName):
+  """``log ||x_g||`` and ``log max |x_g|`` from entries scaled by each copy's largest
+  finite magnitude (to the nearest power of two). A non-finite group's norm is +inf and a zero group's -inf: both mean
+  "do not balance"; its maximum counts finite entries only (inf stays inf when scaled)."""
   dtype = compute_dtype(x.dtype)
-  sq = jnp.sum(jnp.square(x.astype(dtype)), axis=slot.reduce_axes(x.ndim))
-  if slot.axis is None or slot.groups == x.shape[slot.axis]:  # already one sum per group
-    return sq
-  # Per-index sums to per-group sums by a tiny one-hot matmul: reshaping a
-  # sharded axis into (groups, size) is not defined under Explicit sharding.
-  # Non-finite entries are summed apart (inf * 0 would leak NaN into every
-  # group) and make their own group's norm inf.
-  one_hot = jnp.asarray(slot.membership(x.shape[slot.axis]), dtype)
+  x = x.astype(dtype)
+  finite = jnp.isfinite(x)
+  mag = jnp.where(finite, jnp.abs(x), 0)
+  scale = replicated(jnp.max(mag, axis=tuple(range(slot.stacked, x.ndim))))
+  if axis_name is not None:
+    scale = jax.lax.pmax(scale, axis_name)
+  # Divide by 2**e, the scale's binary exponent, as two exact multiplies by normal
+  # powers of two: 1 / scale itself is subnormal near the dtype's maximum, and flushed.
+  _, e = jnp.frexp(scale)
+  e = e.reshape(e.shape + (1,) * (x.ndim - slot.stacked))
+  mag = mag * jnp.ldexp(jnp.ones((), dtype), -(e // 2)) * jnp.ldexp(jnp.ones((), dtype), e // 2 - e)
+  log_scale = (e.reshape(e.shape[:slot.stacked] + (1,) * (slot.axis is not None)) * np.log(2.0)
+               ).astype(dtype)
+  sq = _group_reduce(jnp.square(mag), slot, axis_name)
+  bad = _group_reduce((~finite).astype(dtype), slot, axis_name) > 0
+  log_max = log_scale + jnp.log(_group_reduce(mag, slot, axis_name, "max"))
+  return jnp.where(bad, jnp.inf, log_scale + 0.5 * jnp.log(sq)), log_max
 
-  def group_sum(v):
-    return jnp.matmul(v.astype(dtype), one_hot, precision=jax.lax.Precision.HIGHEST)
 
-  finite = jnp.isfinite(sq)
-  return jnp.where(group_sum(~finite) > 0, jnp.inf, group_sum(jnp.where(finite, sq, 0)))
+def _log_max(dtype) -> float:
+  """log of the largest value a leaf of ``dtype`` may be scaled to, with a rounding margin."""
+  return float(np.log(float(jnp.finfo(dtype).max)) + np.log1p(-2.0**-8))
 
 
-def sq_norms(plan: Plan, params: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
-  """Per instance: squared group norms of the A and B primaries, shape ``factor_shape``."""
+def _room(log_max_dtype: float, log_size: jax.Array) -> jax.Array:
+  """How far a leaf whose group entries are at most ``exp(log_size)`` may be scaled up."""
+  return jnp.where(jnp.isfinite(log_size), log_max_dtype - log_size, jnp.inf)
+
+
+def norms_and_room(plan: Plan, params: Any, axis_name: AxisName = None) -> dict[str, tuple]:
+  """Per instance ``(log||A_g||, log||B_g||, room_a, room_b)``, each of shape ``factor_shape``.
+
+  ``room_a`` bounds ``log c`` and ``room_b`` bounds ``-log c`` so that no scaled
+  entry of the side (primary and followers) exceeds its dtype. The common case
+  takes one float32 pass per primary: when both norms are at most the smaller
+  dtype maximum, ``c ||A_g|| <= max(||A_g||, ||B_g||)`` cannot overflow, and
+  followers (biases, small) are bounded by their norms. A ``lax.cond`` takes the
+  scale-safe pass, bounded by the entries' largest magnitudes, when some sum of
+  squares overflowed, underflowed, met a non-finite entry or exceeds a dtype.
+  """
   leaves = dict(paths.leaves_with_paths(params))
-  out = {}
+
+  def slot(path, inst):
+    return plan.slot(path, inst.key)
+
+  def follower_room(inst, followers):
+    room = jnp.full(inst.factor_shape, jnp.inf, jnp.float32)
+    for path in followers:
+      room = jnp.minimum(room, _room(_log_max(leaves[path].dtype),
+                                     _log_norm(leaves[path], slot(path, inst), axis_name)))
+    return room
+
+  log_fast = {inst.key: [_log_norm(leaves[p], slot(p, inst), axis_name) for p in (inst.a, inst.b)]
+              for inst in plan.instances}
+
+  def fast(_):
+    return {inst.key: (*log_fast[inst.key], follower_room(inst, inst.followers_a),
+                       follower_room(inst, inst.followers_b)) for inst in plan.instances}
+
+  def safe(_):
+    out = {}
+    for inst in plan.instances:
+      logs, rooms = [], []
+      for primary, followers in ((inst.a, inst.followers_a), (inst.b, inst.followers_b)):
+        log_norm, room = None, jnp.inf
+        for path in (primary, *followers):
+          norm, size = _safe_log_norm_and_max(leaves[path], slot(path, inst), axis_name)
+          log_norm = norm if log_norm is None else log_norm
+          room = jnp.minimum(room, _room(_log_max(leaves[path].dtype), size))
+        logs.append(log_norm)
+        rooms.append(room)
+      out[inst.key] = (*logs, *rooms)
+    return out
+
+  checks = []
   for inst in plan.instances:
-    norms = []
-    for path in (inst.a, inst.b):
-      norms.append(_group_sq_norms(leaves[path], plan.slot(path, inst.key)))
-    out[inst.key] = tuple(norms)
-  return out
+    la, lb = log_fast[inst.key]
+    limit = min(_log_max(leaves[inst.a].dtype), _log_max(leaves[inst.b].dtype))
+    for log_norm in (la, lb):
+      checks.append(jnp.all(jnp.isfinite(log_norm) & (log_norm <= limit)
+                            & (log_norm >= 0.5 * np.log(_SMALLEST_SAFE_SUM))))
+  trusted = functools.reduce(jnp.logical_and, checks, jnp.bool_(True))
+  return jax.lax.cond(trusted, fast, safe, None)
 
 
-def log_imbalance(sq_a: jax.Array, sq_b: jax.Array) -> jax.Array:
-  """``log(||A|| / ||B||)`` per group."""
-  return 0.5 * (jnp.log(sq_a) - jnp.log(sq_b))
+def log_norms(plan: Plan, params: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
+  """Per instance: ``log`` of the group norms of the A and B primaries (scale-safe)."""
+  return {k: v[:2] for k, v in norms_and_room(plan, params).items()}
 
 
-def factors_from_norms(sq_a: jax.Array, sq_b: jax.Array, strength: float) -> jax.Array:
-  """``(||B|| / ||A||) ** (strength / 2)`` with the zero / non-finite guard."""
-  ok = (sq_a > 0) & (sq_b > 0) & jnp.isfinite(sq_a) & jnp.isfinite(sq_b)
-  safe_a, safe_b = jnp.where(ok, sq_a, 1), jnp.where(ok, sq_b, 1)
-  c = jnp.exp((0.25 * strength) * (jnp.log(safe_b) - jnp.log(safe_a)))
-  return jnp.where(ok & jnp.isfinite(c), c, jnp.ones_like(c))
+def factors_from_log_norms(log_a: jax.Array, log_b: jax.Array, strength: float,
+                           room_a: jax.Array | float = np.inf,
+                           room_b: jax.Array | float = np.inf) -> jax.Array:
+  """``(||B|| / ||A||) ** (strength / 2)`` from log-norms, guarded and clipped to
+  ``1/exp(room_b) <= c <= exp(room_a)``; 1 where the norms are zero or non-finite
+  or no factor fits."""
+  ok = jnp.isfinite(log_a) & jnp.isfinite(log_b) & (-room_b <= room_a)
+  log_c = jnp.clip(0.5 * strength * (log_b - log_a), -room_b, room_a)
+  return jnp.where(ok, jnp.exp(jnp.where(ok, log_c, 0)), 1).astype(jnp.float32)
 
 
-def compute_factors(plan: Plan, params: Any, strength: float) -> Factors:
+def compute_factors(plan: Plan, params: Any, strength: float, axis_name: AxisName = None
+                    ) -> Factors:
   """The balancing factors of every instance in ``plan`` for ``params``."""
-  return {k: factors_from_norms(a, b, strength) for k, (a, b) in sq_norms(plan, params).items()}
+  return {k: factors_from_log_norms(la, lb, strength, ra, rb)
+          for k, (la, lb, ra, rb) in norms_and_room(plan, params, axis_name).items()}
 
 
 def _multiplier(slot: Slot, shape: tuple[int, ...], factors: Factors, power: float, dtype):
@@ -89,15 +223,27 @@ def _multiplier(slot: Slot, shape: tuple[int, ...], factors: Factors, power: flo
   return f.reshape(slot.broadcast_shape(shape))
 
 
-def leaf_multiplier(slots: list[Slot], shape: tuple[int, ...], factors: Factors, power: float,
+def _like(m: jax.Array, x: jax.Array) -> jax.Array:
+  """``m`` (broadcastable to ``x``) laid out so that ``m * x`` is local: sharded as ``x``
+  along its kept axes under Explicit sharding, replicated otherwise."""
+  if not _explicit(x):
+    return replicated(m)
+  spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
+  return jax.sharding.reshard(m, PartitionSpec(*(s if n > 1 else None
+                                                 for s, n in zip(spec, m.shape))))
+
+
+def leaf_multiplier(slots: list[Slot], x: jax.Array, factors: Factors, power: float,
                     dtype) -> jax.Array:
-  """What a leaf of ``shape`` declared in ``slots`` is multiplied by, broadcastable to it."""
-  return functools.reduce(jnp.multiply, [_multiplier(s, shape, factors, power, dtype) for s in slots])
+  """What leaf ``x`` declared in ``slots`` is multiplied by, broadcastable to it."""
+  m = functools.reduce(jnp.multiply,
+                       [_multiplier(s, x.shape, factors, power, dtype) for s in slots])
+  return _like(m, x)
 
 
 def _scale_leaf(x, slots, factors, power):
   dtype = compute_dtype(x.dtype)
-  return (x.astype(dtype) * leaf_multiplier(slots, x.shape, factors, power, dtype)).astype(x.dtype)
+  return (x.astype(dtype) * leaf_multiplier(slots, x, factors, power, dtype)).astype(x.dtype)
 
 
 def scale_tree(plan: Plan, tree: Any, factors: Factors, power: float, is_leaf=None) -> Any:

@@ -5,13 +5,21 @@ restart AdamW onto different trajectories. :func:`restore` with ``pairs``
 canonicalizes the restored state (:func:`saggs_jax.canonicalize`), so runs
 restarted from either follow the same trajectory.
 
-:func:`save` writes two items: ``state`` (the params and the optimizer state,
-SAGGS stage state included) and ``layout``, a small JSON record of every leaf's
-path, shape and dtype. :func:`restore` reads ``layout`` first and compares it
-with the target, so a checkpoint made with other pairs or another optimizer
-chain fails with the first mismatching path before any array is read: neither
-the files nor the caller's state are touched. Use a manager dedicated to these
-two functions (the items are fixed).
+:func:`save` writes three items: ``state`` (the params and the optimizer state,
+SAGGS stage state included), ``layout``, a small JSON record of every leaf's
+path, shape and dtype and of every empty node (such as optax's
+``EmptyState``), and ``checksums``, two 32-bit hashes of every array's bits.
+:func:`restore` reads ``layout`` first and compares it with the target, so a
+checkpoint made with other pairs, another optimizer chain or other dtypes fails
+with the first mismatching path before any array is read. It then reads the
+arrays and recomputes their checksums: Orbax's data files carry none, so a
+corrupted file would otherwise restore silently wrong values. Neither the files
+nor the caller's state are touched by a failed restore. Checksums are computed
+on the devices that hold the arrays (jitted integer sums), so sharded and
+multi-process states are hashed without gathering them. Typed PRNG keys
+(``jax.random.key``) are stored as their raw ``key_data`` and rewrapped with
+the target's implementation. Use a manager dedicated to these two functions
+(the items are fixed).
 
 Example::
 
@@ -35,25 +43,52 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from saggs_jax import canonical, paths
 from saggs_jax.pairs import Pair, resolve
 
-Layout = dict[str, list]  # path -> [shape, dtype name]
+Layout = dict[str, str]  # path -> "float32[3, 4]", "key<fry>[]" or an empty node "EmptyState()"
+Checksums = dict[str, list[int]]  # path -> two uint32 hashes
+
+
+def _is_key(x) -> bool:
+  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _is_empty(node) -> bool:
+  """A node without leaves (``None``, ``EmptyState()``, ``MaskedNode()``, ``{}``)."""
+  return jax.tree.structure(node).num_leaves == 0
+
+
+def _describe(leaf) -> str:
+  if _is_empty(leaf):
+    return "None" if leaf is None else f"{type(leaf).__name__}()"
+  return f"{leaf.dtype}{list(np.shape(leaf))}"
 
 
 def layout(tree: Any) -> Layout:
-  """``{path: [shape, dtype]}`` for every leaf of ``tree``, in flatten order (JSON-ready)."""
-  return {path: [list(np.shape(leaf)), np.dtype(leaf.dtype).name]
-          for path, leaf in paths.leaves_with_paths(tree)}
+  """``{path: "dtype[shape]"}`` for every leaf of ``tree`` and ``{path: "Type()"}`` for
+  every empty node, in flatten order (JSON-ready).
+
+  Empty nodes are recorded because optimizers that differ only in them
+  (``optax.adam`` and ``optax.adamw``) have the same leaves.
+
+  Example::
+
+    >>> import jax.numpy as jnp, optax, saggs_jax as saggs
+    >>> saggs.checkpoint.layout(optax.adam(1e-3).init({"w": jnp.ones((2, 3))}))
+    {'0/count': 'int32[]', '0/mu/w': 'float32[2, 3]', '0/nu/w': 'float32[2, 3]', '1': 'EmptyState()'}
+  """
+  return {path: _describe(leaf) for path, leaf in paths.leaves_with_paths(tree, is_leaf=_is_empty)}
 
 
 def check_layout(saved: Layout, target: Any, what: str = "The checkpoint") -> None:
   """Raises ValueError naming the first path where ``saved`` and ``target``'s layout differ.
 
-  Target leaves are compared in flatten order, then leaves only ``saved`` has.
+  Target entries are compared in flatten order, then entries only ``saved`` has.
 
   Example::
 
@@ -64,26 +99,128 @@ def check_layout(saved: Layout, target: Any, what: str = "The checkpoint") -> No
     ...
     ValueError: The checkpoint does not fit the target at 'w': float32[2, 3] there, the target float32[2, 4]. ...
   """
-  def fmt(entry):
-    return f"{entry[1]}{entry[0]}" if entry else "nothing"
-
   expected = layout(target)
   differing = [p for p in expected if saved.get(p) != expected[p]]
   differing += [p for p in saved if p not in expected]
   if differing:
     first = differing[0]
     raise ValueError(
-        f"{what} does not fit the target at {first!r}: {fmt(saved.get(first))} there, the"
-        f" target {fmt(expected.get(first))}. Was it saved with other pairs or another optimizer"
-        " chain? Nothing was restored.")
+        f"{what} does not fit the target at {first!r}: {saved.get(first, 'nothing')} there, the"
+        f" target {expected.get(first, 'nothing')}. Was it saved with other pairs, another"
+        " optimizer chain or other dtypes? Nothing was restored.")
+
+
+# ---------------------------------------------------------------------------
+# Checksums: two sums of mix(word ^ mix(position + seed)) over every 32-bit
+# word of an array, mod 2**32. mix is a bijection of uint32, so changing any
+# single word (any flipped bit or byte) changes exactly one term and therefore
+# each sum; moving words around (swapped elements) changes their position
+# keys, which two independent 32-bit sums miss with probability ~2**-64.
+# Integer addition is exact and order-free, so XLA may reduce a sharded array
+# in any order, across devices and processes, and get the same bits.
+
+_SEEDS = (0x9E3779B9, 0x7F4A7C15)
+
+
+def _mix(h: jax.Array) -> jax.Array:
+  """MurmurHash3's 32-bit finaliser: a bijection that spreads every input bit."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _words(x: jax.Array) -> jax.Array:
+  """The bits of ``x`` as uint32: one word per element, two per 64-bit or complex one."""
+  if _is_key(x):
+    x = jax.random.key_data(x)
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    x = jnp.stack([x.real, x.imag], axis=-1)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  info = jnp.iinfo if jnp.issubdtype(x.dtype, jnp.integer) else jnp.finfo
+  bits = info(x.dtype).bits
+  if bits < 32:
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{bits}")).astype(jnp.uint32)
+  return jax.lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _positions(shape: tuple[int, ...]) -> jax.Array:
+  """The row-major flat index of every element, mod 2**32 (iotas: no reshape of a sharded array)."""
+  index, stride = jnp.zeros(shape, jnp.uint32), 1
+  for axis in reversed(range(len(shape))):
+    index += jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2**32)
+    stride *= shape[axis]
+  return index
+
+
+@jax.jit
+def _checksum(x: jax.Array) -> jax.Array:
+  words = _words(x)
+  positions = _positions(words.shape)
+  return jnp.stack([jnp.sum(_mix(words ^ _mix(positions + jnp.uint32(seed))), dtype=jnp.uint32)
+                    for seed in _SEEDS])
+
+
+def checksums(tree: Any) -> Checksums:
+  """``{path: [h0, h1]}``: two 32-bit hashes of every array leaf's bits (JSON-ready).
+
+  Computed where the arrays live, sharded or spread over processes; every
+  process gets the same result.
+
+  Example::
+
+    >>> import jax.numpy as jnp, saggs_jax as saggs
+    >>> x = jnp.arange(4.0)
+    >>> sums = saggs.checkpoint.checksums
+    >>> sums({"x": x}) == sums({"x": x[::-1]}), sums({"x": x}) == sums({"x": x + 0})
+    (False, True)
+  """
+  hashes = {path: _checksum(leaf) for path, leaf in paths.leaves_with_paths(tree)}
+  return {path: [int(h) for h in np.asarray(v)] for path, v in jax.device_get(hashes).items()}
+
+
+def _verify(saved: Checksums, restored: Any, what: str) -> None:
+  read = checksums(restored)
+  corrupted = [p for p in saved if read.get(p) != saved[p]]
+  if corrupted:
+    others = f" (and {len(corrupted) - 1} more arrays)" if len(corrupted) > 1 else ""
+    raise ValueError(
+        f"{what} is corrupted: the array at {corrupted[0]!r}{others} does not match the checksum"
+        " saved with it. Nothing was restored; restore another step.")
+
+
+# ---------------------------------------------------------------------------
+# Orbax writes no typed PRNG keys: their raw uint32 key data instead.
+
+
+def _storable(tree: Any) -> Any:
+  return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+def _abstract(leaf) -> jax.ShapeDtypeStruct:
+  """What Orbax restores ``leaf`` from: its shape, dtype and sharding (key data for keys)."""
+  if not _is_key(leaf):
+    return ocp.utils.to_shape_dtype_struct(leaf)
+  data = jax.eval_shape(jax.random.key_data, leaf)
+  # Key data has trailing axes the key's sharding leaves unnamed, i.e. replicated.
+  return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=getattr(leaf, "sharding", None))
+
+
+def _unstorable(target: Any, restored: Any) -> Any:
+  return jax.tree.map(
+      lambda t, x: jax.random.wrap_key_data(x, impl=jax.random.key_impl(t)) if _is_key(t) else x,
+      target, restored)
 
 
 def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any) -> bool:
-  """Saves ``params`` and ``opt_state`` as checkpoint ``step``.
+  """Saves ``params`` and ``opt_state`` as checkpoint ``step``, with their layout and checksums.
 
   Saving is asynchronous, as with ``manager.save``: call
   ``manager.wait_until_finished()`` before the process exits (:func:`restore`
-  waits by itself).
+  waits by itself). In a multi-process job every process calls it, with the
+  same ``step``, on its global arrays and a directory all processes share.
 
   Returns:
     Whether a checkpoint was written (the manager's ``save_interval_steps``
@@ -91,7 +228,8 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
   """
   state = {"params": params, "opt_state": opt_state}
   return manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), layout=ocp.args.JsonSave(layout(state))))
+      state=ocp.args.StandardSave(_storable(state)), layout=ocp.args.JsonSave(layout(state)),
+      checksums=ocp.args.JsonSave(checksums(state))))
 
 
 def restore(manager: ocp.CheckpointManager, params: Any, opt_state: Any,
@@ -113,24 +251,38 @@ def restore(manager: ocp.CheckpointManager, params: Any, opt_state: Any,
     ``(params, opt_state, step)``.
 
   Raises:
-    FileNotFoundError: the manager holds no checkpoint.
+    FileNotFoundError: the manager holds no checkpoint ``step`` (or none at all).
     ValueError: the checkpoint's layout differs from the target's (the
       message names the first differing path), or ``pairs`` do not resolve
-      on ``params``. Raised before any array is read.
+      on ``params``: raised before any array is read. Or the arrays could not
+      be read, or one read back does not match its checksum (the message
+      names it).
   """
   manager.wait_until_finished()  # a save still in flight is not readable yet
+  steps = manager.all_steps()
   step = manager.latest_step() if step is None else step
-  if step is None:
-    raise FileNotFoundError(f"No checkpoint in {manager.directory}.")
+  if step not in steps:
+    which = "No checkpoint" if step is None else f"No checkpoint {step}"
+    held = f"it holds steps {sorted(steps)}" if steps else "it holds none"
+    raise FileNotFoundError(f"{which} in {manager.directory}: {held}.")
   canonicalize = canonicalize and pairs is not None
   if canonicalize:
     resolve(pairs, params)  # a bad declaration fails before anything is read
   target = {"params": params, "opt_state": opt_state}
-  saved = manager.restore(step, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))
-  check_layout(saved["layout"], target, f"Checkpoint {step} in {manager.directory}")
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-  state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
-  params, opt_state = state["state"]["params"], state["state"]["opt_state"]
+  what = f"Checkpoint {step} in {manager.directory}"
+  saved = manager.restore(step, args=ocp.args.Composite(
+      layout=ocp.args.JsonRestore(), checksums=ocp.args.JsonRestore()))
+  check_layout(saved["layout"], target, what)
+  abstract = jax.tree.map(_abstract, target)
+  try:
+    state = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract)))["state"]
+  except Exception as e:  # Orbax raises whatever TensorStore met (DATA_LOSS, zstd errors, ...)
+    raise ValueError(f"{what} could not be read: {str(e).splitlines()[0]}. Nothing was"
+                     " restored; restore another step.") from e
+  _verify(saved["checksums"], state, what)
+  state = _unstorable(target, state)
+  params, opt_state = state["params"], state["opt_state"]
   if canonicalize:
     params, opt_state = canonical.canonicalize(params, opt_state, pairs)
   return params, opt_state, step

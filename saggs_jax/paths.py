@@ -19,9 +19,10 @@ so ``"attn/wq"`` matches ``"params/layers/0/attn/wq"`` with the capture
 
 from __future__ import annotations
 
+import difflib
 import functools
 import re
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import jax
 
@@ -104,3 +105,36 @@ def match(pattern: str, path: str) -> Captures | None:
     if caps is not None:
       return ("/".join(segs[:start]), *caps)
   return None
+
+
+def nearest(pattern: str, candidates: Iterable[str], n: int = 3) -> list[str]:
+  """Up to ``n`` of ``candidates`` whose trailing segments read most like ``pattern``, best first.
+
+  A pattern is anchored at the end of a path, so each path is scored by its
+  closest suffix of whole segments (``difflib`` ratio, at least 0.6). Paths
+  whose closest suffixes differ only in their numbers (one weight in every
+  layer) are suggested once, by the closest (the first on a tie).
+
+  Example::
+
+    >>> nearest("atn/q_proj", ["layers/0/attn/q_proj", "layers/1/attn/q_proj", "head"])
+    ['layers/0/attn/q_proj']
+  """
+  matcher = difflib.SequenceMatcher(b=pattern)
+  scores: dict[str, float] = {}
+
+  def score(suffix: str) -> float:
+    if suffix not in scores:
+      matcher.set_seq1(suffix)
+      scores[suffix] = matcher.ratio()
+    return scores[suffix]
+
+  best: dict[str, tuple[float, str]] = {}  # closest suffix, numbers blanked -> (score, path)
+  for path in candidates:
+    segs = path.split("/")
+    suffix = max(("/".join(segs[i:]) for i in range(len(segs))), key=score)
+    key = re.sub(r"\d+", "#", suffix)
+    if score(suffix) >= 0.6 and score(suffix) > best.get(key, (0.0,))[0]:
+      best[key] = (score(suffix), path)
+  ranked = sorted(best.values(), key=lambda sp: -sp[0])
+  return [path for _, path in ranked[:n]]

@@ -1,29 +1,28 @@
 """SAGGS as optax transformations, and a chain that transports earlier moments.
 
-A symmetry stage sits after the inner optimizer. It receives that optimizer's
-updates ``u`` and the current parameters ``p``, balances the parameters the
-step would produce, ``p' = p + u``, and returns the updates that land on the
-balanced parameters: ``u' = T_c(p') - p``. :func:`chain` additionally rewrites
-the moments held by the stages before it with the same factors, so the state
-after the step is exactly the transported one.
-
-With ``deferred=True`` the balancing due after update ``n`` is applied at the
-start of update ``n + 1`` instead: to ``p``, to the gradient and to the inner
-moments, before the inner optimizer runs, so it fuses into that optimizer's
-own arithmetic.
+A symmetry stage sits last in :func:`chain`, after the inner optimizer. On the
+updates that balance, it moves the parameters to the balanced representative
+``T_c(p)``, transports the incoming gradient and the moments of every earlier
+stage with the same factors, lets the inner optimizer step from there, and
+returns the updates that land on ``T_c(p) + u``. The rescaling happens on the
+inner optimizer's inputs, so it fuses into that optimizer's own kernels.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from saggs_jax import paths
-from saggs_jax.balance import Factors, compute_dtype, compute_factors, leaf_multiplier, scale_tree
+from saggs_jax.balance import (AxisName, Factors, compute_dtype, compute_factors, leaf_multiplier,
+                               replicated, scale_tree)
 from saggs_jax.pairs import Pair, resolve
 from saggs_jax.transport import transport
 
@@ -79,129 +78,156 @@ def _land_on(params, updates, target, plan, factors):
       return u
     dtype = compute_dtype(p.dtype)
     moved = (t.astype(dtype) - p.astype(dtype)).astype(u.dtype)
-    return jnp.where(leaf_multiplier(slots, p.shape, factors, 1.0, dtype) == 1, u, moved)
+    return jnp.where(leaf_multiplier(slots, p, factors, 1.0, dtype) == 1, u, moved)
 
   return jax.tree_util.tree_map_with_path(visit, updates, params, target)
 
 
+def _check_number(name, value, low, high, integer):
+  kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+  if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
+    kind = "an int" if integer else "a number"
+    raise ValueError(f"{name} must be {kind} in [{low}, {high}], got {value!r}.")
+
+
+def _check_global(axis_name) -> None:
+  """Inside ``shard_map`` a leaf is a shard: its norms alone would balance per shard."""
+  manual = jax.sharding.get_abstract_mesh().manual_axes
+  if manual and axis_name is None:
+    raise ValueError(
+        f"SAGGS is traced inside shard_map (manual mesh axes {manual}), where each device sees"
+        " only its shard and would balance it on its own. Pass axis_name= the mesh axes that"
+        " split the parameters' groups (FSDP or data axes; the norms are summed over them), or"
+        " axis_name=() if every shard holds whole groups.")
+
+
+def _caller():
+  """The innermost frame outside saggs_jax, optax and jax: the user's line."""
+  internal = tuple(os.path.dirname(m.__file__) for m in (optax, jax)) + (os.path.dirname(__file__),)
+  frame = sys._getframe(1)
+  while frame is not None and frame.f_code.co_filename.startswith(internal):
+    frame = frame.f_back
+  return frame
+
+
 def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
-                   deferred: bool = False) -> SymmetryTransformation:
+                   axis_name: AxisName = None) -> SymmetryTransformation:
   """Balances the Frobenius norms inside every declared symmetry pair.
 
-  For each pair instance and group g, with ``A_g``, ``B_g`` the group slices
-  of the parameters after the inner optimizer's step,
+  On updates ``1, every + 1, 2 * every + 1, ...`` (the first update is number
+  1) the stage balances *before* the inner optimizer steps. For each pair
+  instance and group g, with ``A_g``, ``B_g`` the group slices of the current
+  parameters,
 
-    c_g = (||B_g|| / ||A_g||) ** (strength / 2),   A_g <- c_g A_g,   B_g <- B_g / c_g.
+    c_g = (||B_g|| / ||A_g||) ** (strength / 2),   A_g <- c_g A_g,   B_g <- B_g / c_g,
+
+  the incoming gradient is transported with them (``g_A / c``, ``g_B * c``:
+  the gradient at the balanced point) and, through :func:`saggs_jax.chain`,
+  so are the moments of every stage before it. The inner optimizer then steps
+  from the balanced state: the update returned lands on ``T_c(p) + u``.
 
   ``strength=1`` equalises the two norms (the canonical representative of the
   symmetry orbit); a smaller strength shrinks ``log(||A_g||/||B_g||)`` by the
-  factor ``1 - strength``. The function computed by the model is unchanged.
-  Applied on updates number ``every``, ``2 * every``, ...; on the others a
-  ``lax.cond`` passes the inner updates and moments through untouched.
+  factor ``1 - strength``. The function computed by the model is unchanged by
+  the balancing. With hard SAGGS and ``every=1`` the whole optimizer is a
+  function of the orbit: equivalent states (same function, transported
+  moments, same count) follow one trajectory. On updates that do not balance
+  the factors are ones from a ``lax.cond`` that computes no norms and
+  communicates nothing.
 
-  ``deferred=True`` applies the balancing due after update ``n`` at the start
-  of update ``n + 1`` (so on updates ``every + 1``, ``2 * every + 1``, ...):
-  with ``B`` the balancing and ``A`` the inner step, it returns ``A(B(s))``
-  where the default returns ``B(A(s))``. Each state it returns is therefore
-  the default's state before its latest balancing: the same function, with
-  consistently transported moments, and the very same state after updates
-  that do not balance; the sequence of functions trained is the same. The
-  factors come from the current parameters, and ``p``, the gradient
-  (``g / c`` on the A side) and the inner moments are rescaled on the way into
-  the inner optimizer, so on CPU the balancing costs about one extra read of
-  the declared parameters instead of a second pass over the inner update.
-  Needs :func:`saggs_jax.chain`.
+  Inside a plain ``optax.chain`` the stage cannot reach the optimizer before
+  it: on the same updates it balances the parameters *after* that optimizer's
+  step (so the function trained is the inner optimizer's), leaves its moments
+  untransported, and warns once.
+
+  Norms are scale-safe and a factor never overflows a leaf's dtype (see
+  :mod:`saggs_jax.balance`).
 
   Args:
     pairs: the :class:`~saggs_jax.Pair` declarations.
     strength: in (0, 1]; 1 is hard SAGGS.
-    every: balance every this many updates.
-    deferred: balance at the start of the next update instead of the end of
-      this one.
+    every: balance on updates 1, every + 1, 2 * every + 1, ...
+    axis_name: inside ``shard_map`` only: the mesh axes over which each
+      group's entries are split (FSDP or data axes), whose partial norms are
+      summed; ``()`` when every shard holds whole groups. Outside
+      ``shard_map`` leave it None: jit sees global arrays.
 
   Returns:
-    A :class:`SymmetryTransformation`. Chain it after the inner optimizer with
-    :func:`saggs_jax.chain` so that the inner moments are transported too.
+    A :class:`SymmetryTransformation`. Chain it last, after the inner
+    optimizer, with :func:`saggs_jax.chain`.
 
   Example::
 
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> params = {"q": jnp.full((2, 2), 4.0), "k": jnp.ones((2, 2))}  # norms 8 and 2
-    >>> tx = saggs.chain(optax.adam(0.0), saggs.scale_by_saggs([saggs.Pair("q", "k")]))
+    >>> tx = saggs.chain(optax.sgd(0.0), saggs.scale_by_saggs([saggs.Pair("q", "k")]))
     >>> state = tx.init(params)
     >>> updates, state = tx.update(params, state, params)
     >>> new = optax.apply_updates(params, updates)
     >>> float(jnp.linalg.norm(new["q"])), float(jnp.linalg.norm(new["k"]))
     (4.0, 4.0)
+    >>> float(state[1].factors["q|k"])  # c = sqrt(2 / 8)
+    0.5
   """
   pairs = (pairs,) if isinstance(pairs, Pair) else tuple(pairs)
-  if not 0 < strength <= 1:
-    raise ValueError(f"strength must be in (0, 1], got {strength!r}.")
-  if not isinstance(every, int) or every < 1:
-    raise ValueError(f"every must be a positive int, got {every!r}.")
+  _check_number("strength", strength, 0, 1, integer=False)
+  if strength == 0:
+    raise ValueError("strength must be in (0, 1], got 0: a stage that never balances.")
+  _check_number("every", every, 1, np.inf, integer=True)
   warned = []
 
-  def factors_of(params):
-    return compute_factors(resolve(pairs, params), params, strength)
+  def factors_of(params, axis_name=axis_name):
+    return compute_factors(resolve(pairs, params), params, strength, axis_name)
 
-  def init(params):
-    return SaggsState(jnp.zeros([], jnp.int32), _ones_like_output(factors_of, params))
+  def scheduled_factors(count, params):
+    """The factors of update number ``count``: ones when it does not balance."""
+    if every == 1:
+      return factors_of(params)
+    factors = jax.lax.cond((count - 1) % every == 0, factors_of,
+                           lambda p: _ones_like_output(factors_of, p), params)
+    return jax.tree.map(replicated, factors)  # else XLA may shard them, then gather each update
 
-  def around(prior, grads, state, prior_states, params):
+  def init(params):  # may run outside shard_map: no axis to sum over
+    return SaggsState(jnp.zeros([], jnp.int32),
+                      _ones_like_output(lambda p: factors_of(p, axis_name=None), params))
+
+  def start(state, params):
     if params is None:
       raise ValueError("SAGGS needs the current parameters: call update(updates, state, params).")
-    plan = resolve(pairs, params)
-    count = optax.safe_increment(state.count)
+    _check_global(axis_name)
+    return resolve(pairs, params), optax.safe_increment(state.count)
 
-    if deferred:
-      # Only the small factors leave the cond: on updates that do not balance
-      # the rescaling below multiplies by ones inside the inner optimizer's kernels.
-      factors = jax.lax.cond((count > 1) & ((count - 1) % every == 0), factors_of,
-                             lambda p: _ones_like_output(factors_of, p), params)
-      balanced = scale_tree(plan, params, factors, 1.0)
-      updates, prior_states = prior(scale_tree(plan, grads, factors, -1.0),
-                                    transport(plan, prior_states, factors), balanced)
-      updates = _land_on(params, updates, optax.apply_updates(balanced, updates), plan, factors)
-      return updates, SaggsState(count, factors), prior_states
-
-    def rebalance(operand):
-      updates, prior_states = operand
-      stepped = optax.apply_updates(params, updates)
-      factors = factors_of(stepped)
-      target = scale_tree(plan, stepped, factors, 1.0)
-      return (_land_on(params, updates, target, plan, factors),
-              transport(plan, prior_states, factors), factors)
-
-    def skip(operand):  # no arithmetic at all: the inner updates pass through
-      return (*operand, _ones_like_output(factors_of, params))
-
-    operand = prior(grads, prior_states, params)
-    if every == 1:
-      updates, prior_states, factors = rebalance(operand)
-    else:
-      updates, prior_states, factors = jax.lax.cond(count % every == 0, rebalance, skip, operand)
+  def around(prior, grads, state, prior_states, params):
+    plan, count = start(state, params)
+    factors = scheduled_factors(count, params)
+    balanced = scale_tree(plan, params, factors, 1.0)
+    updates, prior_states = prior(scale_tree(plan, grads, factors, -1.0),
+                                  transport(plan, prior_states, factors), balanced)
+    updates = _land_on(params, updates, optax.apply_updates(balanced, updates), plan, factors)
     return updates, SaggsState(count, factors), prior_states
 
   def update(updates, state, params=None, **extra_args):
     del extra_args
-    if deferred:
-      raise ValueError("A deferred SAGGS stage rescales the inputs of the optimizer before it,"
-                       " which only saggs_jax.chain(...) can do; use it instead of optax.chain.")
     if not warned:
       warned.append(True)
-      warnings.warn(
-          "A SAGGS stage outside saggs_jax.chain balances the parameters but cannot transport"
-          " the moments of the optimizer before it; use saggs_jax.chain(...) instead of"
-          " optax.chain(...).", stacklevel=2)
-    updates, state, _ = around(lambda g, s, p: (g, s), updates, state, (), params)
-    return updates, state
+      frame = _caller()
+      warnings.warn_explicit(
+          "A SAGGS stage outside saggs_jax.chain balances the parameters after the optimizer's"
+          " step but cannot transport that optimizer's moments; use saggs_jax.chain(...)"
+          " instead of optax.chain(...).", UserWarning,
+          frame.f_code.co_filename if frame else "<unknown>", frame.f_lineno if frame else 0)
+    plan, count = start(state, params)
+    stepped = optax.apply_updates(params, updates)
+    factors = scheduled_factors(count, stepped)
+    target = scale_tree(plan, stepped, factors, 1.0)
+    return _land_on(params, updates, target, plan, factors), SaggsState(count, factors)
 
   return SymmetryTransformation(init, update, around)
 
 
-def saggs(pairs: Sequence[Pair], every: int = 1, deferred: bool = False
+def saggs(pairs: Sequence[Pair], every: int = 1, axis_name: AxisName = None
           ) -> SymmetryTransformation:
-  """Hard SAGGS: equalise the norms inside each pair every ``every`` updates.
+  """Hard SAGGS: equalise the norms inside each pair on updates 1, every + 1, ...
 
   Alias of :func:`scale_by_saggs` with ``strength=1``.
 
@@ -211,11 +237,11 @@ def saggs(pairs: Sequence[Pair], every: int = 1, deferred: bool = False
     >>> pairs = [saggs.Pair("attn/q_proj/kernel", "attn/k_proj/kernel", axes=(1, 1), groups=4)]
     >>> tx = saggs.chain(optax.adamw(3e-4), saggs.saggs(pairs, every=100))
   """
-  return scale_by_saggs(pairs, strength=1.0, every=every, deferred=deferred)
+  return scale_by_saggs(pairs, strength=1.0, every=every, axis_name=axis_name)
 
 
-def soft(pairs: Sequence[Pair], strength: float = 0.5, every: int = 1, deferred: bool = False
-         ) -> SymmetryTransformation:
+def soft(pairs: Sequence[Pair], strength: float = 0.5, every: int = 1,
+         axis_name: AxisName = None) -> SymmetryTransformation:
   """Soft SAGGS: move ``strength`` of the way (in log-norm) towards balance.
 
   Alias of :func:`scale_by_saggs`. Each application multiplies the
@@ -227,7 +253,7 @@ def soft(pairs: Sequence[Pair], strength: float = 0.5, every: int = 1, deferred:
     >>> pairs = [saggs.Pair("mlp/up_proj/kernel", "mlp/down_proj/kernel", axes=(1, 0))]
     >>> tx = saggs.chain(optax.adamw(3e-4, weight_decay=0.1), saggs.soft(pairs, strength=0.5))
   """
-  return scale_by_saggs(pairs, strength=strength, every=every, deferred=deferred)
+  return scale_by_saggs(pairs, strength=strength, every=every, axis_name=axis_name)
 
 
 def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -247,23 +273,28 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
   """
   stages = [t if isinstance(t, SymmetryTransformation) else optax.with_extra_args_support(t)
             for t in transforms]
+  symmetric = [isinstance(t, SymmetryTransformation) for t in stages]
+  if any(symmetric):
+    first = symmetric.index(True)
+    if first == 0 or not all(symmetric[first:]):
+      raise ValueError(
+          f"saggs_jax.chain: the symmetry stage at position {first} must come after the optimizer"
+          " it balances, and only symmetry stages may follow it (their updates land on the"
+          " balanced parameters, which a later stage would change); stages are"
+          f" {['symmetry' if s else 'optimizer' for s in symmetric]}. Write"
+          " saggs_jax.chain(optax.adamw(...), saggs_jax.saggs(pairs)).")
 
   def init(params):
     return tuple(t.init(params) for t in stages)
 
   def run(stages, grads, states, params, extra_args):
-    symmetric = [i for i, t in enumerate(stages) if isinstance(t, SymmetryTransformation)]
-    updates, new_states, first = grads, [], 0
-    if symmetric:  # the last symmetry stage runs everything before it
-      last = symmetric[-1]
-      prior = lambda g, s, p: run(stages[:last], g, s, p, extra_args)  # noqa: E731
-      updates, state, prior_states = stages[last].around(prior, grads, states[last],
-                                                         tuple(states[:last]), params)
-      new_states, first = [*prior_states, state], last + 1
-    for t, s in zip(stages[first:], states[first:]):
-      updates, s = t.update(updates, s, params, **extra_args)
-      new_states.append(s)
-    return updates, tuple(new_states)
+    if not isinstance(stages[-1], SymmetryTransformation):
+      return optax.chain(*stages).update(grads, states, params, **extra_args)
+    # The last symmetry stage runs everything before it, balancing its inputs.
+    prior = lambda g, s, p: run(stages[:-1], g, s, p, extra_args)  # noqa: E731
+    updates, state, prior_states = stages[-1].around(prior, grads, states[-1],
+                                                     tuple(states[:-1]), params)
+    return updates, (*prior_states, state)
 
   def update(updates, state, params=None, **extra_args):
     if len(state) != len(stages):

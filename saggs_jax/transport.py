@@ -7,32 +7,61 @@ If ``A' = c A`` then ``dL/dA' = (dL/dA) / c``, so state of gradient degree k
 Each optimizer state type has a rule: which of its fields are moments and of
 what degree, and which hold nested optimizer states. The optax state types are
 registered below; users register their own with :func:`register_transport`.
-An unregistered state that holds parameter-shaped trees is an error, never a
-silent skip: transporting the parameters without the moments would quietly
-change the optimizer's trajectory.
+
+Every array that is an image of a declared parameter is transported exactly or
+refused with a TypeError naming the state type, the path and the fix; none is
+skipped, since transporting the parameters without their moments would quietly
+change the optimizer's trajectory. The images transported are
+
+* the parameter's own shape at the parameter's path (Adam's ``mu``);
+* a raveled image: every parameter raveled and concatenated in tree order, the
+  vector ``optax.flatten`` hands its inner optimizer;
+* Adafactor's factored second moment (``v_row``, ``v_col``), where the
+  factorisation allows it (see :func:`_transport_factored`);
+* Lookahead's fast optimizer state, laid out like ``params.fast``, when the
+  slow weights follow the fast ones (see :func:`_transport_lookahead`).
+
+A moment field holding anything else, and an unregistered state holding an
+array at a declared path, of a declared shape or raveled, is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Union
+import functools
+import math
+from typing import Any, Callable, Mapping, Union
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import optax.contrib
 
 from saggs_jax import paths
-from saggs_jax.balance import Factors, scale_tree
+from saggs_jax.balance import Factors, _scale_leaf
 from saggs_jax.pairs import Plan
 
 NESTED = "nested"
 """Marks a field that holds an inner optimizer state to transport recursively."""
 
 Degree = Union[int, float, str]
-_RULES: dict[type, dict[str, Degree]] = {}
+Rule = Callable[[Plan, Any, Factors, str], Any]
+_RULES: dict[type, Rule] = {}
+
+_LAYOUT_FIX = (
+    "Initialise the optimizer on the parameters that the SAGGS stage sees; a state of your own"
+    " must keep each moment in a tree laid out like them (one field per moment), registered"
+    " with saggs_jax.register_transport(Type, {'field': degree, ...}).")
 
 
 def register_transport(state_type: type, fields: Mapping[str, Degree]) -> None:
   """Declares how the fields of ``state_type`` move under a symmetry transform.
+
+  A field named with degree k must hold a tree laid out like the parameters
+  (or the raveled vector of ``optax.flatten``); its declared leaves are
+  multiplied by ``c**-k`` on side A and ``c**k`` on side B. Anything else in it
+  is refused with a TypeError when the state is transported.
 
   Args:
     state_type: a NamedTuple or dataclass optimizer state type.
@@ -52,8 +81,199 @@ def register_transport(state_type: type, fields: Mapping[str, Degree]) -> None:
   known = getattr(state_type, "_fields", None) or [f.name for f in dataclasses.fields(state_type)]
   unknown = set(fields) - set(known)
   if unknown:
-    raise ValueError(f"{state_type.__name__} has no fields {sorted(unknown)}; it has {list(known)}.")
-  _RULES[state_type] = dict(fields)
+    raise ValueError(f"{state_type.__name__} has no fields {sorted(unknown)};"
+                     f" it has {list(known)}.")
+  for field, degree in fields.items():
+    if degree != NESTED and (isinstance(degree, bool) or not isinstance(degree, (int, float))):
+      raise ValueError(f"{state_type.__name__}.{field}: degree must be a number or"
+                       f" saggs_jax.NESTED, got {degree!r}.")
+  _RULES[state_type] = functools.partial(_transport_fields, dict(fields))
+
+
+def _replace(state, **changes):
+  if hasattr(state, "_replace"):
+    return state._replace(**changes)
+  return dataclasses.replace(state, **changes)
+
+
+def _shape(x) -> tuple[int, ...]:
+  return tuple(np.shape(x))
+
+
+def _refusal(state, where: str, why: str, fix: str = _LAYOUT_FIX) -> TypeError:
+  return TypeError(f"Cannot transport {type(state).__name__} at {where}: {why} {fix}")
+
+
+def _scale(plan: Plan, path: str, x, factors: Factors, power: float, drop: int | None = None):
+  """``x`` scaled as the declared parameter at ``path``; with ``drop``, ``x`` lacks that axis.
+
+  A dropped axis must be one along which the multiplier is constant (the
+  caller checks): it is restored with length 1 for the multiplication.
+  """
+  if drop is None:
+    return _scale_leaf(x, plan.slots[path], factors, power)
+  return jnp.squeeze(_scale_leaf(jnp.expand_dims(x, drop), plan.slots[path], factors, power), drop)
+
+
+def _is_raveled(plan: Plan, x) -> bool:
+  """Whether ``x`` is a vector of every parameter raveled and concatenated (``optax.flatten``)."""
+  return (len(plan.shapes) > 1 and np.ndim(x) == 1
+          and np.size(x) == sum(math.prod(s) for s in plan.shapes.values()))
+
+
+def _scale_raveled(plan: Plan, x, factors: Factors, power: float):
+  """Unravels in tree order (the order ``plan.shapes`` keeps), scales, ravels again."""
+  pieces, start = [], 0
+  for path, shape in plan.shapes.items():
+    piece = x[start:start + math.prod(shape)]
+    if path in plan.slots:
+      piece = _scale(plan, path, piece.reshape(shape), factors, power).reshape(-1)
+    pieces.append(piece)
+    start += piece.size
+  return jnp.concatenate(pieces)
+
+
+def _moment_leaf(plan: Plan, path: str, x, factors: Factors, degree: float):
+  """One leaf of a moment of gradient ``degree`` transported, or None if it is no known image."""
+  if path in plan.slots:
+    return _scale(plan, path, x, factors, -degree) if _shape(x) == plan.shapes[path] else None
+  if path in plan.shapes:
+    return x  # the moment of a parameter that no pair declares
+  if _is_raveled(plan, x):
+    return _scale_raveled(plan, x, factors, -degree)
+  return None
+
+
+def _map_leaves(plan: Plan, state, where: str, tree, leaf_fn: Callable[[str, Any], Any]):
+  """``leaf_fn(path, leaf)`` on every leaf of ``tree``; a None result refuses the state."""
+
+  def visit(key_path, x):
+    path = paths.path_str(key_path)
+    out = leaf_fn(path, x)
+    if out is None:
+      if path in plan.shapes:
+        why = f"the parameter {path!r} has shape {plan.shapes[path]}, this leaf {_shape(x)}"
+      else:
+        why = (f"no parameter has the path {path!r}, and this leaf, shape {_shape(x)}, is not the"
+               " raveled vector of all parameters")
+      raise _refusal(state, f"{where}[{path!r}]", f"{why}, so it has no exact transport.")
+    return out
+
+  return jax.tree_util.tree_map_with_path(visit, tree)
+
+
+def _transport_fields(fields: dict[str, Degree], plan: Plan, state, factors: Factors, where: str):
+  changes = {}
+  for field, degree in fields.items():
+    value, sub = getattr(state, field), f"{where}.{field}"
+    if degree == NESTED:
+      changes[field] = transport(plan, value, factors, sub)
+    else:
+      changes[field] = _map_leaves(plan, state, sub, value,
+                                   lambda p, x, d=degree: _moment_leaf(plan, p, x, factors, d))
+  return _replace(state, **changes)
+
+
+def _factored_axes(shape: tuple[int, ...]) -> tuple[int, int]:
+  """``(d0, d1)``: the largest and second largest axes, as optax's Adafactor picks them."""
+  d1, d0 = np.argsort(shape)[-2:]
+  return int(d0), int(d1)
+
+
+def _varying(plan: Plan, path: str, axes: tuple[int, ...]):
+  """``(axis, slot)`` for an axis among ``axes`` along which ``path``'s multiplier changes."""
+  shape = plan.shapes[path]
+  for slot in plan.slots[path]:
+    for a in axes:
+      if shape[a] > 1 and (a < slot.stacked or (a == slot.axis and slot.groups > 1)):
+        return a, slot
+  return None
+
+
+def _transport_factored(plan: Plan, state, factors: Factors, where: str):
+  """Adafactor's second moment, ``optax.scale_by_factored_rms`` (gradient degree 2).
+
+  An unfactored parameter keeps ``v``, an EMA of ``g**2`` in its own shape
+  (``v_row`` and ``v_col`` are (1,) stand-ins). A factored one keeps ``v_row``
+  and ``v_col``, EMAs of the means of ``g**2`` over its largest axis d0 and
+  over its second largest d1 (``v`` is the stand-in). The transport sends
+  ``g`` to ``M g``, ``M`` being ``c**-1`` per group on side A (``c`` on side B)
+  broadcast over the tensor, and
+
+    mean_d(M**2 g**2) = M**2 mean_d(g**2)   when M is constant along axis d,
+
+  while otherwise it depends on how ``g**2`` is spread along d, which the means
+  have discarded. So ``v_row`` and ``v_col`` transport exactly when no group
+  boundary and no stacked copy runs along d0 or d1: a group spanning the whole
+  tensor (``axes=None``), or a group axis other than the two largest (the heads
+  axis of an (embed, heads, head_dim) kernel). Other factored parameters are
+  refused. The epsilon added to ``g**2`` is not transported, as with Adam's.
+  """
+  v_shapes = {p: _shape(x) for p, x in paths.leaves_with_paths(state.v)}
+
+  def factored(path):
+    return path in plan.slots and v_shapes.get(path) != plan.shapes[path]
+
+  def v_leaf(path, x):
+    return x if factored(path) and _shape(x) == (1,) else _moment_leaf(plan, path, x, factors, 2)
+
+  def stat_leaf(field, which):
+    def leaf(path, x):
+      if not factored(path):  # a stand-in, or a parameter no pair declares
+        return x if _shape(x) == (1,) or path in plan.shapes and path not in plan.slots else None
+      shape, axes = plan.shapes[path], _factored_axes(plan.shapes[path])
+      if _shape(x) != shape[:axes[which]] + shape[axes[which] + 1:]:
+        return None
+      hit = _varying(plan, path, axes)
+      if hit is not None:
+        axis, slot = hit
+        regroup = ("" if axis < slot.stacked else "Declare the pair with one group per tensor"
+                   " (axes=None) or a group axis other than the two largest, or keep")
+        raise _refusal(
+            state, f"{where}.{field}[{path!r}]",
+            f"Adafactor keeps only means of g**2 over axes {axes[0]} and {axes[1]} of {path!r}"
+            f" {shape}, and the factors of {slot.key!r} change along axis {axis}"
+            f" ({'stacked copies' if axis < slot.stacked else 'groups'}), so the transported"
+            " means are not determined by the stored ones.",
+            f"{regroup or 'Keep'} this moment unfactored: optax.adafactor(..., factored=False)"
+            f" or min_dim_size_to_factor > {shape[axes[1]]}.")
+      return _scale(plan, path, x, factors, -2, drop=axes[which])
+    return leaf
+
+  return state._replace(
+      v=_map_leaves(plan, state, f"{where}.v", state.v, v_leaf),
+      v_row=_map_leaves(plan, state, f"{where}.v_row", state.v_row, stat_leaf("v_row", 0)),
+      v_col=_map_leaves(plan, state, f"{where}.v_col", state.v_col, stat_leaf("v_col", 1)))
+
+
+def _subplan(plan: Plan, prefix: str) -> Plan:
+  """The plan of the subtree ``prefix`` of the parameters, with paths relative to it."""
+  n = len(prefix) + 1
+
+  def pick(d):
+    return {p[n:]: v for p, v in d.items() if p.startswith(prefix + "/")}
+
+  return dataclasses.replace(plan, slots=pick(plan.slots), shapes=pick(plan.shapes))
+
+
+def _transport_lookahead(plan: Plan, state, factors: Factors, where: str):
+  """``optax.lookahead``: the fast optimizer's state is laid out like ``params.fast``.
+
+  The slow weights are parameters (in ``optax.LookaheadParams``), and each
+  synchronisation mixes them with the fast ones: that commutes with the
+  rescaling only if slow and fast weights move by the same factors.
+  """
+  fast, slow = _subplan(plan, "fast"), _subplan(plan, "slow")
+  for path in sorted(set(fast.slots) | set(slow.slots)):
+    if fast.slots.get(path) != slow.slots.get(path):
+      raise _refusal(
+          state, where,
+          f"the slow weight 'slow/{path}' does not move by the same factors as the fast weight"
+          f" 'fast/{path}', and each synchronisation mixes the two.",
+          "Declare the pairs on the fast weights with the slow ones as followers, e.g."
+          " Pair('fast/q', 'fast/k', follow_a='slow/q', follow_b='slow/k').")
+  return state._replace(fast_state=transport(fast, state.fast_state, factors,
+                                             f"{where}.fast_state"))
 
 
 for _type, _fields in [
@@ -66,7 +286,7 @@ for _type, _fields in [
     (optax.ScaleByLionState, {"mu": 1}),
     (optax.TraceState, {"trace": 1}),
     (optax.ScaleByAdanState, {"m": 1, "v": 1, "n": 2, "g": 1}),
-    (optax.ScaleByAdaDeltaState, {"e_g": 2, "e_x": -2}),
+    (optax.ScaleByAdaDeltaState, {"e_g": 2, "e_x": -2}),  # e_x: EMA of squared updates
     (optax.contrib.MuonState, {"mu": 1}),
     (optax.contrib.ScaleByAdemamixState, {"m1": 1, "m2": 1, "nu": 2}),
     (optax.contrib.ScaleBySimplifiedAdEMAMixState, {"m": 1, "n": 2}),
@@ -78,25 +298,26 @@ for _type, _fields in [
     (optax.ApplyIfFiniteState, {"inner_state": NESTED}),
     (optax.ConditionallyMaskState, {"inner_state": NESTED}),
     (optax.ConditionallyTransformState, {"inner_state": NESTED}),
-    (optax.LookaheadState, {"fast_state": NESTED}),
 ]:
   register_transport(_type, _fields)
+_RULES[optax.FactoredState] = _transport_factored
+_RULES[optax.LookaheadState] = _transport_lookahead
 
 
-def _replace(state, **changes):
-  if hasattr(state, "_replace"):
-    return state._replace(**changes)
-  return dataclasses.replace(state, **changes)
+def _image_path(plan: Plan, tree: Any, is_leaf=None) -> str | None:
+  """A path in ``tree`` to a float array that may image a declared parameter, or None.
 
-
-def _declared_leaf(plan: Plan, tree: Any, is_leaf=None) -> str | None:
-  """A path inside ``tree`` that ends in a declared parameter of the same shape."""
-  for path, leaf in paths.leaves_with_paths(tree, is_leaf=is_leaf):
+  Such an array sits at a path ending in a declared parameter's, has a declared
+  shape, or is the raveled vector of all parameters.
+  """
+  shapes = {plan.shapes[p] for p in plan.slots} - {()}
+  for path, x in paths.leaves_with_paths(tree, is_leaf=is_leaf):
+    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.inexact):
+      continue
     segs = path.split("/")
-    for i in range(len(segs)):
-      suffix = "/".join(segs[i:])
-      if suffix in plan.slots and tuple(getattr(leaf, "shape", ())) == plan.shapes[suffix]:
-        return path
+    if (_shape(x) in shapes or _is_raveled(plan, x)
+        or any("/".join(segs[i:]) in plan.slots for i in range(len(segs)))):
+      return path
   return None
 
 
@@ -105,37 +326,33 @@ def _is_plain_container(s) -> bool:
 
 
 def transport(plan: Plan, state: Any, factors: Factors, where: str = "opt_state") -> Any:
-  """Transports every registered moment inside ``state`` by ``factors``."""
+  """Transports every registered moment inside ``state`` by ``factors`` (see the module doc)."""
   rule = _RULES.get(type(state))
   if rule is not None:
-    changes = {}
-    for field, degree in rule.items():
-      value = getattr(state, field)
-      sub = f"{where}.{field}"
-      changes[field] = (transport(plan, value, factors, sub) if degree == NESTED
-                        else scale_tree(plan, value, factors, -degree))
-    return _replace(state, **changes)
+    return rule(plan, state, factors, where)
   if _is_plain_container(state):
     # Moments kept directly in a plain container have no rule to say their degree.
-    hit = _declared_leaf(plan, state, is_leaf=lambda x: not _is_plain_container(x))
+    hit = _image_path(plan, state, is_leaf=lambda x: not _is_plain_container(x))
     if hit is not None:
-      raise TypeError(f"Cannot transport the plain container at {where}: it holds"
-                      f" parameter-shaped arrays (e.g. at {hit!r}) with no state type to say"
-                      " their degree. Wrap them in a NamedTuple state and register it with"
-                      " saggs_jax.register_transport.")
+      raise TypeError(f"Cannot transport the plain container at {where}: it holds an array that"
+                      f" looks like an image of a declared parameter (at {hit!r}) with no state"
+                      " type to say its degree. Wrap such arrays in a NamedTuple state and"
+                      " register it with saggs_jax.register_transport.")
     items = state.items() if isinstance(state, dict) else enumerate(state)
     new = {k: transport(plan, v, factors, f"{where}[{k!r}]") for k, v in items}
     return new if isinstance(state, dict) else type(state)(new[i] for i in range(len(state)))
-  hit = _declared_leaf(plan, state)
+  hit = _image_path(plan, state)
   if hit is not None:
     name = type(state).__name__
     # nnx.state(optimizer) turns optax's NamedTuple states into plain mappings.
     hint = (" An nnx.state(optimizer) has lost the optax state types: pass"
             " optimizer.opt_state instead." if isinstance(state, Mapping) else "")
     raise TypeError(
-        f"Cannot transport {name} at {where}: it holds parameter-shaped trees (e.g. at {hit!r})"
-        f" and saggs_jax has no rule for it. Register one with"
+        f"Cannot transport {name} at {where}: it holds an array that looks like an image of a"
+        f" declared parameter (at {hit!r}: its path, its shape or all parameters raveled) and"
+        f" saggs_jax has no rule for {name}. Register one with"
         f" saggs_jax.register_transport({name}, {{'field': degree, ...}}), degree being 1 for"
         " gradient moments, 2 for squared gradients, -1 for parameter-like state and"
-        f" saggs_jax.NESTED for inner optimizer states.{hint}")
+        f" saggs_jax.NESTED for inner optimizer states; {{}} if no field changes under the"
+        f" rescaling.{hint}")
   return state

@@ -3,6 +3,7 @@
 Library calls run eagerly on tiny arrays; only optimizer updates are jitted.
 """
 
+import collections
 import functools
 import hashlib
 import re
@@ -49,22 +50,82 @@ def params_of(config=models.CONFIG, seed=0):
   return models.llama_init(seed, config)
 
 
+# ---------------------------------------------------------------------------
+# A transport oracle written without the library: which leaf of the tiny
+# LLaMA moves along which axis, in which direction, with which factors.
+
+
+def _name(entry):
+  for attr in ("key", "name", "idx"):
+    if hasattr(entry, attr):
+      return str(getattr(entry, attr))
+  return str(entry)
+
+
+def llama_moves(c=models.CONFIG):
+  """``{path suffix: (A path, group axis, sign)}`` for every leaf the LLaMA pairs move."""
+  moves = {}
+  for i in range(c.num_layers):
+    q, v = f"layers/{i}/attn/q_proj/kernel", f"layers/{i}/attn/v_proj/kernel"
+    up = f"layers/{i}/mlp/up_proj/kernel"
+    moves.update({q: (q, 1, +1), f"layers/{i}/attn/k_proj/kernel": (q, 1, -1),
+                  v: (v, 1, +1), f"layers/{i}/attn/o_proj/kernel": (v, 0, -1),
+                  up: (up, 1, +1), f"layers/{i}/mlp/down_proj/kernel": (up, 0, -1)})
+  return moves
+
+
+MLP_MOVES = {"up_proj/kernel": ("up_proj/kernel", 1, +1),
+             "down_proj/kernel": ("up_proj/kernel", 0, -1)}
+
+
+def numpy_move(tree, moves, factors, degree):
+  """Multiplies index j of a moved leaf's group axis by ``f[j // block] ** (sign * degree)``.
+
+  ``factors[A path]`` holds one factor per group; groups are contiguous
+  blocks. Leaves are matched by path suffix, so a moment nested anywhere in an
+  optimizer state moves like its parameter. ``degree`` is the transport
+  degree, or ``fn(path) -> degree``. float64 NumPy throughout.
+  """
+
+  def visit(key_path, x):
+    names = [_name(k) for k in key_path]
+    path = "/".join(names[:-1] if names[-1:] == ["value"] else names)  # nnx Variable boxes
+    d = degree(path) if callable(degree) else degree
+    for suffix, (a_path, axis, sign) in moves.items():
+      if ("/" + path).endswith("/" + suffix) and d:
+        f = np.asarray(factors[a_path], np.float64)
+        per_index = np.repeat(f, x.shape[axis] // f.size) ** (sign * d)
+        shape = [1] * x.ndim
+        shape[axis] = -1
+        return jnp.asarray(np.asarray(x, np.float64) * per_index.reshape(shape), x.dtype)
+    return x
+
+  return jax.tree_util.tree_map_with_path(visit, tree)
+
+
+def draw_factors(moves, params, seed):
+  """Log-uniform factors in [1/8, 8] per A path: one per KV head in attention, else per channel."""
+  rng, leaves = np.random.default_rng(seed), models.leaf_dict(params)
+
+  def groups(a_path, axis):
+    return models.CONFIG.num_kv_heads if "/attn/" in a_path else leaves[a_path].shape[axis]
+
+  return {a: np.exp(rng.uniform(-np.log(8), np.log(8), groups(a, axis))).astype(np.float32)
+          for a, axis, _ in sorted(set(moves.values()))}
+
+
 def _attn_or_mlp(tree):
   return jax.tree_util.tree_map_with_path(
       lambda path, _: "adam" if "attn" in jax.tree_util.keystr(path) else "sgd", tree)
 
 
-# Each SAGGS stage has every=3: after two updates it has not fired, so the
-# state depends on the gradients alone and transport must commute with it.
 LAYOUTS = {
-    "chain": lambda: saggs.chain(optax.adamw(1e-2), saggs.saggs(PAIRS, every=3)),
     "partition": lambda: optax.partition(
         {"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-2, momentum=0.9)}, _attn_or_mlp),
     "masked": lambda: optax.masked(optax.adam(1e-2), lambda p: jax.tree.map(
         lambda label: label == "adam", _attn_or_mlp(p))),
     "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2),
-    "multisteps": lambda: optax.MultiSteps(
-        saggs.chain(optax.lion(1e-3), saggs.soft(PAIRS, every=3)), every_k_schedule=2),
+    "multisteps": lambda: optax.MultiSteps(optax.lion(1e-3), every_k_schedule=2),
 }
 
 
@@ -72,14 +133,44 @@ LAYOUTS = {
 def test_reparameterize_transports_every_layout(layout):
   # Gradients move contravariantly (dL/d(cA) = dL/dA / c), so the state built from
   # the moved gradients at the moved parameters is the transported state.
-  accumulate, params, f = accumulator(LAYOUTS[layout]()), params_of(), factor_fn(0)
+  accumulate, params, moves = accumulator(LAYOUTS[layout]()), params_of(), llama_moves()
+  factors = draw_factors(moves, params, 0)
   grads = [models.random_like(params, 1), models.random_like(params, 2)]
   state = accumulate(params, grads)
-  moved_params, moved_state = saggs.reparameterize(params, state, PAIRS, f)
-  moved_grads = [saggs.reparameterize(g, None, PAIRS, models.inverse(f))[0] for g in grads]
+  moved_params, moved_state = saggs.reparameterize(params, state, PAIRS,
+                                                   lambda a, _: factors[a])
+  chex.assert_trees_all_close(moved_params, numpy_move(params, moves, factors, 1), **EXACT)
+  moved_grads = [numpy_move(g, moves, factors, -1) for g in grads]
   chex.assert_trees_all_close(moved_state, accumulate(moved_params, moved_grads), **CLOSE)
-  with pytest.raises(AssertionError):  # the moments did move
-    chex.assert_trees_all_close(moved_state, state, **EXACT)
+  with pytest.raises(AssertionError, match="Values not approximately equal"):
+    chex.assert_trees_all_close(moved_state, state, **EXACT)  # the moments did move
+
+
+# The moment fields of the SAGGS chains below and their gradient degrees.
+DEGREES = {"mu": -1, "nu": -2, "acc_grads": -1}
+SAGGS_CHAINS = {
+    "adamw": lambda: saggs.chain(optax.adamw(1e-2), saggs.saggs(PAIRS)),
+    "multisteps lion": lambda: optax.MultiSteps(
+        saggs.chain(optax.lion(1e-3), saggs.soft(PAIRS)), every_k_schedule=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAGGS_CHAINS))
+def test_reparameterize_transports_saggs_chains(name):
+  # A SAGGS stage balances on its first update, which makes the state after it
+  # orbit-invariant: check a random state against the oracle field by field.
+  params, moves = params_of(), llama_moves()
+  factors = draw_factors(moves, params, 5)
+  state = models.random_like(SAGGS_CHAINS[name]().init(params), 7)
+  moved = saggs.reparameterize(params, state, PAIRS, lambda a, _: factors[a])[1]
+
+  def degree(path):  # the innermost moment field on the path
+    fields = [n for n in path.split("/") if n in DEGREES]
+    return DEGREES[fields[-1]] if fields else 0
+
+  chex.assert_trees_all_close(moved, numpy_move(state, moves, factors, degree), **EXACT)
+  with pytest.raises(AssertionError, match="Values not approximately equal"):
+    chex.assert_trees_all_close(moved, state, **EXACT)  # the moments did move
 
 
 class NnxMLP(nnx.Module):
@@ -104,18 +195,19 @@ def nnx_params(model):
 
 
 def test_reparameterize_nnx_optimizer_state():
-  f = factor_fn(1)
   model = NnxMLP()
   optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
   params, grads = nnx_params(model), models.random_like(nnx_params(model), 3)
+  factors = draw_factors(MLP_MOVES, params, 1)
   optimizer.update(model, grads)
-  moved_params, moved_state = saggs.reparameterize(params, optimizer.opt_state, NNX_PAIRS, f)
+  moved_params, moved_state = saggs.reparameterize(params, optimizer.opt_state, NNX_PAIRS,
+                                                   lambda a, _: factors[a])
+  chex.assert_trees_all_close(moved_params, numpy_move(params, MLP_MOVES, factors, 1), **EXACT)
 
   moved_model = NnxMLP()
   nnx.update(moved_model, moved_params)
   moved_optimizer = nnx.Optimizer(moved_model, optax.adamw(1e-2), wrt=nnx.Param)
-  moved_grads = saggs.reparameterize(grads, None, NNX_PAIRS, models.inverse(f))[0]
-  moved_optimizer.update(moved_model, moved_grads)
+  moved_optimizer.update(moved_model, numpy_move(grads, MLP_MOVES, factors, -1))
   chex.assert_trees_all_close(moved_state, moved_optimizer.opt_state, **EXACT)
 
 
@@ -256,29 +348,48 @@ def _fingerprint(directory):
           for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+def _adam_state(tx):
+  return params_of(), tx.init(params_of())
+
+
+def _bf16(tree):
+  return jax.tree.map(lambda x: x.astype(jnp.bfloat16), tree)
+
+
 MISMATCHES = {
-    # checkpoint state, target state, the path the error must name
-    "other pairs": (lambda: chain_state(),
-                    lambda: chain_state(PAIRS[:1]),
-                    "opt_state/1/factors/layers/0/attn/v_proj/kernel|layers/0/attn/o_proj/kernel"),
-    "another chain": (lambda: (params_of(), optax.adamw(1e-2).init(params_of())),
-                      lambda: chain_state(),
-                      "opt_state/0/0/count"),
-    "other shapes": (lambda: chain_state(),
-                     lambda: chain_state(params=params_of(models.Config(mlp_hidden=8))),
-                     "opt_state/0/0/mu/layers/0/mlp/down_proj/kernel"),
+    # checkpoint state, target state, where they differ: path, checkpoint entry, target entry
+    "other pairs": (
+        chain_state, lambda: chain_state(PAIRS[:1]),
+        ("opt_state/1/factors/layers/0/attn/v_proj/kernel|layers/0/attn/o_proj/kernel",
+         "float32[2]", "nothing")),
+    "another chain": (lambda: _adam_state(optax.adamw(1e-2)), chain_state,
+                      ("opt_state/0/0/count", "nothing", "int32[]")),
+    "other shapes": (chain_state, lambda: chain_state(params=params_of(models.Config(mlp_hidden=8))),
+                     ("opt_state/0/0/mu/layers/0/mlp/down_proj/kernel", "float32[24, 16]",
+                      "float32[8, 16]")),
+    "other dtypes": (lambda: (_bf16(params_of()), chain_state()[1]), chain_state,
+                     ("params/embed/embedding", "bfloat16[16, 16]", "float32[16, 16]")),
+    # Same leaves, different empty states: only the layout's empty nodes tell them apart.
+    "adam into adamw": (lambda: _adam_state(optax.adam(1e-2)),
+                        lambda: _adam_state(optax.adamw(1e-2)),
+                        ("opt_state/2", "nothing", "EmptyState()")),
+    "adamw into adam": (lambda: _adam_state(optax.adamw(1e-2)),
+                        lambda: _adam_state(optax.adam(1e-2)),
+                        ("opt_state/2", "EmptyState()", "nothing")),
 }
 
 
 @pytest.mark.parametrize("case", sorted(MISMATCHES))
 def test_mismatched_checkpoint_fails_and_touches_nothing(manager, tmp_path, case):
-  saved, target, path = (fn() if callable(fn) else fn for fn in MISMATCHES[case])
+  saved_fn, target_fn, (path, there, want) = MISMATCHES[case]
+  saved, target = saved_fn(), target_fn()
   saggs.checkpoint.save(manager, 3, *saved)
   manager.wait_until_finished()
   files = _fingerprint(tmp_path)
   snapshot = jax.tree.map(np.array, target)
 
-  with pytest.raises(ValueError, match=f"at '{re.escape(path)}'.*other pairs or another"):
+  message = f"at '{path}': {there} there, the target {want}. Was it saved with other pairs"
+  with pytest.raises(ValueError, match=re.escape(message)):
     saggs.checkpoint.restore(manager, *target, pairs=PAIRS)
   assert _fingerprint(tmp_path) == files
   chex.assert_trees_all_equal(target, snapshot)
@@ -288,5 +399,172 @@ def test_mismatched_checkpoint_fails_and_touches_nothing(manager, tmp_path, case
 
 
 def test_restore_without_checkpoint_fails(manager):
-  with pytest.raises(FileNotFoundError, match="No checkpoint"):
+  with pytest.raises(FileNotFoundError, match="No checkpoint in .*: it holds none"):
     saggs.checkpoint.restore(manager, *chain_state())
+
+
+def _times(tree, k):
+  return jax.tree.map(lambda x: jnp.asarray(np.asarray(x) * k), tree)
+
+
+def test_restore_reads_the_requested_step(manager):
+  params = params_of()
+  for step in (1, 2, 3):
+    saggs.checkpoint.save(manager, step, _times(params, step), None)
+  for step in (2, 1, 3):
+    got, _, got_step = saggs.checkpoint.restore(manager, params, None, step=step)
+    assert got_step == step
+    chex.assert_trees_all_equal(got, _times(params, step))
+  got, _, got_step = saggs.checkpoint.restore(manager, params, None)
+  assert got_step == 3
+  chex.assert_trees_all_equal(got, _times(params, 3))
+  with pytest.raises(FileNotFoundError, match=r"No checkpoint 4 in .*: it holds steps \[1, 2, 3\]"):
+    saggs.checkpoint.restore(manager, params, None, step=4)
+
+
+def _bits(tree):
+  """NumPy copies of every leaf, typed PRNG keys as their key data: comparable bit for bit."""
+  return jax.tree.map(
+      lambda x: np.array(jax.random.key_data(x) if saggs.checkpoint._is_key(x) else x), tree)
+
+
+KEYS = {"fry": jax.random.key(7), "split": jax.random.split(jax.random.key(1), 3),
+        "rbg": jax.random.key(2, impl="rbg")}
+
+
+def test_typed_prng_keys_round_trip(manager):
+  params = params_of()
+  saggs.checkpoint.save(manager, 1, params, KEYS)
+  target = {"fry": jax.random.key(0), "split": jax.random.split(jax.random.key(0), 3),
+            "rbg": jax.random.key(0, impl="rbg")}
+  got = saggs.checkpoint.restore(manager, params, target, canonicalize=False)[1]
+  for name, key in KEYS.items():
+    assert got[name].dtype == key.dtype, name
+  chex.assert_trees_all_equal(_bits(got), _bits(KEYS))
+  np.testing.assert_array_equal(jax.random.bits(got["rbg"]), jax.random.bits(KEYS["rbg"]))
+  # Another implementation's key is another layout.
+  with pytest.raises(ValueError, match=re.escape("at 'opt_state/rbg': key<rbg>[] there, the"
+                                                 " target key<fry>[]")):
+    saggs.checkpoint.restore(manager, params, {**target, "rbg": jax.random.key(0)})
+
+
+# ---------------------------------------------------------------------------
+# Checksums
+
+
+def numpy_checksum(x):
+  """The checkpoint hash re-implemented in NumPy: two sums mod 2**32 of
+  fmix32(word ^ fmix32(position + seed)) over the little-endian 32-bit words of
+  the array (narrower elements zero-extended to one word each)."""
+  a = np.asarray(jax.random.key_data(x) if saggs.checkpoint._is_key(x) else x)
+  if a.dtype == np.complex64:
+    a = a.view(np.float32)  # (real, imag) interleaved
+  if a.dtype == np.bool_:
+    words = a.astype(np.uint32).ravel()
+  else:
+    words = a.view(f"uint{8 * a.itemsize}").astype(np.uint32).ravel()
+
+  def fmix32(h):
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+  positions = np.arange(words.size, dtype=np.uint32)
+  with np.errstate(over="ignore"):
+    return [int(np.sum(fmix32(words ^ fmix32(positions + np.uint32(seed))), dtype=np.uint64)
+                % 2**32) for seed in (0x9E3779B9, 0x7F4A7C15)]
+
+
+def hash_inputs():
+  rng = np.random.default_rng(3)
+
+  def normal(shape, dtype):
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+  return {"f32": normal((3, 5), jnp.float32), "bf16": normal((4, 2, 2), jnp.bfloat16),
+          "f16": normal((6,), jnp.float16), "i8": jnp.asarray(rng.integers(-128, 128, 7), jnp.int8),
+          "u32": jnp.uint32(4_000_000_001), "bool": jnp.asarray([True, False, True]),
+          "c64": jnp.asarray(rng.standard_normal((2, 3)) + 1j * rng.standard_normal((2, 3)),
+                             jnp.complex64),
+          "key": jax.random.split(jax.random.key(3), 4)}
+
+
+def test_checksums_match_a_numpy_oracle():
+  inputs = hash_inputs()
+  assert saggs.checkpoint.checksums(inputs) == {k: numpy_checksum(v) for k, v in inputs.items()}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_checksum_sees_every_bit_flip_and_swap(dtype):
+  x = np.asarray(jnp.asarray(np.random.default_rng(4).standard_normal(6), dtype))
+  bits = 8 * x.itemsize
+  unsigned = x.view(f"uint{bits}")
+  variants = [x[[1, 0, 2, 3, 4, 5]], x[::-1]]  # swapped elements
+  for i in (0, 3, 5):
+    for b in range(bits):
+      flipped = unsigned.copy()
+      flipped[i] ^= np.array(1 << b).astype(unsigned.dtype)
+      variants.append(flipped.view(x.dtype))
+  sums = [saggs.checkpoint.checksums(jnp.asarray(v))[""] for v in [x] + variants]
+  assert len({tuple(s) for s in sums}) == len(sums)
+
+
+def corruptible_state():
+  """Random arrays over 1 KiB compressed, which Orbax stores outside its B-tree
+  nodes (smaller ones are inlined there, under the nodes' own CRC), a typed key
+  array among them."""
+  rng = np.random.default_rng(11)
+  params = {"w": jnp.asarray(rng.standard_normal((24, 32)), jnp.float32),
+            "emb": jnp.asarray(rng.standard_normal((40, 32)), jnp.bfloat16)}
+  mu = models.random_like(params, 12)
+  nu = models.random_like(params, 13, positive=True)
+  keys = jax.random.split(jax.random.key(5), 256)
+  return params, (optax.ScaleByAdamState(jnp.int32(3), mu, nu), {"keys": keys})
+
+
+def _contents(directory):
+  return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+          for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _flip(path, pos):
+  data = bytearray(path.read_bytes())
+  data[pos] ^= 0x20
+  path.write_bytes(bytes(data))
+
+
+# Orbax leaves TensorStore's read errors in background tasks that pytest reports.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_corrupted_data_files_never_restore_silently(manager, tmp_path):
+  saved = corruptible_state()
+  saggs.checkpoint.save(manager, 1, *saved)
+  manager.wait_until_finished()
+  files = _contents(tmp_path)
+  data_files = sorted(p for p in (tmp_path / "ckpt").rglob("*") if p.parent.name == "d")
+  assert data_files, sorted(files)
+  target = (_times(saved[0], 2), jax.tree.map(jnp.zeros_like, saved[1]))
+  target = (target[0], target[1][:1] + ({"keys": jax.random.split(jax.random.key(0), 256)},))
+  snapshot = _bits(target)
+
+  named = collections.Counter()
+  for path in data_files:
+    for pos in range(0, path.stat().st_size, 97):  # about 10 flips per KiB
+      _flip(path, pos)
+      try:
+        got = saggs.checkpoint.restore(manager, *target, canonicalize=False)[:2]
+      except ValueError as e:
+        corrupted = re.search(r"the array at '([^']+)' does not match the checksum", str(e))
+        assert corrupted or "could not be read" in str(e), str(e)
+        named[corrupted[1] if corrupted else "(unreadable)"] += 1
+      else:  # only bytes that restore does not read: the saved state, bit for bit
+        chex.assert_trees_all_equal(_bits(got), _bits(saved))
+      finally:
+        _flip(path, pos)
+      chex.assert_trees_all_equal(_bits(target), snapshot)
+  assert _contents(tmp_path) == files  # a failed restore writes nothing
+  # Flips hit every array stored outside the B-tree nodes (all but the inlined
+  # count), and each is named by its checksum.
+  arrays = {p for p, _ in saggs.paths.leaves_with_paths({"params": saved[0], "opt_state": saved[1]})}
+  assert set(named) - {"(unreadable)"} == arrays - {"opt_state/0/count"}, named

@@ -1,6 +1,6 @@
 """Tests of saggs_jax.equivariant: each rule against a float64 numpy reference of
 its definition, its symmetry group, zero rows, dtypes, per-head and joint
-layouts, Newton-Schulz numerics, routing by path and the seed's stack.
+layouts, Newton-Schulz numerics, routing by path and Lau and Su's layerwise stack.
 
 Rules run with beta=0 (the update is the direction of the gradient itself) and
 float32 Polar Express iterations unless a test is about the defaults.
@@ -257,18 +257,52 @@ def test_joint_errors_name_the_path():
     eqv.scale_by_row_norm(-1, joint=JOINT).init(mismatched)
 
 
-@pytest.mark.parametrize("tx, shape", [
-    (eqv.scale_by_row_norm(0), (4,)),
-    (eqv.scale_by_hybrid(1), (2, 3, 4)),
-    (eqv.scale_by_polar(), (2, 3, 4)),
-    (eqv.scale_by_polar(num_heads=3), (4, 8)),
+@pytest.mark.parametrize("name, kwargs, shape", [
+    ("scale_by_row_norm", dict(unit_axis=0), (4,)),
+    ("scale_by_right_spectral", dict(unit_axis=0), (4,)),
+    ("scale_by_left_spectral", dict(unit_axis=0), (2, 3, 4)),
+    ("scale_by_hybrid", dict(unit_axis=1), (2, 3, 4)),
+    ("scale_by_polar", {}, (2, 3, 4)),
+    ("scale_by_polar", dict(num_heads=3), (4, 8)),
 ])
-def test_wrong_rank_or_layout_names_the_path(tx, shape):
-  with pytest.raises(ValueError, match="block/w"):
-    tx.init({"block": {"w": np.zeros(shape)}})
+def test_wrong_rank_or_layout_names_the_rule_and_path(name, kwargs, shape):
+  """The error names the rule the user called, and the parameter."""
+  with pytest.raises(ValueError, match=f"^{name}: parameter 'block/w' of shape"):
+    getattr(eqv, name)(**kwargs).init({"block": {"w": np.zeros(shape)}})
 
 
 # ------------------------------------------------------ Newton-Schulz numerics
+
+# Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): the
+# degree-5 polynomials as published, before the paper's 1.01 safety factor
+# p(x / 1.01), which applies to every step but the last (the limit, repeated).
+PUBLISHED_POLAR_EXPRESS = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+
+
+def polar_express_map(sigma, steps):
+  """The scalar map Newton-Schulz applies to each normalised singular value (float64)."""
+  *early, last = PUBLISHED_POLAR_EXPRESS
+  schedule = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in early] + [last]
+  for k in range(steps):
+    a, b, c = schedule[min(k, len(schedule) - 1)]
+    sigma = a * sigma + b * sigma**3 + c * sigma**5
+  return sigma
+
+
+def newton_schulz_oracle(x, steps, eps=1e-7):
+  """U f(S / max(1.01 ||x||_F, eps)) V^T from a float64 SVD, f = polar_express_map."""
+  u, s, vt = np.linalg.svd(np.asarray(x, np.float64), full_matrices=False)
+  scale = np.maximum(1.01 * np.linalg.norm(s, axis=-1, keepdims=True), eps)
+  return (u * polar_express_map(s / scale, steps)[..., None, :]) @ vt
 
 
 def ill_conditioned(m, n, cond=1e3):
@@ -278,26 +312,77 @@ def ill_conditioned(m, n, cond=1e3):
 
 
 NS_BF16 = jax.jit(eqv.newton_schulz, static_argnames=("coeffs", "steps"))
+NS_F32 = jax.jit(functools.partial(eqv.newton_schulz, dtype=jnp.float32), static_argnames=("steps",))
 
 
 def singular_values(x):
   return np.linalg.svd(np.asarray(x, np.float64), compute_uv=False)
 
 
+def test_polar_express_constants_are_the_published_ones():
+  *early, last = PUBLISHED_POLAR_EXPRESS
+  expected = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in early] + [last]
+  np.testing.assert_allclose(np.array(eqv.POLAR_EXPRESS), np.array(expected), rtol=1e-13)
+
+
+@pytest.mark.parametrize("steps", range(1, 9))
+def test_newton_schulz_applies_the_published_polynomials(steps):
+  """In float32, step k maps every singular value by the k-th published
+  polynomial and keeps the singular vectors: each step's coefficients are
+  checked (a digit swap such as -2.9478 -> -2.9748 moves some singular value
+  by more than 0.04; the tolerance is 1e-4)."""
+  x = ill_conditioned(16, 32)
+  expected = newton_schulz_oracle(x, steps)
+  np.testing.assert_allclose(NS_F32(jnp.asarray(x), steps=steps), expected,
+                             atol=1e-4 * np.abs(expected).max())
+
+
 @pytest.mark.parametrize("cond,steps", [(1e2, 5), (1e3, 6)])
 @pytest.mark.parametrize("shape", [(16, 32), (32, 16)])
 def test_newton_schulz_default_singular_values(shape, cond, steps):
   """The default schedule (Polar Express) in bfloat16 on ill-conditioned input:
-  every singular value in [0.7, 1.3] with the default 5 steps at condition
-  number 1e2, and with 6 steps at 1e3 (about [0.93, 1.01]; 5 steps leave the
-  smallest at about 0.67 there)."""
+  the singular values stay in the band of the float64 map (widened by bfloat16
+  round-off), so in [0.7, 1.2] with the default 5 steps at condition number
+  1e2, and with 6 steps at 1e3 (about [0.95, 1.00]; 5 steps leave the
+  smallest at about 0.7 there)."""
   x = ill_conditioned(*shape, cond=cond)
   out = NS_BF16(jnp.asarray(x), steps=steps)
   assert out.dtype == jnp.float32
-  s = singular_values(out)
-  assert 0.7 <= s.min() and s.max() <= 1.3, (s.min(), s.max())
+  s, exact = singular_values(out), singular_values(newton_schulz_oracle(x, steps))
+  assert exact.min() - 0.05 <= s.min() and s.max() <= exact.max() + 0.02, (s, exact)
+  assert 0.7 <= s.min() and s.max() <= 1.2, (s.min(), s.max())
   # And the singular vectors are those of x: out ~ polar(x) up to the band.
   assert np.linalg.norm(out - polar(x.astype(np.float64))) <= 0.3 * np.sqrt(min(shape))
+
+
+def in_default_band(x, out):
+  """bfloat16 Polar Express's band: no singular value above 1.14 (the float64
+  map's maximum is 1.124), none below 0.8 when every normalised singular value
+  of ``x`` is at least 3e-3 (the map's minimum there is 0.870)."""
+  s_in = singular_values(x)
+  s_in = s_in / np.maximum(1.01 * np.linalg.norm(s_in, axis=-1, keepdims=True), 1e-7)
+  s = singular_values(out)
+  assert np.all(np.isfinite(s)) and s.max() <= 1.14, s.max()
+  conditioned = s_in.min(axis=-1) >= 3e-3
+  assert s.min(axis=-1)[conditioned].min() >= 0.8, s.min(axis=-1)[conditioned].min()
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 3), (3, 2), (3, 3), (4, 6)])
+def test_newton_schulz_default_never_blows_up_on_small_matrices(shape):
+  """bfloat16 Polar Express on 20000 random small matrices at scales 1e-9 to
+  1e3 stays in its band. Rounding the expanded form aX + (bG + cG^2)X to
+  bfloat16 blew up about 1 in 2000 of them, to as much as 1e11."""
+  rng = np.random.default_rng(0)
+  n = 20000
+  x = rng.normal(size=(n, *shape)) * 10.0 ** rng.uniform(-9, 3, size=(n, 1, 1))
+  x = x.astype(np.float32)
+  in_default_band(x, NS_BF16(jnp.asarray(x)))
+
+
+def test_newton_schulz_issue_9_example():
+  """The input that reached 2.7e7 with the expanded form."""
+  x = np.array([[-2.57e-05, 1.17e-04], [1.27e-04, -7.45e-05]], np.float32)
+  in_default_band(x[None], NS_BF16(jnp.asarray(x))[None])
 
 
 @pytest.mark.parametrize("shape", [(16, 32), (32, 16), (64, 256)])
@@ -310,17 +395,13 @@ def test_polar_express_beats_quintic_at_equal_steps(shape):
 
 
 @pytest.mark.parametrize("shape", [(16, 32), (32, 16)])
-@pytest.mark.parametrize("coeffs, band", [
-    # The quintic does not converge: its iterates settle where p maps
-    # about [0.68, 1.2] into itself (min of p there ~0.68), so 0.7 is out of reach.
-    ("quintic", (0.6, 1.25)),
-    ("polar_express", (0.9, 1.1)),
-])
-def test_newton_schulz_singular_values(shape, coeffs, band):
+def test_quintic_settles_in_its_band(shape):
+  """The quintic does not converge: its iterates settle where p maps about
+  [0.68, 1.2] into itself (min of p there ~0.68), so 0.7 is out of reach."""
   x = ill_conditioned(*shape)
-  out = NS_BF16(jnp.asarray(x), coeffs=coeffs, steps=8)
+  out = NS_BF16(jnp.asarray(x), coeffs="quintic", steps=8)
   s = singular_values(out)
-  assert band[0] <= s.min() and s.max() <= band[1], (s.min(), s.max())
+  assert 0.6 <= s.min() and s.max() <= 1.25, (s.min(), s.max())
   assert np.linalg.norm(out - polar(x.astype(np.float64))) <= 0.4 * np.sqrt(min(shape))
 
 
@@ -435,65 +516,112 @@ def llama_grads(key, layers=None):
   return tree
 
 
-def expected_llama_update(g):
-  """The seed's stack by hand (beta=0, lr=1): minus each role's direction."""
+def unit_rule(kind, x, centred=False):
+  """A unit rule on (units, features) in numpy: row-norm, hybrid (row then
+  polar, scaled by the nuclear norm; centred: re-centred before the polar
+  step too) or left spectral."""
+  p = center if centred else (lambda y: y)
+  if kind == "row_norm":
+    return p(row_norm(p(x)))
+  if kind == "hybrid":
+    r = p(row_norm(p(x)))
+    return p(nuclear(r) * polar(r))
+  assert kind == "left_spectral", kind
+  return p(left_spectral(p(x)))
+
+
+def expected_llama_directions(g, embedding="row_norm", lm_head="row_norm", mlp="row_norm",
+                              down="column", router="row_norm"):
+  """Lau and Su's stack by hand (beta=0): each role's direction, by path."""
   L = g["layers"]
   gu = np.concatenate([L["mlp"]["gate_proj"]["kernel"].T, L["mlp"]["up_proj"]["kernel"].T], axis=1)
-  neurons = row_norm(gu)
+  neurons = unit_rule(mlp, gu)
   per_head = lambda w, n, axis: np.concatenate(  # noqa: E731
       [polar(b) for b in np.split(w, n, axis=axis)], axis=axis)
+  w_down = L["mlp"]["down_proj"]["kernel"]
   return {
-      "embed/embedding": row_norm(g["embed"]["embedding"]),
-      "lm_head/kernel": center(row_norm(center(g["lm_head"]["kernel"].T))).T,
+      "embed/embedding": unit_rule(embedding, g["embed"]["embedding"]),
+      "lm_head/kernel": unit_rule(lm_head, g["lm_head"]["kernel"].T, centred=True).T,
       "layers/attn/q_proj/kernel": per_head(L["attn"]["q_proj"]["kernel"], H, 1),
       "layers/attn/k_proj/kernel": per_head(L["attn"]["k_proj"]["kernel"], KV, 1),
+      "layers/attn/v_proj/kernel": per_head(L["attn"]["v_proj"]["kernel"], KV, 1),
       "layers/attn/o_proj/kernel": np.sqrt(D / HD) * per_head(L["attn"]["o_proj"]["kernel"], H, 0),
       "layers/mlp/gate_proj/kernel": neurons[:, :D].T,
       "layers/mlp/up_proj/kernel": neurons[:, D:].T,
-      "layers/mlp/down_proj/kernel": row_norm(L["mlp"]["down_proj"]["kernel"]),
-      "layers/moe/router/kernel": center(row_norm(center(L["moe"]["router"]["kernel"].T))).T,
+      "layers/mlp/down_proj/kernel": (unit_rule(mlp, w_down) if down == "column"
+                                      else np.sqrt(D / FF) * polar(w_down)),
+      "layers/moe/router/kernel": unit_rule(router, L["moe"]["router"]["kernel"].T, centred=True).T,
       "layers/moe/experts/w_in": np.stack(
           [polar(w) for w in L["moe"]["experts"]["w_in"]]),  # fan_out < fan_in: scale 1
   }
 
 
+# Distinct rates and decays, one per-role override: each must reach its leaves.
+LR, ADAMW_LR, WD, ADAMW_WD, OUTPUT_LR = 0.3, 0.05, 0.1, 0.2, 0.7
+ADAMW_PATHS = ("norm/scale", "layers/attn_norm/scale")
+
+
 @functools.cache
-def stack_step(stacked):
-  tx = eqv.symmetry_compatible(1.0, adamw_learning_rate=1.0, num_heads=H, num_kv_heads=KV,
-                               stacked=stacked, beta=0.0, **EXACT_NS)
-  return jax.jit(lambda g: tx.update(g, tx.init(g), g)[0])
+def stack_step(stacked, **variants):
+  tx = eqv.symmetry_compatible(LR, adamw_learning_rate=ADAMW_LR, weight_decay=WD,
+                               adamw_weight_decay=ADAMW_WD, learning_rates={"output": OUTPUT_LR},
+                               num_heads=H, num_kv_heads=KV, stacked=stacked, beta=0.0,
+                               **EXACT_NS, **variants)
+  return jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])
+
+
+def flat_paths(tree):
+  return {path_str(k): np.asarray(v, np.float64) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def check_llama_update(out, g, p, **variants):
+  """u = -lr (direction + wd p) per role; AdamW's first step on the rest:
+  -lr (g / (|g| + eps) + wd p) = -lr (sign(g) + wd p)."""
+  directions = expected_llama_directions(jax.tree.map(np.float64, g), **variants)
+  out, g, p = flat_paths(out), flat_paths(g), flat_paths(p)
+  assert set(directions) | set(ADAMW_PATHS) == set(out)
+  for path, direction in directions.items():
+    lr = OUTPUT_LR if path == "layers/attn/o_proj/kernel" else LR
+    close(out[path], -lr * (direction + WD * p[path]), rtol=1e-3)
+  for path in ADAMW_PATHS:
+    close(out[path], -ADAMW_LR * (np.sign(g[path]) + ADAMW_WD * p[path]), rtol=1e-5)
 
 
 def test_symmetry_compatible_stack():
-  g = llama_grads(100)
-  out = stack_step(False)(g)
-  flat = {path_str(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(out)[0]}
-  for path, expected in expected_llama_update(jax.tree.map(np.float64, g)).items():
-    close(-flat[path], expected, rtol=1e-3)
-  # Norm gains go to AdamW: its first step is -lr * g / (|g| + eps) = -sign(g).
-  close(flat["norm/scale"], -np.sign(g["norm"]["scale"]), rtol=1e-5)
+  g, p = llama_grads(100), llama_grads(600)
+  out = stack_step(False)(g, p)
+  check_llama_update(out, g, p)
   # The stacked-layers layout gives every layer the update of the unstacked one.
-  layers = [llama_grads(100), llama_grads(200)]
-  both = jax.tree.map(lambda *x: np.stack(x), *[l["layers"] for l in layers])
-  stacked = stack_step(True)({**layers[0], "layers": both})
-  for i, single in enumerate([out, stack_step(False)(layers[1])]):
+  gs, ps = [g, llama_grads(200)], [p, llama_grads(700)]
+  stack = lambda trees: {**trees[0], "layers": jax.tree.map(  # noqa: E731
+      lambda *x: np.stack(x), *[t["layers"] for t in trees])}
+  stacked = stack_step(True)(stack(gs), stack(ps))
+  for i, single in enumerate([out, stack_step(False)(gs[1], ps[1])]):
     chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], stacked["layers"]), single["layers"],
                                 rtol=1e-4, atol=1e-5)
 
 
-def test_symmetry_compatible_options():
+@pytest.mark.parametrize("variants", [
+    dict(embedding="hybrid", lm_head="hybrid", mlp="hybrid", down="polar", router="left_spectral",
+         head_dim=HD),
+    dict(mlp="hybrid"),  # a column-aware hybrid down
+])
+def test_symmetry_compatible_variants(variants):
+  """Each option builds the rule it names, checked against numpy."""
+  g, p = llama_grads(400), llama_grads(800)
+  check_llama_update(stack_step(False, **variants)(g, p), g, p,
+                     **{k: v for k, v in variants.items() if k != "head_dim"})
+
+
+def test_symmetry_compatible_tied_and_errors():
   tied = eqv.symmetry_compatible(1.0, tie_embeddings=True, beta=0.0)
   g = {"embed": {"embedding": rand(300, (V, D), np.float32)}}
   out = tied.update(g, tied.init(g), g)[0]["embed"]["embedding"]
   close(-out, center(row_norm(center(g["embed"]["embedding"]))))
-  with pytest.raises(ValueError, match="bogus"):
+  with pytest.raises(ValueError, match=r"Unknown roles \['bogus'\]"):
     eqv.symmetry_compatible(1.0, patterns={"bogus": "x"})
-  # Hybrid / left-spectral variants build and keep every update finite.
-  tx = eqv.symmetry_compatible(0.1, embedding="hybrid", lm_head="hybrid", mlp="hybrid",
-                               down="polar", router="left_spectral", head_dim=HD)
-  g = llama_grads(400)
-  out = jax.jit(lambda g: tx.update(g, tx.init(g), g)[0])(g)
-  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))
+  with pytest.raises(ValueError, match="down must be 'column' or 'polar', got 'rows'"):
+    eqv.symmetry_compatible(1.0, down="rows")
 
 
 @pytest.mark.parametrize("variants", [{}, dict(embedding="hybrid", lm_head="hybrid", mlp="hybrid",

@@ -105,6 +105,32 @@ def test_describe_lists_every_resolved_leaf():
   assert text.splitlines()[-1] == f"6 pair instances, {factors} factors in all."
 
 
+def test_describe_counts_one_instance_in_the_singular():
+  params = {"q": jnp.ones((2, 4)), "k": jnp.ones((2, 4))}
+  assert saggs.describe([saggs.Pair("q", "k")], params).splitlines()[-1] == (
+      "1 pair instance, 1 factor in all.")
+  assert saggs.describe([saggs.Pair("q", "k", axes=(1, 1))], params).splitlines()[-1] == (
+      "1 pair instance, 4 factors in all.")
+
+
+def test_valid_declarations_resolve():
+  """Every accepted form: followers on both sides, groups, numpy ints, list axes, low precision."""
+  rng = np.random.default_rng(8)
+  params = {"q": _arr(rng, 3, 8), "k": _arr(rng, 3, 8), "qb": _arr(rng, 8), "kb": _arr(rng, 8),
+            "v": jnp.ones((2, 5, 4), jnp.bfloat16), "o": jnp.ones((2, 4, 5), jnp.float16),
+            "step": jnp.zeros((), jnp.int32), "mask": jnp.ones((3,), bool)}  # not in any pair
+  pairs = [saggs.Pair("q", "k", axes=[1, -1], groups=np.int64(2), follow_a="qb", follow_b=("kb",)),
+           saggs.Pair("v", "o", axes=(1, 0), stacked=np.int32(1))]
+  plan = saggs.pairs.resolve(pairs, params)
+  assert [(i.a, i.b, i.followers_a, i.followers_b, i.factor_shape) for i in plan.instances] == [
+      ("q", "k", ("qb",), ("kb",), (2,)), ("v", "o", (), (), (2, 4))]
+  assert pairs[0].axes == (1, -1) and type(pairs[0].groups) is int
+  assert {path: [(s.sign, s.axis) for s in slots] for path, slots in plan.slots.items()} == {
+      "q": [(1, 1)], "qb": [(1, 0)], "k": [(-1, 1)], "kb": [(-1, 0)], "v": [(1, 2)],
+      "o": [(-1, 1)]}
+  _init(pairs, params)
+
+
 # --- bad declarations fail at init, naming the pattern or path -------------------
 
 def _init(pairs, params):
@@ -120,8 +146,22 @@ def _layers():
 def test_pattern_matching_nothing():
   with pytest.raises(ValueError, match=re.escape("'layers/*/wq'") + ".*matches no parameter"):
     _init([saggs.Pair("layers/*/wq", "layers/*/k")], _layers())
-  with pytest.raises(ValueError, match=re.escape("'nope'")):
+  with pytest.raises(ValueError, match=re.escape("'nope' matches no parameter path.")):
     _init([saggs.Pair("q", "k", follow_a="nope")], _layers())
+
+
+def test_misspelled_pattern_suggests_nearest_paths():
+  """Up to three suggestions, one per weight rather than one per layer."""
+  pairs = [saggs.Pair("atn/q_proj/kernel", "attn/k_proj/kernel", axes=(1, 1), groups=2)]
+  expect = ("pattern 'atn/q_proj/kernel' matches no parameter path; did you mean"
+            " 'layers/0/attn/q_proj/kernel', 'layers/0/attn/k_proj/kernel',"
+            " 'layers/0/attn/o_proj/kernel'?")
+  with pytest.raises(ValueError, match=re.escape(expect)):
+    _init(pairs, models.llama_init(0))
+  # Nothing close: no guess.
+  with pytest.raises(ValueError, match=re.escape("Pair('wq', 'wk'): pattern 'wq' matches no"
+                                                 " parameter path.") + "$"):
+    saggs.describe([saggs.Pair("wq", "wk")], {"embed": jnp.ones(2), "head": jnp.ones(2)})
 
 
 def test_unpaired_matches():
@@ -191,13 +231,107 @@ def test_duplicate_paths():
 @pytest.mark.parametrize("kwargs, msg", [
     (dict(a="layers/*/q", b="k"), "different number of wildcards"),
     (dict(a="q", b="k", axes=(1,)), "axes must be None or a pair of ints"),
+    (dict(a="q", b="k", axes=1), r"axes must be None or a pair of ints \(axis_a, axis_b\), got 1;"),
+    (dict(a="q", b="k", axes=(True, 1)), r"axes must be None or a pair of ints .*got \(True, 1\)"),
+    (dict(a="q", b="k", axes="11"), "axes must be None or a pair of ints .*got '11'"),
     (dict(a="q", b="k", axes=(1, 1), groups=0), "groups must be a positive int"),
-    (dict(a="q", b="k", stacked=-1), "stacked must be >= 0"),
-    (dict(a="q", b="k", follow_a="layers/*/b"), "different number of wildcards"),
+    (dict(a="q", b="k", axes=(1, 1), groups=True), "groups must be a positive int, got True"),
+    (dict(a="q", b="k", groups=2), "groups=2 needs a group axis"),
+    (dict(a="q", b="k", stacked=-1), "stacked must be an int >= 0"),
+    (dict(a="q", b="k", stacked=1.5), "stacked must be an int >= 0 .*got 1.5"),
+    (dict(a="q", b="k", stacked="1"), "stacked must be an int >= 0 .*got '1'"),
+    (dict(a="q", b="k", stacked=True), "stacked must be an int >= 0 .*got True"),
+    (dict(a="q", b="k", follow_a="layers/*/b"),
+     r"pattern 'layers/\*/b' has a different number of wildcards"),
+    (dict(a="q", b="k", follow_b=["kb", 3]), "patterns must be strings, got 3"),
 ])
 def test_malformed_pair(kwargs, msg):
-  with pytest.raises(ValueError, match=msg):
+  with pytest.raises(ValueError, match=re.escape("Pair('q', 'k'): ") + msg
+                     if kwargs["a"] == "q" else msg):
     saggs.Pair(**kwargs)
+
+
+# --- declarations that resolve but would be silently wrong ------------------------
+
+def _qkvo():
+  rng = np.random.default_rng(9)
+  return {name: _arr(rng, 4, 6) for name in ("q", "k", "v", "o")} | {"b": _arr(rng, 6)}
+
+
+@pytest.mark.parametrize("pairs, params, msg", [
+    # A preset, then one of its pairs again.
+    (saggs.presets.llama(C.num_kv_heads) + saggs.presets.llama(C.num_kv_heads)[:1],
+     models.llama_init(0),
+     "'attention Q/K' = Pair('q_proj/kernel', 'k_proj/kernel') and 'attention Q/K' ="
+     " Pair('q_proj/kernel', 'k_proj/kernel') both pair 'layers/0/attn/q_proj/kernel' with"
+     " 'layers/0/attn/k_proj/kernel'"),
+    # Two patterns reaching the same leaves, in either orientation.
+    ([saggs.Pair("layers/*/q", "layers/*/k"), saggs.Pair("q", "k")], _layers(),
+     "Pair('layers/*/q', 'layers/*/k') and Pair('q', 'k') both pair 'layers/0/q' with"
+     " 'layers/0/k'"),
+    ([saggs.Pair("q", "k", axes=(1, 1)), saggs.Pair("k", "q")], _qkvo(),
+     "Pair('q', 'k') and Pair('k', 'q') both pair 'k' with 'q'"),
+])
+def test_instance_declared_twice(pairs, params, msg):
+  with pytest.raises(ValueError, match=re.escape(msg) + ", so its factors would be applied twice"):
+    _init(pairs, params)
+
+
+_OVERLAP = "Overlapping symmetries (one leaf in two pair instances) are not supported yet"
+
+
+@pytest.mark.parametrize("pairs, msg", [
+    # Primary in two instances: q/k and q/v.
+    ([saggs.Pair("q", "k", axes=(1, 1)), saggs.Pair("q", "v", axes=(1, 1))],
+     "'q' is side a of Pair('q', 'k') (pairing 'q' with 'k') and side a of Pair('q', 'v')"),
+    # Three pairs sharing one leaf: the first repeat is reported.
+    ([saggs.Pair("q", "k"), saggs.Pair("v", "k"), saggs.Pair("o", "k")],
+     "'k' is side b of Pair('q', 'k') (pairing 'q' with 'k') and side b of Pair('v', 'k')"),
+    # A follower of one pair that is a primary of another, in both orders.
+    ([saggs.Pair("q", "k", axes=(1, 1), follow_a="v"), saggs.Pair("v", "o", axes=(1, 1))],
+     "'v' is a follower of side a (pattern 'v') of Pair('q', 'k') (pairing 'q' with 'k') and"
+     " side a of Pair('v', 'o')"),
+    ([saggs.Pair("v", "o", axes=(1, 1)), saggs.Pair("q", "k", axes=(1, 1), follow_b="o")],
+     "'o' is side b of Pair('v', 'o') (pairing 'v' with 'o') and a follower of side b"
+     " (pattern 'o') of Pair('q', 'k')"),
+    # A follower of two pairs.
+    ([saggs.Pair("q", "k", axes=(1, 1), follow_a="b"),
+      saggs.Pair("v", "o", axes=(1, 1), follow_b="b", name="V/O")],
+     "'b' is a follower of side a (pattern 'b') of Pair('q', 'k') (pairing 'q' with 'k') and a"
+     " follower of side b (pattern 'b') of 'V/O' = Pair('v', 'o')"),
+])
+def test_leaf_in_two_instances(pairs, msg):
+  with pytest.raises(ValueError, match=re.escape(msg) + ".*" + re.escape(_OVERLAP)):
+    _init(pairs, _qkvo())
+
+
+@pytest.mark.parametrize("pair, msg", [
+    (saggs.Pair("q", "k", follow_a="k"),
+     "'k' is both side b and a follower of side a (pattern 'k')"),
+    (saggs.Pair("q", "k", axes=(1, 1), follow_b="q"),
+     "'q' is both side a and a follower of side b (pattern 'q')"),
+    (saggs.Pair("q", "k", axes=(1, 1), follow_a="b", follow_b="b"),
+     "'b' is both a follower of side a (pattern 'b') and a follower of side b (pattern 'b')"),
+    (saggs.Pair("q", "q"), "'q' is both side a and side b"),
+])
+def test_leaf_on_both_sides_of_one_pair(pair, msg):
+  with pytest.raises(ValueError, match=re.escape(f"{pair.label}: {msg}") + ".*one side of a pair"):
+    _init([pair], _qkvo())
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, bool])
+@pytest.mark.parametrize("leaf, pair", [
+    ("k", saggs.Pair("q", "k", axes=(1, 1))),
+    ("b", saggs.Pair("q", "k", axes=(1, 1), follow_a="b")),
+])
+def test_non_float_leaf_in_a_pair(dtype, leaf, pair):
+  params = _qkvo()
+  plan = saggs.pairs.resolve([pair], params)  # floats resolve and are cached...
+  assert plan.instances[0].a == "q"
+  params[leaf] = params[leaf].astype(dtype)  # ...the same shapes with integers do not
+  msg = f"{pair.label}: pattern '{leaf}' matches '{leaf}' of dtype {jnp.dtype(dtype).name}; only"
+  with pytest.raises(ValueError, match=re.escape(msg) + ".*integer would be truncated"):
+    saggs.canonicalize(params, None, [pair])
 
 
 @pytest.mark.parametrize("kwargs", [dict(strength=0.0), dict(strength=1.5), dict(every=0),

@@ -142,3 +142,30 @@ def test_wildcard_captures_pair_layers():
   imb = saggs.imbalance(tree, [saggs.Pair("q", "k")])
   for i in range(3):
     np.testing.assert_allclose(imb[f"layers/{i}/q|layers/{i}/k"], np.log(i + 1), atol=1e-6)
+
+
+# --- nearest ---------------------------------------------------------------
+
+_LAYERS = [f"layers/{i}/attn/{m}_proj/kernel" for i in range(3) for m in "qkv"] + ["embed"]
+
+
+@pytest.mark.parametrize("pattern, candidates, n, expected", [
+    # Scored on the closest suffix, so a missing prefix costs nothing; one path per weight.
+    ("atn/q_proj/kernel", _LAYERS, 2,
+     ["layers/0/attn/q_proj/kernel", "layers/0/attn/k_proj/kernel"]),
+    ("attn/q_proj/kernl", _LAYERS, 3,
+     ["layers/0/attn/q_proj/kernel", "layers/0/attn/k_proj/kernel", "layers/0/attn/v_proj/kernel"]),
+    # A suffix that spans the layer index: still one suggestion per weight.
+    ("layers/*/atn/q_proj", _LAYERS, 2,
+     ["layers/0/attn/q_proj/kernel", "layers/0/attn/k_proj/kernel"]),
+    # The layer the pattern names wins among copies of one weight.
+    ("layers/2/atn/v_proj", _LAYERS, 1, ["layers/2/attn/v_proj/kernel"]),
+    # A deep path is not penalised for its length.
+    ("decoder/atn/wq", ["params/model/decoder/layers_11/attn/wq", "params/model/embed"], 3,
+     ["params/model/decoder/layers_11/attn/wq"]),
+    # Nothing with a ratio of at least 0.6.
+    ("mlp/up", _LAYERS, 3, []),
+    ("x", [], 3, []),
+])
+def test_nearest(pattern, candidates, n, expected):
+  assert paths.nearest(pattern, candidates, n) == expected

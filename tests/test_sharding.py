@@ -1,8 +1,14 @@
-"""SAGGS under jit with parameters sharded over 8 (virtual CPU) devices.
+"""SAGGS on 8 (virtual CPU) devices: same numbers as unsharded, shardings kept, and what it communicates.
 
 XLA_FLAGS must be set before JAX starts, and the rest of the suite runs in
-this process with one device, so the check runs in a subprocess that asserts
+this process with one device, so each check runs in a subprocess that asserts
 and exits non-zero on any mismatch.
+
+Layouts: FSDP along either axis, tensor-parallel (heads and channels split,
+with GQA groups that do and do not align with the shards) and a 2-D
+('data', 'model') mesh, each on Auto and Explicit meshes. Collectives are
+counted in the compiled HLO, separately in code that always runs and inside
+the ``lax.cond`` branch that balances.
 """
 
 import os
@@ -15,8 +21,8 @@ import pytest
 
 TESTS = pathlib.Path(__file__).resolve().parent
 
-SCRIPT = textwrap.dedent(r"""
-    import sys
+PRELUDE = textwrap.dedent(r"""
+    import re, sys
     sys.path[:0] = [TESTS, ROOT]
     import jax
     import jax.numpy as jnp
@@ -24,49 +30,9 @@ SCRIPT = textwrap.dedent(r"""
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    import models
     import saggs_jax as saggs
 
-    C = models.CONFIG
     assert jax.device_count() == 8, jax.devices()
-    mesh = jax.make_mesh((8,), ("model",), axis_types=(jax.sharding.AxisType.AXIS_TYPE,))
-
-    # Column-parallel q/k/v/gate/up (heads and hidden channels split over
-    # devices), row-parallel o/down, everything else replicated. The tree holds
-    # one per-layer block ("layers/0/...") and a scanned stack ("scanned/...",
-    # a leading layer axis), so one compiled step covers both layouts.
-    COL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-    ROW = ("o_proj", "down_proj")
-
-    def spec(path):
-      lead = (None,) if path.startswith("scanned/") else ()
-      if any(f"/{m}/" in path for m in COL):
-        return P(*lead, None, "model")
-      if any(f"/{m}/" in path for m in ROW):
-        return P(*lead, "model", None)
-      return P()
-
-    def shardings(tree):
-      return jax.tree_util.tree_map_with_path(
-          lambda kp, x: NamedSharding(mesh, spec(jax.tree_util.keystr(kp, simple=True, separator="/"))),
-          tree)
-
-    def imbalance_by_hand(layer, lead, rng):
-      # An exact reparameterisation done in NumPy: Q*c/K/c per KV head, V*c/O/c, up*c/down/c.
-      a, m = layer["attn"], layer["mlp"]
-      rep = lambda c, n: np.repeat(c, n, axis=-1)[..., None, :]
-      per_kv = C.num_heads * C.head_dim // C.num_kv_heads
-      c = np.exp(rng.uniform(-2, 2, lead + (C.num_kv_heads,)))
-      a["q_proj"]["kernel"] = a["q_proj"]["kernel"] * rep(c, per_kv)
-      a["k_proj"]["kernel"] = a["k_proj"]["kernel"] / rep(c, C.head_dim)
-      c = np.exp(rng.uniform(-2, 2, lead + (C.num_kv_heads,)))
-      a["v_proj"]["kernel"] = a["v_proj"]["kernel"] * rep(c, C.head_dim)
-      a["o_proj"]["kernel"] = a["o_proj"]["kernel"] / np.swapaxes(rep(c, per_kv), -1, -2)
-      c = np.exp(rng.uniform(-2, 2, lead + (C.mlp_hidden,)))
-      m["up_proj"]["kernel"] = m["up_proj"]["kernel"] * c[..., None, :]
-      m["down_proj"]["kernel"] = m["down_proj"]["kernel"] / c[..., :, None]
-      return layer
-
     failures = []
 
     def check(cond, msg):
@@ -74,95 +40,209 @@ SCRIPT = textwrap.dedent(r"""
         failures.append(msg)
         print("FAIL:", msg, file=sys.stderr)
 
-    rng = np.random.default_rng(1)
-    flat = jax.tree.map(np.asarray, models.llama_init(0))
-    stack = jax.tree.map(np.asarray, models.llama_init(1, models.STACKED))
-    params = {
-        "layers": {"0": imbalance_by_hand(flat["layers"]["0"], (), rng)},
-        "scanned": imbalance_by_hand(stack["layers"], (C.num_layers,), rng),
-        "final_norm": flat["final_norm"],
+    # Column-side (group axis last) and row-side (group axis first) kernels. attn has 3 KV
+    # groups of 16 columns: 6 columns per shard, so shards straddle groups; attn2 has 2 groups
+    # of 16 that shards divide. scan is a stack of 2 layers (leading axis).
+    rng = np.random.default_rng(0)
+
+    def mk(*shape, spread=2.0):
+      scale = np.exp(rng.uniform(-spread, spread, shape[-1]))  # push the pairs off balance
+      return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32)
+
+    PARAMS = {
+        "attn": {"q": mk(16, 48), "k": mk(16, 24), "v": mk(16, 24), "o": mk(48, 16),
+                 "q_bias": mk(48)},
+        "attn2": {"q": mk(16, 32), "k": mk(16, 16)},
+        "mlp": {"up": mk(16, 32), "down": mk(32, 16)},
+        "scan": {"up": mk(2, 16, 32), "down": mk(2, 32, 16)},
+        "norm": mk(16),
     }
-    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
-    pairs = (saggs.presets.llama(num_kv_heads=C.num_kv_heads, prefix="layers/**")
-             + saggs.presets.llama(num_kv_heads=C.num_kv_heads, stacked=1, prefix="scanned/**"))
-    grads = [models.random_like(params, seed) for seed in (2, 3)]
-    p_sh = shardings(params)
-    sharded = jax.device_put(params, p_sh)
-    n_split = sum(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
-                  for x in jax.tree.leaves(sharded))
-    check(n_split == 14, f"{n_split} leaves split over devices")
+    PAIRS = [
+        saggs.Pair("attn/q", "attn/k", axes=(1, 1), groups=3, follow_a="attn/q_bias"),
+        saggs.Pair("attn/v", "attn/o", axes=(1, 0), groups=3),
+        saggs.Pair("attn2/q", "attn2/k", axes=(1, 1), groups=2),
+        saggs.Pair("mlp/up", "mlp/down", axes=(1, 0)),
+        saggs.Pair("scan/up", "scan/down", axes=(1, 0), stacked=1),
+    ]
+    FACTOR_SIZES = (3, 2, 32, 2 * 32)  # per instance: attn Q/K and V/O, attn2, mlp, scan
+    NUM_FACTORS = sum(FACTOR_SIZES) + 3
+    COL, ROW = ("q", "k", "v", "up"), ("o", "down")
 
-    # Eager SAGGS balances after updates 1 and 2 (every=1) or 2 only (every=2, through the
-    # lax.cond); deferred balances at the start of update 2.
-    for every, deferred in ((1, False), (2, False), (1, True)):
-      tx = saggs.chain(optax.adam(1e-2), saggs.saggs(pairs, every=every, deferred=deferred))
+    def role(path):
+      name = path.split("/")[-1]
+      return "col" if name in COL else "row" if name in ROW else "bias" if name == "q_bias" else "other"
 
-      @jax.jit
+    def specs(tree, layout):
+      # layout: role -> PartitionSpec of one (unstacked) kernel or bias.
+      def spec(kp, x):
+        path = saggs.paths.path_str(kp)
+        for suffix in sorted(saggs.paths.leaves_with_paths(PARAMS), key=lambda s: -len(s[0])):
+          if path.endswith(suffix[0]) and np.shape(x) == np.shape(suffix[1]):
+            s = layout.get(role(suffix[0]), P())
+            return P(*(None,) * (np.ndim(x) - len(s)), *s)
+        return P()
+      return jax.tree_util.tree_map_with_path(spec, tree)
+
+    def grads(seed):
+      r = np.random.default_rng(seed)
+      return jax.tree.map(lambda x: jnp.asarray(r.standard_normal(x.shape), x.dtype), PARAMS)
+
+    def collectives(hlo):
+      # [(depth of lax.cond nesting, kind, elements)] for every collective in the compiled module.
+      comps, entry, cur = {}, None, None
+      for line in hlo.splitlines():
+        m = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if m:
+          cur = m.group(2)
+          comps[cur] = []
+          entry = cur if m.group(1) else entry
+        elif cur is not None and line.startswith("  "):
+          comps[cur].append(line)
+      found = []
+
+      def walk(name, depth):
+        for line in comps.get(name, ()):
+          m = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = (.*?) (all-reduce|all-gather|all-to-all|"
+                       r"collective-permute|reduce-scatter)(-start)?\(", line)
+          if m:
+            size = sum(int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                       for dims in re.findall(r"[a-z]+\d*\[([\d,]*)\]", m.group(1)))
+            found.append((depth, m.group(2), size))
+          branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+          for b in re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else ():
+            walk(b, depth + 1)
+          for called in re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", line):
+            walk(called, depth)
+      walk(entry, 0)
+      return found
+""")
+
+LAYOUT_SCRIPT = PRELUDE + textwrap.dedent(r"""
+    mesh1 = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.AXIS_TYPE,))
+    mesh2 = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.AXIS_TYPE,) * 2)
+    LAYOUTS = {
+        "fsdp0": (mesh1, {"col": P("x", None), "row": P("x", None), "bias": P("x")}),
+        "fsdp1": (mesh1, {"col": P(None, "x"), "row": P(None, "x"), "bias": P("x")}),
+        "tp": (mesh1, {"col": P(None, "x"), "row": P("x", None), "bias": P("x")}),
+        "2d": (mesh2, {"col": P("data", "model"), "row": P("model", "data"), "bias": P("model")}),
+    }
+    G = [grads(1), grads(2)]
+
+    for every in (1, 100):
+      tx = saggs.chain(optax.adam(1e-2), saggs.saggs(PAIRS, every=every))
+
       def train_step(params, state, grads):
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-      def run(params, grads):
-        state = tx.init(params)
-        for g in grads:
-          params, state = train_step(params, state, g)
-        return params, state
+      jitted = jax.jit(train_step)
+      ref, ref_state = PARAMS, tx.init(PARAMS)
+      refs = []
+      for g in G:
+        ref, ref_state = jitted(ref, ref_state, g)
+        refs.append((ref, ref_state))
+      # Update 1 balances in both schedules (factors != 1), update 2 only with every=1.
+      f1, f2 = (np.concatenate([np.ravel(np.log(f)) for f in s[1].factors.values()])
+                for _, s in refs)
+      check(np.max(np.abs(f1)) > 0.5 and (np.max(np.abs(f2)) > 1e-3) == (every == 1),
+            f"every={every}: factors {np.max(np.abs(f1))} {np.max(np.abs(f2))}")
 
-      ref_params, ref_state = run(params, grads)
-      with jax.set_mesh(mesh):
-        new_params, new_state = run(sharded, [jax.device_put(g, p_sh) for g in grads])
+      for name, (mesh, layout) in LAYOUTS.items():
+        what = f"AXIS_TYPE {name} every={every}"
+        sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(PARAMS, layout))
+        with jax.set_mesh(mesh):
+          params = jax.device_put(PARAMS, sh)
+          state = tx.init(params)
+          compiled = jax.jit(train_step).lower(params, state, params).compile()
+          for g, (want, want_state) in zip(G, refs):
+            params, state = compiled(params, state, jax.device_put(g, sh))
+            for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path((params, state)),
+                                  jax.tree.leaves((want, want_state))):
+              a, b = np.asarray(a), np.asarray(b)
+              check(np.allclose(a, b, rtol=1e-5, atol=1e-6 * np.max(np.abs(b))),
+                    f"{what} {jax.tree_util.keystr(kp)}: max diff {np.max(np.abs(a - b))}")
+        adam = state[0][0]
+        for tree_name, tree in (("params", params), ("mu", adam.mu), ("nu", adam.nu)):
+          for (kp, x), s in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(sh)):
+            check(x.sharding.is_equivalent_to(s, x.ndim),
+                  f"{what} {tree_name}{jax.tree_util.keystr(kp)}: {x.sharding.spec} != {s.spec}")
 
-      # Same numbers as unsharded.
-      for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(new_params),
-                             jax.tree.leaves(ref_params)):
-        check(np.allclose(a, b, rtol=2e-5, atol=2e-6),
-              f"every={every} deferred={deferred} params{jax.tree_util.keystr(kp)}: max diff"
-              f" {np.max(np.abs(np.asarray(a) - np.asarray(b)))}")
-      for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(new_state),
-                             jax.tree.leaves(ref_state)):
-        check(np.allclose(a, b, rtol=2e-5, atol=1e-7 * np.max(np.abs(b))),
-              f"every={every} deferred={deferred} state{jax.tree_util.keystr(kp)}: max diff"
-              f" {np.max(np.abs(np.asarray(a) - np.asarray(b)))} of {np.max(np.abs(b))}")
-      # Output shardings are the input shardings: params, and Adam's moments of each param.
-      adam = new_state[0][0]
-      for name, tree in (("params", new_params), ("mu", adam.mu), ("nu", adam.nu)):
-        for (kp, x), want in zip(jax.tree_util.tree_leaves_with_path(tree),
-                                 jax.tree.leaves(p_sh)):
-          check(x.sharding.is_equivalent_to(want, x.ndim),
-                f"every={every} deferred={deferred} {name}{jax.tree_util.keystr(kp)}: sharding"
-                f" {x.sharding.spec} != {want.spec}")
-      # Balanced after the step (eager); factors per group, (layers, groups) for the stack.
-      imb = saggs.imbalance(ref_params, pairs)
-      check(deferred or all(float(np.max(np.abs(v))) < 1e-4 for v in imb.values()),
-            f"imbalance {imb}")
-      check(not deferred or any(float(np.max(np.abs(np.log(f)))) > 0.1
-                                for f in new_state[1].factors.values()),
-            "deferred: the second update did not balance")
-      shapes = {k: v.shape for k, v in new_state[1].factors.items()}
-      L, G, F = C.num_layers, C.num_kv_heads, C.mlp_hidden
-      want = {"layers/0/attn/q_proj/kernel|layers/0/attn/k_proj/kernel": (G,),
-              "layers/0/attn/v_proj/kernel|layers/0/attn/o_proj/kernel": (G,),
-              "layers/0/mlp/up_proj/kernel|layers/0/mlp/down_proj/kernel": (F,),
-              "scanned/attn/q_proj/kernel|scanned/attn/k_proj/kernel": (L, G),
-              "scanned/attn/v_proj/kernel|scanned/attn/o_proj/kernel": (L, G),
-              "scanned/mlp/up_proj/kernel|scanned/mlp/down_proj/kernel": (L, F)}
-      check(shapes == want, f"factor shapes {shapes}")
+        found = collectives(compiled.as_text())
+        print(what, found)
+        # every=1: the balancing always runs, its scale-safe fallback inside a cond.
+        # every=100: nothing outside the balancing branch communicates.
+        fast_depth = 0 if every == 1 else 1
+        always = [c for c in found if c[0] < fast_depth]
+        fast = [c for c in found if c[0] == fast_depth]
+        fallback = [c for c in found if c[0] > fast_depth]
+        check(not always, f"{what}: collectives in code that always runs: {always}")
+        # Per-group partial sums are all-reduced; where a device owns whole groups (a sharded
+        # per-channel axis) their sums are all-gathered: never a per-index or parameter-sized
+        # array (every all-gather is the size of a factor array), nothing else.
+        check(all(k in ("all-reduce", "all-gather") for _, k, _ in fast + fallback),
+              f"{what}: a collective other than all-reduce/all-gather: {fast + fallback}")
+        check(all(n in FACTOR_SIZES for _, k, n in fast + fallback if k == "all-gather"),
+              f"{what}: an all-gather of more than per-group values: {fast + fallback}")
+        # At most one value per group and side (and the Q bias, a follower) per mesh axis.
+        axes = len(mesh.axis_names)
+        check(sum(n for *_, n in fast) <= (2 * NUM_FACTORS + 3) * axes,
+              f"{what}: balancing sends {fast}")
+        # The fallback: sums, non-finite counts and a scale per leaf and stacked copy.
+        check(sum(n for *_, n in fallback) <= (4 * NUM_FACTORS + 16) * axes,
+              f"{what}: fallback {fallback}")
 
     if failures:
       sys.exit(f"{len(failures)} sharding check(s) failed")
     print("sharding OK")
 """)
 
+SHARD_MAP_SCRIPT = PRELUDE + textwrap.dedent(r"""
+    # FSDP along each kernel's non-group axis: every device holds a slice of every group.
+    mesh = jax.make_mesh((8,), ("x",))
+    layout = {"col": P("x", None), "row": P(None, "x"), "bias": P()}
+    tx = saggs.chain(optax.adam(1e-2), saggs.saggs(PAIRS))
+    g = grads(1)
+    want, _ = tx.update(g, tx.init(PARAMS), PARAMS)
 
-@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
-def test_sharded_equals_unsharded_and_keeps_shardings(axis_type):
-  script = (SCRIPT.replace("TESTS", repr(str(TESTS))).replace("ROOT", repr(str(TESTS.parent)))
-            .replace("AXIS_TYPE", axis_type))
-  # The optimisation level only changes how hard LLVM works on the CPU code
-  # (compile time), not what is computed or how it is partitioned.
+    def sharded_update(tx):
+      state = tx.init(PARAMS)
+      p_specs, s_specs = specs(PARAMS, layout), specs(state, layout)
+      put = lambda tree, sp: jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), sp))
+      fn = jax.shard_map(lambda g, s, p: tx.update(g, s, p), mesh=mesh,
+                         in_specs=(p_specs, s_specs, p_specs), out_specs=(p_specs, s_specs))
+      return jax.jit(fn)(put(g, p_specs), put(state, s_specs), put(PARAMS, p_specs))[0]
+
+    got = sharded_update(saggs.chain(optax.adam(1e-2), saggs.saggs(PAIRS, axis_name="x")))
+    for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+      check(np.allclose(a, b, rtol=1e-5, atol=1e-6 * np.max(np.abs(b))),
+            f"shard_map {jax.tree_util.keystr(kp)}: max diff {np.max(np.abs(a - b))}")
+    try:
+      sharded_update(tx)
+      check(False, "shard_map without axis_name balanced per shard silently")
+    except ValueError as e:
+      check("shard_map" in str(e) and "axis_name" in str(e), f"unclear error: {e}")
+
+    if failures:
+      sys.exit(f"{len(failures)} shard_map check(s) failed")
+    print("shard_map OK")
+""")
+
+
+def run(script):
+  env_script = script.replace("TESTS", repr(str(TESTS))).replace("ROOT", repr(str(TESTS.parent)))
+  # The LLVM optimisation level changes compile time only, not what is computed or communicated.
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}
-  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                        timeout=300, check=False)
-  assert proc.returncode == 0, f"sharded check failed:\n{proc.stderr[-6000:]}\n{proc.stdout[-2000:]}"
-  assert "sharding OK" in proc.stdout
+  proc = subprocess.run([sys.executable, "-c", env_script], capture_output=True, text=True,
+                        timeout=600, env=env)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+  return proc.stdout
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_layouts_equal_unsharded_keep_shardings_and_communicate_per_group(axis_type):
+  assert "sharding OK" in run(LAYOUT_SCRIPT.replace("AXIS_TYPE", axis_type))
+
+
+def test_shard_map_needs_axis_name_and_then_balances_globally():
+  assert "shard_map OK" in run(SHARD_MAP_SCRIPT)

@@ -1,11 +1,12 @@
-"""Symmetry-compatible update rules (seed 001) and a layerwise stack that routes
-parameters to them by path.
+"""Symmetry-compatible update rules and a layerwise stack that routes
+parameters to them by path, after Lau and Su, "Symmetry-Compatible Principle
+for Optimizer Design: Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers"
+(2026).
 
 Each rule's update is equivariant under the symmetry group of its weight block:
 polar (Muon) for general matrices, row-norm / one-sided spectral / hybrid rules
 for blocks whose units can be permuted (embeddings, LM heads, SwiGLU neurons,
-MoE experts), centred variants where a shared shift changes nothing. See
-DESIGN.md section 3.
+MoE experts), centred variants where a shared shift changes nothing.
 
 Example:
   >>> import jax.numpy as jnp, optax

@@ -114,9 +114,20 @@ def newton_schulz(
   With :math:`X_0 = X / \max(h\,\|X\|_F, \epsilon)` (``eps_form="add"``:
   :math:`h\|X\|_F + \epsilon`; :math:`h` the coefficient set's headroom,
   1.01 unless the set says otherwise), each step applies the odd quintic
-  :math:`X \leftarrow aX + b(XX^\top)X + c(XX^\top)^2X`, which maps every singular
-  value :math:`\sigma` to :math:`a\sigma + b\sigma^3 + c\sigma^5` and leaves the
-  singular vectors alone. Rows and columns that are zero stay exactly zero.
+  :math:`X \leftarrow (aI + bG + cG^2)X`, :math:`G = XX^\top`, which maps every
+  singular value :math:`\sigma` to :math:`a\sigma + b\sigma^3 + c\sigma^5` and
+  leaves the singular vectors alone. Rows and columns that are zero stay
+  exactly zero.
+
+  Only the matmul operands are rounded to ``dtype``: the products accumulate,
+  and the small factor :math:`aI + bG + cG^2` and the iterate are held, in
+  ``x.dtype`` (at least float32). The expanded form :math:`aX + (bG + cG^2)X`
+  cancels terms near 20 in size down to about 2 in bfloat16: its error
+  exceeds the 1% margin of Polar Express's safety factor, pushes a singular
+  value past the interval the next polynomial was fitted on, where a quintic
+  grows like :math:`\sigma^5`, and the remaining steps compound it (one 2 x 2
+  input went 2.01, 2.07, 2.8, 41, then 4.6e7). Holding the iterate in float32
+  rather than rounding it every step halves the bfloat16 error again.
 
   Args:
     x: ``(..., m, n)`` matrices.
@@ -127,12 +138,11 @@ def newton_schulz(
       repeats). At equal
       steps Polar Express leaves every singular value closer to 1 than the
       quintic does: on a condition number ~1e3 input (16 x 32, bfloat16), 5
-      steps give about [0.67, 1.13] against the quintic's [0.36, 1.15], and 6
-      steps about [0.93, 1.01], a band the quintic never reaches (it settles in
+      steps give about [0.71, 1.12] against the quintic's [0.36, 1.16], and 6
+      steps about [0.95, 1.00], a band the quintic never reaches (it settles in
       about [0.68, 1.2]).
     steps: number of iterations (unrolled: each is three small matmuls).
-    dtype: dtype of the matmul operands; the products accumulate, and the
-      iterate and the normalisation stay, in ``x.dtype``.
+    dtype: dtype the matmul operands are rounded to (see above).
     eps: floor (or shift) of the normaliser, so a zero matrix maps to zero.
     eps_form: ``"floor"`` or ``"add"``, see above.
     gram: iterate on the small Gram matrix :math:`A = XX^\top` (of the wide
@@ -157,34 +167,36 @@ def newton_schulz(
     True
   """
   triples, headroom = _schedule(coeffs, steps)
-  # Iterate on the wide orientation: the Gram matrix X X^T is then the small one.
-  tall = x.shape[-2] > x.shape[-1]
-  y = x.mT if tall else x
-  norm = jnp.linalg.norm(y, axis=(-2, -1), keepdims=True)
-  y = y / _guard(headroom * norm, eps, eps_form)
+  y = x / _guard(headroom * jnp.linalg.norm(x, axis=(-2, -1), keepdims=True), eps, eps_form)
+  eye = jnp.eye(min(x.shape[-2:]), dtype=y.dtype)
 
-  # Matmul operands in `dtype`, products and the iterate in x's dtype: rounding
-  # the iterate to bfloat16 at every step would cost as much accuracy again.
   def dot(p, q):
-    return jnp.matmul(p.astype(dtype), q.astype(dtype), preferred_element_type=x.dtype)
+    return jnp.matmul(p.astype(dtype), q.astype(dtype), preferred_element_type=y.dtype)
+
+  # The small Gram matrix (X^T X of a tall X, X X^T otherwise), and
+  # polynomials in it applied on its side: X (aI + bG + cG^2) for a tall X.
+  tall = x.shape[-2] > x.shape[-1]
+  gram_of = lambda y: dot(y.mT, y) if tall else dot(y, y.mT)  # noqa: E731
+  apply = lambda p, y: dot(y, p) if tall else dot(p, y)  # noqa: E731
 
   # Unrolled rather than a scan: a handful of steps compiles quickly, and on GPU
   # a while loop costs a device-to-host sync of its predicate per iteration.
   if gram:
-    # The m x m products stay in x's dtype: rounding them lets A drift from
-    # Q A_0 Q, and the polynomials blow up what drifts past their interval.
-    eye = jnp.eye(y.shape[-2], dtype=y.dtype)
-    a_k, q = dot(y, y.mT), None
+    # The m x m products are not rounded to `dtype`: that would let A drift
+    # from Q A_0 Q, and the polynomials blow up what drifts past their interval.
+    a_k, q = gram_of(y), None
     for a, b, c in triples:
       p = a * eye + b * a_k + c * a_k @ a_k
       q = p if q is None else p @ q
       a_k = p @ a_k @ p
-    y = dot(q, y)
+    y = apply(q, y)
   else:
     for a, b, c in triples:
-      a_k = dot(y, y.mT)
-      y = a * y + dot(b * a_k + c * dot(a_k, a_k), y)
-  return y.mT if tall else y
+      g = gram_of(y)
+      y = apply(a * eye + b * g + c * dot(g, g), y)
+  # XLA's CPU backend folds a caller's transpose into the last dot's output
+  # layout, for which it has no bfloat16 x bfloat16 -> float32 kernel.
+  return jax.lax.optimization_barrier(y)
 
 
 def center(x: jax.Array) -> jax.Array:

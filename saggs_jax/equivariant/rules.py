@@ -2,8 +2,8 @@
 
 Each rule keeps a momentum ``M`` of the gradient and maps it, matrix by matrix,
 to an update that is equivariant under the symmetry group of the weight block
-(DESIGN.md section 3). A parameter is viewed as a stack of matrices
-``(batch..., rows, cols)``:
+(Lau and Su 2026, see :mod:`saggs_jax.equivariant`). A parameter is viewed as a
+stack of matrices ``(batch..., rows, cols)``:
 
 * unit rules (row-norm, spectral, hybrid): rows are the units the symmetry
   permutes (``unit_axis``), columns the remaining axis, which carries features;
@@ -463,7 +463,6 @@ def scale_by_right_spectral(
                         joint=joint, fused=fused, interleaved=interleaved, beta=beta, eps=eps,
                         relative_eps=relative_eps, alpha=alpha, inv_sqrt=inv_sqrt,
                         inv_sqrt_steps=inv_sqrt_steps, gram=gram, mu_dtype=mu_dtype)
-
 
 
 def scale_by_left_spectral(

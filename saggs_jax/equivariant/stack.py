@@ -1,4 +1,4 @@
-"""Routing parameters to update rules by path, and the seed's layerwise stack."""
+"""Routing parameters to update rules by path, and Lau and Su's layerwise stack."""
 
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ def symmetry_compatible(
     ns_dtype: Any = jnp.bfloat16,
     ns_gram: bool = False,
 ) -> optax.GradientTransformation:
-  """The symmetry-compatible layerwise stack for a decoder LM (seed 001).
+  """The symmetry-compatible layerwise stack for a decoder LM (Lau and Su 2026).
 
   ===========  ==========================================================
   role         update
