@@ -24,7 +24,7 @@ from saggs_jax import paths
 from saggs_jax.balance import (AxisName, Factors, compute_dtype, compute_factors, leaf_multiplier,
                                replicated, scale_tree)
 from saggs_jax.pairs import Pair, resolve
-from saggs_jax.transport import transport
+from saggs_jax.transport import register_transport, transport
 
 
 class SaggsState(NamedTuple):
@@ -39,6 +39,10 @@ class SaggsState(NamedTuple):
 
   count: jax.Array
   factors: Factors
+
+
+# An earlier symmetry stage's factors record what it applied; they are not moments.
+register_transport(SaggsState, {})
 
 
 class SymmetryTransformation(optax.GradientTransformationExtraArgs):
