@@ -192,8 +192,12 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
     return jax.tree.map(replicated, factors)  # else XLA may shard them, then gather each update
 
   def init(params):  # may run outside shard_map: no axis to sum over
-    return SaggsState(jnp.zeros([], jnp.int32),
-                      _ones_like_output(lambda p: factors_of(p, axis_name=None), params))
+    count = jnp.zeros([], jnp.int32)
+    if not jax.tree.leaves(params):
+      # optax.tree.map_params traces init on a leafless placeholder for the params to
+      # find the params-shaped parts of a state; the factors are not one of them.
+      return SaggsState(count, jnp.ones([], jnp.float32))
+    return SaggsState(count, _ones_like_output(lambda p: factors_of(p, axis_name=None), params))
 
   def start(state, params):
     if params is None:

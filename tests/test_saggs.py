@@ -594,6 +594,19 @@ def test_two_symmetry_stages_in_one_chain():
   assert [int(s.count) for s in state[1:]] == [1, 1]
 
 
+def test_optax_map_params_maps_the_moments_not_the_factors():
+  """optax.tree.map_params (used to build state shardings from param shardings) reaches
+  every params-shaped tree of a SAGGS chain's state, and leaves the factors to
+  transform_non_params."""
+  params = small_params(0)
+  tx = saggs.chain(optax.adam(1e-2), saggs.saggs(SMALL_PAIRS))
+  state = tx.init(params)
+  marked = optax.tree.map_params(tx, lambda _: "param", state, transform_non_params=lambda _: "other")
+  assert set(jax.tree.leaves(marked[0][0].mu)) == {"param"}
+  assert set(jax.tree.leaves(marked[0][0].nu)) == {"param"}
+  assert jax.tree.leaves(marked[1]) == ["other", "other"]  # count and factors
+
+
 # --- inside a plain optax.chain ------------------------------------------------------
 
 def test_plain_optax_chain_balances_warns_once_and_does_not_transport():
