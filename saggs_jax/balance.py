@@ -190,7 +190,12 @@ def norms_and_room(plan: Plan, params: Any, axis_name: AxisName = None) -> dict[
       checks.append(jnp.all(jnp.isfinite(log_norm) & (log_norm <= limit)
                             & (log_norm >= 0.5 * np.log(_SMALLEST_SAFE_SUM))))
   trusted = functools.reduce(jnp.logical_and, checks, jnp.bool_(True))
-  return jax.lax.cond(trusted, fast, safe, None)
+  return jax.lax.cond(trusted, _in_float32(fast), _in_float32(safe), None)
+
+
+def _in_float32(branch):
+  """Both cond branches in float32, the factors' dtype (float64 leaves give float64 norms)."""
+  return lambda operand: jax.tree.map(lambda v: v.astype(jnp.float32), branch(operand))
 
 
 def log_norms(plan: Plan, params: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
