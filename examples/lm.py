@@ -467,19 +467,28 @@ def _save(fig: Figure, path: str | pathlib.Path) -> None:
 
 def plot_curves(histories: Mapping[str, Mapping[str, np.ndarray]], path: str | pathlib.Path,
                 title: str = "", smooth: float = 0.9) -> None:
-  """Saves a PNG of training loss (EMA-smoothed, solid) and validation loss
-  (dashed, markers) for several runs ``{label: history}`` from ``train``."""
+  """Saves a PNG of several runs ``{label: history}`` from ``train``: left, training
+  loss (EMA-smoothed, solid) and validation loss (dashed, a marker per evaluation);
+  right, validation loss minus the first run's, where runs a few hundredths apart
+  are told apart."""
   # Figure without pyplot renders PNGs with Agg and touches no global backend state.
-  fig = Figure(figsize=(7, 4.5))
-  ax = fig.subplots()
+  fig = Figure(figsize=(12, 4.5))
+  ax, gap = fig.subplots(1, 2)
+  reference = next(iter(histories.values()))["eval_loss"]
   for i, (label, h) in enumerate(histories.items()):
     color = f"C{i}"
     ax.plot(h["step"], _ema(h["loss"], smooth), color=color, alpha=0.8, label=f"{label} train")
     ax.plot(h["eval_step"], h["eval_loss"], "o--", color=color, markersize=3,
             label=f"{label} val")
-  ax.set(xlabel="step", ylabel="loss (nats/byte)", title=title)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize="small")
+    gap.plot(h["eval_step"], h["eval_loss"] - reference, "o-", color=color, markersize=3,
+             label=label)
+  ax.set(xlabel="step", ylabel="loss (nats/byte)",
+         title=f"{title}\n(train: EMA-smoothed, decay {smooth}; val: markers at evaluations)")
+  gap.set(xlabel="step", ylabel=f"val loss - {next(iter(histories))} val loss (nats/byte)",
+          title="Validation loss relative to the first run")
+  for a in (ax, gap):
+    a.grid(alpha=0.3)
+    a.legend(fontsize="small")
   _save(fig, path)
 
 
@@ -495,7 +504,8 @@ def plot_metric_curves(curves: Mapping[str, tuple[np.ndarray, np.ndarray]],
   ax = fig.subplots()
   for i, (label, (steps, values)) in enumerate(curves.items()):
     values = np.asarray(values).reshape(len(steps), -1)
-    lines = ax.plot(steps, values, color=f"C{i}", linewidth=1.5 if values.shape[1] == 1 else 0.8)
+    lines = ax.plot(steps, values, ".-" if len(steps) <= 50 else "-", markersize=4,
+                    color=f"C{i}", linewidth=1.5 if values.shape[1] == 1 else 0.8)
     lines[0].set_label(label)
   ax.set(xlabel="step", ylabel=ylabel, title=title)
   if logy:

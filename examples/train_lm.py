@@ -90,13 +90,13 @@ def report(histories, pairs, out: pathlib.Path) -> None:
   """Prints the results table and saves the plots."""
   # "Q/K" from "attention Q/K": the table stays narrow.
   headers = ["run", "val loss @0", "val loss", "val ppl"]
-  headers += [f"|imb| {pair.name.split()[-1]}" for pair in pairs] + ["seconds"]
+  headers += [f"|imb| {pair.name.split()[-1]}" for pair in pairs]
   rows = []
   for label, h in histories.items():
     final_loss = float(h["eval_loss"][-1])
     imbalances = [float(np.abs(h[pair.name][-1]).mean()) for pair in pairs]
     rows.append([label, float(h["eval_loss"][0]), final_loss, float(np.exp(final_loss)),
-                 *imbalances, round(float(h["seconds"]))])
+                 *imbalances])
   print()
   lm.results_table(rows, headers)
   print("|imb|: mean over layers and groups of |log(||A_g|| / ||B_g||)| after the last step.")

@@ -72,18 +72,23 @@ def _group_reduce(v: jax.Array, slot: Slot, axis_name: AxisName, op: str = "sum"
   """Sums (or, for ``v >= 0``, maxes) ``v`` over each group of ``slot``: shape
   ``stacked_shape (+ (groups,))``, replicated.
 
-  It is one reduction over every axis but the stacked ones, whatever the
-  layout: on a mesh each device reduces its own entries per group and a single
-  all-reduce of one value per group combines them. Several indices per group
-  are masked by a one-hot broadcast inside that reduction (``groups``
-  multiply-adds per entry, fused, never materialised): summing the other
-  axes first would all-reduce one value per index when they are sharded, and
-  reshaping the group axis into (groups, size) would gather it when its
-  shards straddle groups.
+  On a mesh (``jax.set_mesh``) it is one reduction over every axis but the
+  stacked ones, whatever the layout: each device reduces its own entries per
+  group and a single all-reduce of one value per group combines them. Several
+  indices per group are then masked by a one-hot broadcast inside that
+  reduction (``groups`` multiply-adds per entry, fused, never materialised):
+  summing the other axes first would all-reduce one value per index when they
+  are sharded, and reshaping the group axis into (groups, size) would gather
+  it when its shards straddle groups. Without a mesh, per-index reductions
+  followed by a reshape of that small vector are cheapest.
   """
   reduce, collective = {"sum": (jnp.sum, jax.lax.psum), "max": (jnp.max, jax.lax.pmax)}[op]
   if slot.axis is None or slot.groups == v.shape[slot.axis]:
     s = reduce(v, axis=slot.reduce_axes(v.ndim))
+  elif jax.sharding.get_abstract_mesh().empty:  # one device: per-index, then a tiny one-hot step
+    s = reduce(v, axis=slot.reduce_axes(v.ndim))
+    s = s.reshape(s.shape[:-1] + (slot.groups, -1))
+    s = reduce(s, axis=-1)
   else:
     one_hot = jnp.asarray(slot.membership(v.shape[slot.axis]), v.dtype)  # (size, groups)
     mask = one_hot.reshape((1,) * slot.axis + one_hot.shape[:1] + (1,) * (v.ndim - slot.axis - 1)
@@ -185,7 +190,12 @@ def norms_and_room(plan: Plan, params: Any, axis_name: AxisName = None) -> dict[
       checks.append(jnp.all(jnp.isfinite(log_norm) & (log_norm <= limit)
                             & (log_norm >= 0.5 * np.log(_SMALLEST_SAFE_SUM))))
   trusted = functools.reduce(jnp.logical_and, checks, jnp.bool_(True))
-  return jax.lax.cond(trusted, fast, safe, None)
+  return jax.lax.cond(trusted, _in_float32(fast), _in_float32(safe), None)
+
+
+def _in_float32(branch):
+  """Both cond branches in float32, the factors' dtype (float64 leaves give float64 norms)."""
+  return lambda operand: jax.tree.map(lambda v: v.astype(jnp.float32), branch(operand))
 
 
 def log_norms(plan: Plan, params: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
@@ -241,7 +251,8 @@ def leaf_multiplier(slots: list[Slot], x: jax.Array, factors: Factors, power: fl
   return _like(m, x)
 
 
-def _scale_leaf(x, slots, factors, power):
+def scale_leaf(x, slots, factors, power):
+  """``x`` times the multiplier of ``slots`` (see :func:`scale_tree`), in at least float32."""
   dtype = compute_dtype(x.dtype)
   return (x.astype(dtype) * leaf_multiplier(slots, x, factors, power, dtype)).astype(x.dtype)
 
@@ -262,6 +273,6 @@ def scale_tree(plan: Plan, tree: Any, factors: Factors, power: float, is_leaf=No
     if slots is None or not hasattr(x, "shape") or tuple(x.shape) != plan.shapes[
         paths.path_str(key_path)]:
       return x
-    return _scale_leaf(x, slots, factors, power)
+    return scale_leaf(x, slots, factors, power)
 
   return jax.tree_util.tree_map_with_path(visit, tree, is_leaf=is_leaf)

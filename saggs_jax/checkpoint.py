@@ -40,6 +40,8 @@ Example::
 
 from __future__ import annotations
 
+import collections
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -155,12 +157,18 @@ def _positions(shape: tuple[int, ...]) -> jax.Array:
   return index
 
 
-@jax.jit
 def _checksum(x: jax.Array) -> jax.Array:
   words = _words(x)
   positions = _positions(words.shape)
   return jnp.stack([jnp.sum(_mix(words ^ _mix(positions + jnp.uint32(seed))), dtype=jnp.uint32)
                     for seed in _SEEDS])
+
+
+_checksum_all = jax.jit(lambda leaves: {path: _checksum(x) for path, x in leaves.items()})
+
+
+def _devices(leaf) -> frozenset | None:
+  return frozenset(leaf.sharding.device_set) if isinstance(leaf, jax.Array) else None
 
 
 def checksums(tree: Any) -> Checksums:
@@ -177,8 +185,15 @@ def checksums(tree: Any) -> Checksums:
     >>> sums({"x": x}) == sums({"x": x[::-1]}), sums({"x": x}) == sums({"x": x + 0})
     (False, True)
   """
-  hashes = {path: _checksum(leaf) for path, leaf in paths.leaves_with_paths(tree)}
-  return {path: [int(h) for h in np.asarray(v)] for path, v in jax.device_get(hashes).items()}
+  # One program per set of devices, each waited for: one small program per
+  # leaf, all in flight at once, deadlocked a 2-process job on CPU (gloo).
+  groups = collections.defaultdict(dict)
+  for path, leaf in paths.leaves_with_paths(tree):
+    groups[_devices(leaf)][path] = leaf
+  hashes = {}
+  for leaves in groups.values():
+    hashes.update(jax.device_get(_checksum_all(leaves)))
+  return {path: [int(h) for h in hashes[path]] for path, _ in paths.leaves_with_paths(tree)}
 
 
 def _verify(saved: Checksums, restored: Any, what: str) -> None:
@@ -284,5 +299,14 @@ def restore(manager: ocp.CheckpointManager, params: Any, opt_state: Any,
   state = _unstorable(target, state)
   params, opt_state = state["params"], state["opt_state"]
   if canonicalize:
-    params, opt_state = canonical.canonicalize(params, opt_state, pairs)
+    shardings, treedef = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, (params, opt_state)))
+    pairs = (pairs,) if isinstance(pairs, Pair) else tuple(pairs)
+    params, opt_state = _canonicalizer(pairs, treedef, tuple(shardings))(params, opt_state)
   return params, opt_state, step
+
+
+@functools.lru_cache(maxsize=16)
+def _canonicalizer(pairs: tuple[Pair, ...], treedef, shardings: tuple):
+  """``canonicalize`` as one compiled program whose outputs keep the target's shardings."""
+  return jax.jit(lambda p, s: canonical.canonicalize(p, s, pairs),
+                 out_shardings=jax.tree.unflatten(treedef, shardings))

@@ -24,7 +24,7 @@ from saggs_jax import paths
 from saggs_jax.balance import (AxisName, Factors, compute_dtype, compute_factors, leaf_multiplier,
                                replicated, scale_tree)
 from saggs_jax.pairs import Pair, resolve
-from saggs_jax.transport import transport
+from saggs_jax.transport import register_transport, transport
 
 
 class SaggsState(NamedTuple):
@@ -39,6 +39,10 @@ class SaggsState(NamedTuple):
 
   count: jax.Array
   factors: Factors
+
+
+# An earlier symmetry stage's factors record what it applied; they are not moments.
+register_transport(SaggsState, {})
 
 
 class SymmetryTransformation(optax.GradientTransformationExtraArgs):
@@ -188,8 +192,12 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
     return jax.tree.map(replicated, factors)  # else XLA may shard them, then gather each update
 
   def init(params):  # may run outside shard_map: no axis to sum over
-    return SaggsState(jnp.zeros([], jnp.int32),
-                      _ones_like_output(lambda p: factors_of(p, axis_name=None), params))
+    count = jnp.zeros([], jnp.int32)
+    if not jax.tree.leaves(params):
+      # optax.tree.map_params traces init on a leafless placeholder for the params to
+      # find the params-shaped parts of a state; the factors are not one of them.
+      return SaggsState(count, jnp.ones([], jnp.float32))
+    return SaggsState(count, _ones_like_output(lambda p: factors_of(p, axis_name=None), params))
 
   def start(state, params):
     if params is None:

@@ -39,7 +39,7 @@ import optax
 import optax.contrib
 
 from saggs_jax import paths
-from saggs_jax.balance import Factors, _scale_leaf
+from saggs_jax.balance import Factors, scale_leaf
 from saggs_jax.pairs import Plan
 
 NESTED = "nested"
@@ -111,8 +111,8 @@ def _scale(plan: Plan, path: str, x, factors: Factors, power: float, drop: int |
   caller checks): it is restored with length 1 for the multiplication.
   """
   if drop is None:
-    return _scale_leaf(x, plan.slots[path], factors, power)
-  return jnp.squeeze(_scale_leaf(jnp.expand_dims(x, drop), plan.slots[path], factors, power), drop)
+    return scale_leaf(x, plan.slots[path], factors, power)
+  return jnp.squeeze(scale_leaf(jnp.expand_dims(x, drop), plan.slots[path], factors, power), drop)
 
 
 def _is_raveled(plan: Plan, x) -> bool:

@@ -507,7 +507,7 @@ def test_checksum_sees_every_bit_flip_and_swap(dtype):
       flipped = unsigned.copy()
       flipped[i] ^= np.array(1 << b).astype(unsigned.dtype)
       variants.append(flipped.view(x.dtype))
-  sums = [saggs.checkpoint.checksums(jnp.asarray(v))[""] for v in [x] + variants]
+  sums = [saggs.checkpoint.checksums({"x": jnp.asarray(v)})["x"] for v in [x] + variants]
   assert len({tuple(s) for s in sums}) == len(sums)
 
 

@@ -228,18 +228,10 @@ def lookup(monkeypatch):
   return use
 
 
-# map_params fails on SAGGS chains: init is called with optax's leafless
-# placeholder, which no pair pattern matches (the fix belongs in transform.py).
-MAP_PARAMS_FAILS = pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="optax.tree.map_params calls SAGGS init on a placeholder with no leaves")
-
-
 def convergence_cases():
   for name, case in OPTIMIZERS.items():
     for target in case.targets:
-      marks = [MAP_PARAMS_FAILS] if target == "qk" else []
-      yield pytest.param(name, target, id=f"{name}-{target}", marks=marks)
+      yield pytest.param(name, target, id=f"{name}-{target}")
 
 
 @pytest.mark.parametrize("name, target", list(convergence_cases()))
@@ -298,7 +290,7 @@ def test_optimizers_accept_learning_rate_schedule(lookup, name):
 
 @pytest.mark.parametrize("name, target", [
     ("polar@mixed", "mixed"), ("stack@mixed", "mixed"),
-    pytest.param("saggs_adam@qk", "qk", marks=MAP_PARAMS_FAILS),
+    ("saggs_adam@qk", "qk"),
 ])
 def test_map_params_maps_the_moments_only(name, target):
   """What map_params is for (sharding specs of the state): f reaches every

@@ -578,6 +578,35 @@ def test_a_symmetry_stage_must_follow_its_optimizer():
     saggs.chain(optax.adam(1e-3), saggs.saggs(SMALL_PAIRS), optax.scale(0.5))
 
 
+def test_two_symmetry_stages_in_one_chain():
+  """The earlier stage's factors are not moments (one has the shape of the later pair's
+  follower); each stage balances its own pairs, the later one moving the earlier one's inputs."""
+  rng = np.random.default_rng(3)
+  mk = lambda *s: jnp.asarray(rng.standard_normal(s) * np.exp(rng.uniform(-2, 2, s[-1])), jnp.float32)
+  params = {"up": mk(3, 6), "down": mk(6, 3), "up2": mk(3, 6), "down2": mk(6, 3), "b2": mk(6)}
+  first = [saggs.Pair("up", "down", axes=(1, 0))]
+  second = [saggs.Pair("up2", "down2", axes=(1, 0), follow_a="b2")]
+  tx = saggs.chain(optax.adam(0.0), saggs.soft(first), saggs.saggs(second))
+  new, _, state = step(tx, params, tx.init(params), jax.tree.map(jnp.zeros_like, params))
+  np.testing.assert_allclose(imbalance(new, second)["up2|down2"], 0.0, atol=1e-5)
+  np.testing.assert_allclose(imbalance(new, first)["up|down"], imbalance(params, first)["up|down"] / 2,
+                             rtol=1e-5)
+  assert [int(s.count) for s in state[1:]] == [1, 1]
+
+
+def test_optax_map_params_maps_the_moments_not_the_factors():
+  """optax.tree.map_params (used to build state shardings from param shardings) reaches
+  every params-shaped tree of a SAGGS chain's state, and leaves the factors to
+  transform_non_params."""
+  params = small_params(0)
+  tx = saggs.chain(optax.adam(1e-2), saggs.saggs(SMALL_PAIRS))
+  state = tx.init(params)
+  marked = optax.tree.map_params(tx, lambda _: "param", state, transform_non_params=lambda _: "other")
+  assert set(jax.tree.leaves(marked[0][0].mu)) == {"param"}
+  assert set(jax.tree.leaves(marked[0][0].nu)) == {"param"}
+  assert jax.tree.leaves(marked[1]) == ["other", "other"]  # count and factors
+
+
 # --- inside a plain optax.chain ------------------------------------------------------
 
 def test_plain_optax_chain_balances_warns_once_and_does_not_transport():

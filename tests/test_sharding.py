@@ -187,8 +187,9 @@ LAYOUT_SCRIPT = PRELUDE + textwrap.dedent(r"""
         axes = len(mesh.axis_names)
         check(sum(n for *_, n in fast) <= (2 * NUM_FACTORS + 3) * axes,
               f"{what}: balancing sends {fast}")
-        # The fallback: sums, non-finite counts and a scale per leaf and stacked copy.
-        check(sum(n for *_, n in fallback) <= (4 * NUM_FACTORS + 16) * axes,
+        # The scale-safe fallback: per group and side a sum, a non-finite count and a
+        # maximum (followers' included), plus a scale per leaf and stacked copy.
+        check(sum(n for *_, n in fallback) <= (7 * NUM_FACTORS + 16) * axes,
               f"{what}: fallback {fallback}")
 
     if failures:

@@ -166,6 +166,7 @@ def _state_types(state):
 def test_every_registered_state_type_has_a_case():
   covered = set().union(*(_state_types(opt.init(PARAMS)) for opt, _ in CASES.values()))
   covered |= {optax.FactoredState, optax.LookaheadState}  # the tests below
+  covered |= {saggs.SaggsState}  # test_saggs: two symmetry stages in one chain
   missing = {t.__name__ for t in _RULES} - {t.__name__ for t in covered}
   assert not missing, f"registered transports without a test: {sorted(missing)}"
 

@@ -1,0 +1,153 @@
+"""One process of the multi-process training test (``tests/test_multiprocess.py``).
+
+Run as ``python multiprocess_worker.py ROLE PROCESS_ID NUM_PROCESSES PORT DIR``
+with ``JAX_PLATFORMS=cpu`` and ``--xla_force_host_platform_device_count`` in
+``XLA_FLAGS``, so that the job has 8 devices in all. Every process shards the
+tiny LLaMA of ``models.py`` FSDP-style (first axis) over all devices of all
+processes and trains it with ``saggs.chain(optax.adamw(...), saggs.saggs(pairs))``:
+
+* ``train``: trains ``BEFORE`` steps, then saves the state with
+  ``saggs.checkpoint`` to ``DIR/plain`` and a reciprocally rescaled equivalent
+  of it to ``DIR/rescaled``;
+* ``resume``: restores each checkpoint (canonicalized) into a fresh, different
+  state, trains ``AFTER`` more steps and writes the final params to
+  ``DIR/<variant>.npz``;
+* ``reference``: the same trajectory in one process, canonicalizing in memory
+  instead of checkpointing: ``DIR/reference.npz``.
+
+With NUM_PROCESSES > 1 the process first joins a ``jax.distributed`` job on
+``localhost:PORT`` with gloo CPU collectives. It exits with a traceback of
+every thread after ``WORKER_TIMEOUT`` seconds (JAX catches SIGTERM). Importing
+this module does nothing: pytest imports it to look for doctests.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import os
+import pathlib
+import sys
+import time
+
+BEFORE, AFTER = 5, 4
+LEARNING_RATE, WEIGHT_DECAY, EVERY = 3e-2, 0.1, 3
+
+
+def log(message: str, start=time.monotonic()):
+  print(f"[{time.monotonic() - start:6.1f}s] {message}", flush=True)
+
+
+def main(role: str, process_id: int, num_processes: int, port: int, directory: str):
+  import jax
+
+  if num_processes > 1:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}",
+                               num_processes=num_processes, process_id=process_id,
+                               initialization_timeout=60, heartbeat_timeout_seconds=30)
+  jax.config.update("jax_default_matmul_precision", "highest")
+  assert jax.device_count() == 8, jax.devices()
+  log(f"{role}: process {jax.process_index()} of {jax.process_count()}, "
+      f"{jax.local_device_count()} local devices")
+
+  import numpy as np
+  import optax
+  import orbax.checkpoint as ocp
+  from jax.experimental import multihost_utils
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import models
+  import saggs_jax as saggs
+
+  directory = pathlib.Path(directory)
+  pairs = models.llama_pairs()
+  tx = saggs.chain(optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY),
+                   saggs.saggs(pairs, every=EVERY))
+  batches = np.asarray(models.batches(0, BEFORE + AFTER))
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  # Tiny programs run a few times: spend little compile time on them.
+  jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+
+  def sharding(shape):
+    """FSDP: the first axis split over all devices where it divides evenly, else replicated."""
+    return NamedSharding(mesh, P("fsdp") if shape and shape[0] % mesh.size == 0 else P())
+
+  def global_array(x):
+    """A global array of the host value ``x``, which every process holds in full."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding(x.shape), lambda index: x[index])
+
+  def host(tree):
+    """The full values of a tree of global arrays, as NumPy, on every process."""
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+
+  def step(params, state, batch):
+    grads = jax.grad(models.llama_loss)(params, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  # Output shardings are explicit: tx.init's outputs do not depend on its
+  # inputs and would otherwise land on one device of one process.
+  params_shardings = jax.tree.map(lambda x: sharding(x.shape), models.llama_init(0))
+  state_shardings = jax.tree.map(lambda x: sharding(x.shape),
+                                 jax.eval_shape(tx.init, models.llama_init(0)))
+  init = jit(tx.init, out_shardings=state_shardings)
+  train_step = jit(step, out_shardings=(params_shardings, state_shardings))
+
+  def train(params, state, first, count):
+    for i in range(first, first + count):
+      params, state = train_step(params, state, global_array(batches[i]))
+    log(f"trained steps {first + 1}..{first + count}")
+    return params, state
+
+  def save_npz(name, params):
+    flat = {p: np.asarray(x) for p, x in saggs.paths.leaves_with_paths(host(params))}
+    if jax.process_index() == 0:
+      np.savez(directory / f"{name}.npz", **flat)
+
+  def rescale(path_a, shape):  # log-uniform factors in [1/8, 8], a pure function of the path
+    rng = np.random.default_rng([len(path_a), sum(map(ord, path_a))])
+    return np.exp(rng.uniform(-np.log(8), np.log(8), shape)).astype(np.float32)
+
+  if role == "train":
+    params = jax.tree.map(global_array, models.llama_init(0))
+    params, state = train(params, init(params), 0, BEFORE)
+    # The checksums of sharded arrays are those of their gathered values.
+    assert saggs.checkpoint.checksums((params, state)) == saggs.checkpoint.checksums(
+        host((params, state)))
+    moved = jit(lambda p, s: saggs.reparameterize(p, s, pairs, rescale))(params, state)
+    assert not np.allclose(*host((moved[0]["layers"]["0"]["mlp"]["up_proj"]["kernel"],
+                                  params["layers"]["0"]["mlp"]["up_proj"]["kernel"])))
+    for variant, state_to_save in (("plain", (params, state)), ("rescaled", moved)):
+      manager = ocp.CheckpointManager(directory / variant)
+      assert saggs.checkpoint.save(manager, BEFORE, *state_to_save)
+      manager.wait_until_finished()
+      manager.close()
+      log(f"saved {variant}")
+  elif role == "resume":
+    fresh = jax.tree.map(global_array, models.llama_init(1))  # another state, same layout
+    for variant in ("plain", "rescaled"):
+      manager = ocp.CheckpointManager(directory / variant)
+      params, state, step_number = saggs.checkpoint.restore(manager, fresh, init(fresh), pairs)
+      manager.close()
+      log(f"restored {variant}")
+      assert step_number == BEFORE, step_number
+      assert jax.tree.map(lambda x: x.sharding, params) == params_shardings
+      save_npz(variant, train(params, state, BEFORE, AFTER)[0])
+  elif role == "reference":
+    params = jax.tree.map(global_array, models.llama_init(0))
+    params, state = train(params, init(params), 0, BEFORE)
+    params, state = jit(lambda p, s: saggs.canonicalize(p, s, pairs))(params, state)
+    save_npz("reference", train(params, state, BEFORE, AFTER)[0])
+  else:
+    raise ValueError(f"Unknown role {role!r}: expected train, resume or reference.")
+  log("done")
+
+
+if __name__ == "__main__":
+  faulthandler.dump_traceback_later(float(os.environ.get("WORKER_TIMEOUT", 120)), exit=True)
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # models.py
+  sys.path.insert(1, str(pathlib.Path(__file__).resolve().parents[1]))  # saggs_jax
+  role, process_id, num_processes, port, directory = sys.argv[1:]
+  main(role, int(process_id), int(num_processes), int(port), directory)

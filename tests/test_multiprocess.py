@@ -1,0 +1,84 @@
+"""Multi-process training, the path of a TPU pod or multi-host GPU job, on local CPU processes.
+
+Two processes with 4 CPU devices each join one ``jax.distributed`` job (gloo
+collectives), shard a tiny LLaMA FSDP-style over all 8 devices, train it with
+``saggs.chain(optax.adamw(...), saggs.saggs(pairs))`` and save it with
+``saggs.checkpoint``, once as it is and once reciprocally rescaled. Two fresh
+processes restore both (canonicalized) and train on. The final parameters must
+match a single process running the same trajectory on 8 devices. What each
+process does is in ``multiprocess_worker.py``.
+"""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import models
+
+WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
+TIMEOUT = 300  # seconds for the whole test; a few dozen on an idle 2-core machine
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def start(role, num_processes, directory, started):
+  """Starts the processes of one job, appending ``(name, Popen)`` to ``started`` at once."""
+  port, job = free_port(), []
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "WORKER_TIMEOUT": str(TIMEOUT),
+         "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // num_processes}"}
+  for i in range(num_processes):
+    with open(directory / f"{role}{i}.log", "w") as log:
+      command = [sys.executable, str(WORKER), role, str(i), str(num_processes), str(port),
+                 str(directory)]
+      job.append((f"{role}{i}", subprocess.Popen(command, env=env, stdout=log,
+                                                 stderr=subprocess.STDOUT)))
+    started.append(job[-1])
+  return job
+
+
+def wait(job, deadline, directory):
+  for name, process in job:
+    try:
+      code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      code = None
+    if code != 0:
+      log = (directory / f"{name}.log").read_text().splitlines()
+      status = "timed out" if code is None else f"exited with {code}"
+      pytest.fail(f"{name} {status}; the end of its log:\n" + "\n".join(
+          line for line in log[-40:] if not line.startswith("[Gloo]")))
+
+
+def test_multiprocess_training_restores_and_matches_one_process(tmp_path):
+  deadline, started = time.monotonic() + TIMEOUT, []
+  try:
+    train = start("train", 2, tmp_path, started)
+    reference = start("reference", 1, tmp_path, started)
+    wait(train, deadline, tmp_path)
+    wait(start("resume", 2, tmp_path, started), deadline, tmp_path)
+    wait(reference, deadline, tmp_path)
+  finally:  # on any failure, no process outlives the test
+    for _, process in started:
+      if process.poll() is None:
+        process.kill()
+        process.wait()
+
+  want = np.load(tmp_path / "reference.npz")
+  initial = dict(models.leaf_dict(models.llama_init(0)))
+  assert max(np.max(np.abs(want[k] - initial[k])) for k in want) > 1e-2  # it trained
+  for variant in ("plain", "rescaled"):
+    got = np.load(tmp_path / f"{variant}.npz")
+    assert sorted(got) == sorted(want)
+    for k in want:
+      np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5 * np.max(np.abs(want[k])),
+                                 err_msg=f"{variant}: {k}")
