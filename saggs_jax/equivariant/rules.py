@@ -619,9 +619,18 @@ def scale_by_hybrid(
 
 # Lau & Su's reference code (timlautk/equivariant_optimizers): the keyword
 # arguments that make each rule compute what its class computes. Add the
-# layout (axes, heads, fused branches, centring, order) of the block, and for
-# its batched-expert hybrid ``nuclear_norm_axes`` = the expert axis; its
-# left-Gram hybrid (``left=True``) takes ``gram="left"``.
+# block's layout; for its torch (out, in) tensors:
+#   MuonHeadsPolarExpress: scale_by_polar(1, 0), per head num_heads=H with
+#     head_axis=0 (q/k/v) or 1 (o);
+#   BatchedExpertMuonPolarExpress (E, a, b): scale_by_polar(2, 1, 0), "col"
+#     scale_by_polar(1, 2, 0), gpt-oss pairs num_heads=2, head_axis=2,
+#     interleaved=True, OLMoE pairs num_heads=2, head_axis=1;
+#   RowNormM / HybridPolarGradM: unit_axis=0 ("row") or 1 ("col"),
+#     center=center_rows, and the hybrid's order, alpha, gram="left" when left;
+#   BatchedExpert{RowNormM,HybridPolarGradM}: batch_axes=0, unit_axis=1
+#     ("row", OLMoE pairs with fused=2) or 2 ("col", gpt-oss pairs with
+#     fused=2, interleaved=True); the hybrid with nuclear_norm_axes=0;
+#   Right/LeftPolarGradM: unit_axis=0, center=center_rows, alpha.
 REFERENCE: dict[str, dict] = {
     # MuonHeadsPolarExpress, BatchedExpertMuonPolarExpress.
     "scale_by_polar": dict(ema=False, ns_coeffs="polar_express_cushion", eps=1e-6, eps_form="add"),
