@@ -8,16 +8,21 @@ default, runs the affected cases (scenario ``zero``, float32 Newton-Schulz,
 three steps) and reports, over every step and tensor, the largest relative
 difference ``||u - u_ref|| / ||u_ref||``, the smallest cosine and the range of
 ``||u|| / ||u_ref||``. The first row takes every default at once; the last
-compares the library's bfloat16 Newton-Schulz with the reference as shipped.
+compares the library's bfloat16 Newton-Schulz with the reference as shipped,
+the one before it the library stack's joint gate/up unit with the
+reference's separate gate and up (dense SwiGLU, row-norm).
 
-  python bench/reference_differences.py          # ~2 min on 2 CPU cores
+  python bench/reference_differences.py               # ~10 min on 2 CPU cores
+  python bench/reference_differences.py --only hybrid # rows whose label has "hybrid"
 """
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -79,13 +84,40 @@ def measure(selected, mode="fp32", **kw):
   return rel[worst], worst, min(cos), min(ratio), max(ratio)
 
 
+def joint_gate_up():
+  """Dense SwiGLU gate and up, row-norm with one unit per neuron holding both
+  (the library stack's default) against the reference's separate rows."""
+  case, names = "swiglu_dense_rownorm", ("gate", "up")
+  tx = eqv.scale_by_row_norm(0, joint=names, **eqv.REFERENCE["scale_by_row_norm"])
+  step = jax.jit(tx.update)
+  grads = {n: golden.DATA[f"{case}/{n}/grads"] for n in names}
+  params = {n: np.concatenate([np.zeros_like(grads[n][:1]), golden.DATA[f"{case}/zero/fp32/{n}/params"]])
+            for n in names}
+  state, rel, cos, ratio = tx.init({n: grads[n][0] for n in names}), [], [], []
+  for k in range(3):  # scenario zero: lr 1, no weight decay, so u_k = p_{k-1} - p_k
+    u, state = step({n: grads[n][k] for n in names}, state)
+    for n in names:
+      ours, theirs = np.asarray(u[n], np.float64), params[n][k] - params[n][k + 1].astype(np.float64)
+      rel.append(np.linalg.norm(ours - theirs) / np.linalg.norm(theirs))
+      cos.append(np.sum(ours * theirs) / (np.linalg.norm(ours) * np.linalg.norm(theirs)))
+      ratio.append(np.linalg.norm(ours) / np.linalg.norm(theirs))
+  return max(rel), case, min(cos), min(ratio), max(ratio)
+
+
 def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--only", default="", help="run the rows whose label contains this")
+  only = parser.parse_args().only
   print("| difference (library default vs reference) | cases | max rel. diff (case) | min cosine | norm ratio |")
   print("|---|---|---|---|---|")
   rows = ROWS + [("Muon in bfloat16 as shipped: bf16 matmuls with float32 iterate vs torch bf16 throughout",
                   cases("muon_"), dict(mode="default", ns_dtype=jnp.bfloat16))]
+  rows.insert(-1, ("stack: dense SwiGLU gate and up as one unit per neuron (joint row-norm), not separately",
+                   ["swiglu_dense_rownorm"], None))
   for label, selected, kw in rows:
-    rel, worst, cos, lo, hi = measure(selected, **kw)
+    if only not in label:
+      continue
+    rel, worst, cos, lo, hi = joint_gate_up() if kw is None else measure(selected, **kw)
     print(f"| {label} | {len(selected)} | {rel:.1e} ({worst}) | {cos:.4f} | {lo:.3f}-{hi:.3f} |", flush=True)
 
 
