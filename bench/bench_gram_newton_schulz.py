@@ -2,7 +2,7 @@
 
 For an ``m x n`` block (``m <= n``) the plain iteration costs about
 ``5 (2 m^2 n + m^3)`` flops, the Gram one about ``2 m^2 n + 5 * 4 m^3`` (see
-``newton_schulz(gram=True)``): it should win once ``n`` exceeds about ``2m``.
+``newton_schulz(gram=True)``): it should win once ``n`` is a few times ``m``.
 Each shape is a stack of 4 blocks (heads, experts) updated by
 ``scale_by_polar`` (5 Polar-Express steps); the two variants run in
 alternating rounds (``bench/common.py``) and the table gives the median time

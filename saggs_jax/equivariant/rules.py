@@ -302,7 +302,7 @@ def scale_by_polar(
     eps: floor of the Frobenius normaliser.
     eps_form: ``"floor"`` (``max(h ||X||, eps)``) or ``"add"`` (``h ||X|| + eps``).
     ns_gram: iterate on the Gram matrix of each block (faster for blocks
-      more than about twice as long as wide; see :func:`newton_schulz`).
+      several times as long as wide; see :func:`newton_schulz`).
     mu_dtype: momentum dtype (default: the parameter's).
 
   Example:
