@@ -1,4 +1,4 @@
-r"""Resuming from equivalent checkpoints: AdamW versus SAGGS (seed 000's experiment, small).
+r"""Resuming from equivalent checkpoints: AdamW versus SAGGS (Kim 2026's restart experiment, small).
 
 Scaling one side of every exact symmetry pair (Q/K and V/O per KV head,
 SwiGLU up/down per channel) by ``c`` and the other by ``1/c``, with AdamW's

@@ -1,7 +1,7 @@
 r"""AdamW, Muon and the symmetry-compatible stack on the same small byte-level LM.
 
-Lau and Su ("Symmetry-Compatible Principle for Optimizer Design", 2026) give
-every weight block an update that is
+Lau & Su, "Symmetry-Compatible Principle for Optimizer Design: Embeddings,
+LM Heads, SwiGLU MLPs, and MoE Routers" (2026), give every weight block an update that is
 equivariant under that block's symmetry group and reports final
 validation-loss gains over AdamW of about 0.01-0.06 nats on 0.6B-3.5B
 parameter models. This script runs the comparison at toy scale: the LLaMA-style

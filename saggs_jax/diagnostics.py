@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from saggs_jax.balance import log_norms, scale_tree
-from saggs_jax.pairs import Pair, resolve
+from saggs_jax.pairs import Instance, Pair, Plan, resolve
 
 
 def imbalance(params: Any, pairs: Sequence[Pair]) -> dict[str, jax.Array]:
@@ -38,8 +39,29 @@ def check_symmetry(apply_fn: Callable[..., Any], params: Any, pairs: Sequence[Pa
   Each pair instance in turn gets random factors in ``[low, high]`` (the
   others left alone); the outputs ``apply_fn(params, *inputs)`` before and
   after must agree within ``atol + rtol * max|output|``, with matmuls at full
-  precision on every backend. A Q/K pair in a model
-  with QK-norm, or an up/down pair in a GELU MLP, fails here.
+  precision on every backend.
+
+  When an instance fails, further rescalings measure why, and the error
+  reports them with the cause they point to:
+
+  * whether the deviation grows with c (factors within 5% of 1 against the
+    full range); if not, it is rounding noise and ``rtol`` is too tight;
+  * whether scaling A alone, or B alone, by one common factor changes the
+    output. A side that is scale-invariant on its own is followed by a
+    normalization: a norm between A and B breaks the pair, and when both
+    are (QK-norm) the pair is exact with one factor per tensor only;
+  * which groups deviate when rescaled one at a time;
+  * whether another group axis, a coarser grouping (``groups=``), one more
+    follower (a bias of A or B) or one follower less would be exact;
+  * failing all of these, a function between A and B that is not positively
+    homogeneous (GELU, a gate's SiLU) remains.
+
+  QK-norm: a model that normalizes each query and key head (Flax's
+  ``normalize_qk=True``) makes Q and K each scale-invariant. The per-head
+  Q/K pair is then still an exact symmetry and passes this check, but
+  balancing it is moot: neither side's norm reaches the output. A norm over
+  all heads at once mixes the groups, so per-head factors fail and only one
+  factor per tensor is exact (equally moot).
 
   Args:
     apply_fn: ``apply_fn(params, *inputs)`` returning an array or a pytree.
@@ -57,43 +79,195 @@ def check_symmetry(apply_fn: Callable[..., Any], params: Any, pairs: Sequence[Pa
 
   Raises:
     ValueError: naming the first pair instance whose transform changes the
-      output beyond tolerance.
+      output beyond tolerance, what was measured and the likely cause.
 
   Example::
 
-    >>> import jax.numpy as jnp, saggs_jax as saggs
+    >>> import jax, jax.numpy as jnp, saggs_jax as saggs
     >>> def f(p, x): return (x @ p["up"]) @ p["down"]  # linear: any rescaling is exact
     >>> params = {"up": jnp.ones((3, 5)), "down": jnp.ones((5, 2))}
     >>> _ = saggs.check_symmetry(f, params, [saggs.Pair("up", "down", axes=(1, 0))], jnp.ones((1, 3)))
+    >>> def g(p, x): return jax.nn.gelu(x @ p["up"]) @ p["down"]
+    >>> saggs.check_symmetry(g, params, [saggs.Pair("up", "down", axes=(1, 0))], jnp.ones((1, 3)))
+    Traceback (most recent call last):
+    ...
+    ValueError: Pair('up', 'down') is not a symmetry of the model: ... Likely cause: ... not positively homogeneous sits between 'up' and 'down' ...
   """
   plan = resolve(pairs, params)
-  jitted = jax.jit(apply_fn)
-
-  def fn(*args):
-    # Full float32 matmuls: TF32 (GPU) or bf16 passes (TPU) would show up as
-    # deviations of a symmetry that is exact.
-    with jax.default_matmul_precision("highest"):
-      return jitted(*args)
-
-  reference = jax.tree.leaves(fn(params, *inputs))
-  ref_dtype = jnp.result_type(*reference)
-  if rtol is None:
-    rtol = 3e-2 if jnp.finfo(ref_dtype).bits <= 16 else 1e-4
-  scale = max(float(jnp.max(jnp.abs(r.astype(jnp.float32)))) for r in reference)
   key = jax.random.PRNGKey(0) if key is None else key
+  probe = _Probe(apply_fn, params, inputs, rtol, atol)
   deviations = {}
   for inst in plan.instances:
     key, sub = jax.random.split(key)
-    factors = {i.key: jnp.ones(i.factor_shape, jnp.float32) for i in plan.instances}
-    factors[inst.key] = jax.random.uniform(sub, inst.factor_shape, jnp.float32, low, high)
-    out = jax.tree.leaves(fn(scale_tree(plan, params, factors, 1.0), *inputs))
-    err = max(float(jnp.max(jnp.abs(o.astype(jnp.float32) - r.astype(jnp.float32))))
-              for o, r in zip(out, reference))
-    deviations[inst.key] = err / max(scale, np.finfo(np.float32).tiny)
-    if not err <= atol + rtol * scale:
+    factors = jax.random.uniform(sub, inst.factor_shape, jnp.float32, low, high)
+    deviations[inst.key] = probe(_only(plan, inst), factors)
+    if not deviations[inst.key] <= probe.tolerance:  # NaN fails too
+      measured, cause = _diagnose(probe, plan, inst, sub, max(high, 1 / low))
       raise ValueError(
           f"{inst.pair.label} is not a symmetry of the model: rescaling {inst.a!r} by c and"
-          f" {inst.b!r} by 1/c (c in [{low}, {high}]) changed the output by {err:.3g}"
-          f" (relative {deviations[inst.key]:.3g}, tolerance {rtol:g}). Check for QK-norm,"
-          " a non-homogeneous activation (GELU, SiLU) or a bias declared on the wrong side.")
+          f" {inst.b!r} by 1/c (c in [{low}, {high}]) changed the output by"
+          f" {deviations[inst.key]:.3g} relative to its largest entry (tolerance"
+          f" {probe.tolerance:.3g}). Measured: {'; '.join(measured)}. Likely cause: {cause}")
   return deviations
+
+
+class _Probe:
+  """``probe(plan, factors)``: the relative output change when ``plan`` is scaled by ``factors``.
+
+  ``plan`` holds one instance; ``factors`` are its factors (broadcast to its
+  factor shape).
+  """
+
+  def __init__(self, apply_fn, params, inputs, rtol, atol):
+    jitted = jax.jit(apply_fn)
+
+    def fn(p):
+      # Full float32 matmuls: TF32 (GPU) or bf16 passes (TPU) would show up as
+      # deviations of a symmetry that is exact.
+      with jax.default_matmul_precision("highest"):
+        return jax.tree.leaves(jitted(p, *inputs))
+
+    self.fn, self.params, raw = fn, params, fn(params)
+    self.reference = [r.astype(jnp.float32) for r in raw]
+    if rtol is None:
+      rtol = 3e-2 if jnp.finfo(jnp.result_type(*raw)).bits <= 16 else 1e-4
+    self.scale = max(max(float(jnp.max(jnp.abs(r))) for r in self.reference),
+                     np.finfo(np.float32).tiny)
+    self.tolerance = atol / self.scale + rtol
+
+  def __call__(self, plan: Plan, factors) -> float:
+    (inst,) = plan.instances
+    factors = {inst.key: jnp.broadcast_to(jnp.asarray(factors, jnp.float32), inst.factor_shape)}
+    out = self.fn(scale_tree(plan, self.params, factors, 1.0))
+    return max(float(jnp.max(jnp.abs(o.astype(jnp.float32) - r)))
+               for o, r in zip(out, self.reference)) / self.scale
+
+  def exact(self, plan: Plan, factors) -> bool:
+    return self(plan, factors) <= self.tolerance
+
+
+def _only(plan: Plan, inst: Instance, sign: int | None = None) -> Plan:
+  """``plan`` reduced to ``inst``, and to one side of it (+1: A, -1: B) if ``sign``."""
+  slots = {path: tuple(s for s in found if s.key == inst.key and sign in (None, s.sign))
+           for path, found in plan.slots.items()}
+  return Plan((inst,), {p: s for p, s in slots.items() if s}, plan.shapes)
+
+
+def _variant(plan: Plan, inst: Instance, params: Any, **changes) -> Plan | None:
+  """``inst`` declared otherwise (other axes, groups or followers), or None if that does not resolve."""
+  pair = inst.pair
+  fields = {"axes": pair.axes, "groups": pair.groups, "follow_a": inst.followers_a,
+            "follow_b": inst.followers_b, **changes}
+  try:
+    other = resolve([Pair(inst.a, inst.b, stacked=pair.stacked, **fields)], params)
+  except ValueError:
+    return None
+  match = [i for i in other.instances if (i.a, i.b) == (inst.a, inst.b)]
+  return _only(other, match[0]) if match else None
+
+
+def _declared_axes(plan: Plan, inst: Instance) -> tuple[int, int] | None:
+  axes = [plan.slot(p, inst.key).axis for p in (inst.a, inst.b)]
+  return None if axes[0] is None else tuple(a - inst.pair.stacked for a in axes)
+
+
+def _diagnose(probe: _Probe, plan: Plan, inst: Instance, key, c_max: float
+              ) -> tuple[list[str], str]:
+  """What further rescalings of ``inst`` show, and the cause they point to."""
+  a, b, label = inst.a, inst.b, inst.pair.label
+  measured = []
+
+  # 1. Growth with c: an effect of the factors grows with |log c|, rounding noise does not.
+  u = jax.random.uniform(key, inst.factor_shape, jnp.float32, -1.0, 1.0)
+  near, far = (probe(_only(plan, inst), jnp.exp(t * u)) for t in (np.log(1.05), np.log(c_max)))
+  measured.append(f"{near:.2g} with c within 5% of 1 and {far:.2g} with c up to {c_max:g}")
+  if far < 3 * near:
+    return measured, ("the deviation hardly depends on c, so it is rounding noise of the model's"
+                      " arithmetic rather than a broken symmetry: pass a larger rtol.")
+
+  # 2. Sides: scaling one side alone by a common factor is invisible after a normalization.
+  alone = {side: probe(_only(plan, inst, sign), 2.0 ** sign) for side, sign in ((a, 1), (b, -1))}
+  invariant = [side for side, d in alone.items() if d <= probe.tolerance]
+  uniform = probe(_only(plan, inst), 2.0)
+  measured.append(f"{a!r} alone x2: {alone[a]:.2g}, {b!r} alone /2: {alone[b]:.2g},"
+                  f" both with one common factor: {uniform:.2g}")
+  if len(invariant) == 2:
+    return measured, (
+        f"{a!r} and {b!r} are each scale-invariant: a normalization follows each (QK-norm, say),"
+        f" and it mixes the groups, so per-group factors change its output"
+        f"{'' if uniform <= probe.tolerance else ' (and even one common factor does)'}. With"
+        " one factor per tensor the pair is a symmetry, but balancing it is moot since neither"
+        " norm reaches the output: drop the pair.")
+  if invariant:
+    other = b if invariant[0] == a else a
+    return measured, (
+        f"{invariant[0]!r} is scale-invariant on its own: a normalization follows it (a norm"
+        f" between {a!r} and {b!r}), so nothing compensates the factor on {other!r}. This pair"
+        " is no symmetry: drop it.")
+
+  # 3. Groups, one at a time.
+  shape = inst.factor_shape
+  if shape and shape[-1] > 1:
+    probed = sorted(set(np.linspace(0, shape[-1] - 1, min(shape[-1], 8)).round().astype(int)))
+    bad = [int(g) for g in probed
+           if not probe.exact(_only(plan, inst), jnp.ones(shape[-1]).at[g].set(2.0))]
+    which = "none" if not bad else "all" if len(bad) == len(probed) else str(bad)
+    measured.append(f"groups deviating when rescaled alone: {which} of {len(probed)} probed"
+                    f" ({shape[-1]} in all)")
+
+  # 4. Other declarations of the same two tensors.
+  fix = _exact_variant(probe, plan, inst)
+  if fix:
+    return measured, fix
+  return measured, (
+      f"the deviation grows with c and no other group axis, grouping or follower is exact, so"
+      f" a function that is not positively homogeneous sits between {a!r} and {b!r} (an"
+      f" activation such as GELU, or a gate's SiLU, applied to the output of {a!r}): {label} is"
+      " no symmetry: drop it.")
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(n - 1, 0, -1) if n % d == 0]
+
+
+def _exact_variant(probe: _Probe, plan: Plan, inst: Instance) -> str | None:
+  """A hint naming another declaration of ``inst`` that the probe finds exact, if any."""
+  a, b, pair = inst.a, inst.b, inst.pair
+  params = probe.params
+
+  def exact(variant):
+    if variant is None:
+      return False
+    (v,) = variant.instances
+    factors = jnp.linspace(0.5, 2.0, int(np.prod(v.factor_shape))).reshape(v.factor_shape)
+    return probe.exact(variant, factors)
+
+  declared = _declared_axes(plan, inst)
+  ndim = [len(plan.shapes[p]) - pair.stacked for p in (a, b)]
+  for axes in itertools.product(range(ndim[0]), range(ndim[1])):
+    if axes != declared and exact(_variant(plan, inst, params, axes=axes)):
+      return (f"the group axes: with axes={axes} (declared: {declared}) the pair is exact;"
+              " the axes name the dimension that indexes the groups on each side.")
+  if declared is not None:
+    for groups in _divisors(inst.factor_shape[-1])[:8]:
+      if exact(_variant(plan, inst, params, groups=groups)):
+        if groups == 1:
+          return ("the grouping: only one factor for the whole tensor (axes=None) is exact, so"
+                  " the groups are not independent.")
+        return (f"the grouping: with groups={groups} (declared: {inst.factor_shape[-1]} groups)"
+                " the pair is exact; under GQA, groups is the number of KV heads.")
+  declared_paths = set(plan.slots)
+  for side, kernel, field, followers in (("a", a, "follow_a", inst.followers_a),
+                                         ("b", b, "follow_b", inst.followers_b)):
+    parent = kernel.rpartition("/")[0]
+    for path in plan.shapes:
+      if path not in declared_paths and path.rpartition("/")[0] == parent and exact(
+          _variant(plan, inst, params, **{field: followers + (path,)})):
+        return (f"a follower left out: with {path!r} in {field} the pair is exact (a bias moves"
+                f" with the kernel on side {side}).")
+    for path in followers:
+      rest = tuple(f for f in followers if f != path)
+      if exact(_variant(plan, inst, params, **{field: rest})):
+        return (f"a follower too many: without {path!r} in {field} the pair is exact, so it"
+                " must not move.")
+  return None

@@ -21,7 +21,9 @@ def flax_mha(*, bias: bool = True, stacked: int = 0, prefix: str | None = None) 
   Both store ``query``/``key``/``value`` kernels as (features, heads, head_dim)
   with biases (heads, head_dim), and ``out`` as (heads, head_dim, features).
   Query and value biases move with their kernels; the output bias does not
-  move. Not exact with ``normalize_qk=True`` (QK-norm): drop the Q/K pair then.
+  move. With ``normalize_qk=True`` (a norm per head) Q and K are each
+  scale-invariant: the Q/K pair is still exact, but balancing it is moot; drop it
+  to save the work.
 
   Example::
 
@@ -52,8 +54,9 @@ def llama(num_kv_heads: int, *, mlp: bool = True, bias: bool = False, stacked: i
   Kernels are Flax Dense (in, out): q (d, H*hd), k and v (d, KVH*hd),
   o (H*hd, d), up (d, F), down (F, d). Query head h reads KV head
   ``h // (H // KVH)``, so each KV head's query heads form one contiguous block
-  and one factor serves Q/K and V/O of the whole block. Exact with RoPE; not
-  with QK-norm.
+  and one factor serves Q/K and V/O of the whole block. Exact with RoPE; with a
+  per-head QK-norm the Q/K pair is exact but moot, with one norm over all heads
+  it is not exact (drop it).
 
   Args:
     num_kv_heads: number of KV heads (= heads without GQA).

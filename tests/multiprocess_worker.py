@@ -34,8 +34,11 @@ BEFORE, AFTER = 5, 4
 LEARNING_RATE, WEIGHT_DECAY, EVERY = 3e-2, 0.1, 3
 
 
-def log(message: str, start=time.monotonic()):
-  print(f"[{time.monotonic() - start:6.1f}s] {message}", flush=True)
+_START = time.monotonic()
+
+
+def log(message: str):
+  print(f"[{time.monotonic() - _START:6.1f}s] {message}", flush=True)
 
 
 def main(role: str, process_id: int, num_processes: int, port: int, directory: str):

@@ -332,10 +332,3 @@ def test_non_float_leaf_in_a_pair(dtype, leaf, pair):
   msg = f"{pair.label}: pattern '{leaf}' matches '{leaf}' of dtype {jnp.dtype(dtype).name}; only"
   with pytest.raises(ValueError, match=re.escape(msg) + ".*integer would be truncated"):
     saggs.canonicalize(params, None, [pair])
-
-
-@pytest.mark.parametrize("kwargs", [dict(strength=0.0), dict(strength=1.5), dict(every=0),
-                                    dict(every=1.5)])
-def test_bad_stage_arguments(kwargs):
-  with pytest.raises(ValueError):
-    saggs.scale_by_saggs([saggs.Pair("q", "k")], **kwargs)

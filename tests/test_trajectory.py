@@ -1,4 +1,4 @@
-"""Same function, different trajectory (seed 000), and how canonicalization restores one.
+"""Same function, different trajectory (Kim, 2026), and how canonicalization restores one.
 
 Two equivalent checkpoints of a tiny attention + SwiGLU model are saved and
 restored with Orbax: the state as trained, and the same state with Q*2 / K/2
