@@ -152,7 +152,7 @@ def _mean_std(values: np.ndarray, fmt: str = ".4f") -> str:
   return f"{values.mean():{fmt}} ± {values.std(ddof=1):.4f}"
 
 
-def report(args, results, seconds) -> dict:
+def report(args, results) -> dict:
   """Prints the tables, saves the plots and returns the summary."""
   final = {o: {lr: np.array([h["eval_loss"][-1] for h in hs]) for lr, hs in runs.items()}
            for o, runs in results.items()}
@@ -161,10 +161,10 @@ def report(args, results, seconds) -> dict:
   for o, lrs in final.items():
     for lr, losses in lrs.items():
       rows.append([o, f"{lr:g}", _mean_std(losses), "*" if lr == best[o] else "",
-                   float(losses.min()), float(losses.max()), round(float(np.mean(seconds[o][lr])))])
+                   float(losses.min()), float(losses.max())])
   print(f"\nFinal validation loss (nats/byte) after {args.steps} steps, "
         f"mean ± std over {args.seeds} seed(s); * = best learning rate")
-  lm.results_table(rows, ["optimizer", "lr", "val loss", "best", "min", "max", "s/run"])
+  lm.results_table(rows, ["optimizer", "lr", "val loss", "best", "min", "max"])
 
   for o, lr in best.items():
     lrs = sorted(final[o])
@@ -230,7 +230,6 @@ def main():
   plan = [(o, lr, seed) for o in args.optimizers for lr in getattr(args, f"lrs_{o}")
           for seed in range(args.seeds)]
   results = {o: {lr: [] for lr in getattr(args, f"lrs_{o}")} for o in args.optimizers}
-  seconds = {o: {lr: [] for lr in getattr(args, f"lrs_{o}")} for o in args.optimizers}
   start = time.perf_counter()
   for i, (o, lr, seed) in enumerate(plan):
     _, params = inits[seed]
@@ -240,9 +239,8 @@ def main():
         eval_every=args.eval_every, eval_batches=args.eval_batches,
         desc=f"[{i + 1}/{len(plan)}] {o} lr={lr:g} seed={seed}")
     results[o][lr].append(history)
-    seconds[o][lr].append(float(history["seconds"]))
   print(f"\n{len(plan)} runs in {time.perf_counter() - start:.0f} s")
-  report(args, results, seconds)
+  report(args, results)
 
 
 if __name__ == "__main__":
