@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU checks in one go: the jit-heavy tests on the GPU, then both
-# benchmarks at GPT-2-small size. Run from the repository root on a machine
-# with a GPU and jax[cuda], flax, optax, chex, orbax-checkpoint and hypothesis:
+# The GPU checks in one go (about 13 minutes at most): the jit-heavy tests on
+# the GPU, then the benchmarks at GPT-2-small size. Run from the repository
+# root on a machine with a GPU and jax[cuda], flax, optax, chex,
+# orbax-checkpoint and hypothesis:
 #   bash bench/gpu_checks.sh [output_dir]
 set -uo pipefail
 out=${1:-runs/gpu}
@@ -10,5 +11,6 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import jax; print(jax.__version__, jax.devices())" 2>&1 | tee "$out/env.txt"
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_saggs.py tests/test_models.py \
   tests/test_trajectory.py tests/test_equivariant.py 2>&1 | tail -n 25 | tee "$out/tests.txt"
-timeout 300 python3 bench/bench_saggs.py --size gpt2 --rounds 5 2>&1 | tee "$out/bench_saggs.txt"
+timeout 240 python3 bench/bench_saggs.py --size gpt2 --rounds 5 2>&1 | tee "$out/bench_saggs.txt"
 timeout 200 python3 bench/bench_equivariant.py --size gpt2 --rounds 5 2>&1 | tee "$out/bench_equivariant.txt"
+timeout 120 python3 bench/bench_gram_newton_schulz.py --m 512 --rounds 5 2>&1 | tee "$out/bench_gram.txt"
