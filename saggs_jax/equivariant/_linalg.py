@@ -31,11 +31,17 @@ _POLAR_EXPRESS = (
     (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
     (1.875, -1.25, 0.375),
 )
+
+
+def _with_safety(safety: float):
+  """Algorithm 1's set as p(x / safety) on every step but the last (the limit)."""
+  return tuple((a / safety, b / safety**3, c / safety**5)
+               for a, b, c in _POLAR_EXPRESS[:-1]) + _POLAR_EXPRESS[-1:]
+
+
 # The paper's safety factor: p(x/1.01) keeps bf16 round-off from pushing a
 # singular value just past the interval the next polynomial was fitted on.
-POLAR_EXPRESS = tuple(
-    (a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _POLAR_EXPRESS[:-1]
-) + _POLAR_EXPRESS[-1:]
+POLAR_EXPRESS = _with_safety(1.01)
 
 # The set the Polar Express authors ship for Muon (5 steps, fitted with a 2e-2
 # safety margin and a cushion of 2); it assumes the normaliser 1.02 ||X||_F.
@@ -50,9 +56,7 @@ POLAR_EXPRESS_CUSHION = (
 # Algorithm 1's set with the safety factor 1.05 instead of 1.01; Lau & Su's
 # reference code uses it for its inverse square roots, after normalising by
 # 1.02 ||A||_F.
-POLAR_EXPRESS_105 = tuple(
-    (a / 1.05, b / 1.05**3, c / 1.05**5) for a, b, c in _POLAR_EXPRESS[:-1]
-) + _POLAR_EXPRESS[-1:]
+POLAR_EXPRESS_105 = _with_safety(1.05)
 
 
 class CoefficientSet(NamedTuple):
