@@ -83,17 +83,16 @@ def _group_reduce(v: jax.Array, slot: Slot, axis_name: AxisName, op: str = "sum"
   followed by a reshape of that small vector are cheapest.
   """
   reduce, collective = {"sum": (jnp.sum, jax.lax.psum), "max": (jnp.max, jax.lax.pmax)}[op]
-  if slot.axis is None or slot.groups == v.shape[slot.axis]:
-    s = reduce(v, axis=slot.reduce_axes(v.ndim))
-  elif jax.sharding.get_abstract_mesh().empty:  # one device: per-index, then a tiny one-hot step
-    s = reduce(v, axis=slot.reduce_axes(v.ndim))
-    s = s.reshape(s.shape[:-1] + (slot.groups, -1))
-    s = reduce(s, axis=-1)
-  else:
+  several = slot.axis is not None and slot.groups != v.shape[slot.axis]
+  if several and not jax.sharding.get_abstract_mesh().empty:
     one_hot = jnp.asarray(slot.membership(v.shape[slot.axis]), v.dtype)  # (size, groups)
     mask = one_hot.reshape((1,) * slot.axis + one_hot.shape[:1] + (1,) * (v.ndim - slot.axis - 1)
                            + one_hot.shape[1:])
     s = reduce(v[..., None] * mask, axis=tuple(range(slot.stacked, v.ndim)))
+  else:
+    s = reduce(v, axis=slot.reduce_axes(v.ndim))
+    if several:  # per index, then per block of that small vector
+      s = reduce(s.reshape(s.shape[:-1] + (slot.groups, -1)), axis=-1)
   s = replicated(s)
   return s if axis_name is None else collective(s, axis_name)
 
@@ -105,8 +104,9 @@ def _log_norm(x: jax.Array, slot: Slot, axis_name: AxisName) -> jax.Array:
 
 def _safe_log_norm_and_max(x: jax.Array, slot: Slot, axis_name: AxisName):
   """``log ||x_g||`` and ``log max |x_g|`` from entries scaled by each copy's largest
-  finite magnitude (to the nearest power of two). A non-finite group's norm is +inf and a zero group's -inf: both mean
-  "do not balance"; its maximum counts finite entries only (inf stays inf when scaled)."""
+  finite magnitude (to the nearest power of two). A non-finite group's norm is +inf
+  and a zero group's -inf: both mean "do not balance"; its maximum counts finite
+  entries only (inf stays inf when scaled)."""
   dtype = compute_dtype(x.dtype)
   x = x.astype(dtype)
   finite = jnp.isfinite(x)

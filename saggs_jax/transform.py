@@ -87,11 +87,11 @@ def _land_on(params, updates, target, plan, factors):
   return jax.tree_util.tree_map_with_path(visit, updates, params, target)
 
 
-def _check_number(name, value, low, high, integer):
+def _check_number(name, value, ok, interval, integer):
   kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
-  if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
-    kind = "an int" if integer else "a number"
-    raise ValueError(f"{name} must be {kind} in [{low}, {high}], got {value!r}.")
+  if isinstance(value, bool) or not isinstance(value, kinds) or not ok(value):
+    raise ValueError(f"{name} must be {'an int' if integer else 'a number'} {interval},"
+                     f" got {value!r}.")
 
 
 def _check_global(axis_name) -> None:
@@ -174,10 +174,8 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
     0.5
   """
   pairs = (pairs,) if isinstance(pairs, Pair) else tuple(pairs)
-  _check_number("strength", strength, 0, 1, integer=False)
-  if strength == 0:
-    raise ValueError("strength must be in (0, 1], got 0: a stage that never balances.")
-  _check_number("every", every, 1, np.inf, integer=True)
+  _check_number("strength", strength, lambda s: 0 < s <= 1, "in (0, 1]", integer=False)
+  _check_number("every", every, lambda k: k >= 1, ">= 1", integer=True)
   warned = []
 
   def factors_of(params, axis_name=axis_name):
