@@ -35,7 +35,8 @@ reproduced" when it lies wholly on the other side, and "inconclusive at this
 scale" when it straddles the bound. Kim's claims are judged in perplexity per
 byte, Lau & Su's in nats per byte.
 
-The defaults (152 runs and 10 pretrainings) take about 20 minutes on two CPU cores. From the repository root::
+The defaults (152 runs and 10 pretrainings) take about 20 minutes on two CPU
+cores. From the repository root::
 
   python examples/study.py
   python examples/study.py --experiments imbalance --seeds 4 --steps 1000
@@ -483,8 +484,9 @@ def report_claims(experiment: str, arms, penalties: dict | None = None) -> list[
           for claim in CLAIMS if claim.experiment == experiment and claim.arm in arms]
 
 
-def main(argv: Sequence[str] | None = None, description: str = __doc__) -> None:
-  args = parse_args(build_parser(description), argv)
+def main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> None:
+  """Runs the study; ``parser`` (default ``build_parser(__doc__)``) may change its defaults."""
+  args = parse_args(parser or build_parser(__doc__), argv)
   # Every seed's runs compile the same steps: keep the executables on disk.
   jax.config.update("jax_compilation_cache_dir", str((args.out / "jax_cache").absolute()))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -533,7 +535,8 @@ def main(argv: Sequence[str] | None = None, description: str = __doc__) -> None:
     lm.results_table(tuning_rows, ["optimizer", "lr", "val loss", "best"])
     if edges:
       print(f"note: the best rate of {', '.join(edges)} is at the edge of the grid")
-    print_experiment(title["optimizers"] + ": " + ", ".join(f"{n} {lr:g}" for n, lr in best.items()),
+    rates = ", ".join(f"{name} {lr:g}" for name, lr in best.items())
+    print_experiment(f"{title['optimizers']}: {rates}",
                      scale_text(setup, f"{args.opt_steps} steps", run_bytes(args.opt_steps),
                                 args.opt_seeds), arms, "adamw", "nats")
     plot_experiment(args.out, "optimizers", title["optimizers"], arms, "adamw", "nats")
