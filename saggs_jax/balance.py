@@ -6,7 +6,13 @@ For a pair instance with group norms ``||A_g||`` and ``||B_g||`` the factor is
 
 strength=1 (hard SAGGS) equalises both norms at ``sqrt(||A_g|| ||B_g||)``, the
 unique minimiser of ``||c A||^2 + ||B / c||^2``; 0 < strength < 1 shrinks the
-log-imbalance ``log(||A_g|| / ||B_g||)`` by the factor ``1 - strength``.
+log-imbalance ``log(||A_g|| / ||B_g||)`` by the factor ``1 - strength``. A side
+of several tensors has the norm of all of them together.
+
+When pairs overlap (one leaf in several), hard balancing minimises the total
+squared norm of all declared leaves over all factors at once, a convex problem
+in the log-factors solved by sweeps of the closed form above (see :func:`solve`);
+soft balancing takes ``strength`` of those log-factors.
 
 Guards, so that no NaN or Inf is ever produced:
 
@@ -97,34 +103,68 @@ def _group_reduce(v: jax.Array, slot: Slot, axis_name: AxisName, op: str = "sum"
   return s if axis_name is None else collective(s, axis_name)
 
 
-def _log_norm(x: jax.Array, slot: Slot, axis_name: AxisName) -> jax.Array:
-  """``log ||x_g||`` from one float32 pass (inf, -inf or inexact when the squares over- or underflow)."""
-  return 0.5 * jnp.log(_group_reduce(jnp.square(x.astype(compute_dtype(x.dtype))), slot, axis_name))
+def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str = "sum"
+            ) -> jax.Array:
+  """``v >= 0`` reduced per group of every slot of one leaf: shape ``stacked_shape`` plus one
+  axis per slot (of size 1 for a whole-tensor slot), replicated.
+
+  With several slots (a leaf in overlapping pairs) the sum is taken per combination of
+  groups, as one contraction with each grouped axis's one-hot membership; the ``max``
+  is then bounded by the smallest of the per-slot maxima, which suffices for the
+  overflow bounds it serves.
+  """
+  stacked = slots[0].stacked
+  if len(slots) == 1:
+    r = _group_reduce(v, slots[0], axis_name, op)
+    return r if slots[0].axis is not None else r[..., None]
+  if op == "max":
+    return functools.reduce(jnp.minimum, [_at(_reduce(v, (s,), axis_name, op), i, slots)
+                                          for i, s in enumerate(slots)])
+  operands, out = [v, list(range(v.ndim))], list(range(stacked))
+  for s in slots:
+    if s.axis is None:
+      continue
+    if s.groups == v.shape[s.axis]:
+      out.append(s.axis)
+    else:
+      operands += [jnp.asarray(s.membership(v.shape[s.axis]), v.dtype), [s.axis, v.ndim + len(out)]]
+      out.append(v.ndim + len(out))
+  r = jnp.einsum(*operands, out, precision=jax.lax.Precision.HIGHEST)
+  for i, s in enumerate(slots):
+    if s.axis is None:
+      r = jnp.expand_dims(r, stacked + i)
+  r = replicated(r)
+  return r if axis_name is None else jax.lax.psum(r, axis_name)
 
 
-def _safe_log_norm_and_max(x: jax.Array, slot: Slot, axis_name: AxisName):
-  """``log ||x_g||`` and ``log max |x_g|`` from entries scaled by each copy's largest
-  finite magnitude (to the nearest power of two). A non-finite group's norm is +inf
-  and a zero group's -inf: both mean "do not balance"; its maximum counts finite
-  entries only (inf stays inf when scaled)."""
+def _fast_stats(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
+  """``(log sum x**2, log max |x|)`` per group from one float32 pass; the norm bounds the
+  largest entry. Inexact or infinite when the squares over- or underflow."""
+  log_sq = jnp.log(_reduce(jnp.square(x.astype(compute_dtype(x.dtype))), slots, axis_name))
+  return log_sq, 0.5 * log_sq
+
+
+def _safe_stats(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
+  """``(log sum x**2, log max |x|)`` per group from entries scaled by each copy's largest
+  finite magnitude (to the nearest power of two). A non-finite group's sum is +inf and a
+  zero group's -inf: both mean "do not balance"; its maximum counts finite entries only."""
+  stacked = slots[0].stacked
   dtype = compute_dtype(x.dtype)
   x = x.astype(dtype)
   finite = jnp.isfinite(x)
   mag = jnp.where(finite, jnp.abs(x), 0)
-  scale = replicated(jnp.max(mag, axis=tuple(range(slot.stacked, x.ndim))))
+  scale = replicated(jnp.max(mag, axis=tuple(range(stacked, x.ndim))))
   if axis_name is not None:
     scale = jax.lax.pmax(scale, axis_name)
   # Divide by 2**e, the scale's binary exponent, as two exact multiplies by normal
   # powers of two: 1 / scale itself is subnormal near the dtype's maximum, and flushed.
   _, e = jnp.frexp(scale)
-  e = e.reshape(e.shape + (1,) * (x.ndim - slot.stacked))
+  e = e.reshape(e.shape + (1,) * (x.ndim - stacked))
   mag = mag * jnp.ldexp(jnp.ones((), dtype), -(e // 2)) * jnp.ldexp(jnp.ones((), dtype), e // 2 - e)
-  log_scale = (e.reshape(e.shape[:slot.stacked] + (1,) * (slot.axis is not None)) * np.log(2.0)
-               ).astype(dtype)
-  sq = _group_reduce(jnp.square(mag), slot, axis_name)
-  bad = _group_reduce((~finite).astype(dtype), slot, axis_name) > 0
-  log_max = log_scale + jnp.log(_group_reduce(mag, slot, axis_name, "max"))
-  return jnp.where(bad, jnp.inf, log_scale + 0.5 * jnp.log(sq)), log_max
+  log_scale = (e.reshape(e.shape[:stacked] + (1,) * len(slots)) * np.log(2.0)).astype(dtype)
+  log_sq = 2 * log_scale + jnp.log(_reduce(jnp.square(mag), slots, axis_name))
+  bad = _reduce((~finite).astype(dtype), slots, axis_name) > 0
+  return jnp.where(bad, jnp.inf, log_sq), log_scale + jnp.log(_reduce(mag, slots, axis_name, "max"))
 
 
 def _log_max(dtype) -> float:
@@ -132,93 +172,148 @@ def _log_max(dtype) -> float:
   return float(np.log(float(jnp.finfo(dtype).max)) + np.log1p(-2.0**-8))
 
 
-def _room(log_max_dtype: float, log_size: jax.Array) -> jax.Array:
-  """How far a leaf whose group entries are at most ``exp(log_size)`` may be scaled up."""
-  return jnp.where(jnp.isfinite(log_size), log_max_dtype - log_size, jnp.inf)
+Stats = dict[str, tuple[jax.Array, jax.Array]]
 
 
-def norms_and_room(plan: Plan, params: Any, axis_name: AxisName = None) -> dict[str, tuple]:
-  """Per instance ``(log||A_g||, log||B_g||, room_a, room_b)``, each of shape ``factor_shape``.
+def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
+  """Per declared leaf ``(log sum of squares, log of the largest magnitude)`` per group of
+  each of its slots (see :func:`_reduce`), in float32.
 
-  ``room_a`` bounds ``log c`` and ``room_b`` bounds ``-log c`` so that no scaled
-  entry of the side (primary and followers) exceeds its dtype. The common case
-  takes one float32 pass per primary: when both norms are at most the smaller
-  dtype maximum, ``c ||A_g|| <= max(||A_g||, ||B_g||)`` cannot overflow, and
-  followers (biases, small) are bounded by their norms. A ``lax.cond`` takes the
-  scale-safe pass, bounded by the entries' largest magnitudes, when some sum of
-  squares overflowed, underflowed, met a non-finite entry or exceeds a dtype.
+  The common case takes one float32 pass per leaf. A ``lax.cond`` takes the
+  scale-safe pass instead when some sum of squares overflowed, underflowed or
+  met a non-finite entry, or a norm is so large that a factor bounded by it
+  could overflow a dtype of its pair.
   """
   leaves = dict(paths.leaves_with_paths(params))
-
-  def slot(path, inst):
-    return plan.slot(path, inst.key)
-
-  def follower_room(inst, followers):
-    room = jnp.full(inst.factor_shape, jnp.inf, jnp.float32)
-    for path in followers:
-      room = jnp.minimum(room, _room(_log_max(leaves[path].dtype),
-                                     _log_norm(leaves[path], slot(path, inst), axis_name)))
-    return room
-
-  log_fast = {inst.key: [_log_norm(leaves[p], slot(p, inst), axis_name) for p in (inst.a, inst.b)]
-              for inst in plan.instances}
-
-  def fast(_):
-    return {inst.key: (*log_fast[inst.key], follower_room(inst, inst.followers_a),
-                       follower_room(inst, inst.followers_b)) for inst in plan.instances}
-
-  def safe(_):
-    out = {}
-    for inst in plan.instances:
-      logs, rooms = [], []
-      for primary, followers in ((inst.a, inst.followers_a), (inst.b, inst.followers_b)):
-        log_norm, room = None, jnp.inf
-        for path in (primary, *followers):
-          norm, size = _safe_log_norm_and_max(leaves[path], slot(path, inst), axis_name)
-          log_norm = norm if log_norm is None else log_norm
-          room = jnp.minimum(room, _room(_log_max(leaves[path].dtype), size))
-        logs.append(log_norm)
-        rooms.append(room)
-      out[inst.key] = (*logs, *rooms)
-    return out
-
-  checks = []
+  fast = {path: _fast_stats(leaves[path], slots, axis_name) for path, slots in plan.slots.items()}
+  limit = {}  # the smallest dtype maximum among the pairs of each leaf
   for inst in plan.instances:
-    la, lb = log_fast[inst.key]
-    limit = min(_log_max(leaves[inst.a].dtype), _log_max(leaves[inst.b].dtype))
-    for log_norm in (la, lb):
-      checks.append(jnp.all(jnp.isfinite(log_norm) & (log_norm <= limit)
-                            & (log_norm >= 0.5 * np.log(_SMALLEST_SAFE_SUM))))
+    every = inst.members_a + inst.members_b + inst.followers_a + inst.followers_b
+    lowest = min(_log_max(leaves[p].dtype) for p in every)
+    for p in every:
+      limit[p] = min(limit.get(p, np.inf), lowest)
+  checks = []
+  for path, (log_sq, _) in fast.items():
+    ok = log_sq <= 2 * limit[path]  # NaN fails
+    if path in plan.counted:
+      ok &= log_sq >= np.log(_SMALLEST_SAFE_SUM)
+    checks.append(jnp.all(ok))
   trusted = functools.reduce(jnp.logical_and, checks, jnp.bool_(True))
-  return jax.lax.cond(trusted, _in_float32(fast), _in_float32(safe), None)
+  safe = lambda _: {path: _safe_stats(leaves[path], slots, axis_name)  # noqa: E731
+                    for path, slots in plan.slots.items()}
+  return jax.lax.cond(trusted, _in_float32(lambda _: fast), _in_float32(safe), None)
 
 
 def _in_float32(branch):
-  """Both cond branches in float32, the factors' dtype (float64 leaves give float64 norms)."""
+  """Both cond branches in float32, the factors' dtype (float64 leaves give float64 stats)."""
   return lambda operand: jax.tree.map(lambda v: v.astype(jnp.float32), branch(operand))
 
 
+def _at(u: jax.Array, i: int, slots: Sequence[Slot]) -> jax.Array:
+  """Log-factors of one instance (``stacked_shape (+ (groups,))``) on the axis of slot ``i``."""
+  stacked = slots[i].stacked
+  return u.reshape(u.shape[:stacked] + (1,) * i + (-1,) + (1,) * (len(slots) - 1 - i))
+
+
+def _marginal(plan: Plan, path: str, stats: jax.Array, u: dict, key: str, weight: int,
+              reduce) -> jax.Array:
+  """``stats`` of ``path`` with the log-factors ``weight * sign * u`` of its other slots
+  applied, reduced to the groups of instance ``key``."""
+  slots = plan.slots[path]
+  j = next(i for i, s in enumerate(slots) if s.key == key)
+  for i, s in enumerate(slots):
+    if i != j:
+      stats = stats + weight * s.sign * _at(u[s.key], i, slots)
+  stacked = slots[j].stacked
+  others = tuple(stacked + i for i in range(len(slots)) if i != j)
+  return (reduce(stats, axis=others) if others else stats).reshape(u[key].shape)
+
+
+def _logsumexp(xs: list[jax.Array]) -> jax.Array:
+  return xs[0] if len(xs) == 1 else jax.nn.logsumexp(jnp.stack(xs), axis=0)
+
+
+def side_log_sq(plan: Plan, stats: Stats, u: dict, key: str, sign: int) -> jax.Array:
+  """``log ||side||**2`` per group of instance ``key``, its other pairs' log-factors ``u`` applied."""
+  inst = next(i for i in plan.instances if i.key == key)
+  return _logsumexp([_marginal(plan, p, stats[p][0], u, key, 2, jax.nn.logsumexp)
+                     for p in inst.members(sign)])
+
+
+def _bounds(plan: Plan, stats: Stats, dtypes: dict, u: dict, inst) -> tuple[jax.Array, jax.Array]:
+  """``lo <= log c <= hi`` keeping every scaled entry of ``inst`` within its dtype."""
+  lo, hi = jnp.full(inst.factor_shape, -jnp.inf), jnp.full(inst.factor_shape, jnp.inf)
+  for sign in (+1, -1):
+    for path in inst.members(sign) + (inst.followers_a if sign > 0 else inst.followers_b):
+      size = _marginal(plan, path, stats[path][1], u, inst.key, 1, jnp.max)
+      room = jnp.where(jnp.isfinite(size), _log_max(dtypes[path]) - size, jnp.inf)
+      lo, hi = (lo, jnp.minimum(hi, room)) if sign > 0 else (jnp.maximum(lo, -room), hi)
+  return lo, hi
+
+
+def _sweep(plan: Plan, stats: Stats, dtypes: dict, u: dict, scale: float) -> dict:
+  """One pass over the instances, each set to its best factor given the others: the
+  minimiser of ``||c A||^2 + ||B / c||^2`` with the others' factors applied, times
+  ``scale`` in log space and clipped to the dtype bounds; 1 (log 0) where a side's norm
+  is zero or non-finite or no factor fits."""
+  u = dict(u)
+  for inst in plan.instances:
+    la, lb = (side_log_sq(plan, stats, u, inst.key, sign) for sign in (+1, -1))
+    lo, hi = _bounds(plan, stats, dtypes, u, inst)
+    ok = jnp.isfinite(la) & jnp.isfinite(lb) & (lo <= hi)
+    u[inst.key] = jnp.where(ok, jnp.clip(scale * 0.25 * jnp.where(ok, lb - la, 0), lo, hi), 0)
+  return u
+
+
+# Overlapping pairs: sweeps stop once no log-factor moves by more than this.
+TOLERANCE = 1e-6
+MAX_SWEEPS = 200
+
+
+def solve(plan: Plan, stats: Stats, dtypes: dict, strength: float) -> Factors:
+  """The factors of every instance: log-factors ``strength * u``, ``u`` minimising the total
+  squared norm of the declared leaves over the orbit.
+
+  Without overlaps each instance is independent and one sweep gives the closed form
+  ``c = (||B|| / ||A||) ** (strength / 2)``. With overlaps the objective is convex in
+  the log-factors (a sum of exponentials of linear functions); block coordinate
+  descent, one closed-form step per instance per sweep, runs under jit until no
+  log-factor moves by more than ``TOLERANCE`` (at most ``MAX_SWEEPS`` sweeps). At the
+  minimum every instance is balanced: its gradient is ``2 (||A||^2 - ||B||^2)``.
+  """
+  u = {i.key: jnp.zeros(i.factor_shape, jnp.float32) for i in plan.instances}
+  if not plan.overlapping:
+    u = _sweep(plan, stats, dtypes, u, strength)
+  else:
+    def body(carry):
+      u, _, n = carry
+      new = _sweep(plan, stats, dtypes, u, 1.0)
+      moved = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(new[k] - u[k]), initial=0.0)
+                                             for k in u])
+      return new, moved, n + 1
+
+    u, _, _ = jax.lax.while_loop(lambda c: (c[1] > TOLERANCE) & (c[2] < MAX_SWEEPS), body,
+                                 (u, jnp.float32(jnp.inf), 0))
+    u = jax.tree.map(lambda v: strength * v, u)
+  return {k: jnp.exp(v).astype(jnp.float32) for k, v in u.items()}
+
+
+def _dtypes(params: Any) -> dict:
+  return {path: leaf.dtype for path, leaf in paths.leaves_with_paths(params)}
+
+
 def log_norms(plan: Plan, params: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
-  """Per instance: ``log`` of the group norms of the A and B primaries (scale-safe)."""
-  return {k: v[:2] for k, v in norms_and_room(plan, params).items()}
-
-
-def factors_from_log_norms(log_a: jax.Array, log_b: jax.Array, strength: float,
-                           room_a: jax.Array | float = np.inf,
-                           room_b: jax.Array | float = np.inf) -> jax.Array:
-  """``(||B|| / ||A||) ** (strength / 2)`` from log-norms, guarded and clipped to
-  ``1/exp(room_b) <= c <= exp(room_a)``; 1 where the norms are zero or non-finite
-  or no factor fits."""
-  ok = jnp.isfinite(log_a) & jnp.isfinite(log_b) & (-room_b <= room_a)
-  log_c = jnp.clip(0.5 * strength * (log_b - log_a), -room_b, room_a)
-  return jnp.where(ok, jnp.exp(jnp.where(ok, log_c, 0)), 1).astype(jnp.float32)
+  """Per instance: ``log`` of the group norms of sides A and B (scale-safe)."""
+  stats = leaf_stats(plan, params)
+  u = {i.key: jnp.zeros(i.factor_shape, jnp.float32) for i in plan.instances}
+  return {i.key: tuple(0.5 * side_log_sq(plan, stats, u, i.key, s) for s in (+1, -1))
+          for i in plan.instances}
 
 
 def compute_factors(plan: Plan, params: Any, strength: float, axis_name: AxisName = None
                     ) -> Factors:
   """The balancing factors of every instance in ``plan`` for ``params``."""
-  return {k: factors_from_log_norms(la, lb, strength, ra, rb)
-          for k, (la, lb, ra, rb) in norms_and_room(plan, params, axis_name).items()}
+  return solve(plan, leaf_stats(plan, params, axis_name), _dtypes(params), strength)
 
 
 def _multiplier(slot: Slot, shape: tuple[int, ...], factors: Factors, power: float, dtype):

@@ -104,8 +104,8 @@ def check_symmetry(apply_fn: Callable[..., Any], params: Any, pairs: Sequence[Pa
     if not deviations[inst.key] <= probe.tolerance:  # NaN fails too
       measured, cause = _diagnose(probe, plan, inst, sub, max(high, 1 / low))
       raise ValueError(
-          f"{inst.pair.label} is not a symmetry of the model: rescaling {inst.a!r} by c and"
-          f" {inst.b!r} by 1/c (c in [{low}, {high}]) changed the output by"
+          f"{inst.pair.label} is not a symmetry of the model: rescaling {_side(inst.members_a)} by"
+          f" c and {_side(inst.members_b)} by 1/c (c in [{low}, {high}]) changed the output by"
           f" {deviations[inst.key]:.3g} relative to its largest entry (tolerance"
           f" {probe.tolerance:.3g}). Measured: {'; '.join(measured)}. Likely cause: {cause}")
   return deviations
@@ -146,6 +146,12 @@ class _Probe:
     return self(plan, factors) <= self.tolerance
 
 
+def _side(members: tuple[str, ...]) -> str:
+  """The tensors of one side, quoted, for messages."""
+  quoted = [repr(m) for m in members]
+  return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
+
+
 def _only(plan: Plan, inst: Instance, sign: int | None = None) -> Plan:
   """``plan`` reduced to ``inst``, and to one side of it (+1: A, -1: B) if ``sign``."""
   slots = {path: tuple(s for s in found if s.key == inst.key and sign in (None, s.sign))
@@ -159,10 +165,10 @@ def _variant(plan: Plan, inst: Instance, params: Any, **changes) -> Plan | None:
   fields = {"axes": pair.axes, "groups": pair.groups, "follow_a": inst.followers_a,
             "follow_b": inst.followers_b, **changes}
   try:
-    other = resolve([Pair(inst.a, inst.b, stacked=pair.stacked, **fields)], params)
+    other = resolve([Pair(inst.members_a, inst.members_b, stacked=pair.stacked, **fields)], params)
   except ValueError:
     return None
-  match = [i for i in other.instances if (i.a, i.b) == (inst.a, inst.b)]
+  match = [i for i in other.instances if i.key == inst.key]
   return _only(other, match[0]) if match else None
 
 
@@ -174,7 +180,7 @@ def _declared_axes(plan: Plan, inst: Instance) -> tuple[int, int] | None:
 def _diagnose(probe: _Probe, plan: Plan, inst: Instance, key, c_max: float
               ) -> tuple[list[str], str]:
   """What further rescalings of ``inst`` show, and the cause they point to."""
-  a, b, label = inst.a, inst.b, inst.pair.label
+  a, b, label = _side(inst.members_a), _side(inst.members_b), inst.pair.label
   measured = []
 
   # 1. Growth with c: an effect of the factors grows with |log c|, rounding noise does not.
@@ -189,11 +195,11 @@ def _diagnose(probe: _Probe, plan: Plan, inst: Instance, key, c_max: float
   alone = {side: probe(_only(plan, inst, sign), 2.0 ** sign) for side, sign in ((a, 1), (b, -1))}
   invariant = [side for side, d in alone.items() if d <= probe.tolerance]
   uniform = probe(_only(plan, inst), 2.0)
-  measured.append(f"{a!r} alone x2: {alone[a]:.2g}, {b!r} alone /2: {alone[b]:.2g},"
+  measured.append(f"{a} alone x2: {alone[a]:.2g}, {b} alone /2: {alone[b]:.2g},"
                   f" both with one common factor: {uniform:.2g}")
   if len(invariant) == 2:
     return measured, (
-        f"{a!r} and {b!r} are each scale-invariant: a normalization follows each (QK-norm, say),"
+        f"{a} and {b} are each scale-invariant: a normalization follows each (QK-norm, say),"
         f" and it mixes the groups, so per-group factors change its output"
         f"{'' if uniform <= probe.tolerance else ' (and even one common factor does)'}. With"
         " one factor per tensor the pair is a symmetry, but balancing it is moot since neither"
@@ -201,8 +207,8 @@ def _diagnose(probe: _Probe, plan: Plan, inst: Instance, key, c_max: float
   if invariant:
     other = b if invariant[0] == a else a
     return measured, (
-        f"{invariant[0]!r} is scale-invariant on its own: a normalization follows it (a norm"
-        f" between {a!r} and {b!r}), so nothing compensates the factor on {other!r}. This pair"
+        f"{invariant[0]} is scale-invariant on its own: a normalization follows it (a norm"
+        f" between {a} and {b}), so nothing compensates the factor on {other}. This pair"
         " is no symmetry: drop it.")
 
   # 3. Groups, one at a time.
@@ -221,8 +227,8 @@ def _diagnose(probe: _Probe, plan: Plan, inst: Instance, key, c_max: float
     return measured, fix
   return measured, (
       f"the deviation grows with c and no other group axis, grouping or follower is exact, so"
-      f" a function that is not positively homogeneous sits between {a!r} and {b!r} (an"
-      f" activation such as GELU, or a gate's SiLU, applied to the output of {a!r}): {label} is"
+      f" a function that is not positively homogeneous sits between {a} and {b} (an"
+      f" activation such as GELU, or a gate's SiLU, applied to the output of {a}): {label} is"
       " no symmetry: drop it.")
 
 
@@ -244,7 +250,8 @@ def _exact_variant(probe: _Probe, plan: Plan, inst: Instance) -> str | None:
 
   declared = _declared_axes(plan, inst)
   ndim = [len(plan.shapes[p]) - pair.stacked for p in (a, b)]
-  for axes in itertools.product(range(ndim[0]), range(ndim[1])):
+  two_tensors = len(inst.members_a) == len(inst.members_b) == 1
+  for axes in itertools.product(range(ndim[0]), range(ndim[1])) if two_tensors else ():
     if axes != declared and exact(_variant(plan, inst, params, axes=axes)):
       return (f"the group axes: with axes={axes} (declared: {declared}) the pair is exact;"
               " the axes name the dimension that indexes the groups on each side.")

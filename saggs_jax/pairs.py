@@ -1,9 +1,12 @@
 """Declaring exact symmetry pairs and resolving them against a parameter tree.
 
 A :class:`Pair` says: scaling every group of ``a`` by ``c`` and the matching
-group of ``b`` by ``1/c`` leaves the model's function unchanged. Resolution
-turns the declaration into :class:`Slot` records, one per matched leaf, that the
-balancing and transport code index by path.
+group of ``b`` by ``1/c`` leaves the model's function unchanged. A side may be
+several tensors (a norm gain against the input rows of every linear reading
+the normalised activations). Resolution turns the declaration into
+:class:`Slot` records, one per matched leaf and pair instance, that the
+balancing and transport code index by path. A leaf may be in several pair
+instances (overlapping symmetries); their factors are then solved jointly.
 """
 
 from __future__ import annotations
@@ -33,20 +36,25 @@ class Pair:
   """An exact symmetry: ``a`` scaled by ``c`` per group, ``b`` by ``1/c``.
 
   Attributes:
-    a: path pattern of the side scaled by ``c`` (see :mod:`saggs_jax.paths`).
-    b: path pattern of the side scaled by ``1/c``. A- and B-matches pair up by
-      equal wildcard captures; every match needs exactly one partner.
+    a: path pattern of the side scaled by ``c`` (see :mod:`saggs_jax.paths`),
+      or a tuple of patterns when that side is several tensors: all of them
+      are scaled by ``c``, and the side's norm is taken over all of them.
+    b: path pattern(s) of the side scaled by ``1/c``. Matches pair up by
+      equal wildcard captures; every match needs exactly one partner in
+      every other pattern.
     axes: ``(axis_a, axis_b)``, the group axis on each side, or ``None`` for
       one group spanning the whole tensor. Axes count within one layer: after
-      the ``stacked`` leading axes. Negative axes count from the end.
+      the ``stacked`` leading axes. Negative axes count from the end. On a
+      side of several tensors an int applies to each, or a tuple gives one
+      axis per pattern. All group axes of an instance have one size.
     groups: split the group axis into this many contiguous blocks (for GQA,
       the number of KV heads). Default: one group per index.
     stacked: leading axes present on both sides that index independent copies
       (scanned layers, experts). Factors then have shape
       ``stacked_shape + (groups,)``.
-    follow_a: patterns of tensors that move with ``a`` (its biases). A follower
-      shares its kernel's trailing axes, so its group axis is the kernel's
-      counted from the end.
+    follow_a: patterns of tensors that move with ``a`` (its biases) but do not
+      count in its norm. A follower shares the trailing axes of the side's
+      first tensor, so its group axis is that tensor's counted from the end.
     follow_b: likewise for ``b``.
     name: label used in errors (with the patterns) and in :func:`saggs_jax.describe`.
 
@@ -55,11 +63,13 @@ class Pair:
     >>> import saggs_jax as saggs
     >>> qk = saggs.Pair("attn/q_proj/kernel", "attn/k_proj/kernel",
     ...                 axes=(1, 1), groups=2, follow_a="attn/q_proj/bias")
+    >>> gain = saggs.Pair("attn_norm/scale", ("attn/q_proj/kernel", "attn/k_proj/kernel",
+    ...                   "attn/v_proj/kernel"), axes=(0, 0), name="RMSNorm gain")
   """
 
-  a: str
-  b: str
-  axes: tuple[int, int] | None = None
+  a: str | tuple[str, ...]
+  b: str | tuple[str, ...]
+  axes: tuple[int | tuple[int, ...], int | tuple[int, ...]] | None = None
   groups: int | None = None
   stacked: int = 0
   follow_a: str | Sequence[str] = ()
@@ -67,18 +77,20 @@ class Pair:
   name: str | None = None
 
   def __post_init__(self):
+    for side in ("a", "b"):  # one pattern stays a str, so reprs of plain pairs are unchanged
+      value = getattr(self, side)
+      if not isinstance(value, str):
+        value = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+        if not value:
+          raise ValueError(f"{self._spelled}: side {side} needs at least one pattern.")
+        object.__setattr__(self, side, value[0] if len(value) == 1 else value)
     object.__setattr__(self, "follow_a", _as_tuple(self.follow_a))
     object.__setattr__(self, "follow_b", _as_tuple(self.follow_b))
-    for p in (self.a, self.b, *self.follow_a, *self.follow_b):
+    for p in (*self.patterns(0), *self.patterns(1), *self.follow_a, *self.follow_b):
       if not isinstance(p, str):
         raise ValueError(f"{self._spelled}: patterns must be strings, got {p!r}.")
     if self.axes is not None:
-      if not (isinstance(self.axes, (tuple, list)) and len(self.axes) == 2
-              and all(map(_is_int, self.axes))):
-        raise ValueError(
-            f"{self._spelled}: axes must be None or a pair of ints (axis_a, axis_b), got"
-            f" {self.axes!r}; e.g. axes=(1, 1) groups axis 1 of both sides.")
-      object.__setattr__(self, "axes", tuple(int(x) for x in self.axes))
+      object.__setattr__(self, "axes", self._checked_axes())
     if self.groups is not None:
       if not _is_int(self.groups) or self.groups < 1:
         raise ValueError(f"{self._spelled}: groups must be a positive int, got {self.groups!r}.")
@@ -91,12 +103,42 @@ class Pair:
       raise ValueError(f"{self._spelled}: stacked must be an int >= 0 (the number of leading copy"
                        f" axes), got {self.stacked!r}.")
     object.__setattr__(self, "stacked", int(self.stacked))
-    n = paths.num_captures(self.a)
-    for p in (self.b, *self.follow_a, *self.follow_b):
+    first = self.patterns(0)[0]
+    n = paths.num_captures(first)
+    for p in (*self.patterns(0)[1:], *self.patterns(1), *self.follow_a, *self.follow_b):
       if paths.num_captures(p) != n:
         raise ValueError(
-            f"{self._spelled}: pattern {p!r} has a different number of wildcards than {self.a!r};"
+            f"{self._spelled}: pattern {p!r} has a different number of wildcards than {first!r};"
             " matches are paired by their wildcard captures.")
+
+  def patterns(self, side: int) -> tuple[str, ...]:
+    """The patterns of side a (0) or b (1)."""
+    return _as_tuple((self.a, self.b)[side])
+
+  def side_axes(self, side: int) -> tuple[int | None, ...]:
+    """The group axis of each pattern of side a (0) or b (1); None: the whole tensor."""
+    ax = None if self.axes is None else self.axes[side]
+    if ax is None:
+      return (None,) * len(self.patterns(side))
+    return (ax,) * len(self.patterns(side)) if _is_int(ax) else ax
+
+  def _checked_axes(self):
+    bad = not (isinstance(self.axes, (tuple, list)) and len(self.axes) == 2)
+    out = []
+    for side in range(2 * (not bad)):
+      ax, n = self.axes[side], len(self.patterns(side))
+      if _is_int(ax):
+        out.append(int(ax))
+      elif isinstance(ax, (tuple, list)) and len(ax) == n and all(map(_is_int, ax)) and n > 1:
+        out.append(tuple(int(x) for x in ax))
+      else:
+        bad = True
+    if bad:
+      raise ValueError(
+          f"{self._spelled}: axes must be None or a pair of ints (axis_a, axis_b), got"
+          f" {self.axes!r}; e.g. axes=(1, 1) groups axis 1 of both sides. On a side of several"
+          " patterns the axis may also be a tuple of one int per pattern.")
+    return tuple(out)
 
   @property
   def label(self) -> str:
@@ -140,15 +182,28 @@ class Slot:
 
 @dataclasses.dataclass(frozen=True)
 class Instance:
-  """One resolved pair: the two primary leaves and their followers."""
+  """One resolved pair: the leaves of each side, whose norms are balanced, and their followers."""
 
   key: str
   pair: Pair
-  a: str
-  b: str
+  members_a: tuple[str, ...]
+  members_b: tuple[str, ...]
   followers_a: tuple[str, ...]
   followers_b: tuple[str, ...]
   factor_shape: tuple[int, ...]
+
+  @property
+  def a(self) -> str:
+    """The first leaf of side a: names the instance in messages."""
+    return self.members_a[0]
+
+  @property
+  def b(self) -> str:
+    return self.members_b[0]
+
+  def members(self, sign: int) -> tuple[str, ...]:
+    """The leaves counted in the norm of side a (+1) or b (-1)."""
+    return self.members_a if sign > 0 else self.members_b
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +217,16 @@ class Plan:
   def slot(self, path: str, key: str) -> Slot:
     """How the leaf at ``path`` moves in the pair instance ``key``."""
     return next(s for s in self.slots[path] if s.key == key)
+
+  @functools.cached_property
+  def counted(self) -> frozenset[str]:
+    """The leaves whose norms the balancing minimises: members (not followers) of some instance."""
+    return frozenset(p for i in self.instances for p in i.members_a + i.members_b)
+
+  @functools.cached_property
+  def overlapping(self) -> bool:
+    """Whether some leaf is in several instances, so that their factors must be solved jointly."""
+    return any(len(s) > 1 for s in self.slots.values())
 
 
 def _leaf_specs(tree: Any) -> tuple[tuple[str, tuple[int, ...], Any], ...]:
@@ -199,13 +264,12 @@ def _matches(pattern: str, dtypes: dict[str, Any], pair: Pair) -> dict[tuple, st
   return found
 
 
-def _group_axis(pair: Pair, side: int, path: str, shape: tuple[int, ...]) -> int | None:
+def _group_axis(pair: Pair, ax: int | None, path: str, shape: tuple[int, ...]) -> int | None:
   if len(shape) < pair.stacked:
     raise ValueError(
         f"{pair._spelled}: {path!r} has shape {shape}, fewer than stacked={pair.stacked} axes.")
-  if pair.axes is None:
+  if ax is None:
     return None
-  ax = pair.axes[side]
   per_copy = len(shape) - pair.stacked
   if not -per_copy <= ax < per_copy:
     raise ValueError(
@@ -231,82 +295,95 @@ def _follower_slot(pair, key, sign, kernel_path, kernel_shape, kernel_axis, grou
 
 def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, Any]):
   """Yields each instance of ``pair`` with ``(path, slot, role)`` for each of its leaves."""
-  a_matches = _matches(pair.a, dtypes, pair)
-  b_matches = _matches(pair.b, dtypes, pair)
-  unpaired = sorted(set(a_matches) ^ set(b_matches))
-  if unpaired:
-    caps = unpaired[0]
-    side, path = ("a", a_matches[caps]) if caps in a_matches else ("b", b_matches[caps])
-    other = pair.b if side == "a" else pair.a
-    raise ValueError(f"{pair._spelled}: {path!r} (matched by {side}) has no partner matching"
-                     f" {other!r} with the same wildcard captures.")
+  sides = [[(pattern, ax, _matches(pattern, dtypes, pair))
+            for pattern, ax in zip(pair.patterns(side), pair.side_axes(side))]
+           for side in (0, 1)]
+  matched = [(side, found) for side in (0, 1) for _, _, found in sides[side]]
+  everywhere = set.intersection(*(set(found) for _, found in matched))
+  for side, found in matched:
+    for caps in sorted(set(found) - everywhere):
+      other = next(p for s in sides for p, _, f in s if caps not in f)
+      raise ValueError(f"{pair._spelled}: {found[caps]!r} (matched by {'ab'[side]}) has no partner"
+                       f" matching {other!r} with the same wildcard captures.")
   follower_matches = [(+1, p, _matches(p, dtypes, pair)) for p in pair.follow_a]
   follower_matches += [(-1, p, _matches(p, dtypes, pair)) for p in pair.follow_b]
-  for caps in sorted(a_matches):
-    pa, pb = a_matches[caps], b_matches[caps]
-    sa, sb = shapes[pa], shapes[pb]
-    key = f"{pa}|{pb}"
-    if sa[:pair.stacked] != sb[:pair.stacked]:
-      raise ValueError(f"{pair._spelled}: stacked axes differ between {pa!r} {sa} and {pb!r} {sb}.")
-    ax_a, ax_b = _group_axis(pair, 0, pa, sa), _group_axis(pair, 1, pb, sb)
+  for caps in sorted(everywhere):
+    kernels = [[(found[caps], ax) for _, ax, found in sides[side]] for side in (0, 1)]
+    key = "|".join("+".join(path for path, _ in side) for side in kernels)
+    first = kernels[0][0][0]
+    resolved = []  # (path, shape, absolute group axis, sign)
+    for side, sign in zip(kernels, (+1, -1)):
+      for path, ax in side:
+        shape = shapes[path]
+        if shape[:pair.stacked] != shapes[first][:pair.stacked]:
+          raise ValueError(f"{pair._spelled}: stacked axes differ between {first!r}"
+                           f" {shapes[first]} and {path!r} {shape}.")
+        resolved.append((path, shape, _group_axis(pair, ax, path, shape), sign))
     if pair.axes is None:
       groups = 1
     else:
-      na, nb = sa[ax_a], sb[ax_b]
-      if pair.groups is None and na != nb:
-        raise ValueError(f"{pair._spelled}: group axes differ in size ({pa!r} {sa} vs {pb!r} {sb});"
-                         " pass groups= to split both into the same number of blocks.")
-      groups = pair.groups or na
-      for path, n, shape in ((pa, na, sa), (pb, nb, sb)):
-        if n % groups:
-          raise ValueError(f"{pair._spelled}: {groups} groups do not divide axis of size {n} of"
-                           f" {path!r} with shape {shape}.")
-    members = [(pa, Slot(key, +1, ax_a, groups, pair.stacked), "side a"),
-               (pb, Slot(key, -1, ax_b, groups, pair.stacked), "side b")]
+      sizes = {shape[axis] for _, shape, axis, _ in resolved}
+      if pair.groups is None and len(sizes) > 1:
+        listed = ", ".join(f"{path!r} {shape}" for path, shape, _, _ in resolved)
+        raise ValueError(f"{pair._spelled}: group axes differ in size ({listed}); pass groups="
+                         " to split all into the same number of blocks.")
+      groups = pair.groups or sizes.pop()
+      for path, shape, axis, _ in resolved:
+        if shape[axis] % groups:
+          raise ValueError(f"{pair._spelled}: {groups} groups do not divide axis of size"
+                           f" {shape[axis]} of {path!r} with shape {shape}.")
+    multi = len(resolved) > 2
+    members = [(path, Slot(key, sign, axis, groups, pair.stacked),
+                f"side {'a' if sign > 0 else 'b'}" + (f" (pattern {pattern!r})" if multi else ""))
+               for (path, _, axis, sign), pattern in zip(
+                   resolved, pair.patterns(0) + pair.patterns(1))]
     followers = {+1: [], -1: []}
     for sign, pattern, found in follower_matches:
       if caps not in found:
         raise ValueError(f"{pair._spelled}: follower pattern {pattern!r} has no match with the"
-                         f" captures of {pa!r}.")
+                         f" captures of {first!r}.")
       path = found[caps]
-      kpath, kax = (pa, ax_a) if sign > 0 else (pb, ax_b)
+      kpath, _, kax, _ = next(r for r in resolved if r[3] == sign)
       slot = _follower_slot(pair, key, sign, kpath, shapes[kpath], kax, groups, path, shapes[path])
       members.append((path, slot, f"a follower of side {'a' if sign > 0 else 'b'}"
                       f" (pattern {pattern!r})"))
       followers[sign].append(path)
-    fshape = tuple(sa[:pair.stacked]) + ((groups,) if pair.axes is not None else ())
-    yield Instance(key, pair, pa, pb, tuple(followers[+1]), tuple(followers[-1]), fshape), members
+    fshape = tuple(shapes[first][:pair.stacked]) + ((groups,) if pair.axes is not None else ())
+    yield Instance(key, pair, *(tuple(path for path, _ in side) for side in kernels),
+                   tuple(followers[+1]), tuple(followers[-1]), fshape), members
 
 
 def _claim(inst: Instance, members, declared: dict, roles: dict) -> None:
-  """Records the leaves of ``inst``; raises if it or one of its leaves is declared already.
+  """Records the leaves of ``inst``; raises if it is declared already or a leaf cannot join it.
 
-  The factors of all instances are applied at once, which balances each one
-  exactly only when no leaf is shared: a shared leaf would need the factors
-  solved jointly, and an instance declared twice would be applied twice.
+  A leaf may be in several instances (their factors are then solved jointly),
+  but in one instance once, with one ``stacked``, and grouped along one axis
+  by one instance at most: two groupings of one axis would need factors per
+  combination of groups.
   """
-  both = frozenset((inst.a, inst.b))
-  if both in declared:
+  every = frozenset(inst.members_a + inst.members_b)
+  if every in declared:
     raise ValueError(
-        f"{declared[both].pair._spelled} and {inst.pair._spelled} both pair {inst.a!r} with"
+        f"{declared[every].pair._spelled} and {inst.pair._spelled} both pair {inst.a!r} with"
         f" {inst.b!r}, so its factors would be applied twice. Declare each pair once.")
-  declared[both] = inst
-  for path, _, role in members:
-    if path not in roles:
-      roles[path] = (role, inst)
-      continue
-    first_role, first = roles[path]
-    if first.key == inst.key:
-      raise ValueError(
-          f"{inst.pair._spelled}: {path!r} is both {first_role} and {role} of the pair of"
-          f" {inst.a!r} and {inst.b!r}; a leaf moves with one side of a pair only. Remove it from"
-          " one of the patterns.")
-    raise ValueError(
-        f"{path!r} is {first_role} of {first.pair._spelled} (pairing {first.a!r} with {first.b!r})"
-        f" and {role} of {inst.pair._spelled} (pairing {inst.a!r} with {inst.b!r}). Overlapping"
-        " symmetries (one leaf in two pair instances) are not supported yet: the factors of all"
-        " instances are applied at once, which does not balance them jointly. Declare each leaf"
-        " in at most one pair.")
+  declared[every] = inst
+  for path, slot, role in members:
+    for first_role, first, first_slot in roles.get(path, ()):
+      if first.key == inst.key:
+        raise ValueError(
+            f"{inst.pair._spelled}: {path!r} is both {first_role} and {role} of the pair of"
+            f" {inst.a!r} and {inst.b!r}; a leaf moves with one side of a pair only. Remove it"
+            " from one of the patterns.")
+      clash = ("stacked axes" if slot.stacked != first_slot.stacked else
+               f"group axis {slot.axis}" if slot.axis is not None and slot.axis == first_slot.axis
+               else None)
+      if clash:
+        raise ValueError(
+            f"{path!r} is {first_role} of {first.pair._spelled} (pairing {first.a!r} with"
+            f" {first.b!r}) and {role} of {inst.pair._spelled} (pairing {inst.a!r} with"
+            f" {inst.b!r}), both on its {clash}. Overlapping symmetries are balanced jointly"
+            " when each groups a different axis of a shared leaf, with the same stacked axes.")
+    roles.setdefault(path, []).append((role, inst, slot))
 
 
 @functools.lru_cache(maxsize=256)
@@ -318,7 +395,8 @@ def _resolve_cached(pairs: tuple[Pair, ...], leaf_specs: tuple) -> Plan:
     for inst, members in _resolve_pair(pair, shapes, dtypes):
       _claim(inst, members, declared, roles)
       instances.append(inst)
-      slots.update((path, (slot,)) for path, slot, _ in members)
+      for path, slot, _ in members:
+        slots[path] = slots.get(path, ()) + (slot,)
   return Plan(tuple(instances), slots, shapes)
 
 
@@ -326,8 +404,8 @@ def resolve(pairs: Sequence[Pair], tree: Any) -> Plan:
   """Resolves ``pairs`` on the leaves of ``tree``; raises ValueError on a bad declaration.
 
   Resolution looks only at paths, shapes and dtypes, so it runs once per tree
-  structure at trace time and costs nothing inside a compiled step. Every leaf
-  is in at most one pair instance, and only floating-point leaves are.
+  structure at trace time and costs nothing inside a compiled step. Only
+  floating-point leaves are declared.
   """
   if isinstance(pairs, Pair):
     pairs = (pairs,)
@@ -355,8 +433,9 @@ def describe(pairs: Sequence[Pair], params: Any) -> str:
   plan = resolve(pairs, params)
   rows = [("pair", "side", "path", "shape", "group axis", "factors")]
   for inst in plan.instances:
-    for side, path in [("a", inst.a), ("b", inst.b)] + [("a+", p) for p in inst.followers_a] + [
-        ("b+", p) for p in inst.followers_b]:
+    for side, path in ([("a", p) for p in inst.members_a] + [("b", p) for p in inst.members_b]
+                       + [("a+", p) for p in inst.followers_a]
+                       + [("b+", p) for p in inst.followers_b]):
       slot = plan.slot(path, inst.key)
       axis = "whole" if slot.axis is None else str(slot.axis)
       rows.append((inst.pair.label, side, path, str(plan.shapes[path]), axis, str(inst.factor_shape)))
@@ -367,4 +446,7 @@ def describe(pairs: Sequence[Pair], params: Any) -> str:
   n_factors = sum(math.prod(i.factor_shape) for i in plan.instances)
   lines.append(f"{n_instances} pair instance{'s' * (n_instances != 1)},"
                f" {n_factors} factor{'s' * (n_factors != 1)} in all.")
+  shared = [path for path, slots in plan.slots.items() if len(slots) > 1]
+  if shared:
+    lines.append(f"In several pairs, so balanced jointly: {', '.join(shared)}.")
   return "\n".join(lines)

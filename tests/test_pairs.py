@@ -277,16 +277,14 @@ def test_instance_declared_twice(pairs, params, msg):
     _init(pairs, params)
 
 
-_OVERLAP = "Overlapping symmetries (one leaf in two pair instances) are not supported yet"
+_CLASH = "Overlapping symmetries are balanced jointly when each groups a different axis"
 
 
 @pytest.mark.parametrize("pairs, msg", [
-    # Primary in two instances: q/k and q/v.
+    # Primary in two instances grouped along the same axis: q/k and q/v.
     ([saggs.Pair("q", "k", axes=(1, 1)), saggs.Pair("q", "v", axes=(1, 1))],
-     "'q' is side a of Pair('q', 'k') (pairing 'q' with 'k') and side a of Pair('q', 'v')"),
-    # Three pairs sharing one leaf: the first repeat is reported.
-    ([saggs.Pair("q", "k"), saggs.Pair("v", "k"), saggs.Pair("o", "k")],
-     "'k' is side b of Pair('q', 'k') (pairing 'q' with 'k') and side b of Pair('v', 'k')"),
+     "'q' is side a of Pair('q', 'k') (pairing 'q' with 'k') and side a of Pair('q', 'v')"
+     " (pairing 'q' with 'v'), both on its group axis 1"),
     # A follower of one pair that is a primary of another, in both orders.
     ([saggs.Pair("q", "k", axes=(1, 1), follow_a="v"), saggs.Pair("v", "o", axes=(1, 1))],
      "'v' is a follower of side a (pattern 'v') of Pair('q', 'k') (pairing 'q' with 'k') and"
@@ -299,9 +297,13 @@ _OVERLAP = "Overlapping symmetries (one leaf in two pair instances) are not supp
       saggs.Pair("v", "o", axes=(1, 1), follow_b="b", name="V/O")],
      "'b' is a follower of side a (pattern 'b') of Pair('q', 'k') (pairing 'q' with 'k') and a"
      " follower of side b (pattern 'b') of 'V/O' = Pair('v', 'o')"),
+    # Two instances on one leaf with different stacked axes.
+    ([saggs.Pair("q", "k"), saggs.Pair("q", "v", stacked=1)],
+     "'q' is side a of Pair('q', 'k') (pairing 'q' with 'k') and side a of Pair('q', 'v')"
+     " (pairing 'q' with 'v'), both on its stacked axes"),
 ])
-def test_leaf_in_two_instances(pairs, msg):
-  with pytest.raises(ValueError, match=re.escape(msg) + ".*" + re.escape(_OVERLAP)):
+def test_leaf_grouped_twice_along_one_axis(pairs, msg):
+  with pytest.raises(ValueError, match=re.escape(msg) + ".*" + re.escape(_CLASH)):
     _init(pairs, _qkvo())
 
 

@@ -197,6 +197,32 @@ LAYOUT_SCRIPT = PRELUDE + textwrap.dedent(r"""
     print("sharding OK")
 """)
 
+OVERLAP_SCRIPT = PRELUDE + textwrap.dedent(r"""
+    # A norm gain against the rows of q, k and v overlaps the Q/K and V/O pairs: the factors
+    # are solved jointly from per-(row, group) sums, on every layout as unsharded.
+    pairs = PAIRS + [saggs.Pair("norm", ("attn/q", "attn/k", "attn/v"), axes=(0, 0))]
+    tx = saggs.chain(optax.adam(1e-2), saggs.saggs(pairs))
+    step = lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p))
+    want = jax.jit(step)(PARAMS, tx.init(PARAMS), grads(1))
+    for axis_type in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):
+      mesh = jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
+      for name, layout in {"fsdp0": {"col": P("x", None), "row": P("x", None), "bias": P("x")},
+                           "tp": {"col": P(None, "x"), "row": P("x", None), "bias": P("x")}}.items():
+        sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(PARAMS, layout))
+        with jax.set_mesh(mesh):
+          params = jax.device_put(PARAMS, sh)
+          got = jax.jit(step)(params, tx.init(params), jax.device_put(grads(1), sh))
+        for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+          b = np.asarray(b)
+          check(np.allclose(a, b, rtol=1e-5, atol=1e-6 * np.max(np.abs(b))),
+                f"{axis_type} {name} {jax.tree_util.keystr(kp)}: max diff {np.max(np.abs(a - b))}")
+        for (kp, x), s in zip(jax.tree_util.tree_leaves_with_path(got[0]), jax.tree.leaves(sh)):
+          check(x.sharding.is_equivalent_to(s, x.ndim), f"{axis_type} {name} {kp}: {x.sharding}")
+    if failures:
+      sys.exit(f"{len(failures)} overlap check(s) failed")
+    print("overlap OK")
+""")
+
 SHARD_MAP_SCRIPT = PRELUDE + textwrap.dedent(r"""
     # FSDP along each kernel's non-group axis: every device holds a slice of every group.
     mesh = jax.make_mesh((8,), ("x",))
@@ -243,6 +269,10 @@ def run(script):
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_layouts_equal_unsharded_keep_shardings_and_communicate_per_group(axis_type):
   assert "sharding OK" in run(LAYOUT_SCRIPT.replace("AXIS_TYPE", axis_type))
+
+
+def test_overlapping_pairs_sharded_equal_unsharded():
+  assert "overlap OK" in run(OVERLAP_SCRIPT)
 
 
 def test_shard_map_needs_axis_name_and_then_balances_globally():
