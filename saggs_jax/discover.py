@@ -1,0 +1,857 @@
+"""Finding a model's exact rescaling symmetries from its jaxpr.
+
+:func:`discover` reads ``jax.make_jaxpr(apply_fn)(params, *inputs)`` and
+follows, for every parameter used as a linear map (a ``dot_general`` operand)
+or as an elementwise gain, how a per-channel factor ``c`` on that parameter
+travels through the program:
+
+* reshapes, transposes, broadcasts, slices and concatenations carry the
+  channel axes (a reshape that splits a channel axis proposes head groups);
+* multiplying by a value that does not depend on the parameter (a constant,
+  RoPE's cos/sin, a SwiGLU gate, attention probabilities) keeps ``c``;
+  ``max(x, 0)`` keeps positive ``c`` (ReLU);
+* adding a bias keeps ``c`` if the bias is scaled along (a follower); adding
+  anything else (the residual stream) loses it;
+* a nonlinearity (``exp``, ``tanh``, ``logistic``, ``erf``, ...) or a
+  reduction over the channel (a normalisation) breaks it, and the reason is
+  kept for the report;
+* a ``dot_general`` contracting the channel against another parameter (B)
+  cancels ``c`` when B is scaled by ``1/c`` along the contracted axis: a
+  candidate ``A -> B`` (V/O, up/down, a norm gain against the rows of every
+  linear that reads it);
+* a ``dot_general`` contracting the channel against another parameter's
+  channel (Q.K) cancels it when that parameter is scaled by ``1/c``.
+
+Every candidate is then confirmed numerically: all its instances (every layer)
+get random factors at once and the outputs must agree to ``rtol`` (float32,
+full-precision matmuls); the finest exact grouping wins. Nothing unconfirmed
+is returned. Declarations use path patterns relative to each instance's
+enclosing module, so one :class:`~saggs_jax.Pair` covers every layer.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import heapq
+import math
+import re
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+from saggs_jax import paths
+from saggs_jax.pairs import Pair
+
+NORM = "a normalization over its channels"
+_SUB_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# Ops that move axes around without mixing channels: they carry leaf views and factors.
+_STRUCTURAL = frozenset({
+    "convert_element_type", "copy", "copy_p", "reduce_precision", "neg", "transpose",
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "slice", "rev", "pad",
+    "dynamic_slice", "scan_slice", "scan_stack", "split", "concatenate", "optimization_barrier",
+    "sharding_constraint", "real"})
+_ADD = frozenset({"add", "sub", "add_any"})
+_REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "reduce_prod",
+                     "reduce_and", "reduce_or"})
+_POSITIVE_REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+
+
+# ---------------------------------------------------------------------------
+# The program: one flat list of equations, sub-jaxprs inlined.
+
+@dataclasses.dataclass
+class _Eqn:
+  prim: str
+  ins: list  # value ids, None for literals and constants
+  outs: list
+  params: dict
+
+
+class _Program:
+  """A jaxpr flattened: pjit, custom_jvp/vjp, remat and calls inlined; one scan iteration."""
+
+  def __init__(self, closed: jcore.ClosedJaxpr, num_leaves: int):
+    self.eqns: list[_Eqn] = []
+    self.shapes: list[tuple[int, ...]] = []
+    ids = [self._new(v.aval.shape) for v in closed.jaxpr.invars]
+    self.leaf_ids = ids[:num_leaves]
+    self.outputs = set(i for i in self._inline(closed.jaxpr, ids) if i is not None)
+
+  def _new(self, shape) -> int:
+    self.shapes.append(tuple(shape))
+    return len(self.shapes) - 1
+
+  def _emit(self, prim, ins, out_shapes, params) -> list[int]:
+    outs = [self._new(s) for s in out_shapes]
+    self.eqns.append(_Eqn(prim, ins, outs, params))
+    return outs
+
+  def _inline(self, jaxpr: jcore.Jaxpr, in_ids: list) -> list:
+    env = dict(zip(jaxpr.invars, in_ids))
+    for v in jaxpr.constvars:  # constants do not depend on the parameters
+      env[v] = None
+
+    def read(x):
+      return None if isinstance(x, jcore.Literal) else env[x]
+
+    for eqn in jaxpr.eqns:
+      ins = [read(x) for x in eqn.invars]
+      name = eqn.primitive.name
+      sub = next((eqn.params[k] for k in _SUB_JAXPR_PARAMS if k in eqn.params), None)
+      if isinstance(sub, jcore.ClosedJaxpr):
+        sub = sub.jaxpr
+      if name == "scan":
+        outs = self._scan(eqn, ins)
+      elif isinstance(sub, jcore.Jaxpr) and len(sub.invars) == len(ins):
+        outs = self._inline(sub, ins)
+      else:
+        outs = self._emit(name, ins, [v.aval.shape for v in eqn.outvars], eqn.params)
+      env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+  def _scan(self, eqn, ins) -> list:
+    """One iteration: per-step slices of ``xs`` in, stacked ``ys`` out."""
+    body, nc, ncarry = eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"], eqn.params["num_carry"]
+    xs = [None if i is None else self._emit("scan_slice", [i], [self.shapes[i][1:]], {})[0]
+          for i in ins[nc + ncarry:]]
+    outs = self._inline(body, ins[:nc + ncarry] + xs)
+    ys = [None if o is None else self._emit("scan_stack", [o], [v.aval.shape], {})[0]
+          for o, v in zip(outs[ncarry:], eqn.outvars[ncarry:])]
+    return outs[:ncarry] + ys
+
+
+def _reshape_map(old, new) -> tuple[list[list[int]], list[list[int]]]:
+  """For each old axis the new axes of its block, and each block's new sizes."""
+  out, sizes = [[] for _ in old], [[] for _ in old]
+  i = j = 0
+  while i < len(old) and j < len(new):
+    if old[i] == 1:
+      i += 1
+      continue
+    if new[j] == 1:
+      j += 1
+      continue
+    bi, bj, po, pn = [i], [j], old[i], new[j]
+    i, j = i + 1, j + 1
+    while po != pn:
+      if po < pn:
+        bi.append(i)
+        po *= old[i]
+        i += 1
+      else:
+        bj.append(j)
+        pn *= new[j]
+        j += 1
+    for a in bi:
+      out[a], sizes[a] = bj, [new[b] for b in bj]
+  return out, sizes
+
+
+def _axis_map(prog: _Program, eqn: _Eqn, k: int) -> list[list[int]]:
+  """For structural ``eqn``, the output axes each axis of input ``k`` lands on."""
+  shape, p = prog.shapes[eqn.ins[k]], eqn.params
+  n = len(shape)
+  if eqn.prim == "transpose":
+    inv = {old: new for new, old in enumerate(p["permutation"])}
+    return [[inv[a]] for a in range(n)]
+  if eqn.prim == "broadcast_in_dim":
+    return [[d] for d in p["broadcast_dimensions"]]
+  if eqn.prim == "reshape":
+    return _reshape_map(shape, prog.shapes[eqn.outs[0]])[0]
+  if eqn.prim == "squeeze":
+    kept = [a for a in range(n) if a not in p["dimensions"]]
+    return [[kept.index(a)] if a in kept else [] for a in range(n)]
+  if eqn.prim == "expand_dims":
+    out = [a for a in range(len(prog.shapes[eqn.outs[0]])) if a not in p["dimensions"]]
+    return [[o] for o in out]
+  if eqn.prim == "scan_slice":
+    return [[]] + [[a - 1] for a in range(1, n)]
+  if eqn.prim == "scan_stack":
+    return [[a + 1] for a in range(n)]
+  return [[a] for a in range(n)]
+
+
+def _dot_out_axis(dims, shapes, side: int) -> dict[int, int]:
+  """Output position of every batch or free axis of operand ``side`` of a dot_general."""
+  (lc, rc), (lb, rb) = dims
+  contract, batch = (lc, rc), (lb, rb)
+  free = [[a for a in range(len(s)) if a not in contract[i] and a not in batch[i]]
+          for i, s in enumerate(shapes)]
+  out = {a: i for i, a in enumerate(batch[side])}
+  offset = len(batch[0]) + (len(free[0]) if side else 0)
+  out.update({a: offset + i for i, a in enumerate(free[side])})
+  return out
+
+
+# ---------------------------------------------------------------------------
+# Leaf views and uses.
+
+class _View(NamedTuple):
+  leaf: int
+  axes: tuple[frozenset, ...]  # per axis of the value: the leaf axes it holds
+  consumed: int  # leading leaf axes sliced off by scans
+
+
+class _Use(NamedTuple):
+  eqn: int
+  operand: int
+  view: _View
+
+
+def _views(prog: _Program, shapes: list) -> tuple[dict, dict, list[bool]]:
+  """Values that are views of one leaf, each leaf's uses, and which values depend on leaves."""
+  views = {i: _View(n, tuple(frozenset([a]) for a in range(len(shapes[n]))), 0)
+           for n, i in enumerate(prog.leaf_ids)}
+  dep = [False] * len(prog.shapes)
+  for i in prog.leaf_ids:
+    dep[i] = True
+  uses = collections.defaultdict(list)
+  for e, eqn in enumerate(prog.eqns):
+    for o in eqn.outs:
+      dep[o] = any(i is not None and dep[i] for i in eqn.ins)
+    src = [(k, views[i]) for k, i in enumerate(eqn.ins) if i in views]
+    if len(eqn.ins) == 1 and src and eqn.prim in _STRUCTURAL and eqn.prim not in ("split",):
+      view = src[0][1]
+      new = [frozenset() for _ in prog.shapes[eqn.outs[0]]]
+      for a, outs in enumerate(_axis_map(prog, eqn, 0)):
+        for o in outs:
+          new[o] = new[o] | view.axes[a]
+      consumed = view.consumed + (eqn.prim == "scan_slice")
+      views[eqn.outs[0]] = _View(view.leaf, tuple(new), consumed)
+      continue
+    for k, view in src:
+      uses[view.leaf].append(_Use(e, k, view))
+  return views, uses, dep
+
+
+# ---------------------------------------------------------------------------
+# Following one factor through the program.
+
+@dataclasses.dataclass(frozen=True)
+class _Tag:
+  """A value scaled per channel: value axis -> source leaf axes; why it is no longer exact."""
+  axes: tuple[tuple[int, frozenset], ...]
+  reasons: frozenset = frozenset()
+  positive: bool = False
+
+  @property
+  def amap(self) -> dict[int, frozenset]:
+    return dict(self.axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Taint:
+  """A value changed by the factor without a channel axis (a norm statistic, say)."""
+  reasons: frozenset
+
+
+def _tag(amap: dict, reasons=frozenset(), positive=False) -> _Tag | None:
+  axes = tuple(sorted((a, s) for a, s in amap.items() if s))
+  return _Tag(axes, frozenset(reasons), positive) if axes else None
+
+
+class _Reach(NamedTuple):
+  leaf: int
+  amap: dict  # source leaf axis -> leaf axes of the reached parameter
+  consumed: int  # its leading axes sliced off by scans
+  eqn: int
+  reasons: frozenset
+  positive: bool
+
+
+class _Meet(NamedTuple):
+  eqn: int
+  side: int
+  positions: tuple  # (kind, k) of the dot_general dimension numbers the factor sits on
+  reasons: frozenset
+  positive: bool
+
+
+@dataclasses.dataclass
+class _Trace:
+  reaches: list = dataclasses.field(default_factory=list)
+  meets: list = dataclasses.field(default_factory=list)
+  followers: list = dataclasses.field(default_factory=list)  # (leaf, {source axis: leaf axes})
+  breaks: set = dataclasses.field(default_factory=set)
+  splits: set = dataclasses.field(default_factory=set)
+  through: set = dataclasses.field(default_factory=set)  # what the factor went through
+
+
+class _Follower:
+  """Propagates one source's factor forward in program order."""
+
+  def __init__(self, prog, views, dep, consumers):
+    self.prog, self.views, self.dep, self.consumers = prog, views, dep, consumers
+
+  def run(self, start: int, out: int, tag: _Tag) -> _Trace:
+    self.trace, self.state, self.heap, self.seen = _Trace(), {}, [], {start}
+    self._set(out, tag)
+    while self.heap:
+      e = heapq.heappop(self.heap)
+      self._step(e, self.prog.eqns[e])
+    return self.trace
+
+  def _set(self, i, value):
+    if value is None:
+      return
+    self.state[i] = value
+    if i in self.prog.outputs:
+      self.trace.breaks.add("it reaches the model's output directly")
+    for e in self.consumers.get(i, ()):
+      if e not in self.seen:
+        self.seen.add(e)
+        heapq.heappush(self.heap, e)
+
+  def _step(self, e: int, eqn: _Eqn):
+    st = [None if i is None else self.state.get(i) for i in eqn.ins]
+    tags = [s for s in st if isinstance(s, _Tag)]
+    taints = [s for s in st if isinstance(s, _Taint)]
+    reasons = frozenset().union(*(s.reasons for s in tags + taints))
+    p = eqn.prim
+    if not tags:
+      for o in eqn.outs:
+        self._set(o, _Taint(reasons))
+      return
+    if p in _STRUCTURAL:
+      self._structural(eqn, st, reasons)
+    elif p in _ADD or p == "mul" or p == "div":
+      self._binary(eqn, st, reasons)
+    elif p in ("max", "min") and st[1 - st.index(tags[0])] is None:
+      self.trace.through.add("relu")
+      self._set(eqn.outs[0], dataclasses.replace(tags[0], positive=True))
+    elif p in ("abs",):
+      self._set(eqn.outs[0], dataclasses.replace(tags[0], positive=True))
+    elif p in _REDUCE:
+      self._reduce(eqn, tags[0], reasons)
+    elif p == "dot_general":
+      self._dot(e, eqn, st, reasons)
+    elif p == "select_n" and st[0] is None and all(isinstance(s, _Tag) for s in st[1:]):
+      self._set(eqn.outs[0], tags[0])
+    elif len(eqn.ins) == 1 and len(eqn.outs) == 1 and self.prog.shapes[eqn.outs[0]] == \
+        self.prog.shapes[eqn.ins[0]]:  # elementwise nonlinearity
+      self._set(eqn.outs[0], _Tag(tags[0].axes, reasons | {p}, tags[0].positive))
+    else:
+      for o in eqn.outs:
+        self._set(o, _Taint(reasons | {p}))
+
+  def _structural(self, eqn, st, reasons):
+    if eqn.prim in ("concatenate", "split") or len(eqn.ins) == 1 or eqn.prim in ("pad",
+                                                                                  "dynamic_slice"):
+      if eqn.prim == "concatenate" and len({s.axes if isinstance(s, _Tag) else s for s in st}) > 1:
+        reasons = reasons | {"a concatenation with a value that does not scale with it"}
+      tag = next(s for s in st if isinstance(s, _Tag))
+      amap = {}
+      for a, outs in enumerate(_axis_map(self.prog, eqn, 0)):
+        for o in outs:
+          if a in tag.amap:
+            amap[o] = amap.get(o, frozenset()) | tag.amap[a]
+      if eqn.prim == "reshape":
+        for a, sizes in enumerate(_reshape_map(self.prog.shapes[eqn.ins[0]],
+                                               self.prog.shapes[eqn.outs[0]])[1]):
+          if a in tag.amap and len(sizes) > 1:
+            self.trace.splits.update(math.prod(sizes[:k]) for k in range(1, len(sizes)))
+      for o in eqn.outs:
+        self._set(o, _tag(amap, reasons, tag.positive))
+    else:
+      for o in eqn.outs:
+        self._set(o, _Taint(reasons | {eqn.prim}))
+
+  def _binary(self, eqn, st, reasons):
+    p, (x, y) = eqn.prim, st
+    tag = x if isinstance(x, _Tag) else y
+    other, k_other = (y, 1) if tag is x else (x, 0)
+    positive = tag.positive
+    if isinstance(other, _Tag):
+      if p in _ADD and other.axes != tag.axes:
+        reasons |= {"a sum of values scaled along different axes"}
+      elif p not in _ADD:
+        reasons |= {f"{p} of two values that both scale with it (degree 2)"}
+      positive = tag.positive or other.positive
+    elif isinstance(other, _Taint):
+      if NORM in other.reasons:
+        reasons |= {NORM}
+    elif p in _ADD and not self._follower(eqn.ins[k_other], tag):
+      if eqn.ins[k_other] is None or not self.dep[eqn.ins[k_other]]:
+        reasons |= {"an added constant"}
+      elif not reasons:  # an exact factor is lost here; an inexact one is reported as such
+        self.trace.breaks.add("it is added to a value that does not scale with it"
+                              " (the residual stream, say)")
+        return
+    elif p == "div" and tag is y:
+      reasons |= {"a division by it"}
+    elif eqn.ins[k_other] is not None and self.dep[eqn.ins[k_other]] and eqn.ins[k_other] not in self.views:
+      self.trace.through.add("gate")
+    self._set(eqn.outs[0], _Tag(tag.axes, reasons, positive))
+
+  def _follower(self, i, tag) -> bool:
+    view = self.views.get(i)
+    if view is None:
+      return False
+    amap = {}
+    for a, src in tag.amap.items():
+      if a >= len(view.axes) or not view.axes[a]:
+        return False
+      for s in src:
+        amap[s] = view.axes[a]
+    self.trace.followers.append((view.leaf, amap, view.consumed))
+    return True
+
+  def _reduce(self, eqn, tag, reasons):
+    axes = set(eqn.params["axes"])
+    if axes & set(tag.amap):
+      for o in eqn.outs:
+        self._set(o, _Taint(reasons | {NORM}))
+      return
+    kept = [a for a in range(len(self.prog.shapes[eqn.ins[0]])) if a not in axes]
+    amap = {kept.index(a): s for a, s in tag.amap.items()}
+    if eqn.prim not in _POSITIVE_REDUCE:
+      reasons |= {eqn.prim}
+    self._set(eqn.outs[0], _tag(amap, reasons, tag.positive or eqn.prim != "reduce_sum"))
+
+  def _dot(self, e, eqn, st, reasons):
+    dims = eqn.params["dimension_numbers"]
+    (lc, rc), (lb, rb) = dims
+    if all(isinstance(s, _Tag) for s in st):
+      for o in eqn.outs:
+        self._set(o, _Taint(reasons | {"a product of two values that both scale with it"}))
+      return
+    side = 0 if isinstance(st[0], _Tag) else 1
+    tag, other = st[side], eqn.ins[1 - side]
+    contract, batch = (lc, rc)[side], (lb, rb)[side]
+    if isinstance(st[1 - side], _Taint):
+      reasons |= st[1 - side].reasons
+    if set(contract) & set(tag.amap):
+      view = self.views.get(other)
+      ocontract, obatch = (lc, rc)[1 - side], (lb, rb)[1 - side]
+      if view is not None:
+        amap = {}
+        for mine, theirs in zip(list(contract) + list(batch), list(ocontract) + list(obatch)):
+          for s in tag.amap.get(mine, ()):
+            amap[s] = amap.get(s, frozenset()) | view.axes[theirs]
+        self.trace.reaches.append(_Reach(view.leaf, amap, view.consumed, e, reasons, tag.positive))
+      elif self.dep[other]:
+        positions = tuple(sorted([("c", k) for k, a in enumerate(contract) if a in tag.amap]
+                                 + [("b", k) for k, a in enumerate(batch) if a in tag.amap]))
+        self.trace.meets.append(_Meet(e, side, positions, reasons, tag.positive))
+      else:
+        rest = {a: s for a, s in tag.amap.items() if a not in contract}
+        out = _dot_out_axis(dims, [self.prog.shapes[i] for i in eqn.ins], side)
+        self._set(eqn.outs[0], _tag({out[a]: s for a, s in rest.items()},
+                                    reasons | {"a contraction with a constant"}, tag.positive))
+      return
+    if self.dep[other] and other not in self.views:
+      self.trace.through.add("attention")
+    out = _dot_out_axis(dims, [self.prog.shapes[i] for i in eqn.ins], side)
+    self._set(eqn.outs[0], _tag({out[a]: s for a, s in tag.amap.items()}, reasons, tag.positive))
+
+
+# ---------------------------------------------------------------------------
+# Candidates.
+
+@dataclasses.dataclass
+class _Candidate:
+  """One instance: ``(leaf, absolute group axis)`` per side and follower list."""
+  name: str
+  a: list
+  b: list
+  follow_a: list
+  follow_b: list
+  stacked: int
+  splits: set
+  positive: bool
+
+  @property
+  def scaled(self):
+    return [(m, +1) for m in self.a + self.follow_a] + [(m, -1) for m in self.b + self.follow_b]
+
+
+def _sources(prog, views, uses, shapes):
+  """Each use of a leaf that a factor can start from: ``(leaf, eqn, out id, tag, stacked)``."""
+  for leaf, found in uses.items():
+    for use in found:
+      eqn = prog.eqns[use.eqn]
+      view, k = use.view, use.operand
+      if eqn.prim == "dot_general":
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        contract, batch = (lc, rc)[k], (lb, rb)[k]
+        out = _dot_out_axis(eqn.params["dimension_numbers"], [prog.shapes[i] for i in eqn.ins], k)
+        amap = {out[a]: view.axes[a] for a in range(len(view.axes)) if a not in contract}
+        stack = frozenset().union(*(view.axes[a] for a in batch))
+      elif eqn.prim == "mul" and len(eqn.ins) == 2:
+        amap = {a: s for a, s in enumerate(view.axes)
+                if prog.shapes[eqn.outs[0]][a] == prog.shapes[eqn.ins[k]][a]}
+        stack = frozenset()
+      else:
+        continue
+      channel = frozenset().union(*amap.values()) - stack
+      stacked = view.consumed + len(stack)
+      if not channel or stack != frozenset(range(view.consumed, stacked)):
+        continue
+      tag = _tag(amap)
+      if tag is not None:
+        yield leaf, use.eqn, eqn.outs[0], tag, stacked, tuple(sorted(channel))
+
+
+def _explain(reasons: frozenset, where: str) -> str:
+  """Why a factor is not cancelled exactly: the nonlinear primitives if any, else the reasons."""
+  prims = sorted(r for r in reasons if " " not in r)
+  if prims:
+    return f"not positively homogeneous: {', '.join(prims)} {where}"
+  return f"not exact: {'; '.join(sorted(reasons))} {where}"
+
+
+def _group_options(sizes: list[int], splits: set) -> list[int]:
+  options = {n for n in sizes} | set(splits) | {1}
+  options |= {math.gcd(a, b) for a in options for b in options}
+  return sorted((g for g in options if all(n % g == 0 for n in sizes)), reverse=True)
+
+
+# ---------------------------------------------------------------------------
+# The result.
+
+class Rejected(NamedTuple):
+  """A rescaling that is no exact symmetry: ``a`` against ``b``, and why."""
+  a: str | tuple[str, ...]
+  b: str | tuple[str, ...]
+  reason: str
+
+
+class Discovery(collections.abc.Sequence):
+  """What :func:`discover` found: a sequence of :class:`~saggs_jax.Pair`, and what it rejected.
+
+  Pass it wherever pairs go (``saggs.saggs(discovery)``, ``saggs.describe``,
+  ``saggs.check_symmetry``). ``repr`` is Python that rebuilds it;
+  :meth:`report` is a readable summary.
+  """
+
+  def __init__(self, pairs: Sequence[Pair] = (), rejected: Sequence[Rejected] = ()):
+    self.pairs, self.rejected = tuple(pairs), tuple(rejected)
+
+  def __getitem__(self, i):
+    return self.pairs[i]
+
+  def __len__(self):
+    return len(self.pairs)
+
+  def __eq__(self, other):
+    return (isinstance(other, Discovery) and self.pairs == other.pairs
+            and self.rejected == other.rejected)
+
+  def __repr__(self):
+    def block(items):
+      return "".join(f"\n    {x!r}," for x in items) + ("\n" if items else "")
+    return f"Discovery(pairs=[{block(self.pairs)}], rejected=[{block(self.rejected)}])"
+
+  def report(self) -> str:
+    """Found and rejected symmetries, one line each."""
+    def side(x, axes):
+      names = (x,) if isinstance(x, str) else x
+      axes = axes if isinstance(axes, tuple) else (axes,) * len(names)
+      return ", ".join(f"{n!r} (axis {a})" for n, a in zip(names, axes))
+
+    lines = [f"Found {len(self.pairs)} symmetr{'y' if len(self.pairs) == 1 else 'ies'}:"]
+    for p in self.pairs:
+      extra = [f"{p.groups} groups"] if p.groups else []
+      extra += [f"stacked={p.stacked}"] if p.stacked else []
+      extra += [f"bias {', '.join(map(repr, p.follow_a + p.follow_b))}"] if (
+          p.follow_a or p.follow_b) else []
+      lines.append(f"  {p.label}: {side(p.a, p.axes[0])} x c  against  {side(p.b, p.axes[1])}"
+                   f" x 1/c{'; ' + ', '.join(extra) if extra else ''}")
+    lines.append(f"Rejected {len(self.rejected)}:")
+    lines += [f"  {r.a!r} against {r.b!r}: {r.reason}" for r in self.rejected]
+    return "\n".join(lines)
+
+  __str__ = report
+
+
+# ---------------------------------------------------------------------------
+# discover()
+
+_NAMES = {"attention": "attention V/O", "gate": "gated MLP up/down", "relu": "ReLU MLP up/down"}
+
+
+class _Analysis:
+  """The jaxpr read once: candidate instances and static rejections, by leaf index."""
+
+  def __init__(self, closed, names, shapes, floating):
+    self.names, self.shapes = names, shapes
+    prog = _Program(closed, len(names))
+    views, self.uses, dep = _views(prog, shapes)
+    consumers = collections.defaultdict(list)
+    for e, eqn in enumerate(prog.eqns):
+      for i in set(eqn.ins) - {None}:
+        consumers[i].append(e)
+    follower = _Follower(prog, views, dep, consumers)
+    self.candidates, self.rejected = [], []
+    meets = collections.defaultdict(list)
+    for leaf, e, out, tag, stacked, channel in _sources(prog, views, self.uses, shapes):
+      if not floating[leaf]:
+        continue
+      trace = follower.run(e, out, tag)
+      source = (leaf, e, channel, stacked, trace, prog.eqns[e].prim == "mul")
+      if len(trace.meets) == 1 and not trace.reaches and not trace.breaks:
+        meets[trace.meets[0].eqn].append(source)
+      elif trace.reaches and not trace.meets:
+        self._chain(*source)
+    for found in meets.values():
+      self._meeting(found)
+
+  def _followers(self, leaf, axis, trace):
+    return [(f, axis - (len(self.shapes[leaf]) - len(self.shapes[f])))
+            for f, _, _ in trace.followers]
+
+  def _tied(self, leaves_eqns) -> str | None:
+    for leaf, eqns in leaves_eqns:
+      if any(u.eqn not in eqns for u in self.uses[leaf]):
+        return (f"weight tying: {self.names[leaf]!r} is also used elsewhere, so rescaling it"
+                " changes another part of the model")
+    return None
+
+  def _reject(self, a, b, reason):
+    self.rejected.append(([self.names[x] for x in a], [self.names[x] for x in b], reason))
+
+  def _chain(self, leaf, e, channel, stacked, trace, gain):
+    targets = [r.leaf for r in trace.reaches]
+    reasons = frozenset().union(*(r.reasons for r in trace.reaches))
+    if NORM in reasons:
+      return self._reject([leaf], targets, (
+          "a normalization between them makes what follows side a invariant to its scale,"
+          " so nothing compensates a factor on side b"))
+    if reasons:
+      return self._reject([leaf], targets, _explain(reasons, "between them"))
+    if trace.breaks:
+      return self._reject([leaf], targets, "part of side a's output bypasses side b: "
+                          + "; ".join(sorted(trace.breaks)))
+    reach_eqns = {r.eqn for r in trace.reaches}
+    tied = self._tied([(leaf, {e})] + [(t, reach_eqns) for t in targets]
+                      + [(f, {self.uses[f][0].eqn}) for f, _, _ in trace.followers])
+    if tied:
+      return self._reject([leaf], targets, tied)
+    channel = list(channel)  # a leading channel axis that meets a leading axis of every B
+    while len(channel) > 1 and channel[0] == stacked and all(  # indexes copies (experts)
+        r.amap.get(stacked) == {stacked} for r in trace.reaches):
+      stacked, channel = stacked + 1, channel[1:]
+    axis = channel[0]
+    b_side = []
+    for r in trace.reaches:
+      stack = frozenset().union(*(r.amap.get(s, frozenset()) for s in range(stacked)))
+      if axis not in r.amap or r.consumed + len(stack) != stacked:
+        return
+      b_side.append((r.leaf, min(r.amap[axis])))
+    name = "norm gain" if gain else next(
+        (_NAMES[k] for k in ("attention", "gate", "relu") if k in trace.through), "linear chain")
+    self.candidates.append(_Candidate(name, [(leaf, axis)], b_side,
+                                      self._followers(leaf, axis, trace), [], stacked,
+                                      trace.splits, "relu" in trace.through))
+
+  def _meeting(self, found):
+    """Pairs the sources that meet in one dot_general: exact pairs first, then the rest."""
+    sides = [[s for s in found if s[4].meets[0].side == k] for k in (0, 1)]
+    combos = [(a, b) for a in sides[0] for b in sides[1]
+              if a[4].meets[0].positions == b[4].meets[0].positions and a[3] == b[3]]
+    exact = [(a, b) for a, b in combos if not (a[4].meets[0].reasons | b[4].meets[0].reasons)]
+    paired = {id(s) for combo in exact for s in combo}
+    for a, b in exact + [(a, b) for a, b in combos if not {id(a), id(b)} & paired]:
+      (la, ea, (xa, *_), sa, ta, _), (lb, eb, (xb, *_), sb, tb, _) = a, b
+      ma, mb = ta.meets[0], tb.meets[0]
+      if NORM in ma.reasons and NORM in mb.reasons:
+        self._reject([la], [lb], (
+            "moot: each side is scale-invariant on its own (a normalization follows each,"
+            " QK-norm), so the pair is exact but balancing it changes nothing that matters"))
+      elif ma.reasons | mb.reasons:
+        self._reject([la], [lb], _explain(ma.reasons | mb.reasons, "before they meet"))
+      else:
+        tied = self._tied([(la, {ea}), (lb, {eb})] + [(f, {self.uses[f][0].eqn}) for f, _, _ in
+                                                       ta.followers + tb.followers])
+        if tied:
+          self._reject([la], [lb], tied)
+          continue
+        self.candidates.append(_Candidate(
+            "attention Q/K", [(la, xa)], [(lb, xb)], self._followers(la, xa, ta),
+            self._followers(lb, xb, tb), sa, ta.splits | tb.splits, False))
+
+
+class _Checker:
+  """Rescales instances by random factors and measures the change of the model's outputs."""
+
+  def __init__(self, apply_fn, params, args, kwargs, rtol, seed):
+    self.leaves, self.treedef = jax.tree.flatten(params)
+    jitted = jax.jit(lambda p: apply_fn(p, *args, **kwargs))
+
+    def run(leaves):
+      with jax.default_matmul_precision("highest"):  # no TF32 or bf16 passes: exact is exact
+        out = jax.tree.leaves(jitted(self.treedef.unflatten(leaves)))
+      return [np.asarray(o, np.float32) for o in out if jnp.issubdtype(o.dtype, jnp.floating)]
+
+    self.run, self.reference = run, run(self.leaves)
+    if rtol is None:
+      bits = min(jnp.finfo(np.result_type(*self.reference)).bits, *(
+          jnp.finfo(x.dtype).bits for x in self.leaves if jnp.issubdtype(x.dtype, jnp.floating)))
+      rtol = 3e-2 if bits <= 16 else 1e-4
+    self.rtol = rtol
+    self.scale = max(max(float(np.max(np.abs(r))) for r in self.reference), np.finfo(np.float32).tiny)
+    self.rng = np.random.default_rng(seed)
+
+  def exact(self, instances: list[_Candidate], groups: int) -> bool:
+    changed = {}
+    for inst in instances:
+      stacked_shape = tuple(self.leaves[inst.a[0][0]].shape[:inst.stacked])
+      factors = np.exp(self.rng.uniform(-np.log(4), np.log(4), stacked_shape + (groups,)))
+      for (leaf, axis), sign in inst.scaled:
+        x = changed.get(leaf)
+        x = np.array(self.leaves[leaf], np.float32) if x is None else x
+        changed[leaf] = x * _expand(factors ** sign, x.shape, axis, inst.stacked)
+    leaves = [jnp.asarray(changed[i], x.dtype) if i in changed else x
+              for i, x in enumerate(self.leaves)]
+    deviation = max(float(np.max(np.abs(o - r))) for o, r in zip(self.run(leaves), self.reference))
+    return bool(deviation / self.scale <= self.rtol)  # NaN fails
+
+
+def _expand(factors, shape, axis, stacked):
+  """Per-group ``factors`` (stacked..., groups) as a multiplier of a leaf of ``shape``."""
+  n = shape[axis]
+  factors = np.repeat(factors, n // factors.shape[-1], axis=-1)
+  return factors.reshape(factors.shape[:-1] + (1,) * (axis - stacked) + (n,)
+                         + (1,) * (len(shape) - axis - 1))
+
+
+def _confirm(checker, instances, options):
+  """``[(instances, groups)]`` confirmed at their finest exact grouping, and those none fits."""
+  for groups in options:
+    if checker.exact(instances, groups):
+      return [(instances, groups)], []
+  if len(instances) == 1:
+    return [], instances
+  half = len(instances) // 2
+  (ok1, bad1), (ok2, bad2) = (_confirm(checker, part, options)
+                              for part in (instances[:half], instances[half:]))
+  return ok1 + ok2, bad1 + bad2
+
+
+def _patterns(names: list[str], extra: int) -> list[str]:
+  """``names`` without the leading segments they share (their enclosing module) but ``extra``
+  of them, whose numbers become wildcards (``layers/0`` -> ``layers/*``, ``h_1`` -> ``h_*``)."""
+  segs = [n.split("/") for n in names]
+  k = 0
+  while all(len(s) > k + 1 for s in segs) and len({s[k] for s in segs}) == 1:
+    k += 1
+  k = max(k - extra, 0)
+  return ["/".join([re.sub(r"\d+", "*", x) for x in s[k:k + extra]] + s[k + extra:])
+          for s in segs]
+
+
+def _one(x):
+  return x[0] if len(x) == 1 else tuple(x)
+
+
+def _declare(names, shapes, inst_list, groups) -> list[Pair]:
+  """The fewest Pairs whose patterns resolve to exactly ``inst_list``."""
+  first = inst_list[0]
+  sides = [first.a, first.b, first.follow_a, first.follow_b]
+  sizes = [shapes[leaf][axis] for leaf, axis in first.a + first.b]
+
+  def pair(patterns, inst):
+    n = [len(s) for s in sides]
+    cut = np.cumsum([0] + n)
+    a, b, fa, fb = (patterns[cut[i]:cut[i + 1]] for i in range(4))
+    axes = tuple(_one(tuple(axis - inst.stacked for _, axis in side)) for side in (inst.a, inst.b))
+    axes = tuple(x if isinstance(x, int) or len(set(x)) > 1 else x[0] for x in axes)
+    name = inst.name + (" (positive factors)" if inst.positive else "")
+    return Pair(_one(a), _one(b), axes=axes, groups=None if all(n == groups for n in sizes)
+                else groups, stacked=inst.stacked, follow_a=tuple(fa), follow_b=tuple(fb),
+                name=name)
+
+  def members(inst):
+    return [names[leaf] for side in (inst.a, inst.b, inst.follow_a, inst.follow_b)
+            for leaf, _ in side]
+
+  wanted = [set(column) for column in zip(*map(members, inst_list))]
+  for extra in range(max(n.count("/") for n in members(first)) + 1):
+    patterns = _patterns(members(first), extra)
+    if all(_patterns(members(i), extra) == patterns for i in inst_list) and all(
+        {n for n in names if paths.match(p, n) is not None} == w for p, w in zip(patterns, wanted)):
+      return [pair(patterns, first)]
+  return [pair(members(i), i) for i in inst_list]
+
+
+def _key(names, inst: _Candidate):
+  rel = _patterns([names[leaf] for side in (inst.a, inst.b, inst.follow_a, inst.follow_b)
+                   for leaf, _ in side], 0)
+  return (inst.name, tuple(rel), tuple(len(s) for s in (inst.a, inst.b, inst.follow_a,
+                                                           inst.follow_b)),
+          tuple(axis - inst.stacked for _, axis in inst.a + inst.b), inst.stacked)
+
+
+def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: float | None = None,
+             seed: int = 0, **example_kwargs) -> Discovery:
+  """Finds the exact rescaling symmetries of ``apply_fn`` in ``params``.
+
+  Reads the jaxpr of ``apply_fn(params, *example_args, **example_kwargs)``
+  traced on abstract shapes, proposes every rescaling of one parameter that
+  another cancels (see the module docstring), and keeps those that random
+  factors in [1/4, 4] leave exact on the example inputs: the outputs agree to
+  ``rtol * max|output|`` with full-precision matmuls. All instances of one
+  candidate (every layer) are checked at once, at the finest grouping the
+  jaxpr suggests that is exact (per channel, per head, per KV head).
+
+  Args:
+    apply_fn: ``apply_fn(params, *example_args, **example_kwargs)``, returning
+      an array or a pytree.
+    params: the parameter tree (arrays; an ``nnx.State`` or a Linen dict).
+    *example_args: small example inputs (a batch of 2 short sequences is enough).
+    rtol: relative tolerance of the numerical check; default 1e-4 in float32,
+      3e-2 with 16-bit parameters or outputs.
+    seed: seed of the random factors.
+    **example_kwargs: keyword inputs of ``apply_fn``.
+
+  Returns:
+    A :class:`Discovery`: a sequence of :class:`~saggs_jax.Pair` whose patterns
+    cover every layer, with ``.rejected`` (what was considered and why it is
+    no exact symmetry) and :meth:`Discovery.report`.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from saggs_jax.discover import discover
+    >>> def mlp(p, x): return jax.nn.relu(x @ p["up"]) @ p["down"]
+    >>> params = {"up": jnp.ones((3, 4)), "down": jnp.ones((4, 2))}
+    >>> discover(mlp, params, jnp.ones((2, 3)))
+    Discovery(pairs=[
+        Pair(a='up', b='down', axes=(1, 0), groups=None, stacked=0, follow_a=(), follow_b=(), name='ReLU MLP up/down (positive factors)'),
+    ], rejected=[])
+  """
+  names, leaves = zip(*paths.leaves_with_paths(params)) if jax.tree.leaves(params) else ((), ())
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
+  closed = jax.make_jaxpr(lambda p, a, k: apply_fn(p, *a, **k))(
+      abstract, example_args, example_kwargs)
+  shapes = [tuple(np.shape(x)) for x in leaves]
+  floating = [jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in leaves]
+  analysis = _Analysis(closed, list(names), shapes, floating)
+
+  groups_of = collections.defaultdict(list)
+  for inst in sorted(analysis.candidates, key=lambda i: i.a[0][0]):  # in the order of the tree
+    groups_of[_key(names, inst)].append(inst)
+  pairs, rejected = [], []
+  checker = _Checker(apply_fn, params, example_args, example_kwargs, rtol, seed) if groups_of \
+      else None
+  for inst_list in groups_of.values():
+    sizes = [shapes[leaf][axis] for leaf, axis in inst_list[0].a + inst_list[0].b]
+    options = _group_options(sizes, set().union(*(i.splits for i in inst_list)))
+    confirmed, failed = _confirm(checker, inst_list, options)
+    for insts, groups in confirmed:
+      pairs += _declare(list(names), shapes, insts, groups)
+    for inst in failed:
+      analysis._reject([l for l, _ in inst.a], [l for l, _ in inst.b],
+                       "the jaxpr suggests it, but random factors change the output")
+  seen = set()
+  for a, b, reason in analysis.rejected:
+    rel = _patterns(a + b, 0)
+    entry = Rejected(_one(tuple(rel[:len(a)])), _one(tuple(rel[len(a):])), reason)
+    if entry not in seen:
+      seen.add(entry)
+      rejected.append(entry)
+  return Discovery(pairs, rejected)
