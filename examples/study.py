@@ -393,7 +393,7 @@ def print_experiment(title: str, scale: str, arms: dict[str, list[dict]], contro
                    ["arm", "val loss", "val PPL", f"Δ{unit} vs {control}", "95% CI",
                     "seeds favour arm"])
   print(f"mean ± std over seeds (sample std); per byte; Δ paired per seed, 95% t-interval;"
-        f" 'seeds favour arm': seeds where the arm's {unit} is below {control}'s.")
+        f" 'seeds favour arm': seeds where the arm's val loss is below {control}'s.")
 
 
 def judge(claim: Claim, arms: dict[str, list[dict]], penalty: tuple | None = None) -> str:
@@ -443,21 +443,30 @@ def plot_differences(path: pathlib.Path, title: str, diffs: dict[str, np.ndarray
   fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
-def plot_curves(path: pathlib.Path, title: str, arms: dict[str, list[dict]]) -> None:
-  """Validation loss per arm: mean over seeds, band mean ± std."""
-  fig = Figure(figsize=(7, 4.5))
-  ax = fig.subplots()
+def plot_curves(path: pathlib.Path, title: str, arms: dict[str, list[dict]], control: str,
+                from_init: bool) -> None:
+  """Left: validation loss per arm; right: arm minus control, paired per seed.
+
+  Lines are means over seeds, bands ± 1 sample std. Runs ``from_init`` start
+  near ln 256, which would squash the differences: their step 0 is left out.
+  """
+  fig = Figure(figsize=(12, 4.5))
+  ax, gap = fig.subplots(1, 2)
+  control_losses = np.array([r["eval_loss"] for r in arms[control]])
   for i, (arm, records) in enumerate(arms.items()):
-    steps, losses = records[0]["eval_step"], np.array([r["eval_loss"] for r in records])
-    mean, std = losses.mean(0), losses.std(0, ddof=1)
-    ax.plot(steps, mean, "o-", color=f"C{i}", markersize=3, label=arm)
-    ax.fill_between(steps, mean - std, mean + std, color=f"C{i}", alpha=0.2)
-  ax.set(xlabel="step", ylabel="validation loss (nats/byte)",
-         title=f"{title}\n(mean over {len(records)} seeds, band: ± 1 sample std)")
-  # Step 0 (ln 256 at initialisation) would squash the differences.
-  ax.set_ylim(top=max(r["eval_loss"][min(1, len(steps) - 1)] for rs in arms.values() for r in rs))
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize="small")
+    steps, losses = np.array(records[0]["eval_step"]), np.array([r["eval_loss"] for r in records])
+    first = int(from_init)
+    for axis, values in ((ax, losses), (gap, losses - control_losses)):
+      mean, std = values.mean(0)[first:], values.std(0, ddof=1)[first:]
+      axis.plot(steps[first:], mean, "o-", color=f"C{i}", markersize=3, label=arm)
+      axis.fill_between(steps[first:], mean - std, mean + std, color=f"C{i}", alpha=0.2)
+  band = f"mean over {len(control_losses)} seeds, band ± 1 sample std"
+  ax.set(xlabel="step", ylabel="validation loss (nats/byte)", title=f"{title}\n({band})")
+  gap.set(xlabel="step", ylabel=f"val loss - {control} val loss (nats/byte)",
+          title=f"Paired difference to {control}\n({band})")
+  for axis in (ax, gap):
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize="small")
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=120, bbox_inches="tight")
 
@@ -467,7 +476,8 @@ def plot_experiment(out: pathlib.Path, experiment: str, title: str, arms, contro
   plot_differences(out / f"{experiment}_differences.png", f"{title}: arm - {control}",
                    {arm: differences(arms, arm, control, metric) for arm in arms
                     if arm != control}, unit)
-  plot_curves(out / f"{experiment}_curves.png", title, arms)
+  plot_curves(out / f"{experiment}_curves.png", title, arms, control,
+              from_init=experiment != "resume")
 
 
 TITLES = {
