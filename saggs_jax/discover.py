@@ -55,8 +55,7 @@ _STRUCTURAL = frozenset({
     "dynamic_slice", "scan_slice", "scan_stack", "split", "concatenate", "optimization_barrier",
     "sharding_constraint", "real"})
 _ADD = frozenset({"add", "sub", "add_any"})
-_REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "reduce_prod",
-                     "reduce_and", "reduce_or"})
+_REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"})
 _POSITIVE_REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 
 
@@ -339,31 +338,29 @@ class _Follower:
         self._set(o, _Taint(reasons | {p}))
 
   def _structural(self, eqn, st, reasons):
-    if eqn.prim in ("concatenate", "split") or len(eqn.ins) == 1 or eqn.prim in ("pad",
-                                                                                  "dynamic_slice"):
-      if eqn.prim == "concatenate" and len({s.axes if isinstance(s, _Tag) else s for s in st}) > 1:
-        reasons = reasons | {"a concatenation with a value that does not scale with it"}
-      tag = next(s for s in st if isinstance(s, _Tag))
-      amap = {}
-      for a, outs in enumerate(_axis_map(self.prog, eqn, 0)):
-        for o in outs:
-          if a in tag.amap:
-            amap[o] = amap.get(o, frozenset()) | tag.amap[a]
-      if eqn.prim == "reshape":
-        for a, sizes in enumerate(_reshape_map(self.prog.shapes[eqn.ins[0]],
-                                               self.prog.shapes[eqn.outs[0]])[1]):
-          if a in tag.amap and len(sizes) > 1:
-            self.trace.splits.update(math.prod(sizes[:k]) for k in range(1, len(sizes)))
-      for o in eqn.outs:
-        self._set(o, _tag(amap, reasons, tag.positive))
-    else:
-      for o in eqn.outs:
-        self._set(o, _Taint(reasons | {eqn.prim}))
+    """Axes move, the factor moves with them; a reshape that splits a channel proposes groups."""
+    tag = next(s for s in st if isinstance(s, _Tag))
+    if eqn.prim == "concatenate" and any(not isinstance(s, _Tag) or s.axes != tag.axes
+                                         for s in st):
+      reasons |= {"a concatenation with a value that does not scale like it"}
+    amap = {}
+    for a, outs in enumerate(_axis_map(self.prog, eqn, 0)):
+      for o in outs:
+        if a in tag.amap:
+          amap[o] = amap.get(o, frozenset()) | tag.amap[a]
+    if eqn.prim == "reshape":
+      blocks = _reshape_map(self.prog.shapes[eqn.ins[0]], self.prog.shapes[eqn.outs[0]])[1]
+      for a, sizes in enumerate(blocks):
+        if a in tag.amap and len(sizes) > 1:
+          self.trace.splits.update(math.prod(sizes[:k]) for k in range(1, len(sizes)))
+    for o in eqn.outs:
+      self._set(o, _tag(amap, reasons, tag.positive))
 
   def _binary(self, eqn, st, reasons):
+    """add/sub/mul/div with the factor on one operand or both; ``reasons`` has both's."""
     p, (x, y) = eqn.prim, st
     tag = x if isinstance(x, _Tag) else y
-    other, k_other = (y, 1) if tag is x else (x, 0)
+    other, i = (y, eqn.ins[1]) if tag is x else (x, eqn.ins[0])
     positive = tag.positive
     if isinstance(other, _Tag):
       if p in _ADD and other.axes != tag.axes:
@@ -371,11 +368,10 @@ class _Follower:
       elif p not in _ADD:
         reasons |= {f"{p} of two values that both scale with it (degree 2)"}
       positive = tag.positive or other.positive
-    elif isinstance(other, _Taint):
-      if NORM in other.reasons:
-        reasons |= {NORM}
-    elif p in _ADD and not self._follower(eqn.ins[k_other], tag):
-      if eqn.ins[k_other] is None or not self.dep[eqn.ins[k_other]]:
+    elif isinstance(other, _Taint):  # its reasons (a normalization, say) are in ``reasons``
+      pass
+    elif p in _ADD and not self._follower(i, tag):
+      if i is None or not self.dep[i]:
         reasons |= {"an added constant"}
       elif not reasons:  # an exact factor is lost here; an inexact one is reported as such
         self.trace.breaks.add("it is added to a value that does not scale with it"
@@ -383,8 +379,8 @@ class _Follower:
         return
     elif p == "div" and tag is y:
       reasons |= {"a division by it"}
-    elif eqn.ins[k_other] is not None and self.dep[eqn.ins[k_other]] and eqn.ins[k_other] not in self.views:
-      self.trace.through.add("gate")
+    elif i is not None and self.dep[i] and i not in self.views:
+      self.trace.through.add("gate")  # a product with another activation: a GLU
     self._set(eqn.outs[0], _Tag(tag.axes, reasons, positive))
 
   def _follower(self, i, tag) -> bool:
@@ -433,17 +429,17 @@ class _Follower:
           for s in tag.amap.get(mine, ()):
             amap[s] = amap.get(s, frozenset()) | view.axes[theirs]
         self.trace.reaches.append(_Reach(view.leaf, amap, view.consumed, e, reasons, tag.positive))
-      elif self.dep[other]:
+      elif other is not None and self.dep[other]:
         positions = tuple(sorted([("c", k) for k, a in enumerate(contract) if a in tag.amap]
                                  + [("b", k) for k, a in enumerate(batch) if a in tag.amap]))
         self.trace.meets.append(_Meet(e, side, positions, reasons, tag.positive))
-      else:
-        rest = {a: s for a, s in tag.amap.items() if a not in contract}
+      else:  # a constant mixes the contracted channels (RoPE as a matmul): the rest stay
         out = _dot_out_axis(dims, [self.prog.shapes[i] for i in eqn.ins], side)
-        self._set(eqn.outs[0], _tag({out[a]: s for a, s in rest.items()},
-                                    reasons | {"a contraction with a constant"}, tag.positive))
+        rest = _tag({out[a]: s for a, s in tag.amap.items() if a not in contract}, reasons,
+                    tag.positive)
+        self._set(eqn.outs[0], rest or _Taint(reasons | {"a contraction with a constant"}))
       return
-    if self.dep[other] and other not in self.views:
+    if other is not None and self.dep[other] and other not in self.views:
       self.trace.through.add("attention")
     out = _dot_out_axis(dims, [self.prog.shapes[i] for i in eqn.ins], side)
     self._set(eqn.outs[0], _tag({out[a]: s for a, s in tag.amap.items()}, reasons, tag.positive))
@@ -469,8 +465,9 @@ class _Candidate:
     return [(m, +1) for m in self.a + self.follow_a] + [(m, -1) for m in self.b + self.follow_b]
 
 
-def _sources(prog, views, uses, shapes):
-  """Each use of a leaf that a factor can start from: ``(leaf, eqn, out id, tag, stacked)``."""
+def _sources(prog, uses):
+  """Each leaf use a factor can start from (a linear map or a gain): ``(leaf, eqn, output id,
+  tag, stacked axes, channel axes)``."""
   for leaf, found in uses.items():
     for use in found:
       eqn = prog.eqns[use.eqn]
@@ -505,6 +502,8 @@ def _explain(reasons: frozenset, where: str) -> str:
 
 
 def _group_options(sizes: list[int], splits: set) -> list[int]:
+  """Group counts to try, finest first: per index, per head (``splits``: the sizes a reshape
+  split a channel axis into), per KV head (their common divisors), one group."""
   options = {n for n in sizes} | set(splits) | {1}
   options |= {math.gcd(a, b) for a in options for b in options}
   return sorted((g for g in options if all(n % g == 0 for n in sizes)), reverse=True)
@@ -588,7 +587,7 @@ class _Analysis:
     follower = _Follower(prog, views, dep, consumers)
     self.candidates, self.rejected = [], []
     meets = collections.defaultdict(list)
-    for leaf, e, out, tag, stacked, channel in _sources(prog, views, self.uses, shapes):
+    for leaf, e, out, tag, stacked, channel in _sources(prog, self.uses):
       if not floating[leaf]:
         continue
       trace = follower.run(e, out, tag)
@@ -646,7 +645,7 @@ class _Analysis:
         (_NAMES[k] for k in ("attention", "gate", "relu") if k in trace.through), "linear chain")
     self.candidates.append(_Candidate(name, [(leaf, axis)], b_side,
                                       self._followers(leaf, axis, trace), [], stacked,
-                                      trace.splits, "relu" in trace.through))
+                                      trace.splits, any(r.positive for r in trace.reaches)))
 
   def _meeting(self, found):
     """Pairs the sources that meet in one dot_general: exact pairs first, then the rest."""
@@ -672,7 +671,7 @@ class _Analysis:
           continue
         self.candidates.append(_Candidate(
             "attention Q/K", [(la, xa)], [(lb, xb)], self._followers(la, xa, ta),
-            self._followers(lb, xb, tb), sa, ta.splits | tb.splits, False))
+            self._followers(lb, xb, tb), sa, ta.splits | tb.splits, ma.positive or mb.positive))
 
 
 class _Checker:
@@ -693,7 +692,8 @@ class _Checker:
           jnp.finfo(x.dtype).bits for x in self.leaves if jnp.issubdtype(x.dtype, jnp.floating)))
       rtol = 3e-2 if bits <= 16 else 1e-4
     self.rtol = rtol
-    self.scale = max(max(float(np.max(np.abs(r))) for r in self.reference), np.finfo(np.float32).tiny)
+    self.scale = max(max(float(np.max(np.abs(r))) for r in self.reference),
+                     np.finfo(np.float32).tiny)
     self.rng = np.random.default_rng(seed)
 
   def exact(self, instances: list[_Candidate], groups: int) -> bool:
@@ -821,7 +821,8 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
     >>> params = {"up": jnp.ones((3, 4)), "down": jnp.ones((4, 2))}
     >>> discover(mlp, params, jnp.ones((2, 3)))
     Discovery(pairs=[
-        Pair(a='up', b='down', axes=(1, 0), groups=None, stacked=0, follow_a=(), follow_b=(), name='ReLU MLP up/down (positive factors)'),
+        Pair(a='up', b='down', axes=(1, 0), groups=None, stacked=0, follow_a=(), follow_b=(),
+             name='ReLU MLP up/down (positive factors)'),
     ], rejected=[])
   """
   names, leaves = zip(*paths.leaves_with_paths(params)) if jax.tree.leaves(params) else ((), ())
