@@ -3,6 +3,7 @@
 * the example LLaMA of ``examples/lm.py`` (flax.nnx: RMSNorm, GQA with RoPE,
   SwiGLU), per layer and with its blocks stacked and run by ``nnx.scan``;
 * a GPT-2-style decoder (LayerNorm, attention with biases, GELU MLP);
+* a GeGLU MLP;
 * a mixture-of-experts block: a router and ReLU experts stacked on one axis;
 * a model whose LM head is its embedding, transposed (tied weights);
 * an MLP with a LayerNorm between its two linears.
@@ -179,6 +180,17 @@ def tied_forward(params, tokens):
   m = params["mlp"]
   x = x + _dense(jax.nn.relu(_dense(_rms_norm(x, params["mlp_norm"]), m["up"])), m["down"])
   return _rms_norm(x, params["final_norm"]) @ emb.T
+
+
+def geglu_init(seed: int = 0):
+  return _draw(np.random.default_rng(seed), {
+      "gate": {"kernel": (D, F)}, "up": {"kernel": (D, F)}, "down": {"kernel": (F, D)}})
+
+
+def geglu_forward(params, x):
+  """``down(gelu(gate(x)) * up(x))`` with the exact (erf) GELU."""
+  gate = jax.nn.gelu(_dense(x, params["gate"]), approximate=False)
+  return _dense(gate * _dense(x, params["up"]), params["down"])
 
 
 def norm_between_init(seed: int = 0):

@@ -2,7 +2,7 @@
 finds is exact, checked by an orbit move written here in NumPy.
 
 Models (``discover_models``, ``models``): the example nnx LLaMA per layer and scanned, Flax
-Linen and NNX attention, GPT-2 (GELU), a LLaMA with QK-norm, a MoE block with stacked ReLU
+Linen and NNX attention, GPT-2 (GELU), a GeGLU MLP, a LLaMA with QK-norm, a MoE block with stacked ReLU
 experts and a router, a tied embedding/LM head, a LayerNorm between two linears.
 """
 
@@ -31,6 +31,7 @@ MODELS = {  # name -> () -> (forward, params, *inputs)
     "gpt2": lambda: (dm.gpt2_forward, dm.gpt2_init(), dm.tokens()),
     "qk_norm": lambda: (functools.partial(models.llama_forward, c=QKN), models.llama_init(0, QKN),
                         models.tokens(c=QKN)),
+    "geglu": lambda: (dm.geglu_forward, dm.geglu_init(), dm.inputs()),
     "moe": lambda: (dm.moe_forward, dm.moe_init(), dm.inputs()),
     "tied": lambda: (dm.tied_forward, dm.tied_init(), dm.tokens()),
     "norm_between": lambda: (dm.norm_between_forward, dm.norm_between_init(), dm.inputs()),
@@ -167,6 +168,14 @@ def test_gpt2_finds_attention_and_rejects_the_gelu_mlp():
   # The oracle does see a broken symmetry: the GELU MLP's up/down move changes the output.
   gelu = saggs.Pair("mlp/fc/kernel", "mlp/proj/kernel", axes=(1, 0), follow_a=("mlp/fc/bias",))
   assert deviation("gpt2", [gelu]) > 1e-2
+
+
+def test_geglu_pairs_up_with_down_and_leaves_the_gate_out():
+  assert list(found("geglu")) == [saggs.Pair("up/kernel", "down/kernel", axes=(1, 0),
+                                             name="gated MLP up/down")]
+  assert rejected("geglu") == {("gate/kernel", "down/kernel"):
+                               "not positively homogeneous: erfc between them"}
+  assert deviation("geglu", found("geglu")) < 1e-5
 
 
 def test_qk_norm_is_moot_and_its_gains_pair_per_kv_head():
