@@ -145,26 +145,24 @@ def _fast_stats(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
 
 
 def _safe_stats(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
-  """``(log sum x**2, log max |x|)`` per group from entries scaled by each copy's largest
-  finite magnitude (to the nearest power of two). A non-finite group's sum is +inf and a
-  zero group's -inf: both mean "do not balance"; its maximum counts finite entries only."""
+  """``(log sum x**2, log max |x|)`` per group in two passes: the group maxima, then the
+  squares of entries scaled by their copy's largest finite group maximum (to the nearest
+  power of two), which cannot overflow. A non-finite group's sum is +inf and a zero
+  group's -inf: both mean "do not balance"."""
   stacked = slots[0].stacked
   dtype = compute_dtype(x.dtype)
   x = x.astype(dtype)
-  finite = jnp.isfinite(x)
-  mag = jnp.where(finite, jnp.abs(x), 0)
-  scale = replicated(jnp.max(mag, axis=tuple(range(stacked, x.ndim))))
-  if axis_name is not None:
-    scale = jax.lax.pmax(scale, axis_name)
+  group_max = _reduce(jnp.abs(x), slots, axis_name, "max")  # inf or NaN where an entry is
+  scale = jnp.max(jnp.where(jnp.isfinite(group_max), group_max, 0),
+                  axis=tuple(range(stacked, group_max.ndim)))
   # Divide by 2**e, the scale's binary exponent, as two exact multiplies by normal
   # powers of two: 1 / scale itself is subnormal near the dtype's maximum, and flushed.
   _, e = jnp.frexp(scale)
   e = e.reshape(e.shape + (1,) * (x.ndim - stacked))
-  mag = mag * jnp.ldexp(jnp.ones((), dtype), -(e // 2)) * jnp.ldexp(jnp.ones((), dtype), e // 2 - e)
+  x = x * jnp.ldexp(jnp.ones((), dtype), -(e // 2)) * jnp.ldexp(jnp.ones((), dtype), e // 2 - e)
   log_scale = (e.reshape(e.shape[:stacked] + (1,) * len(slots)) * np.log(2.0)).astype(dtype)
-  log_sq = 2 * log_scale + jnp.log(_reduce(jnp.square(mag), slots, axis_name))
-  bad = _reduce((~finite).astype(dtype), slots, axis_name) > 0
-  return jnp.where(bad, jnp.inf, log_sq), log_scale + jnp.log(_reduce(mag, slots, axis_name, "max"))
+  sq = _reduce(jnp.square(x), slots, axis_name)
+  return jnp.where(jnp.isfinite(sq), 2 * log_scale + jnp.log(sq), jnp.inf), jnp.log(group_max)
 
 
 def _log_max(dtype) -> float:
