@@ -105,15 +105,16 @@ def _group_reduce(v: jax.Array, slot: Slot, axis_name: AxisName, op: str = "sum"
 
 def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str = "sum"
             ) -> jax.Array:
-  """``v >= 0`` reduced per group of every slot of one leaf: shape ``stacked_shape`` plus one
-  axis per slot (of size 1 for a whole-tensor slot), replicated.
+  """``v >= 0`` reduced per group of every slot of one leaf: the leaf's stacked axes (those
+  of its slot with the most) plus one axis per slot (of size 1 for a whole-tensor slot),
+  replicated.
 
   With several slots (a leaf in overlapping pairs) the sum is taken per combination of
   groups, as one contraction with each grouped axis's one-hot membership; the ``max``
   is then bounded by the smallest of the per-slot maxima, which suffices for the
   overflow bounds it serves.
   """
-  stacked = slots[0].stacked
+  stacked = _stacked(slots)
   if len(slots) == 1:
     r = _group_reduce(v, slots[0], axis_name, op)
     return r if slots[0].axis is not None else r[..., None]
@@ -149,7 +150,7 @@ def _safe_stats(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
   squares of entries scaled by their copy's largest finite group maximum (to the nearest
   power of two), which cannot overflow. A non-finite group's sum is +inf and a zero
   group's -inf: both mean "do not balance"."""
-  stacked = slots[0].stacked
+  stacked = _stacked(slots)
   dtype = compute_dtype(x.dtype)
   x = x.astype(dtype)
   group_max = _reduce(jnp.abs(x), slots, axis_name, "max")  # inf or NaN where an entry is
@@ -207,10 +208,18 @@ def _in_float32(branch):
   return lambda operand: jax.tree.map(lambda v: v.astype(jnp.float32), branch(operand))
 
 
+def _stacked(slots: Sequence[Slot]) -> int:
+  """The stacked axes kept in a leaf's statistics: a slot with fewer treats the others'
+  copies as part of its groups (a norm gain shared by stacked experts)."""
+  return max(s.stacked for s in slots)
+
+
 def _at(u: jax.Array, i: int, slots: Sequence[Slot]) -> jax.Array:
-  """Log-factors of one instance (``stacked_shape (+ (groups,))``) on the axis of slot ``i``."""
-  stacked = slots[i].stacked
-  return u.reshape(u.shape[:stacked] + (1,) * i + (-1,) + (1,) * (len(slots) - 1 - i))
+  """Log-factors of one instance (``stacked_shape (+ (groups,))``) laid out on the
+  statistics of a leaf (see :func:`_reduce`) along slot ``i``."""
+  own = slots[i].stacked
+  return u.reshape(u.shape[:own] + (1,) * (_stacked(slots) - own + i) + (-1,)
+                   + (1,) * (len(slots) - 1 - i))
 
 
 def _marginal(plan: Plan, path: str, stats: jax.Array, u: dict, key: str, weight: int,
@@ -222,8 +231,8 @@ def _marginal(plan: Plan, path: str, stats: jax.Array, u: dict, key: str, weight
   for i, s in enumerate(slots):
     if i != j:
       stats = stats + weight * s.sign * _at(u[s.key], i, slots)
-  stacked = slots[j].stacked
-  others = tuple(stacked + i for i in range(len(slots)) if i != j)
+  kept = set(range(slots[j].stacked)) | {_stacked(slots) + j}
+  others = tuple(d for d in range(stats.ndim) if d not in kept)
   return (reduce(stats, axis=others) if others else stats).reshape(u[key].shape)
 
 

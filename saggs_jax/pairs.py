@@ -357,9 +357,9 @@ def _claim(inst: Instance, members, declared: dict, roles: dict) -> None:
   """Records the leaves of ``inst``; raises if it is declared already or a leaf cannot join it.
 
   A leaf may be in several instances (their factors are then solved jointly),
-  but in one instance once, with one ``stacked``, and grouped along one axis
-  by one instance at most: two groupings of one axis would need factors per
-  combination of groups.
+  but in one instance once, and each of its axes grouped by one instance at
+  most and not also a copy axis (``stacked``) of another: two groupings of
+  one axis would need factors per combination of groups.
   """
   every = frozenset(inst.members_a + inst.members_b)
   if every in declared:
@@ -374,15 +374,15 @@ def _claim(inst: Instance, members, declared: dict, roles: dict) -> None:
             f"{inst.pair._spelled}: {path!r} is both {first_role} and {role} of the pair of"
             f" {inst.a!r} and {inst.b!r}; a leaf moves with one side of a pair only. Remove it"
             " from one of the patterns.")
-      clash = ("stacked axes" if slot.stacked != first_slot.stacked else
-               f"group axis {slot.axis}" if slot.axis is not None and slot.axis == first_slot.axis
-               else None)
+      clash = next((f"axis {ax}" for ax, other in ((slot.axis, first_slot), (first_slot.axis, slot))
+                    if ax is not None and (ax == other.axis or ax < other.stacked)), None)
       if clash:
         raise ValueError(
             f"{path!r} is {first_role} of {first.pair._spelled} (pairing {first.a!r} with"
             f" {first.b!r}) and {role} of {inst.pair._spelled} (pairing {inst.a!r} with"
-            f" {inst.b!r}), both on its {clash}. Overlapping symmetries are balanced jointly"
-            " when each groups a different axis of a shared leaf, with the same stacked axes.")
+            f" {inst.b!r}), both grouping or stacking its {clash}. Overlapping symmetries are"
+            " balanced jointly when each groups a different axis of a shared leaf, outside the"
+            " other's stacked axes.")
     roles.setdefault(path, []).append((role, inst, slot))
 
 

@@ -107,24 +107,21 @@ def test_missing_partner_in_one_pattern_is_named():
 
 
 def _newton_oracle(leaves, slots, shapes, iters=60):
-  """float64 minimiser of sum_leaf sum_e x_e^2 exp(2 sum_s sign_s u_s[group_s(e)]).
+  """float64 minimiser of sum_leaf sum_e x_e^2 exp(2 sum_s sign_s u_s[index_s(e)]).
 
-  ``slots[leaf]``: list of (name, sign, axis or None, groups); ``shapes[name]``: factor
-  shape (groups,) or (). Newton's method with a backtracking line search.
+  ``slots[leaf]``: list of (name, sign, index) with ``index(entry) -> flat factor index``;
+  ``shapes[name]``: that factor's shape. Newton's method with a backtracking line search.
   """
   names = list(shapes)
-  sizes = [int(np.prod(shapes[n])) for n in names]
-  offsets = np.cumsum([0] + sizes)
+  offsets = np.cumsum([0] + [int(np.prod(shapes[n])) for n in names])
 
   def design(leaf):
     """Per entry of ``leaf``, the row of signs on the flat log-factor vector."""
     x = leaves[leaf]
     rows = np.zeros(x.shape + (offsets[-1],))
-    for name, sign, axis, groups in slots[leaf]:
-      i = names.index(name)
+    for name, sign, index in slots[leaf]:
       for idx in np.ndindex(x.shape):
-        g = 0 if axis is None else idx[axis] // (x.shape[axis] // groups)
-        rows[idx + (offsets[i] + g,)] += sign
+        rows[idx + (offsets[names.index(name)] + index(idx),)] += sign
     return x.reshape(-1) ** 2, rows.reshape(-1, offsets[-1])
 
   terms = [design(leaf) for leaf in leaves]
@@ -144,6 +141,10 @@ def _newton_oracle(leaves, slots, shapes, iters=60):
   return {n: u[offsets[i]:offsets[i + 1]].reshape(shapes[n]) for i, n in enumerate(names)}
 
 
+def _whole(idx):
+  return 0
+
+
 def test_three_pairs_sharing_one_leaf_balance_jointly():
   """q/k, v/k, o/k (whole tensors), k shared: one canonicalize reaches the joint minimum
   (the NumPy Newton oracle), every pair is balanced and a second one changes nothing.
@@ -152,9 +153,9 @@ def test_three_pairs_sharing_one_leaf_balance_jointly():
   params = {n: jnp.asarray(rng.standard_normal((3, 5)) * s, jnp.float32)
             for n, s in (("q", 4.0), ("k", 0.2), ("v", 1.0), ("o", 9.0))}
   pairs = [saggs.Pair("q", "k"), saggs.Pair("v", "k"), saggs.Pair("o", "k")]
-  u = _newton_oracle(_np(params), {"q": [("q", 1, None, 1)], "v": [("v", 1, None, 1)],
-                                   "o": [("o", 1, None, 1)],
-                                   "k": [(n, -1, None, 1) for n in "qvo"]},
+  u = _newton_oracle(_np(params), {"q": [("q", 1, _whole)], "v": [("v", 1, _whole)],
+                                   "o": [("o", 1, _whole)],
+                                   "k": [(n, -1, _whole) for n in "qvo"]},
                      {n: () for n in "qvo"})
   balanced, _ = saggs.canonicalize(params, None, pairs)
   p = _np(params)
@@ -166,6 +167,28 @@ def test_three_pairs_sharing_one_leaf_balance_jointly():
   again, _ = saggs.canonicalize(balanced, None, pairs)
   for n in params:
     np.testing.assert_allclose(again[n], balanced[n], rtol=1e-5)
+
+
+def test_norm_gain_shared_by_stacked_experts_against_newton():
+  """A gain g (d,) read by every expert's w_up (E, d, F), overlapping the per-expert
+  up/down pair (stacked=1): the gain's factor spans the expert axis."""
+  rng = np.random.default_rng(4)
+  params = {"g": jnp.asarray(1 + rng.random(4), jnp.float32),
+            "w_up": jnp.asarray(rng.standard_normal((3, 4, 5)) * 3, jnp.float32),
+            "w_down": jnp.asarray(rng.standard_normal((3, 5, 4)) / 3, jnp.float32)}
+  pairs = [saggs.Pair("g", "w_up", axes=(0, 1), name="gain"),
+           saggs.Pair("w_up", "w_down", axes=(1, 0), stacked=1, name="experts")]
+  u = _newton_oracle(_np(params), {
+      "g": [("gain", 1, lambda i: i[0])],
+      "w_up": [("gain", -1, lambda i: i[1]), ("experts", 1, lambda i: i[0] * 5 + i[2])],
+      "w_down": [("experts", -1, lambda i: i[0] * 5 + i[1])]}, {"gain": (4,), "experts": (3, 5)})
+  balanced, _ = saggs.canonicalize(params, None, pairs)
+  p = _np(params)
+  np.testing.assert_allclose(balanced["g"], p["g"] * np.exp(u["gain"]), rtol=1e-5)
+  np.testing.assert_allclose(balanced["w_up"], p["w_up"] * np.exp(
+      u["experts"][:, None, :] - u["gain"][None, :, None]), rtol=1e-5)
+  np.testing.assert_allclose(balanced["w_down"], p["w_down"] * np.exp(-u["experts"])[:, :, None],
+                             rtol=1e-5)
 
 
 # The tiny LLaMA with its norm gains: every gain against the input rows of the linears

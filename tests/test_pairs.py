@@ -284,7 +284,7 @@ _CLASH = "Overlapping symmetries are balanced jointly when each groups a differe
     # Primary in two instances grouped along the same axis: q/k and q/v.
     ([saggs.Pair("q", "k", axes=(1, 1)), saggs.Pair("q", "v", axes=(1, 1))],
      "'q' is side a of Pair('q', 'k') (pairing 'q' with 'k') and side a of Pair('q', 'v')"
-     " (pairing 'q' with 'v'), both on its group axis 1"),
+     " (pairing 'q' with 'v'), both grouping or stacking its axis 1"),
     # A follower of one pair that is a primary of another, in both orders.
     ([saggs.Pair("q", "k", axes=(1, 1), follow_a="v"), saggs.Pair("v", "o", axes=(1, 1))],
      "'v' is a follower of side a (pattern 'v') of Pair('q', 'k') (pairing 'q' with 'k') and"
@@ -297,10 +297,10 @@ _CLASH = "Overlapping symmetries are balanced jointly when each groups a differe
       saggs.Pair("v", "o", axes=(1, 1), follow_b="b", name="V/O")],
      "'b' is a follower of side a (pattern 'b') of Pair('q', 'k') (pairing 'q' with 'k') and a"
      " follower of side b (pattern 'b') of 'V/O' = Pair('v', 'o')"),
-    # Two instances on one leaf with different stacked axes.
-    ([saggs.Pair("q", "k"), saggs.Pair("q", "v", stacked=1)],
+    # A group axis of one instance that is a copy axis of another.
+    ([saggs.Pair("q", "k", axes=(0, 0)), saggs.Pair("q", "v", axes=(0, 0), stacked=1)],
      "'q' is side a of Pair('q', 'k') (pairing 'q' with 'k') and side a of Pair('q', 'v')"
-     " (pairing 'q' with 'v'), both on its stacked axes"),
+     " (pairing 'q' with 'v'), both grouping or stacking its axis 0"),
 ])
 def test_leaf_grouped_twice_along_one_axis(pairs, msg):
   with pytest.raises(ValueError, match=re.escape(msg) + ".*" + re.escape(_CLASH)):
