@@ -5,20 +5,23 @@
   of the optimizer before it.
 * :func:`reparameterize` and :func:`canonicalize` move whole training states
   along and onto their symmetry orbits.
+* :func:`discover` finds a model's exact rescaling symmetries from its jaxpr.
 * :mod:`saggs_jax.equivariant` holds symmetry-compatible update rules.
 """
 
 from saggs_jax import checkpoint, equivariant, presets
 from saggs_jax.canonical import canonicalize, reparameterize
 from saggs_jax.diagnostics import check_symmetry, imbalance
+from saggs_jax.discover import Discovery, Rejected, discover
 from saggs_jax.pairs import Pair, describe
 from saggs_jax.transform import (SaggsState, SymmetryTransformation, chain, saggs,
                                  scale_by_saggs, soft)
 from saggs_jax.transport import NESTED, register_transport
 
 __all__ = [
-    "NESTED", "Pair", "SaggsState", "SymmetryTransformation", "canonicalize", "chain", "checkpoint",
-    "check_symmetry", "describe", "equivariant", "imbalance", "presets", "register_transport",
+    "NESTED", "Discovery", "Pair", "Rejected", "SaggsState", "SymmetryTransformation",
+    "canonicalize", "chain", "checkpoint", "check_symmetry", "describe", "discover", "equivariant",
+    "imbalance", "presets", "register_transport",
     "reparameterize", "saggs", "scale_by_saggs", "soft",
 ]
 __version__ = "0.1.0"

@@ -549,8 +549,8 @@ class Discovery(collections.abc.Sequence):
     """Found and rejected symmetries, one line each."""
     def side(x, axes):
       names = (x,) if isinstance(x, str) else x
-      axes = axes if isinstance(axes, tuple) else (axes,) * len(names)
-      return ", ".join(f"{n!r} (axis {a})" for n, a in zip(names, axes))
+      return ", ".join(f"{n!r} ({'whole' if a is None else f'axis {a}'})"
+                       for n, a in zip(names, axes))
 
     lines = [f"Found {len(self.pairs)} symmetr{'y' if len(self.pairs) == 1 else 'ies'}:"]
     for p in self.pairs:
@@ -558,7 +558,8 @@ class Discovery(collections.abc.Sequence):
       extra += [f"stacked={p.stacked}"] if p.stacked else []
       extra += [f"bias {', '.join(map(repr, p.follow_a + p.follow_b))}"] if (
           p.follow_a or p.follow_b) else []
-      lines.append(f"  {p.label}: {side(p.a, p.axes[0])} x c  against  {side(p.b, p.axes[1])}"
+      lines.append(f"  {p.label}: {side(p.a, p.side_axes(0))} x c  against"
+                   f"  {side(p.b, p.side_axes(1))}"
                    f" x 1/c{'; ' + ', '.join(extra) if extra else ''}")
     lines.append(f"Rejected {len(self.rejected)}:")
     lines += [f"  {r.a!r} against {r.b!r}: {r.reason}" for r in self.rejected]

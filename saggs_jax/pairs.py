@@ -409,7 +409,7 @@ def resolve(pairs: Sequence[Pair], tree: Any) -> Plan:
   """
   if isinstance(pairs, Pair):
     pairs = (pairs,)
-  pairs = tuple(pairs)
+  pairs = tuple(pairs)  # a saggs_jax.discover result is a sequence of pairs
   for p in pairs:
     if not isinstance(p, Pair):
       raise TypeError(f"Expected saggs_jax.Pair, got {type(p).__name__}: {p!r}")
@@ -449,4 +449,6 @@ def describe(pairs: Sequence[Pair], params: Any) -> str:
   shared = [path for path, slots in plan.slots.items() if len(slots) > 1]
   if shared:
     lines.append(f"In several pairs, so balanced jointly: {', '.join(shared)}.")
+  # What saggs_jax.discover found to be no symmetry, and why.
+  lines += [f"Rejected: {r.a!r} against {r.b!r}: {r.reason}" for r in getattr(pairs, "rejected", ())]
   return "\n".join(lines)

@@ -264,9 +264,12 @@ def test_report_lists_found_and_rejected():
   ])
 
 
-def test_saggs_balances_what_discover_found_without_changing_the_function():
-  forward, params, inputs = model("gpt2")
-  d = found("gpt2")
+@pytest.mark.parametrize("name", ["gpt2", "moe"])
+def test_saggs_balances_what_discover_found_without_changing_the_function(name):
+  """Overlapping discoveries (norm gains share q/k/v with Q/K and V/O, the MoE gain shares
+  w_up with the stacked expert pair) are balanced jointly in one hard step."""
+  forward, params, inputs = model(name)
+  d = found(name)
   start = orbit_move(params, d, seed=3)  # far from balanced, same function
   tx = saggs.chain(optax.sgd(0.0), saggs.saggs(d))
   step = jax.jit(lambda p, s: optax.apply_updates(p, tx.update(jax.tree.map(jnp.zeros_like, p),
@@ -275,7 +278,7 @@ def test_saggs_balances_what_discover_found_without_changing_the_function():
   models.assert_same_function(forward, start, moved, *inputs)
   worst = {name: max(float(jnp.max(jnp.abs(v))) for v in saggs.imbalance(p, d).values())
            for name, p in (("start", start), ("moved", moved))}
-  assert worst["moved"] < worst["start"] / 2, worst
+  assert worst["start"] > 0.5 and worst["moved"] < 1e-4, worst
   saggs.soft(d).init(start)  # soft takes it too
 
 
@@ -283,5 +286,7 @@ def test_describe_and_check_symmetry_accept_a_discovery():
   forward, params, inputs = model("gpt2")
   d = found("gpt2")
   assert "norm gain" in saggs.describe(d, params)
+  assert ("Rejected: 'fc/kernel' against 'proj/kernel': not positively homogeneous"
+          in saggs.describe(d, params))
   deviations = saggs.check_symmetry(forward, params, d, *inputs)
   assert max(deviations.values()) < 1e-4
