@@ -78,8 +78,8 @@ def main():
   print()
   lm.results_table(
       [[label, float(h["eval_loss"][0]), float(h["eval_loss"][-1]),
-        float(np.exp(h["eval_loss"][-1])), float(h["seconds"])] for label, h in histories.items()],
-      ["run", "val loss @0", "val loss", "val ppl", "seconds"])
+        float(np.exp(h["eval_loss"][-1]))] for label, h in histories.items()],
+      ["run", "val loss @0", "val loss", "val ppl"])
   png = args.out / "loss.png"
   lm.plot_curves(histories, png, title="Byte-level LM: discovered pairs against the preset")
   print(f"\nSaved {png}")
