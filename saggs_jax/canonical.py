@@ -75,8 +75,10 @@ def reparameterize(params: Any, opt_state: Any, pairs: Sequence[Pair], factor: F
 def canonicalize(params: Any, opt_state: Any, pairs: Sequence[Pair]):
   """Maps a training state to the canonical (norm-balanced) member of its orbit.
 
-  Each group gets ``c = sqrt(||B|| / ||A||)``, after which ``||A|| = ||B||``;
-  the moments are transported alongside. ``canonicalize`` is idempotent and
+  Each group gets ``c = sqrt(||B|| / ||A||)``, after which ``||A|| = ||B||``
+  (norms over every tensor of a side); with overlapping pairs the factors
+  jointly minimise the total squared norm, which balances every pair. The
+  moments are transported alongside. ``canonicalize`` is idempotent and
   ``canonicalize(reparameterize(s, f)) == canonicalize(s)`` for every f > 0
   up to floating point, so equivalent checkpoints become the same state.
 
