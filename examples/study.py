@@ -35,8 +35,9 @@ reproduced" when it lies wholly on the other side, and "inconclusive at this
 scale" when it straddles the bound. Kim's claims are judged in perplexity per
 byte, Lau & Su's in nats per byte.
 
-The defaults (152 runs and 10 pretrainings) take about 20 minutes on two CPU
-cores. From the repository root::
+The defaults (152 runs and 10 pretrainings) took 25 minutes on two CPU cores
+shared with other jobs; a rerun that finds every run in the JSONL prints the
+same output in seconds. From the repository root::
 
   python examples/study.py
   python examples/study.py --experiments imbalance --seeds 4 --steps 1000
@@ -175,6 +176,8 @@ def run_specs(store: Store, specs: Sequence[Spec]) -> list[dict]:
 
 
 class Setup(NamedTuple):
+  """What every run of a study shares."""
+
   args: argparse.Namespace
   config: lm.ModelConfig
   graphdef: Any
