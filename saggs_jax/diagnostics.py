@@ -95,7 +95,7 @@ def check_symmetry(apply_fn: Callable[..., Any], params: Any, pairs: Sequence[Pa
   """
   plan = resolve(pairs, params)
   key = jax.random.PRNGKey(0) if key is None else key
-  probe = _Probe(apply_fn, params, inputs, rtol, atol)
+  probe = Probe(apply_fn, params, inputs, rtol=rtol, atol=atol)
   deviations = {}
   for inst in plan.instances:
     key, sub = jax.random.split(key)
@@ -111,36 +111,45 @@ def check_symmetry(apply_fn: Callable[..., Any], params: Any, pairs: Sequence[Pa
   return deviations
 
 
-class _Probe:
-  """``probe(plan, factors)``: the relative output change when ``plan`` is scaled by ``factors``.
+class Probe:
+  """The relative change of a model's outputs when its parameters change.
 
-  ``plan`` holds one instance; ``factors`` are its factors (broadcast to its
-  factor shape).
+  ``probe.deviation(new_params)`` is the largest absolute change of any
+  floating-point output of ``apply_fn(params, *args, **kwargs)``, relative to
+  the largest output entry; ``tolerance`` is ``atol / that entry + rtol``.
+  Matmuls run at full float32 precision on every backend (TF32 on GPUs or
+  bf16 passes on TPUs would show up as deviations of a symmetry that is
+  exact). The default ``rtol`` is 1e-4, or 3e-2 when the outputs or the
+  parameters are 16-bit floats. Shared by :func:`check_symmetry` and
+  :func:`saggs_jax.discover`.
   """
 
-  def __init__(self, apply_fn, params, inputs, rtol, atol):
-    jitted = jax.jit(apply_fn)
+  def __init__(self, apply_fn, params, args=(), kwargs=None, rtol=None, atol=0.0):
+    jitted = jax.jit(lambda p: apply_fn(p, *args, **(kwargs or {})))
 
     def fn(p):
-      # Full float32 matmuls: TF32 (GPU) or bf16 passes (TPU) would show up as
-      # deviations of a symmetry that is exact.
       with jax.default_matmul_precision("highest"):
-        return jax.tree.leaves(jitted(p, *inputs))
+        return [o.astype(jnp.float32) for o in jax.tree.leaves(jitted(p))
+                if jnp.issubdtype(o.dtype, jnp.floating)]
 
-    self.fn, self.params, raw = fn, params, fn(params)
-    self.reference = [r.astype(jnp.float32) for r in raw]
+    self.fn, self.params, self.reference = fn, params, fn(params)
     if rtol is None:
-      rtol = 3e-2 if jnp.finfo(jnp.result_type(*raw)).bits <= 16 else 1e-4
+      dtypes = [x.dtype for x in jax.tree.leaves((params, jax.eval_shape(jitted, params)))]
+      bits = min(jnp.finfo(d).bits for d in dtypes if jnp.issubdtype(d, jnp.floating))
+      rtol = 3e-2 if bits <= 16 else 1e-4
     self.scale = max(max(float(jnp.max(jnp.abs(r))) for r in self.reference),
                      np.finfo(np.float32).tiny)
     self.tolerance = atol / self.scale + rtol
 
+  def deviation(self, params) -> float:
+    return max(float(jnp.max(jnp.abs(o - r))) for o, r in zip(self.fn(params), self.reference)
+               ) / self.scale
+
   def __call__(self, plan: Plan, factors) -> float:
+    """The deviation when ``plan`` (one instance) is scaled by ``factors`` (broadcast)."""
     (inst,) = plan.instances
     factors = {inst.key: jnp.broadcast_to(jnp.asarray(factors, jnp.float32), inst.factor_shape)}
-    out = self.fn(scale_tree(plan, self.params, factors, 1.0))
-    return max(float(jnp.max(jnp.abs(o.astype(jnp.float32) - r)))
-               for o, r in zip(out, self.reference)) / self.scale
+    return self.deviation(scale_tree(plan, self.params, factors, 1.0))
 
   def exact(self, plan: Plan, factors) -> bool:
     return self(plan, factors) <= self.tolerance
@@ -177,7 +186,7 @@ def _declared_axes(plan: Plan, inst: Instance) -> tuple[int, int] | None:
   return None if axes[0] is None else tuple(a - inst.pair.stacked for a in axes)
 
 
-def _diagnose(probe: _Probe, plan: Plan, inst: Instance, key, c_max: float
+def _diagnose(probe: Probe, plan: Plan, inst: Instance, key, c_max: float
               ) -> tuple[list[str], str]:
   """What further rescalings of ``inst`` show, and the cause they point to."""
   a, b, label = _side(inst.members_a), _side(inst.members_b), inst.pair.label
@@ -236,7 +245,7 @@ def _divisors(n: int) -> list[int]:
   return [d for d in range(n - 1, 0, -1) if n % d == 0]
 
 
-def _exact_variant(probe: _Probe, plan: Plan, inst: Instance) -> str | None:
+def _exact_variant(probe: Probe, plan: Plan, inst: Instance) -> str | None:
   """A hint naming another declaration of ``inst`` that the probe finds exact, if any."""
   a, b, pair = inst.a, inst.b, inst.pair
   params = probe.params

@@ -44,6 +44,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from saggs_jax import paths
+from saggs_jax.diagnostics import Probe
 from saggs_jax.pairs import Pair
 
 NORM = "a normalization over its channels"
@@ -676,25 +677,11 @@ class _Analysis:
 
 
 class _Checker:
-  """Rescales instances by random factors and measures the change of the model's outputs."""
+  """Rescales instances by random factors and tells whether the model's outputs stay put."""
 
   def __init__(self, apply_fn, params, args, kwargs, rtol, seed):
     self.leaves, self.treedef = jax.tree.flatten(params)
-    jitted = jax.jit(lambda p: apply_fn(p, *args, **kwargs))
-
-    def run(leaves):
-      with jax.default_matmul_precision("highest"):  # no TF32 or bf16 passes: exact is exact
-        out = jax.tree.leaves(jitted(self.treedef.unflatten(leaves)))
-      return [np.asarray(o, np.float32) for o in out if jnp.issubdtype(o.dtype, jnp.floating)]
-
-    self.run, self.reference = run, run(self.leaves)
-    if rtol is None:
-      bits = min(jnp.finfo(np.result_type(*self.reference)).bits, *(
-          jnp.finfo(x.dtype).bits for x in self.leaves if jnp.issubdtype(x.dtype, jnp.floating)))
-      rtol = 3e-2 if bits <= 16 else 1e-4
-    self.rtol = rtol
-    self.scale = max(max(float(np.max(np.abs(r))) for r in self.reference),
-                     np.finfo(np.float32).tiny)
+    self.probe = Probe(apply_fn, params, args, kwargs, rtol=rtol)
     self.rng = np.random.default_rng(seed)
 
   def exact(self, instances: list[_Candidate], groups: int) -> bool:
@@ -708,8 +695,8 @@ class _Checker:
         changed[leaf] = x * _expand(factors ** sign, x.shape, axis, inst.stacked)
     leaves = [jnp.asarray(changed[i], x.dtype) if i in changed else x
               for i, x in enumerate(self.leaves)]
-    deviation = max(float(np.max(np.abs(o - r))) for o, r in zip(self.run(leaves), self.reference))
-    return bool(deviation / self.scale <= self.rtol)  # NaN fails
+    # NaN fails
+    return bool(self.probe.deviation(self.treedef.unflatten(leaves)) <= self.probe.tolerance)
 
 
 def _expand(factors, shape, axis, stacked):
