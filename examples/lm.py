@@ -155,6 +155,20 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         default=field.default, help=f"model {field.name} (default %(default)s)")
 
 
+def add_training_flags(parser: argparse.ArgumentParser, out: str) -> None:
+  """The flags of a single training comparison from a Q/K-imbalanced start."""
+  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--batch-size", type=int, default=32)
+  parser.add_argument("--lr", type=float, default=3e-3)
+  parser.add_argument("--weight-decay", type=float, default=0.1)
+  parser.add_argument("--imbalance", type=float, default=8.0,
+                      help="q_proj is scaled by this factor and k_proj by its inverse")
+  parser.add_argument("--every", type=int, default=10, help="balance every this many updates")
+  parser.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
+  parser.add_argument("--eval-every", type=int, default=50)
+  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(out))
+
+
 def config_from_flags(args: argparse.Namespace) -> ModelConfig:
   """The ``ModelConfig`` described by flags added with ``add_model_flags``."""
   return ModelConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelConfig)})

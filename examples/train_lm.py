@@ -46,17 +46,8 @@ import saggs_jax as saggs
 
 def parse_args() -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--batch-size", type=int, default=32)
-  parser.add_argument("--lr", type=float, default=3e-3)
-  parser.add_argument("--weight-decay", type=float, default=0.1)
-  parser.add_argument("--imbalance", type=float, default=8.0,
-                      help="q_proj is scaled by this factor and k_proj by its inverse")
-  parser.add_argument("--every", type=int, default=10, help="balance every this many updates")
+  lm.add_training_flags(parser, out="runs/train_lm")
   parser.add_argument("--strength", type=float, default=0.5, help="soft SAGGS strength in (0, 1]")
-  parser.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
-  parser.add_argument("--eval-every", type=int, default=50)
-  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/train_lm"))
   lm.add_model_flags(parser)
   return parser.parse_args()
 
