@@ -18,7 +18,8 @@ Guards, so that no NaN or Inf is ever produced:
 
 * norms are scale-safe: they are kept as logarithms, and when a float32 sum of
   squares overflows, underflows or meets a non-finite entry, every norm is
-  recomputed from entries divided by the tensor's largest finite magnitude;
+  recomputed in two passes: the group maxima, then the squares of entries
+  divided by the tensor's largest finite group maximum;
 * a zero or non-finite norm gives ``c_g = 1``, and a non-finite entry only
   affects its own group;
 * a factor never overflows a leaf's dtype: ``c`` is clipped so that
@@ -43,7 +44,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from saggs_jax import paths
-from saggs_jax.pairs import Plan, Slot
+from saggs_jax.pairs import Instance, Plan, Slot
 
 Factors = dict[str, jax.Array]
 AxisName = str | Sequence[str] | None
@@ -240,14 +241,18 @@ def _logsumexp(xs: list[jax.Array]) -> jax.Array:
   return xs[0] if len(xs) == 1 else jax.nn.logsumexp(jnp.stack(xs), axis=0)
 
 
-def side_log_sq(plan: Plan, stats: Stats, u: dict, key: str, sign: int) -> jax.Array:
-  """``log ||side||**2`` per group of instance ``key``, its other pairs' log-factors ``u`` applied."""
-  inst = next(i for i in plan.instances if i.key == key)
-  return _logsumexp([_marginal(plan, p, stats[p][0], u, key, 2, jax.nn.logsumexp)
+def _side_log_sq(plan: Plan, stats: Stats, u: dict, inst: Instance, sign: int) -> jax.Array:
+  """``log ||side||**2`` per group of ``inst``, its other pairs' log-factors ``u`` applied."""
+  return _logsumexp([_marginal(plan, p, stats[p][0], u, inst.key, 2, jax.nn.logsumexp)
                      for p in inst.members(sign)])
 
 
-def _bounds(plan: Plan, stats: Stats, dtypes: dict, u: dict, inst) -> tuple[jax.Array, jax.Array]:
+def _no_factors(plan: Plan) -> dict:
+  """Log-factors 0 (factors 1) for every instance."""
+  return {i.key: jnp.zeros(i.factor_shape, jnp.float32) for i in plan.instances}
+
+
+def _bounds(plan: Plan, stats: Stats, dtypes: dict, u: dict, inst: Instance) -> tuple[jax.Array, jax.Array]:
   """``lo <= log c <= hi`` keeping every scaled entry of ``inst`` within its dtype."""
   lo, hi = jnp.full(inst.factor_shape, -jnp.inf), jnp.full(inst.factor_shape, jnp.inf)
   for sign in (+1, -1):
@@ -265,7 +270,7 @@ def _sweep(plan: Plan, stats: Stats, dtypes: dict, u: dict, scale: float) -> dic
   is zero or non-finite or no factor fits."""
   u = dict(u)
   for inst in plan.instances:
-    la, lb = (side_log_sq(plan, stats, u, inst.key, sign) for sign in (+1, -1))
+    la, lb = (_side_log_sq(plan, stats, u, inst, sign) for sign in (+1, -1))
     lo, hi = _bounds(plan, stats, dtypes, u, inst)
     ok = jnp.isfinite(la) & jnp.isfinite(lb) & (lo <= hi)
     u[inst.key] = jnp.where(ok, jnp.clip(scale * 0.25 * jnp.where(ok, lb - la, 0), lo, hi), 0)
@@ -288,7 +293,7 @@ def solve(plan: Plan, stats: Stats, dtypes: dict, strength: float) -> Factors:
   log-factor moves by more than ``TOLERANCE`` (at most ``MAX_SWEEPS`` sweeps). At the
   minimum every instance is balanced: its gradient is ``2 (||A||^2 - ||B||^2)``.
   """
-  u = {i.key: jnp.zeros(i.factor_shape, jnp.float32) for i in plan.instances}
+  u = _no_factors(plan)
   if not plan.overlapping:
     u = _sweep(plan, stats, dtypes, u, strength)
   else:
@@ -311,9 +316,8 @@ def _dtypes(params: Any) -> dict:
 
 def log_norms(plan: Plan, params: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
   """Per instance: ``log`` of the group norms of sides A and B (scale-safe)."""
-  stats = leaf_stats(plan, params)
-  u = {i.key: jnp.zeros(i.factor_shape, jnp.float32) for i in plan.instances}
-  return {i.key: tuple(0.5 * side_log_sq(plan, stats, u, i.key, s) for s in (+1, -1))
+  stats, u = leaf_stats(plan, params), _no_factors(plan)
+  return {i.key: tuple(0.5 * _side_log_sq(plan, stats, u, i, s) for s in (+1, -1))
           for i in plan.instances}
 
 

@@ -123,22 +123,17 @@ class Pair:
     return (ax,) * len(self.patterns(side)) if _is_int(ax) else ax
 
   def _checked_axes(self):
-    bad = not (isinstance(self.axes, (tuple, list)) and len(self.axes) == 2)
-    out = []
-    for side in range(2 * (not bad)):
-      ax, n = self.axes[side], len(self.patterns(side))
-      if _is_int(ax):
-        out.append(int(ax))
-      elif isinstance(ax, (tuple, list)) and len(ax) == n and all(map(_is_int, ax)) and n > 1:
-        out.append(tuple(int(x) for x in ax))
-      else:
-        bad = True
-    if bad:
+    def valid(ax, n):  # an int, or one int per pattern of a side of several
+      return _is_int(ax) or (isinstance(ax, (tuple, list)) and len(ax) == n > 1
+                             and all(map(_is_int, ax)))
+
+    if not (isinstance(self.axes, (tuple, list)) and len(self.axes) == 2 and all(
+        valid(ax, len(self.patterns(side))) for side, ax in enumerate(self.axes))):
       raise ValueError(
           f"{self._spelled}: axes must be None or a pair of ints (axis_a, axis_b), got"
           f" {self.axes!r}; e.g. axes=(1, 1) groups axis 1 of both sides. On a side of several"
           " patterns the axis may also be a tuple of one int per pattern.")
-    return tuple(out)
+    return tuple(int(ax) if _is_int(ax) else tuple(map(int, ax)) for ax in self.axes)
 
   @property
   def label(self) -> str:
