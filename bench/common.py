@@ -77,12 +77,12 @@ def bytes_accessed(steps_fn: Callable, txs: Mapping[str, optax.GradientTransform
                    params: Any, arg: Any, base: str = "adamw") -> dict[str, float]:
   """Prints XLA's "bytes accessed" of each compiled ``steps_fn(tx)`` as a ratio to ``base``'s.
 
-  Deterministic, unlike wall-clock time. XLA charges a ``lax.cond`` with all
-  of its branches, so two figures are printed: the update as compiled (a
-  rarely taken branch, such as every=100's balancing or the scale-safe norms
-  that only overflowing or non-finite weights take, counted in full), and the
-  update traced with every ``lax.cond`` replaced by its first branch: an
-  update that balances, on the common (fast-norm) path.
+  Deterministic, unlike wall-clock time. XLA charges a ``lax.cond`` with its
+  costliest branch and a ``lax.while_loop`` with one run of its body, so two
+  figures are printed: the update as compiled (every=100's balancing branch
+  counted in full, and the scale-safe norms, a loop over the leaves whose
+  float32 sums overflow, with one leaf's passes), and the update traced with
+  every ``lax.cond`` replaced by its first branch: an update that balances.
   """
   def cost(tx):
     compiled = steps_fn(tx).lower(params, tx.init(params), arg).compile()

@@ -16,15 +16,16 @@ soft balancing takes ``strength`` of those log-factors.
 
 Guards, so that no NaN or Inf is ever produced:
 
-* norms are scale-safe: they are kept as logarithms, and when a float32 sum of
-  squares overflows, underflows or meets a non-finite entry, every norm is
-  recomputed in two passes: the group maxima, then the squares of entries
-  divided by the tensor's largest finite group maximum;
+* norms are scale-safe: they are kept as logarithms, and a leaf whose float32
+  sums of squares overflow, underflow or meet a non-finite entry is recomputed
+  in two passes: the group maxima, then the squares of entries divided by the
+  tensor's largest finite group maximum;
 * a zero or non-finite norm gives ``c_g = 1``, and a non-finite entry only
   affects its own group;
 * a factor never overflows a leaf's dtype: ``c`` is clipped so that
   ``c ||A_g||`` and ``||B_g|| / c`` (followers included) stay below the largest
-  finite value of each leaf's dtype, which bounds every scaled entry. This
+  finite value of each leaf's dtype, which bounds every scaled entry; a tensor
+  whose norm exceeds that value is bounded by its largest entry instead. This
   only binds for tensors whose norm nears that value (float16 mostly); there
   the factor is the closest admissible one, or 1 if none is.
 
@@ -179,34 +180,55 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
   """Per declared leaf ``(log sum of squares, log of the largest magnitude)`` per group of
   each of its slots (see :func:`_reduce`), in float32.
 
-  The common case takes one float32 pass per leaf. A ``lax.cond`` takes the
-  scale-safe pass instead when some sum of squares overflowed, underflowed or
-  met a non-finite entry, or a norm is so large that a factor bounded by it
-  could overflow a dtype of its pair.
+  The common case takes one float32 pass per leaf. A leaf is recomputed by the
+  scale-safe passes when one of its sums of squares overflowed, underflowed or
+  met a non-finite entry, or a norm is so large that a factor bounded by it could
+  overflow a dtype of its pair. A ``lax.while_loop`` takes those leaves one at a
+  time (a ``lax.switch`` on the leaf), so it runs no iteration in the common case,
+  and the compiled update holds the safe passes of one leaf at a time, not of all.
   """
   leaves = dict(paths.leaves_with_paths(params))
-  fast = {path: _fast_stats(leaves[path], slots, axis_name) for path, slots in plan.slots.items()}
   limit = {}  # the smallest dtype maximum among the pairs of each leaf
   for inst in plan.instances:
     every = inst.members_a + inst.members_b + inst.followers_a + inst.followers_b
     lowest = min(_log_max(leaves[p].dtype) for p in every)
     for p in every:
       limit[p] = min(limit.get(p, np.inf), lowest)
-  checks = []
-  for path, (log_sq, _) in fast.items():
-    ok = log_sq <= 2 * limit[path]  # NaN fails
-    if path in plan.counted:
-      ok &= log_sq >= np.log(_SMALLEST_SAFE_SUM)
-    checks.append(jnp.all(ok))
-  trusted = functools.reduce(jnp.logical_and, checks, jnp.bool_(True))
-  safe = lambda _: {path: _safe_stats(leaves[path], slots, axis_name)  # noqa: E731
-                    for path, slots in plan.slots.items()}
-  return jax.lax.cond(trusted, _in_float32(lambda _: fast), _in_float32(safe), None)
+  # The statistics of all leaves travel as two flat float32 vectors, each leaf a static span.
+  shapes = {p: leaves[p].shape[:_stacked(slots)] + tuple(1 if s.axis is None else s.groups
+                                                         for s in slots)
+            for p, slots in plan.slots.items()}
+  ends = np.cumsum([int(np.prod(s)) for s in shapes.values()])
+  spans = {p: (int(e - np.prod(s)), int(e)) for (p, s), e in zip(shapes.items(), ends)}
 
+  def flat(values):
+    return jnp.concatenate([jnp.ravel(values[p]).astype(jnp.float32) for p in shapes])
 
-def _in_float32(branch):
-  """Both cond branches in float32, the factors' dtype (float64 leaves give float64 stats)."""
-  return lambda operand: jax.tree.map(lambda v: v.astype(jnp.float32), branch(operand))
+  def per_leaf(v):
+    return {p: v[a:b].reshape(shapes[p]) for p, (a, b) in spans.items()}
+
+  fast = {p: _fast_stats(leaves[p], slots, axis_name) for p, slots in plan.slots.items()}
+  log_sq, log_max = (flat({p: s[i] for p, s in fast.items()}) for i in (0, 1))
+  lowest = {p: np.log(_SMALLEST_SAFE_SUM) if p in plan.counted else -np.inf for p in shapes}
+  trusted = ((log_sq <= flat({p: np.full(s, 2 * limit[p]) for p, s in shapes.items()}))
+             & (log_sq >= flat({p: np.full(s, lowest[p]) for p, s in shapes.items()})))  # NaN fails
+  leaf_of = jnp.asarray(np.repeat(np.arange(len(shapes)), [b - a for a, b in spans.values()]))
+
+  def recompute(path, slots):
+    a, b = spans[path]
+
+    def branch(bad, log_sq, log_max):
+      sq, top = _safe_stats(leaves[path], slots, axis_name)
+      return (bad.at[a:b].set(False), log_sq.at[a:b].set(sq.ravel().astype(jnp.float32)),
+              log_max.at[a:b].set(top.ravel().astype(jnp.float32)))
+    return branch
+
+  branches = [recompute(p, slots) for p, slots in plan.slots.items()]
+  _, log_sq, log_max = jax.lax.while_loop(
+      lambda c: jnp.any(c[0]),
+      lambda c: jax.lax.switch(leaf_of[jnp.argmax(c[0])], branches, *c),
+      (~trusted, log_sq, log_max))
+  return {p: (sq, per_leaf(log_max)[p]) for p, sq in per_leaf(log_sq).items()}
 
 
 def _stacked(slots: Sequence[Slot]) -> int:

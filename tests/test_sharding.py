@@ -8,7 +8,7 @@ Layouts: FSDP along either axis, tensor-parallel (heads and channels split,
 with GQA groups that do and do not align with the shards) and a 2-D
 ('data', 'model') mesh, each on Auto and Explicit meshes. Collectives are
 counted in the compiled HLO, separately in code that always runs and inside
-the ``lax.cond`` branch that balances.
+the ``lax.cond`` branch that balances (the scale-safe fallback nested deeper).
 """
 
 import os
@@ -169,7 +169,8 @@ LAYOUT_SCRIPT = PRELUDE + textwrap.dedent(r"""
 
         found = collectives(compiled.as_text())
         print(what, found)
-        # every=1: the balancing always runs, its scale-safe fallback inside a cond.
+        # every=1: the balancing always runs; its scale-safe fallback is a loop whose body
+        # switches on the leaf to recompute (one branch per leaf).
         # every=100: nothing outside the balancing branch communicates.
         fast_depth = 0 if every == 1 else 1
         always = [c for c in found if c[0] < fast_depth]
