@@ -68,9 +68,9 @@ def make_opt_step(tx: optax.GradientTransformation):
   return jax.jit(opt_step, donate_argnums=(0, 1))
 
 
-def _true_branch(pred, true_fun, false_fun, *operands, **kwargs):
-  del pred, false_fun, kwargs
-  return true_fun(*operands)
+def _false_branch(pred, true_fun, false_fun, *operands, **kwargs):
+  del pred, true_fun, kwargs
+  return false_fun(*operands)
 
 
 def bytes_accessed(steps_fn: Callable, txs: Mapping[str, optax.GradientTransformation],
@@ -78,25 +78,26 @@ def bytes_accessed(steps_fn: Callable, txs: Mapping[str, optax.GradientTransform
   """Prints XLA's "bytes accessed" of each compiled ``steps_fn(tx)`` as a ratio to ``base``'s.
 
   Deterministic, unlike wall-clock time. XLA charges a ``lax.cond`` with its
-  costliest branch and a ``lax.while_loop`` with one run of its body, so two
-  figures are printed: the update as compiled (every=100's balancing branch
-  counted in full, and the scale-safe norms, a loop over the leaves whose
-  float32 sums overflow, with one leaf's passes), and the update traced with
-  every ``lax.cond`` replaced by its first branch: an update that balances.
+  costliest branch and a ``lax.while_loop`` with one run of its body, so the
+  update as compiled counts every=100's balancing branch in full and, of the
+  scale-safe norms (a loop over the leaves whose float32 sums overflow), the
+  passes over one leaf. The second figure traces every ``lax.cond`` as its
+  second branch: an update that ``every`` skips (the same for every=1, which
+  skips none).
   """
   def cost(tx):
     compiled = steps_fn(tx).lower(params, tx.init(params), arg).compile()
     return float(compiled.cost_analysis()["bytes accessed"])
 
   compiled = {name: cost(tx) for name, tx in txs.items()}
-  with mock.patch.object(jax.lax, "cond", _true_branch):
-    common_path = {name: cost(tx) for name, tx in txs.items()}
+  with mock.patch.object(jax.lax, "cond", _false_branch):
+    skipping = {name: cost(tx) for name, tx in txs.items()}
   width = max(map(len, txs))
   print(f"\nXLA cost analysis of the compiled update: bytes accessed, ratio vs {base}\n"
-        f"  {'':<{width}} {'as compiled':>22}   {'balancing, common path':>22}")
+        f"  {'':<{width}} {'as compiled':>22}   {'an update that skips':>22}")
   for name in txs:
     print(f"  {name:<{width}} {compiled[name] / 2**20:9.2f} MiB  {compiled[name] / compiled[base]:6.3f}"
-          f"   {common_path[name] / 2**20:9.2f} MiB  {common_path[name] / common_path[base]:6.3f}")
+          f"   {skipping[name] / 2**20:9.2f} MiB  {skipping[name] / skipping[base]:6.3f}")
   return compiled
 
 
