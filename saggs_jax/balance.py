@@ -183,9 +183,10 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
   The common case takes one float32 pass per leaf. A leaf is recomputed by the
   scale-safe passes when one of its sums of squares overflowed, underflowed or
   met a non-finite entry, or a norm is so large that a factor bounded by it could
-  overflow a dtype of its pair. A ``lax.while_loop`` takes those leaves one at a
-  time (a ``lax.switch`` on the leaf), so it runs no iteration in the common case,
-  and the compiled update holds the safe passes of one leaf at a time, not of all.
+  overflow a dtype of its pair. Under jit a ``lax.while_loop`` takes those leaves
+  one at a time (a ``lax.switch`` on the leaf), so it runs no iteration in the
+  common case, and the compiled update holds the safe passes of one leaf, not of
+  all. Called eagerly, the leaves to recompute are known: no loop is compiled.
   """
   leaves = dict(paths.leaves_with_paths(params))
   limit = {}  # the smallest dtype maximum among the pairs of each leaf
@@ -199,36 +200,46 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
                                                          for s in slots)
             for p, slots in plan.slots.items()}
   ends = np.cumsum([int(np.prod(s)) for s in shapes.values()])
-  spans = {p: (int(e - np.prod(s)), int(e)) for (p, s), e in zip(shapes.items(), ends)}
+  spans = [(int(e - np.prod(s)), int(e)) for s, e in zip(shapes.values(), ends)]
 
   def flat(values):
     return jnp.concatenate([jnp.ravel(values[p]).astype(jnp.float32) for p in shapes])
-
-  def per_leaf(v):
-    return {p: v[a:b].reshape(shapes[p]) for p, (a, b) in spans.items()}
 
   fast = {p: _fast_stats(leaves[p], slots, axis_name) for p, slots in plan.slots.items()}
   log_sq, log_max = (flat({p: s[i] for p, s in fast.items()}) for i in (0, 1))
   lowest = {p: np.log(_SMALLEST_SAFE_SUM) if p in plan.counted else -np.inf for p in shapes}
   trusted = ((log_sq <= flat({p: np.full(s, 2 * limit[p]) for p, s in shapes.items()}))
              & (log_sq >= flat({p: np.full(s, lowest[p]) for p, s in shapes.items()})))  # NaN fails
-  leaf_of = jnp.asarray(np.repeat(np.arange(len(shapes)), [b - a for a, b in spans.values()]))
+  safe = [lambda x, slots=slots: [v.ravel().astype(jnp.float32)
+                                  for v in _safe_stats(x, slots, axis_name)]
+          for slots in plan.slots.values()]
 
-  def recompute(path, slots):
-    a, b = spans[path]
+  if isinstance(trusted, jax.core.Tracer) or not trusted.is_fully_addressable:
+    leaf_of = jnp.asarray(np.repeat(np.arange(len(spans)), [b - a for a, b in spans]))
+    starts, stops = (jnp.asarray(v) for v in zip(*spans))
+    width = max(b - a for a, b in spans)
+    branches = [lambda xs, i=i: [jnp.pad(v, (0, width - v.size)) for v in safe[i](xs[i])]
+                for i in range(len(spans))]
 
-    def branch(bad, log_sq, log_max):
-      sq, top = _safe_stats(leaves[path], slots, axis_name)
-      return (bad.at[a:b].set(False), log_sq.at[a:b].set(sq.ravel().astype(jnp.float32)),
-              log_max.at[a:b].set(top.ravel().astype(jnp.float32)))
-    return branch
+    def body(carry):  # the first leaf still untrusted, recomputed and written into its span
+      bad, log_sq, log_max = carry
+      leaf = leaf_of[jnp.argmax(bad)]
+      index = jnp.arange(bad.size)
+      span = (index >= starts[leaf]) & (index < stops[leaf])
+      place = lambda v: jax.lax.dynamic_update_slice(  # noqa: E731
+          jnp.zeros(bad.size + width, jnp.float32), v, (starts[leaf],))[:bad.size]
+      sq, top = jax.lax.switch(leaf, branches, [leaves[p] for p in shapes])
+      return bad & ~span, jnp.where(span, place(sq), log_sq), jnp.where(span, place(top), log_max)
 
-  branches = [recompute(p, slots) for p, slots in plan.slots.items()]
-  _, log_sq, log_max = jax.lax.while_loop(
-      lambda c: jnp.any(c[0]),
-      lambda c: jax.lax.switch(leaf_of[jnp.argmax(c[0])], branches, *c),
-      (~trusted, log_sq, log_max))
-  return {p: (sq, per_leaf(log_max)[p]) for p, sq in per_leaf(log_sq).items()}
+    _, log_sq, log_max = jax.lax.while_loop(lambda c: jnp.any(c[0]), body,
+                                            (~trusted, log_sq, log_max))
+  else:
+    for f, p, (a, b) in zip(safe, shapes, spans):
+      if not np.all(np.asarray(trusted[a:b])):
+        sq, top = f(leaves[p])
+        log_sq, log_max = log_sq.at[a:b].set(sq), log_max.at[a:b].set(top)
+  return {p: (log_sq[a:b].reshape(s), log_max[a:b].reshape(s))
+          for (p, s), (a, b) in zip(shapes.items(), spans)}
 
 
 def _stacked(slots: Sequence[Slot]) -> int:
