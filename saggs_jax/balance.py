@@ -140,11 +140,10 @@ def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str = 
   return r if axis_name is None else jax.lax.psum(r, axis_name)
 
 
-def _fast_stats(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
-  """``(log sum x**2, log max |x|)`` per group from one float32 pass; the norm bounds the
-  largest entry. Inexact or infinite when the squares over- or underflow."""
-  log_sq = jnp.log(_reduce(jnp.square(x.astype(compute_dtype(x.dtype))), slots, axis_name))
-  return log_sq, 0.5 * log_sq
+def _fast_log_sq(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
+  """``log sum x**2`` per group from one float32 pass. Inexact or infinite when the
+  squares over- or underflow."""
+  return jnp.log(_reduce(jnp.square(x.astype(compute_dtype(x.dtype))), slots, axis_name))
 
 
 def _safe_stats(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
@@ -205,8 +204,8 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
   def flat(values):
     return jnp.concatenate([jnp.ravel(values[p]).astype(jnp.float32) for p in shapes])
 
-  fast = {p: _fast_stats(leaves[p], slots, axis_name) for p, slots in plan.slots.items()}
-  log_sq, log_max = (flat({p: s[i] for p, s in fast.items()}) for i in (0, 1))
+  log_sq = flat({p: _fast_log_sq(leaves[p], slots, axis_name) for p, slots in plan.slots.items()})
+  log_max = 0.5 * log_sq  # the norm bounds the largest entry
   lowest = {p: np.log(_SMALLEST_SAFE_SUM) if p in plan.counted else -np.inf for p in shapes}
   trusted = ((log_sq <= flat({p: np.full(s, 2 * limit[p]) for p, s in shapes.items()}))
              & (log_sq >= flat({p: np.full(s, lowest[p]) for p, s in shapes.items()})))  # NaN fails
