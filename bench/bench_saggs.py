@@ -10,10 +10,12 @@ every=1 and every=100. Before timing, it prints XLA's cost analysis of each
 compiled update ("bytes accessed", deterministic and machine-independent) as a
 ratio to AdamW's. Sizes and timing helpers live in ``bench/common.py``.
 
-``--part skip`` times what an update that every=100 skips costs, and why:
-the update as compiled, and the same update compiled with its ``lax.cond``
-replaced by the skipping branch alone (ones behind an optimization barrier,
-so the transport still multiplies by them).
+``--part anatomy`` times where the update's cost comes from, against two
+floors: AdamW plus the norm pass alone (each declared leaf's per-index sums of
+squares, which each leaf's update then waits for: the least that balancing
+on current norms before the step can cost), and every=100 compiled with its
+``lax.cond`` replaced by the skipping branch alone (ones behind an
+optimization barrier, so the transport still multiplies by them).
 
   python bench/bench_saggs.py                  # CPU-sized model
   python bench/bench_saggs.py --size gpt2      # GPT-2-small-sized (GPU)
@@ -23,12 +25,16 @@ from __future__ import annotations
 
 import argparse
 
+import jax
+import jax.numpy as jnp
 import optax
 
 import common
 from common import lm
 
 import saggs_jax as saggs
+from saggs_jax import paths
+from saggs_jax.pairs import resolve
 
 
 def variants(pairs):
@@ -43,12 +49,34 @@ def variants(pairs):
   }
 
 
-def skip_variants(pairs, params, grads):
-  """AdamW, a control, hard SAGGS every=100, and the same without its cond; and the
-  ``steps_fn`` that compiles the last one with ``lax.cond`` as its skipping branch."""
+def with_norm_pass(inner, pairs):
+  """``inner`` whose update of each declared leaf is multiplied by ``1 + 0 * s``, ``s``
+  the sum of the logs of that leaf's per-index squared norms (the reduction SAGGS
+  runs per group), so XLA keeps the pass and each leaf's update waits for its own
+  norms."""
+
+  def update(grads, state, params):
+    leaves = dict(paths.leaves_with_paths(params))
+    slots = resolve(pairs, params).slots
+    # The log keeps XLA from merging the per-index sums into one full reduction.
+    waits = {p: 1 + 0 * jnp.log(jnp.sum(jnp.square(leaves[p]),
+                                        axis=s[0].reduce_axes(leaves[p].ndim))).sum()
+             for p, s in slots.items()}
+    updates, state = inner.update(grads, state, params)
+    wait = lambda key_path, u: u * waits.get(paths.path_str(key_path), 1)  # noqa: E731
+    return jax.tree_util.tree_map_with_path(wait, updates), state
+
+  return optax.GradientTransformation(inner.init, update)
+
+
+def anatomy_variants(pairs, params, grads):
+  """The ``--part anatomy`` variants, and the ``steps_fn`` that compiles the last one
+  with ``lax.cond`` as its skipping branch."""
   adamw = lambda: optax.adamw(3e-4, weight_decay=0.1)  # noqa: E731
   no_cond = saggs.chain(adamw(), saggs.saggs(pairs, every=100))
   txs = {"adamw": adamw(), "adamw (control)": adamw(),
+         "adamw + the norm pass alone": with_norm_pass(adamw(), pairs),
+         "saggs every=1": saggs.chain(adamw(), saggs.saggs(pairs, every=1)),
          "saggs every=100": saggs.chain(adamw(), saggs.saggs(pairs, every=100)),
          "saggs every=100 without its cond": no_cond}
 
@@ -65,15 +93,15 @@ def main():
   parser.add_argument("--size", choices=sorted(common.SIZES), default=common.default_size())
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--steps", type=int, default=100)
-  parser.add_argument("--part", choices=("both", "update", "step", "skip"), default="both",
-                      help="time the optimizer update, the full train step, both, or the cost"
-                      " of a skipped update with and without its cond")
+  parser.add_argument("--part", choices=("both", "update", "step", "anatomy"), default="both",
+                      help="time the optimizer update, the full train step, both, or where the"
+                      " update's cost comes from")
   args = parser.parse_args()
   config, graphdef, params, batch = common.setup(args.size)
   pairs = saggs.presets.llama(num_kv_heads=config.num_kv_heads)
-  if args.part == "skip":
+  if args.part == "anatomy":
     grads = common.fake_grads(params)
-    txs, steps_fn = skip_variants(pairs, params, grads)
+    txs, steps_fn = anatomy_variants(pairs, params, grads)
     common.bench("optimizer update", steps_fn, txs, params, grads, args.rounds, args.steps)
     return
   txs = variants(pairs)
