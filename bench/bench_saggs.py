@@ -37,8 +37,11 @@ from saggs_jax import paths
 from saggs_jax.pairs import resolve
 
 
+def adamw():
+  return optax.adamw(3e-4, weight_decay=0.1)
+
+
 def variants(pairs):
-  adamw = lambda: optax.adamw(3e-4, weight_decay=0.1)  # noqa: E731
   return {
       "adamw": adamw(),
       "adamw (control)": adamw(),  # the same optimizer again: the noise floor of this run
@@ -72,12 +75,11 @@ def with_norm_pass(inner, pairs):
 def anatomy_variants(pairs, params, grads):
   """The ``--part anatomy`` variants, and the ``steps_fn`` that compiles the last one
   with ``lax.cond`` as its skipping branch."""
-  adamw = lambda: optax.adamw(3e-4, weight_decay=0.1)  # noqa: E731
+  base = variants(pairs)
   no_cond = saggs.chain(adamw(), saggs.saggs(pairs, every=100))
-  txs = {"adamw": adamw(), "adamw (control)": adamw(),
+  txs = {"adamw": base["adamw"], "adamw (control)": base["adamw (control)"],
          "adamw + the norm pass alone": with_norm_pass(adamw(), pairs),
-         "saggs every=1": saggs.chain(adamw(), saggs.saggs(pairs, every=1)),
-         "saggs every=100": saggs.chain(adamw(), saggs.saggs(pairs, every=100)),
+         "saggs every=1": base["saggs every=1"], "saggs every=100": base["saggs every=100"],
          "saggs every=100 without its cond": no_cond}
 
   def steps_fn(tx):
