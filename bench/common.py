@@ -8,7 +8,9 @@ ratios to baselines.
 
 from __future__ import annotations
 
+import os
 import pathlib
+import platform
 import sys
 import time
 from unittest import mock
@@ -36,13 +38,28 @@ def default_size() -> str:
   return "gpt2" if jax.default_backend() == "gpu" else "cpu"
 
 
+def device_name() -> str:
+  """The accelerator's kind, or on the CPU backend the host CPU's model and core count:
+  CPU figures differ between machines of the same size (memory- or compute-bound)."""
+  if jax.default_backend() != "cpu":
+    return jax.devices()[0].device_kind
+  try:
+    with open("/proc/cpuinfo") as f:
+      info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    model = f"{info['model name']}, family {info.get('cpu family', '?')} model {info.get('model', '?')}"
+  except (OSError, KeyError):
+    model = platform.processor() or platform.machine()
+  return f"{model}, {os.cpu_count()} cores"
+
+
 def setup(size: str, seed: int = 0):
   """``(config, graphdef, params, batch_size)`` of a ``SIZES`` entry, and a banner line."""
   sizes = dict(SIZES[size])
   batch = sizes.pop("batch")
   config = lm.ModelConfig(**sizes)
   graphdef, params = lm.init_model(config, seed=seed)
-  print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), size {size}:"
+  print(f"backend {jax.default_backend()} ({device_name()}), size {size}:"
         f" {lm.num_params(params) / 1e6:.1f}M params, batch {batch}x{config.seq_len}")
   return config, graphdef, params, batch
 
