@@ -651,7 +651,7 @@ def test_gram_newton_schulz_matches_exact_polar(shape):
   """Float32, enough steps: the Gram iteration reaches the SVD polar factor, up to
   rounding that grows with the condition number (2 to 150 here): iterating on
   X^T X, whose condition number is the square, costs accuracy. The bound is
-  8 kappa eps per matrix: the errors reached 1.4e-5 to 5e-5 (1.7 to 3.4 kappa
+  8 kappa eps per matrix: the errors reached 1.4e-5 to 5e-5 (1.7 to 2.9 kappa
   eps) for the square blocks on one CPU, and stayed under 2e-5 on another;
   three steps instead of ten miss it by four orders of magnitude."""
   x = rand(30, shape, np.float32)
