@@ -382,7 +382,8 @@ class Plan:
       size = self.shapes[path][axis]
       cuts = sorted({0, size}.union(*(b[1:] for b in blocks)))
       for start, stop in zip(cuts, cuts[1:]):
-        mine = tuple(s for s in slots if s.block is None or s.block[1] <= start < stop <= s.block[2])
+        mine = tuple(s for s in slots
+                     if s.block is None or s.block[1] <= start < stop <= s.block[2])
         if mine:
           block = None if (start, stop) == (0, size) else (axis, start, stop)
           out[path, block] = Piece(path, block, mine)

@@ -359,7 +359,8 @@ def test_gemma_stacked_kv_and_gate_up_blocks():
     q = (p["attn"]["q_einsum"]["w"] ** 2).reshape(KV, -1).sum(1)
     kv = (p["attn"]["kv_einsum"]["w"] ** 2).sum((2, 3))
     o = (p["attn"]["attn_vec_einsum"]["w"] ** 2).reshape(KV, -1).sum(1)
-    up, down = (p["mlp"]["gating_einsum"]["w"][1] ** 2).sum(0), (p["mlp"]["linear"]["w"] ** 2).sum(1)
+    up = (p["mlp"]["gating_einsum"]["w"][1] ** 2).sum(0)
+    down = (p["mlp"]["linear"]["w"] ** 2).sum(1)
     for a, b in ((q, kv[0]), (kv[1], o), (up, down)):
       np.testing.assert_allclose(a, b, rtol=1e-4)
   # The gate block is untouched by any factor.
@@ -419,3 +420,14 @@ def test_bad_blocks_name_pattern_path_and_shape(pairs, msg):
   params = {"c_attn": {"kernel": jnp.ones((8, 24))}, "w": jnp.ones((8, 8))}
   with pytest.raises(ValueError, match=msg):
     saggs.pairs.resolve(pairs, params)
+
+
+def test_adafactor_refuses_a_block_edge_along_a_factored_axis():
+  qkv = dict(axis=-1, parts=("q", "k", "v"))
+  pairs = [saggs.Pair(saggs.Block("attn/c_attn/kernel", part="q", **qkv),
+                      saggs.Block("attn/c_attn/kernel", part="k", **qkv))]
+  params = gpt2_init(0)
+  state = optax.adafactor(1e-2, min_dim_size_to_factor=4).init(params)
+  with pytest.raises(TypeError, match=r"c_attn/kernel' \(8, 24\), and the factors of .* change"
+                     r" along axis 1 \(a block\), .* Keep this moment unfactored"):
+    saggs.reparameterize(params, state, pairs, 2.0)
