@@ -1,0 +1,179 @@
+"""``saggs.discover`` on the attention layouts of third-party models, each reproduced in plain JAX.
+
+* multi-query attention (one KV head; transformers' Gemma-2B, LLaMA with
+  ``num_key_value_heads=1``), the key expanded by ``jnp.repeat`` or ``jnp.broadcast_to``;
+* interleaved RoPE (Meta LLaMA, GPT-J): ``x[..., ::2]``, ``x[..., 1::2]`` rotated and
+  stacked back;
+* a zero-initialised output projection (modded-nanogpt, muP, adaLN-Zero), on which every
+  rescaling of Q/K "confirms" unless the check runs where the path is live.
+
+What ``discover`` finds is compared with the symmetries written by hand, and checked by an
+orbit move in NumPy (``test_discover.orbit_move``) on parameters whose every path is live.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import saggs_jax as saggs
+from saggs_jax.discover import discover
+from test_discover import orbit_move
+
+D, HD, F, V, T = 16, 4, 24, 16, 8  # width, head size, MLP hidden, vocabulary, tokens
+
+
+def _rope_half(x):
+  """Rotates pairs (i, i + hd/2) of x (batch, seq, heads, hd): the rotate-half form."""
+  cos, sin = _angles(x)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _rope_interleaved(x):
+  """Rotates pairs (2i, 2i + 1): the Meta LLaMA / GPT-J form."""
+  cos, sin = _angles(x)
+  x1, x2 = x[..., ::2], x[..., 1::2]
+  return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).reshape(x.shape)
+
+
+def _angles(x):
+  angles = jnp.arange(x.shape[1])[:, None] * 100.0 ** (-jnp.arange(HD // 2) * 2 / HD)
+  return jnp.cos(angles)[:, None], jnp.sin(angles)[:, None]
+
+
+ROPE = {"half": _rope_half, "interleaved": _rope_interleaved}
+
+
+def _rms_norm(x, scale):
+  return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale
+
+
+def lm_init(seed=0, heads=4, kv=2, layers=2, zero_out=False):
+  """A pre-norm decoder: RMSNorm, attention with RoPE, SwiGLU; ``o`` zero if ``zero_out``."""
+  rng = np.random.default_rng(seed)
+
+  def dense(n_in, n_out):
+    return {"kernel": rng.standard_normal((n_in, n_out)) / np.sqrt(n_in)}
+
+  def layer():
+    o = dense(heads * HD, D)
+    return {"attn_norm": {"scale": 1 + 0.1 * rng.standard_normal(D)},
+            "attn": {"q": dense(D, heads * HD), "k": dense(D, kv * HD), "v": dense(D, kv * HD),
+                     "o": {"kernel": 0 * o["kernel"]} if zero_out else o},
+            "mlp_norm": {"scale": 1 + 0.1 * rng.standard_normal(D)},
+            "mlp": {"gate": dense(D, F), "up": dense(D, F), "down": dense(F, D)}}
+
+  params = {"embed": rng.standard_normal((V, D)),
+            **{f"layer_{i}": layer() for i in range(layers)},
+            "final_norm": {"scale": 1 + 0.1 * rng.standard_normal(D)}, "head": dense(D, V)}
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+
+
+def lm_forward(params, tokens, heads=4, kv=2, rope="half", expand="repeat", attn_gain=1.0):
+  """Logits; ``expand``: how each KV head reaches its query heads; ``attn_gain`` multiplies
+  the attention branch (0: a path that no parameter can make live)."""
+  x = params["embed"][tokens]
+  b, t, _ = x.shape
+  for i in range(sum(k.startswith("layer_") for k in params)):
+    p = params[f"layer_{i}"]
+    h = _rms_norm(x, p["attn_norm"]["scale"])
+    a = p["attn"]
+    q = ROPE[rope]((h @ a["q"]["kernel"]).reshape(b, t, heads, HD))
+    k = ROPE[rope]((h @ a["k"]["kernel"]).reshape(b, t, kv, HD))
+    v = (h @ a["v"]["kernel"]).reshape(b, t, kv, HD)
+    if expand == "repeat":
+      k, v = jnp.repeat(k, heads // kv, axis=2), jnp.repeat(v, heads // kv, axis=2)
+    else:  # one KV head broadcast to every query head
+      k, v = jnp.broadcast_to(k, q.shape), jnp.broadcast_to(v, q.shape)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(HD)
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e9)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v).reshape(b, t, -1)
+    x = x + attn_gain * (out @ a["o"]["kernel"])
+    h = _rms_norm(x, p["mlp_norm"]["scale"])
+    m = p["mlp"]
+    x = x + (jax.nn.silu(h @ m["gate"]["kernel"]) * (h @ m["up"]["kernel"])) @ m["down"]["kernel"]
+  return _rms_norm(x, params["final_norm"]["scale"]) @ params["head"]["kernel"]
+
+
+def tokens(seed=0):
+  return jnp.asarray(np.random.default_rng(600 + seed).integers(0, V, (2, T)), jnp.int32)
+
+
+def lm_pairs(kv):
+  """The exact symmetries of ``lm_forward``, by hand: Q/K and V/O per KV head, SwiGLU up/down
+  per channel, each norm gain against the rows of the linears that read it."""
+  return {
+      saggs.Pair("q/kernel", "k/kernel", axes=(1, 1), groups=kv, name="attention Q/K"),
+      saggs.Pair("v/kernel", "o/kernel", axes=(1, 0), groups=kv, name="attention V/O"),
+      saggs.Pair("up/kernel", "down/kernel", axes=(1, 0), name="gated MLP up/down"),
+      saggs.Pair("attn_norm/scale", ("attn/q/kernel", "attn/k/kernel", "attn/v/kernel"),
+                 axes=(0, 0), name="norm gain"),
+      saggs.Pair("mlp_norm/scale", ("mlp/gate/kernel", "mlp/up/kernel"), axes=(0, 0),
+                 name="norm gain"),
+      saggs.Pair("final_norm/scale", "head/kernel", axes=(0, 0), name="norm gain"),
+  }
+
+
+def orbit_deviation(forward, params, pairs, seed=0):
+  """Largest output change under a NumPy orbit move of ``pairs``, relative to max |output|."""
+  forward = jax.jit(forward)
+  with jax.default_matmul_precision("highest"):
+    y0 = np.asarray(forward(params, tokens()))
+    y1 = np.asarray(forward(orbit_move(params, pairs, seed), tokens()))
+  return float(np.max(np.abs(y1 - y0)) / np.max(np.abs(y0)))
+
+
+def without_names(pairs):
+  return {p.__class__(**{**p.__dict__, "name": None}) for p in pairs}
+
+
+# ---------------------------------------------------------------------------
+# Points 1 and 2: one KV head, interleaved RoPE.
+
+@pytest.mark.parametrize("expand", ["repeat", "broadcast"])
+def test_multi_query_attention_pairs_q_with_k_as_one_group(expand):
+  forward = functools.partial(lm_forward, kv=1, expand=expand)
+  params = lm_init(kv=1)
+  d = discover(forward, params, tokens())
+  assert set(d) == lm_pairs(kv=1)
+  assert [r.a for r in d.rejected] == ["gate/kernel"]  # SiLU: not positively homogeneous
+  assert orbit_deviation(forward, params, d) < 1e-5
+
+
+def test_interleaved_rope_pairs_q_with_k_per_kv_head():
+  forward = functools.partial(lm_forward, rope="interleaved")
+  params = lm_init()
+  d = discover(forward, params, tokens())
+  assert set(d) == lm_pairs(kv=2)
+  assert orbit_deviation(forward, params, d) < 1e-5
+  # The oracle tells the groupings apart: per query head, Q/K is not exact.
+  assert orbit_deviation(forward, params, [saggs.Pair("q/kernel", "k/kernel", axes=(1, 1),
+                                                      groups=4)]) > 1e-2
+
+
+# ---------------------------------------------------------------------------
+# Point 4: no confirmation by a check that could not have failed.
+
+def test_a_zero_output_projection_does_not_confirm_per_query_head_pairs():
+  params = lm_init(zero_out=True)
+  d = discover(lm_forward, params, tokens())
+  assert set(d) == lm_pairs(kv=2)
+  # Once o trains, what was found still holds; per query head it would not.
+  live = lm_init(zero_out=False)
+  assert orbit_deviation(lm_forward, live, d) < 1e-5
+  per_query_head = [saggs.Pair("q/kernel", "k/kernel", axes=(1, 1), groups=4)]
+  assert orbit_deviation(lm_forward, live, per_query_head) > 1e-2
+
+
+def test_a_path_no_parameter_makes_live_is_reported_unconfirmed():
+  forward = functools.partial(lm_forward, attn_gain=0.0)
+  d = discover(forward, lm_init(), tokens())
+  assert without_names(d) == without_names(
+      p for p in lm_pairs(kv=2) if p.a not in ("q/kernel", "v/kernel", "attn_norm/scale"))
+  reasons = {r.a: r.reason for r in d.rejected}
+  for a in ("q/kernel", "v/kernel", "attn_norm/scale"):
+    assert reasons[a].startswith("unconfirmed: rescaling side a alone does not change the"
+                                 " output"), reasons
