@@ -177,3 +177,96 @@ def test_a_path_no_parameter_makes_live_is_reported_unconfirmed():
   for a in ("q/kernel", "v/kernel", "attn_norm/scale"):
     assert reasons[a].startswith("unconfirmed: rescaling side a alone does not change the"
                                  " output"), reasons
+
+
+# ---------------------------------------------------------------------------
+# Point 3: blocks of fused leaves.
+
+H = 2  # heads of the fused models (head size HD)
+
+
+def _layer_norm(x, p):
+  mu = x.mean(-1, keepdims=True)
+  x = (x - mu) * jax.lax.rsqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+  return x * p["scale"] + p["bias"]
+
+
+def gpt2_init(seed=0, layers=2):
+  """GPT-2's layout: ``c_attn`` one (D, 3 H HD) kernel for q|k|v, with a fused bias."""
+  rng = np.random.default_rng(seed)
+
+  def dense(n_in, n_out):
+    return {"kernel": rng.standard_normal((n_in, n_out)) / np.sqrt(n_in),
+            "bias": 0.1 * rng.standard_normal(n_out)}
+
+  def norm():
+    return {"scale": 1 + 0.1 * rng.standard_normal(D), "bias": 0.1 * rng.standard_normal(D)}
+
+  params = {"wte": rng.standard_normal((V, D)), "ln_f": norm(), "head": dense(D, V)}
+  for i in range(layers):
+    params[f"h_{i}"] = {"ln_1": norm(), "ln_2": norm(),
+                        "attn": {"c_attn": dense(D, 3 * H * HD), "c_proj": dense(H * HD, D)},
+                        "mlp": {"c_fc": dense(D, F), "c_proj": dense(F, D)}}
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+
+
+def gpt2_forward(params, tokens, cut="split"):
+  """q, k, v cut from one projection by ``jnp.split`` or by slicing (``cut="slice"``)."""
+  x = params["wte"][tokens]
+  b, t, _ = x.shape
+  for i in range(sum(k.startswith("h_") for k in params)):
+    p = params[f"h_{i}"]
+    a = p["attn"]
+    qkv = _layer_norm(x, p["ln_1"]) @ a["c_attn"]["kernel"] + a["c_attn"]["bias"]
+    n = H * HD
+    q, k, v = (jnp.split(qkv, 3, axis=-1) if cut == "split" else
+               (qkv[..., :n], qkv[..., n:2 * n], qkv[..., 2 * n:]))
+    q, k, v = (y.reshape(b, t, H, HD) for y in (q, k, v))
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(HD)
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e9)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v).reshape(b, t, n)
+    x = x + out @ a["c_proj"]["kernel"] + a["c_proj"]["bias"]
+    m = p["mlp"]
+    h = jax.nn.gelu(_layer_norm(x, p["ln_2"]) @ m["c_fc"]["kernel"] + m["c_fc"]["bias"])
+    x = x + h @ m["c_proj"]["kernel"] + m["c_proj"]["bias"]
+  return _layer_norm(x, params["ln_f"]) @ params["head"]["kernel"] + params["head"]["bias"]
+
+
+def gemma_init(seed=0, heads=4, kv=2, layers=2):
+  """The gemma package's layout: ``kv_einsum/w`` (2, kv, D, HD) holds K and V on a leading axis,
+  ``gating_einsum/w`` (2, F, D) gate and up; ``q_einsum/w`` (heads, D, HD),
+  ``attn_vec_einsum/w`` (heads, HD, D), ``linear/w`` (F, D)."""
+  rng = np.random.default_rng(seed)
+
+  def w(*shape):
+    return {"w": rng.standard_normal(shape) / np.sqrt(D)}
+
+  params = {"embed": rng.standard_normal((V, D))}
+  for i in range(layers):
+    params[f"layer_{i}"] = {
+        "attn": {"q_einsum": w(heads, D, HD), "kv_einsum": w(2, kv, D, HD),
+                 "attn_vec_einsum": w(heads, HD, D)},
+        "mlp": {"gating_einsum": w(2, F, D), "linear": w(F, D)}}
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+
+
+def gemma_forward(params, tokens, heads=4, kv=2, cut="unpack"):
+  """K, V unpacked from one einsum's leading axis (``cut="split"``: by ``jnp.split``)."""
+  x = params["embed"][tokens]
+  b, t, _ = x.shape
+  for i in range(sum(k.startswith("layer_") for k in params)):
+    a, m = params[f"layer_{i}"]["attn"], params[f"layer_{i}"]["mlp"]
+    h = _rms_norm(x, 1.0)
+    q = _rope_half(jnp.einsum("BTD,NDH->BTNH", h, a["q_einsum"]["w"]))
+    kv_proj = jnp.einsum("BSD,CKDH->CBSKH", h, a["kv_einsum"]["w"])
+    k, v = kv_proj if cut == "unpack" else (y[0] for y in jnp.split(kv_proj, 2, axis=0))
+    k = _rope_half(k)
+    q = q.reshape(b, t, kv, heads // kv, HD)
+    logits = jnp.einsum("BTKGH,BSKH->BTKGS", q, k) / np.sqrt(HD)
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool))[:, None, None], logits, -1e9)
+    enc = jnp.einsum("BTKGS,BSKH->BTKGH", jax.nn.softmax(logits), v).reshape(b, t, heads, HD)
+    x = x + jnp.einsum("BTNH,NHD->BTD", enc, a["attn_vec_einsum"]["w"])
+    gate = jnp.einsum("...F,NHF->...NH", _rms_norm(x, 1.0), m["gating_einsum"]["w"])
+    act = jax.nn.gelu(gate[..., 0, :]) * gate[..., 1, :]
+    x = x + jnp.einsum("...H,HF->...F", act, m["linear"]["w"])
+  return _rms_norm(x, 1.0) @ params["embed"].T
