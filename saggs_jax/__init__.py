@@ -13,13 +13,13 @@ from saggs_jax import checkpoint, equivariant, presets
 from saggs_jax.canonical import canonicalize, reparameterize
 from saggs_jax.diagnostics import check_symmetry, imbalance
 from saggs_jax.discover import Discovery, Rejected, discover
-from saggs_jax.pairs import Pair, describe
+from saggs_jax.pairs import Block, Pair, describe
 from saggs_jax.transform import (SaggsState, SymmetryTransformation, chain, saggs,
                                  scale_by_saggs, soft)
 from saggs_jax.transport import NESTED, register_transport
 
 __all__ = [
-    "NESTED", "Discovery", "Pair", "Rejected", "SaggsState", "SymmetryTransformation",
+    "NESTED", "Block", "Discovery", "Pair", "Rejected", "SaggsState", "SymmetryTransformation",
     "canonicalize", "chain", "checkpoint", "check_symmetry", "describe", "discover", "equivariant",
     "imbalance", "presets", "register_transport",
     "reparameterize", "saggs", "scale_by_saggs", "soft",

@@ -29,6 +29,12 @@ Guards, so that no NaN or Inf is ever produced:
   only binds for tensors whose norm nears that value (float16 mostly); there
   the factor is the closest admissible one, or 1 if none is.
 
+A leaf with blocks (see :class:`saggs_jax.Block`) is cut at their boundaries
+into pieces (:attr:`saggs_jax.pairs.Plan.pieces`) whose entries move by the
+same slots; its statistics are taken per piece through a mask along the block
+axis, and its multiplier is each block's factors padded with ones along that
+axis, so a sharded block axis stays sharded.
+
 On a mesh the squared norms are summed per group where the data lives and
 combined with one all-reduce of at most one value per group; inside
 ``shard_map`` ``axis_name`` names the mesh axes to sum over.
@@ -45,7 +51,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from saggs_jax import paths
-from saggs_jax.pairs import Instance, Plan, Slot
+from saggs_jax.pairs import Instance, Plan, Slot, Span
 
 Factors = dict[str, jax.Array]
 AxisName = str | Sequence[str] | None
@@ -91,7 +97,7 @@ def _group_reduce(v: jax.Array, slot: Slot, axis_name: AxisName, op: str = "sum"
   followed by a reshape of that small vector are cheapest.
   """
   reduce, collective = {"sum": (jnp.sum, jax.lax.psum), "max": (jnp.max, jax.lax.pmax)}[op]
-  several = slot.axis is not None and slot.groups != v.shape[slot.axis]
+  several = slot.axis is not None and not slot.per_index(v.shape[slot.axis])
   if several and not jax.sharding.get_abstract_mesh().empty:
     one_hot = jnp.asarray(slot.membership(v.shape[slot.axis]), v.dtype)  # (size, groups)
     mask = one_hot.reshape((1,) * slot.axis + one_hot.shape[:1] + (1,) * (v.ndim - slot.axis - 1)
@@ -99,8 +105,9 @@ def _group_reduce(v: jax.Array, slot: Slot, axis_name: AxisName, op: str = "sum"
     s = reduce(v[..., None] * mask, axis=tuple(range(slot.stacked, v.ndim)))
   else:
     s = reduce(v, axis=slot.reduce_axes(v.ndim))
-    if several:  # per index, then per block of that small vector
-      s = reduce(s.reshape(s.shape[:-1] + (slot.groups, -1)), axis=-1)
+    if several:  # per index, then per group of that small vector (within a block)
+      start, stop = slot.tiled(v.shape[slot.axis])
+      s = reduce(s[..., start:stop].reshape(s.shape[:-1] + (slot.groups, -1)), axis=-1)
   s = replicated(s)
   return s if axis_name is None else collective(s, axis_name)
 
@@ -127,7 +134,7 @@ def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str = 
   for s in slots:
     if s.axis is None:
       continue
-    if s.groups == v.shape[s.axis]:
+    if s.per_index(v.shape[s.axis]):
       out.append(s.axis)
     else:
       operands += [jnp.asarray(s.membership(v.shape[s.axis]), v.dtype), [s.axis, v.ndim + len(out)]]
@@ -167,17 +174,29 @@ def _safe_stats(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
   return jnp.where(jnp.isfinite(sq), 2 * log_scale + jnp.log(sq), jnp.inf), jnp.log(group_max)
 
 
+def _restrict(x: jax.Array, block: Span | None) -> jax.Array:
+  """``x`` with zeros outside ``block``: a mask along the block axis, which keeps every
+  axis of ``x`` (and its sharding) and fuses into the reduction that reads it."""
+  if block is None:
+    return x
+  axis, start, stop = block
+  index = jax.lax.broadcasted_iota(jnp.int32, tuple(n if i == axis else 1
+                                                    for i, n in enumerate(x.shape)), axis)
+  return jnp.where((index >= start) & (index < stop), x, jnp.zeros((), x.dtype))
+
+
 def _log_max(dtype) -> float:
   """log of the largest value a leaf of ``dtype`` may be scaled to, with a rounding margin."""
   return float(np.log(float(jnp.finfo(dtype).max)) + np.log1p(-2.0**-8))
 
 
-Stats = dict[str, tuple[jax.Array, jax.Array]]
+Stats = dict[tuple, tuple[jax.Array, jax.Array]]
 
 
 def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
-  """Per declared leaf ``(log sum of squares, log of the largest magnitude)`` per group of
-  each of its slots (see :func:`_reduce`), in float32.
+  """Per declared piece (a leaf, or a part of it between block boundaries) ``(log sum of
+  squares, log of the largest magnitude)`` per group of each of its slots (see
+  :func:`_reduce`), in float32.
 
   The common case takes one float32 pass per leaf. A leaf is recomputed by the
   scale-safe passes when one of its sums of squares overflowed, underflowed or
@@ -188,30 +207,31 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
   all. Called eagerly, the leaves to recompute are known: no loop is compiled.
   """
   leaves = dict(paths.leaves_with_paths(params))
-  limit = {}  # the smallest dtype maximum among the pairs of each leaf
-  for inst in plan.instances:
-    every = inst.members_a + inst.members_b + inst.followers_a + inst.followers_b
-    lowest = min(_log_max(leaves[p].dtype) for p in every)
-    for p in every:
-      limit[p] = min(limit.get(p, np.inf), lowest)
-  # The statistics of all leaves travel as two flat float32 vectors, each leaf a static span.
-  shapes = {p: leaves[p].shape[:_stacked(slots)] + tuple(1 if s.axis is None else s.groups
-                                                         for s in slots)
-            for p, slots in plan.slots.items()}
+  dtype_max = {}  # the smallest dtype maximum among the leaves of each instance
+  for path, slots in plan.slots.items():
+    for s in slots:
+      dtype_max[s.key] = min(dtype_max.get(s.key, np.inf), _log_max(leaves[path].dtype))
+  limit = {k: min(dtype_max[s.key] for s in piece.slots) for k, piece in plan.pieces.items()}
+  # The statistics of all pieces travel as two flat float32 vectors, each piece a static span.
+  shapes = {k: leaves[piece.path].shape[:_stacked(piece.slots)]
+            + tuple(1 if s.axis is None else s.groups for s in piece.slots)
+            for k, piece in plan.pieces.items()}
   ends = np.cumsum([int(np.prod(s)) for s in shapes.values()])
   spans = [(int(e - np.prod(s)), int(e)) for s, e in zip(shapes.values(), ends)]
 
   def flat(values):
     return jnp.concatenate([jnp.ravel(values[p]).astype(jnp.float32) for p in shapes])
 
-  log_sq = flat({p: _fast_log_sq(leaves[p], slots, axis_name) for p, slots in plan.slots.items()})
+  pieces = [(_restrict(leaves[pc.path], pc.block), pc.slots) for pc in plan.pieces.values()]
+  log_sq = flat({k: _fast_log_sq(x, slots, axis_name)
+                 for k, (x, slots) in zip(shapes, pieces)})
   log_max = 0.5 * log_sq  # the norm bounds the largest entry
-  lowest = {p: np.log(_SMALLEST_SAFE_SUM) if p in plan.counted else -np.inf for p in shapes}
+  lowest = {k: np.log(_SMALLEST_SAFE_SUM) if k[0] in plan.counted else -np.inf for k in shapes}
   trusted = ((log_sq <= flat({p: np.full(s, 2 * limit[p]) for p, s in shapes.items()}))
              & (log_sq >= flat({p: np.full(s, lowest[p]) for p, s in shapes.items()})))  # NaN fails
   safe = [lambda x, slots=slots: [v.ravel().astype(jnp.float32)
                                   for v in _safe_stats(x, slots, axis_name)]
-          for slots in plan.slots.values()]
+          for _, slots in pieces]
 
   if isinstance(trusted, jax.core.Tracer) or not trusted.is_fully_addressable:
     leaf_of = jnp.asarray(np.repeat(np.arange(len(spans)), [b - a for a, b in spans]))
@@ -227,15 +247,15 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
       span = (index >= starts[leaf]) & (index < stops[leaf])
       place = lambda v: jax.lax.dynamic_update_slice(  # noqa: E731
           jnp.zeros(bad.size + width, jnp.float32), v, (starts[leaf],))[:bad.size]
-      sq, top = jax.lax.switch(leaf, branches, [leaves[p] for p in shapes])
+      sq, top = jax.lax.switch(leaf, branches, [x for x, _ in pieces])
       return bad & ~span, jnp.where(span, place(sq), log_sq), jnp.where(span, place(top), log_max)
 
     _, log_sq, log_max = jax.lax.while_loop(lambda c: jnp.any(c[0]), body,
                                             (~trusted, log_sq, log_max))
   else:
-    for f, p, (a, b) in zip(safe, shapes, spans):
+    for f, (x, _), (a, b) in zip(safe, pieces, spans):
       if not np.all(np.asarray(trusted[a:b])):
-        sq, top = f(leaves[p])
+        sq, top = f(x)
         log_sq, log_max = log_sq.at[a:b].set(sq), log_max.at[a:b].set(top)
   return {p: (log_sq[a:b].reshape(s), log_max[a:b].reshape(s))
           for (p, s), (a, b) in zip(shapes.items(), spans)}
@@ -255,11 +275,11 @@ def _at(u: jax.Array, i: int, slots: Sequence[Slot]) -> jax.Array:
                    + (1,) * (len(slots) - 1 - i))
 
 
-def _marginal(plan: Plan, path: str, stats: jax.Array, u: dict, key: str, weight: int,
+def _marginal(plan: Plan, piece: tuple, stats: jax.Array, u: dict, key: str, weight: int,
               reduce) -> jax.Array:
-  """``stats`` of ``path`` with the log-factors ``weight * sign * u`` of its other slots
+  """``stats`` of ``piece`` with the log-factors ``weight * sign * u`` of its other slots
   applied, reduced to the groups of instance ``key``."""
-  slots = plan.slots[path]
+  slots = plan.pieces[piece].slots
   j = next(i for i, s in enumerate(slots) if s.key == key)
   for i, s in enumerate(slots):
     if i != j:
@@ -275,8 +295,8 @@ def _logsumexp(xs: list[jax.Array]) -> jax.Array:
 
 def _side_log_sq(plan: Plan, stats: Stats, u: dict, inst: Instance, sign: int) -> jax.Array:
   """``log ||side||**2`` per group of ``inst``, its other pairs' log-factors ``u`` applied."""
-  return _logsumexp([_marginal(plan, p, stats[p][0], u, inst.key, 2, jax.nn.logsumexp)
-                     for p in inst.members(sign)])
+  return _logsumexp([_marginal(plan, k, stats[k][0], u, inst.key, 2, jax.nn.logsumexp)
+                     for name in inst.members(sign) for k in plan.pieces_of(name, inst.key)])
 
 
 def _no_factors(plan: Plan) -> dict:
@@ -288,10 +308,11 @@ def _bounds(plan: Plan, stats: Stats, dtypes: dict, u: dict, inst: Instance) -> 
   """``lo <= log c <= hi`` keeping every scaled entry of ``inst`` within its dtype."""
   lo, hi = jnp.full(inst.factor_shape, -jnp.inf), jnp.full(inst.factor_shape, jnp.inf)
   for sign in (+1, -1):
-    for path in inst.members(sign) + (inst.followers_a if sign > 0 else inst.followers_b):
-      size = _marginal(plan, path, stats[path][1], u, inst.key, 1, jnp.max)
-      room = jnp.where(jnp.isfinite(size), _log_max(dtypes[path]) - size, jnp.inf)
-      lo, hi = (lo, jnp.minimum(hi, room)) if sign > 0 else (jnp.maximum(lo, -room), hi)
+    for name in inst.members(sign) + inst.followers(sign):
+      for k in plan.pieces_of(name, inst.key):
+        size = _marginal(plan, k, stats[k][1], u, inst.key, 1, jnp.max)
+        room = jnp.where(jnp.isfinite(size), _log_max(dtypes[k[0]]) - size, jnp.inf)
+        lo, hi = (lo, jnp.minimum(hi, room)) if sign > 0 else (jnp.maximum(lo, -room), hi)
   return lo, hi
 
 
@@ -360,15 +381,26 @@ def compute_factors(plan: Plan, params: Any, strength: float, axis_name: AxisNam
 
 
 def _multiplier(slot: Slot, shape: tuple[int, ...], factors: Factors, power: float, dtype):
-  """``factors ** (sign * power)`` expanded to one entry per index of the group axis."""
+  """``factors ** (sign * power)`` expanded to one entry per index of the group axis, and
+  with a block, to its span of the block axis, padded with ones outside it."""
   f = factors[slot.key].astype(dtype)
   e = slot.sign * power
   e = int(e) if float(e).is_integer() else e  # integer powers multiply exactly
   f = 1 / f if e == -1 else f**e
-  if slot.axis is not None:  # (..., groups) -> (..., size): each factor over its block
-    n = shape[slot.axis]
+  inner = shape  # the shape of what the factors tile: the block
+  if slot.block is not None:
+    axis, start, stop = slot.block
+    inner = shape[:axis] + (stop - start,) + shape[axis + 1:]
+  if slot.axis is not None:  # (..., groups) -> (..., size): each factor over its group
+    n = inner[slot.axis]
     f = jnp.broadcast_to(f[..., None], f.shape + (n // slot.groups,)).reshape(f.shape[:-1] + (n,))
-  return f.reshape(slot.broadcast_shape(shape))
+  f = f.reshape(slot.broadcast_shape(inner))
+  if slot.block is not None:  # ones on either side of the block: a concatenation, no reshape
+    f = jnp.broadcast_to(f, f.shape[:axis] + (stop - start,) + f.shape[axis + 1:])
+    pad = [(0, 0)] * len(shape)
+    pad[axis] = (start, shape[axis] - stop)
+    f = jnp.pad(f, pad, constant_values=1)
+  return f
 
 
 def _like(m: jax.Array, x: jax.Array) -> jax.Array:

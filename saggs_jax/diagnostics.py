@@ -165,16 +165,23 @@ def _only(plan: Plan, inst: Instance, sign: int | None = None) -> Plan:
   """``plan`` reduced to ``inst``, and to one side of it (+1: A, -1: B) if ``sign``."""
   slots = {path: tuple(s for s in found if s.key == inst.key and sign in (None, s.sign))
            for path, found in plan.slots.items()}
-  return Plan((inst,), {p: s for p, s in slots.items() if s}, plan.shapes)
+  return Plan((inst,), {p: s for p, s in slots.items() if s}, plan.shapes, plan.parts)
 
 
 def _variant(plan: Plan, inst: Instance, params: Any, **changes) -> Plan | None:
-  """``inst`` declared otherwise (other axes, groups or followers), or None if that does not resolve."""
+  """``inst`` declared otherwise (other axes, groups or followers, named as in ``inst``), or
+  None if that does not resolve."""
   pair = inst.pair
+
+  def specs(names):  # each member alone: its path, or a Block on its path
+    return tuple(plan.part(n).spec for n in names)
+
   fields = {"axes": pair.axes, "groups": pair.groups, "follow_a": inst.followers_a,
             "follow_b": inst.followers_b, **changes}
+  fields["follow_a"], fields["follow_b"] = specs(fields["follow_a"]), specs(fields["follow_b"])
   try:
-    other = resolve([Pair(inst.members_a, inst.members_b, stacked=pair.stacked, **fields)], params)
+    other = resolve([Pair(specs(inst.members_a), specs(inst.members_b), stacked=pair.stacked,
+                          **fields)], params)
   except ValueError:
     return None
   match = [i for i in other.instances if i.key == inst.key]
@@ -258,7 +265,7 @@ def _exact_variant(probe: Probe, plan: Plan, inst: Instance) -> str | None:
     return probe.exact(variant, factors)
 
   declared = _declared_axes(plan, inst)
-  ndim = [len(plan.shapes[p]) - pair.stacked for p in (a, b)]
+  ndim = [len(plan.shapes[plan.part(p).path]) - pair.stacked for p in (a, b)]
   two_tensors = len(inst.members_a) == len(inst.members_b) == 1
   for axes in itertools.product(range(ndim[0]), range(ndim[1])) if two_tensors else ():
     if axes != declared and exact(_variant(plan, inst, params, axes=axes)):
@@ -275,7 +282,7 @@ def _exact_variant(probe: Probe, plan: Plan, inst: Instance) -> str | None:
   declared_paths = set(plan.slots)
   for side, kernel, field, followers in (("a", a, "follow_a", inst.followers_a),
                                          ("b", b, "follow_b", inst.followers_b)):
-    parent = kernel.rpartition("/")[0]
+    parent = plan.part(kernel).path.rpartition("/")[0]
     for path in plan.shapes:
       if path not in declared_paths and path.rpartition("/")[0] == parent and exact(
           _variant(plan, inst, params, **{field: followers + (path,)})):

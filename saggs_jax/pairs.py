@@ -3,10 +3,12 @@
 A :class:`Pair` says: scaling every group of ``a`` by ``c`` and the matching
 group of ``b`` by ``1/c`` leaves the model's function unchanged. A side may be
 several tensors (a norm gain against the input rows of every linear reading
-the normalised activations). Resolution turns the declaration into
-:class:`Slot` records, one per matched leaf and pair instance, that the
-balancing and transport code index by path. A leaf may be in several pair
-instances (overlapping symmetries); their factors are then solved jointly.
+the normalised activations). A :class:`Block` names a fixed part of one axis
+of a fused leaf (GPT-2's q|k|v columns), and stands anywhere a pattern does.
+Resolution turns the declarations into :class:`Slot` records, one per matched
+leaf (or block of it) and pair instance, that the balancing and transport code
+index by path. A leaf may be in several pair instances (overlapping
+symmetries); their factors are then solved jointly.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence, Union
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,13 +24,114 @@ import numpy as np
 from saggs_jax import paths
 
 
-def _as_tuple(x) -> tuple[str, ...]:
-  return (x,) if isinstance(x, str) else tuple(x)
+def _as_tuple(x) -> tuple:
+  return (x,) if isinstance(x, (str, Block)) else tuple(x)
 
 
 def _is_int(x) -> bool:
   """An int that is not a bool: ``True`` would silently read as 1."""
   return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  """A fixed part of one axis of the leaves ``pattern`` matches: a fused leaf's role.
+
+  The axis is split into ``parts`` contiguous parts (equal, or of ``sizes``)
+  and the block is part ``part`` of them. It stands wherever a :class:`Pair`
+  takes a pattern (``a``, ``b``, ``follow_a``, ``follow_b``) and is then
+  treated as a tensor of its own: it keeps the leaf's number of axes, the
+  block axis having the part's size, and the pair's group axes and
+  ``groups`` count in those coordinates. Disjoint blocks of one leaf may sit
+  on both sides of a pair and in several pairs.
+
+  Attributes:
+    pattern: path pattern of the fused leaves (see :mod:`saggs_jax.paths`).
+    axis: the split axis, counted like a pair's group axes: after the pair's
+      ``stacked`` axes, negative from the end.
+    parts: the number of parts, or their names.
+    part: the block's part: a name from ``parts`` or an index.
+    sizes: the parts' sizes along ``axis`` when they differ (fused QKV under
+      GQA); default equal parts.
+
+  Example (GPT-2's fused attention, q|k|v columns)::
+
+    >>> import saggs_jax as saggs
+    >>> qkv = dict(axis=-1, parts=("q", "k", "v"))
+    >>> qk = saggs.Pair(saggs.Block("attn/c_attn/kernel", part="q", **qkv),
+    ...                 saggs.Block("attn/c_attn/kernel", part="k", **qkv), axes=(1, 1), groups=12)
+    >>> qk.a
+    Block('attn/c_attn/kernel', axis=-1, parts=('q', 'k', 'v'), part='q')
+  """
+
+  pattern: str
+  axis: int
+  parts: int | tuple[str, ...]
+  part: int | str
+  sizes: tuple[int, ...] | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.pattern, str):
+      raise ValueError(f"{self!r}: pattern must be a string.")
+    if not _is_int(self.axis):
+      raise ValueError(f"{self!r}: axis must be an int.")
+    if isinstance(self.parts, (list, tuple)):
+      object.__setattr__(self, "parts", tuple(self.parts))
+      if (len(self.parts) < 1 or not all(isinstance(n, str) and n for n in self.parts)
+          or len(set(self.parts)) != len(self.parts)):
+        raise ValueError(f"{self!r}: parts must be distinct non-empty names, or their number.")
+    elif not (_is_int(self.parts) and self.parts >= 1):
+      raise ValueError(f"{self!r}: parts must be a positive int or a tuple of names.")
+    n = len(self.names)
+    if not ((_is_int(self.part) and 0 <= self.part < n)
+            or (isinstance(self.part, str) and self.part in self.names)):
+      raise ValueError(f"{self!r}: part must be one of {self.names} or an index below {n}.")
+    if self.sizes is not None:
+      object.__setattr__(self, "sizes", tuple(self.sizes) if isinstance(self.sizes, (list, tuple))
+                         else self.sizes)
+      if not (isinstance(self.sizes, tuple) and len(self.sizes) == n
+              and all(_is_int(s) and s > 0 for s in self.sizes)):
+        raise ValueError(f"{self!r}: sizes must be {n} positive ints, one per part.")
+
+  def __repr__(self) -> str:  # valid Python, so that a Discovery's repr runs
+    sizes = "" if self.sizes is None else f", sizes={self.sizes!r}"
+    return (f"Block({self.pattern!r}, axis={self.axis!r}, parts={self.parts!r},"
+            f" part={self.part!r}{sizes})")
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    """The parts' names (their indices, for unnamed parts)."""
+    return self.parts if isinstance(self.parts, tuple) else tuple(map(str, range(self.parts)))
+
+  @property
+  def index(self) -> int:
+    return self.part if _is_int(self.part) else self.names.index(self.part)
+
+  def span(self, where: str, path: str, shape: tuple[int, ...], stacked: int
+           ) -> tuple[int, int, int]:
+    """``(absolute axis, start, stop)`` of the block in the leaf at ``path``."""
+    per_copy = len(shape) - stacked
+    if not -per_copy <= self.axis < per_copy:
+      raise ValueError(f"{where}: {self!r} axis {self.axis} is out of range for {path!r} with"
+                       f" shape {shape} ({per_copy} axes after stacked={stacked}).")
+    axis = stacked + self.axis % per_copy
+    size, n = shape[axis], len(self.names)
+    if self.sizes is None and size % n:
+      raise ValueError(f"{where}: {self!r} cannot split axis {axis} of size {size} of {path!r}"
+                       f" with shape {shape} into {n} equal parts; pass sizes=.")
+    sizes = self.sizes or (size // n,) * n
+    if sum(sizes) != size:
+      raise ValueError(f"{where}: {self!r} sizes sum to {sum(sizes)}, but axis {axis} of"
+                       f" {path!r} with shape {shape} has size {size}.")
+    start = sum(sizes[:self.index])
+    return axis, start, start + sizes[self.index]
+
+
+Spec = Union[str, Block]
+
+
+def _pattern(spec: Spec) -> str:
+  return spec.pattern if isinstance(spec, Block) else spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +141,8 @@ class Pair:
   Attributes:
     a: path pattern of the side scaled by ``c`` (see :mod:`saggs_jax.paths`),
       or a tuple of patterns when that side is several tensors: all of them
-      are scaled by ``c``, and the side's norm is taken over all of them.
+      are scaled by ``c``, and the side's norm is taken over all of them. A
+      :class:`Block` may stand for any pattern, here and in the followers.
     b: path pattern(s) of the side scaled by ``1/c``. Matches pair up by
       equal wildcard captures; every match needs exactly one partner in
       every other pattern.
@@ -67,13 +171,13 @@ class Pair:
     ...                   "attn/v_proj/kernel"), axes=(0, 0), name="RMSNorm gain")
   """
 
-  a: str | tuple[str, ...]
-  b: str | tuple[str, ...]
+  a: Spec | tuple[Spec, ...]
+  b: Spec | tuple[Spec, ...]
   axes: tuple[int | tuple[int, ...], int | tuple[int, ...]] | None = None
   groups: int | None = None
   stacked: int = 0
-  follow_a: str | Sequence[str] = ()
-  follow_b: str | Sequence[str] = ()
+  follow_a: Spec | Sequence[Spec] = ()
+  follow_b: Spec | Sequence[Spec] = ()
   name: str | None = None
 
   def __post_init__(self):
@@ -87,8 +191,8 @@ class Pair:
     object.__setattr__(self, "follow_a", _as_tuple(self.follow_a))
     object.__setattr__(self, "follow_b", _as_tuple(self.follow_b))
     for p in (*self.patterns(0), *self.patterns(1), *self.follow_a, *self.follow_b):
-      if not isinstance(p, str):
-        raise ValueError(f"{self._spelled}: patterns must be strings, got {p!r}.")
+      if not isinstance(p, (str, Block)):
+        raise ValueError(f"{self._spelled}: patterns must be strings or Blocks, got {p!r}.")
     if self.axes is not None:
       object.__setattr__(self, "axes", self._checked_axes())
     if self.groups is not None:
@@ -104,15 +208,15 @@ class Pair:
                        f" axes), got {self.stacked!r}.")
     object.__setattr__(self, "stacked", int(self.stacked))
     first = self.patterns(0)[0]
-    n = paths.num_captures(first)
+    n = paths.num_captures(_pattern(first))
     for p in (*self.patterns(0)[1:], *self.patterns(1), *self.follow_a, *self.follow_b):
-      if paths.num_captures(p) != n:
+      if paths.num_captures(_pattern(p)) != n:
         raise ValueError(
             f"{self._spelled}: pattern {p!r} has a different number of wildcards than {first!r};"
             " matches are paired by their wildcard captures.")
 
-  def patterns(self, side: int) -> tuple[str, ...]:
-    """The patterns of side a (0) or b (1)."""
+  def patterns(self, side: int) -> tuple[Spec, ...]:
+    """The patterns (or blocks) of side a (0) or b (1)."""
     return _as_tuple((self.a, self.b)[side])
 
   def side_axes(self, side: int) -> tuple[int | None, ...]:
@@ -146,14 +250,19 @@ class Pair:
     return f"{self.name!r} = {plain}" if self.name else plain
 
 
+Span = tuple[int, int, int]  # (absolute axis, start, stop): a block of a leaf
+
+
 @dataclasses.dataclass(frozen=True)
 class Slot:
   """How one leaf moves under the factors of one resolved pair instance.
 
   Group g of the leaf is the block ``g * size // groups ... (g + 1) * size //
   groups`` along ``axis``; it is multiplied by ``factors[..., g] ** sign``.
-  Nothing here reshapes the leaf itself, so a sharded group axis stays
-  sharded (and Explicit-mode sharding needs no resharding).
+  With ``block`` only that part of the leaf moves, and a group axis equal to
+  the block axis is tiled by the groups within the block alone. Nothing here
+  reshapes the leaf itself, so a sharded group axis stays sharded (and
+  Explicit-mode sharding needs no resharding).
   """
 
   key: str  # the pair instance whose factors apply
@@ -161,23 +270,58 @@ class Slot:
   axis: int | None  # absolute group axis; None: whole tensor per copy
   groups: int
   stacked: int
+  block: Span | None = None  # the part of the leaf that moves; None: all of it
 
   def reduce_axes(self, ndim: int) -> tuple[int, ...]:
     """Axes summed to get one squared norm per stacked copy (and index of ``axis``)."""
     return tuple(i for i in range(self.stacked, ndim) if i != self.axis)
 
   def broadcast_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Shape of the per-element multiplier: stacked axes and ``axis`` kept, others 1."""
+    """Shape of the per-element multiplier before its block: stacked axes and ``axis`` kept,
+    others 1."""
     return tuple(n if i < self.stacked or i == self.axis else 1 for i, n in enumerate(shape))
 
+  def tiled(self, size: int) -> tuple[int, int]:
+    """``(start, stop)``: the range of ``axis`` (of length ``size``) that its groups tile."""
+    if self.block is not None and self.block[0] == self.axis:
+      return self.block[1:]
+    return 0, size
+
+  def per_index(self, size: int) -> bool:
+    """Whether every index of ``axis`` (of length ``size``) is a group of its own."""
+    return self.tiled(size) == (0, size) and self.groups == size
+
   def membership(self, size: int) -> np.ndarray:
-    """(size, groups) one-hot matrix sending each index of ``axis`` to its group."""
-    return np.equal.outer(np.arange(size) // (size // self.groups), np.arange(self.groups))
+    """(size, groups) one-hot matrix sending each index of ``axis`` to its group; indices
+    outside the tiled range belong to none."""
+    start, stop = self.tiled(size)
+    index = np.arange(size) - start
+    group = np.where((index >= 0) & (index < stop - start),
+                     index // ((stop - start) // self.groups), -1)
+    return np.equal.outer(group, np.arange(self.groups))
+
+
+class Part(NamedTuple):
+  """A member or follower of pair instances: a leaf, or a block of it."""
+
+  path: str
+  block: Span | None
+  spec: Spec  # declares it alone: the path, or a Block on the path
+
+
+class Piece(NamedTuple):
+  """A declared leaf cut at every boundary of its blocks: all its entries move by the same
+  slots, so its norms are taken at once (see :attr:`Plan.pieces`)."""
+
+  path: str
+  block: Span | None
+  slots: tuple[Slot, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Instance:
-  """One resolved pair: the leaves of each side, whose norms are balanced, and their followers."""
+  """One resolved pair: the members of each side, whose norms are balanced, and their
+  followers. Each is named by its path, followed by ``[part]`` for a block."""
 
   key: str
   pair: Pair
@@ -189,7 +333,7 @@ class Instance:
 
   @property
   def a(self) -> str:
-    """The first leaf of side a: names the instance in messages."""
+    """The first member of side a: names the instance in messages."""
     return self.members_a[0]
 
   @property
@@ -197,31 +341,75 @@ class Instance:
     return self.members_b[0]
 
   def members(self, sign: int) -> tuple[str, ...]:
-    """The leaves counted in the norm of side a (+1) or b (-1)."""
+    """The members counted in the norm of side a (+1) or b (-1)."""
     return self.members_a if sign > 0 else self.members_b
+
+  def followers(self, sign: int) -> tuple[str, ...]:
+    return self.followers_a if sign > 0 else self.followers_b
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """All instances resolved on one tree, and the slots of every leaf path."""
+  """All instances resolved on one tree, the slots of every leaf path, and what each
+  member's name stands for."""
 
   instances: tuple[Instance, ...]
   slots: dict[str, tuple[Slot, ...]]
   shapes: dict[str, tuple[int, ...]]
+  parts: dict[str, Part] = dataclasses.field(default_factory=dict)
 
-  def slot(self, path: str, key: str) -> Slot:
-    """How the leaf at ``path`` moves in the pair instance ``key``."""
-    return next(s for s in self.slots[path] if s.key == key)
+  def part(self, name: str) -> Part:
+    """The leaf, or block of it, that a member or follower ``name`` stands for."""
+    return self.parts.get(name) or Part(name, None, name)
+
+  def slot(self, name: str, key: str) -> Slot:
+    """How the member or follower ``name`` moves in the pair instance ``key``."""
+    path, block, _ = self.part(name)
+    return next(s for s in self.slots[path] if s.key == key and s.block == block)
+
+  @functools.cached_property
+  def pieces(self) -> dict[tuple[str, Span | None], Piece]:
+    """The declared leaves, each cut along its block axis at every block boundary into the
+    pieces some slot moves. A leaf without blocks is one piece."""
+    out = {}
+    for path, slots in self.slots.items():
+      blocks = {s.block for s in slots} - {None}
+      if not blocks:
+        out[path, None] = Piece(path, None, slots)
+        continue
+      (axis,) = {b[0] for b in blocks}  # resolution keeps a leaf's blocks on one axis
+      size = self.shapes[path][axis]
+      cuts = sorted({0, size}.union(*(b[1:] for b in blocks)))
+      for start, stop in zip(cuts, cuts[1:]):
+        mine = tuple(s for s in slots if s.block is None or s.block[1] <= start < stop <= s.block[2])
+        if mine:
+          block = None if (start, stop) == (0, size) else (axis, start, stop)
+          out[path, block] = Piece(path, block, mine)
+    return out
+
+  @functools.cached_property
+  def _pieces_of(self) -> dict[tuple[str, Slot], tuple]:
+    out = {}
+    for k, piece in self.pieces.items():
+      for s in piece.slots:
+        out[piece.path, s] = out.get((piece.path, s), ()) + (k,)
+    return out
+
+  def pieces_of(self, name: str, key: str) -> tuple[tuple[str, Span | None], ...]:
+    """The keys of the pieces that make up member or follower ``name`` of instance ``key``."""
+    return self._pieces_of[self.part(name).path, self.slot(name, key)]
 
   @functools.cached_property
   def counted(self) -> frozenset[str]:
-    """The leaves whose norms the balancing minimises: members (not followers) of some instance."""
-    return frozenset(p for i in self.instances for p in i.members_a + i.members_b)
+    """The leaves whose norms the balancing minimises: of members (not followers) of some
+    instance, whole or in part."""
+    return frozenset(self.part(n).path for i in self.instances for n in i.members_a + i.members_b)
 
   @functools.cached_property
   def overlapping(self) -> bool:
-    """Whether some leaf is in several instances, so that their factors must be solved jointly."""
-    return any(len(s) > 1 for s in self.slots.values())
+    """Whether some piece is in several instances, so that their factors must be solved
+    jointly."""
+    return any(len(p.slots) > 1 for p in self.pieces.values())
 
 
 def _leaf_specs(tree: Any) -> tuple[tuple[str, tuple[int, ...], Any], ...]:
@@ -235,7 +423,8 @@ def _leaf_specs(tree: Any) -> tuple[tuple[str, tuple[int, ...], Any], ...]:
   return tuple((path, *spec) for path, spec in out.items())
 
 
-def _matches(pattern: str, dtypes: dict[str, Any], pair: Pair) -> dict[tuple, str]:
+def _matches(spec: Spec, dtypes: dict[str, Any], pair: Pair) -> dict[tuple, str]:
+  pattern = _pattern(spec)
   found: dict[tuple, str] = {}
   for path in dtypes:
     caps = paths.match(pattern, path)
@@ -243,20 +432,33 @@ def _matches(pattern: str, dtypes: dict[str, Any], pair: Pair) -> dict[tuple, st
       continue
     if caps in found:
       raise ValueError(
-          f"{pair._spelled}: pattern {pattern!r} matches both {found[caps]!r} and {path!r} with"
+          f"{pair._spelled}: pattern {spec!r} matches both {found[caps]!r} and {path!r} with"
           " the same wildcard captures, so their partners are ambiguous. Make the pattern more"
           " specific.")
     if not jnp.issubdtype(dtypes[path], jnp.floating):
       raise ValueError(
-          f"{pair._spelled}: pattern {pattern!r} matches {path!r} of dtype {dtypes[path]}; only"
+          f"{pair._spelled}: pattern {spec!r} matches {path!r} of dtype {dtypes[path]}; only"
           " floating-point leaves can be rescaled (an integer would be truncated). Narrow the"
           " pattern or store the leaf as floats.")
     found[caps] = path
   if not found:
     near = paths.nearest(pattern, dtypes)
     hint = f"; did you mean {', '.join(map(repr, near))}?" if near else "."
-    raise ValueError(f"{pair._spelled}: pattern {pattern!r} matches no parameter path{hint}")
+    raise ValueError(f"{pair._spelled}: pattern {spec!r} matches no parameter path{hint}")
   return found
+
+
+def _part(pair: Pair, spec: Spec, path: str, shape: tuple[int, ...]
+          ) -> tuple[str, Part, tuple[int, ...]]:
+  """``(name, part, shape in the block's coordinates)`` of the leaf at ``path`` as ``spec``
+  declares it."""
+  if not isinstance(spec, Block):
+    return path, Part(path, None, path), shape
+  block = spec.span(pair._spelled, path, shape, pair.stacked)
+  axis, start, stop = block
+  name = f"{path}[{spec.names[spec.index]}]"
+  return (name, Part(path, block, dataclasses.replace(spec, pattern=path)),
+          shape[:axis] + (stop - start,) + shape[axis + 1:])
 
 
 def _group_axis(pair: Pair, ax: int | None, path: str, shape: tuple[int, ...]) -> int | None:
@@ -273,25 +475,34 @@ def _group_axis(pair: Pair, ax: int | None, path: str, shape: tuple[int, ...]) -
   return pair.stacked + ax % per_copy
 
 
-def _follower_slot(pair, key, sign, kernel_path, kernel_shape, kernel_axis, groups, path, shape):
+def _follower_slot(pair, key, sign, kernel, kernel_shape, kernel_axis, groups, name, shape, block):
   if tuple(shape[:pair.stacked]) != tuple(kernel_shape[:pair.stacked]):
-    raise ValueError(f"{pair._spelled}: follower {path!r} {shape} does not share the stacked"
-                     f" axes of {kernel_path!r} {kernel_shape}.")
+    raise ValueError(f"{pair._spelled}: follower {name!r} {shape} does not share the stacked"
+                     f" axes of {kernel!r} {kernel_shape}.")
   axis = None
   if kernel_axis is not None:
     axis = kernel_axis - (len(kernel_shape) - len(shape))
     if axis < pair.stacked or shape[axis] != kernel_shape[kernel_axis]:
       raise ValueError(
-          f"{pair._spelled}: follower {path!r} with shape {shape} has no axis matching group axis"
-          f" {kernel_axis} of {kernel_path!r} {kernel_shape}; a follower must share its kernel's"
+          f"{pair._spelled}: follower {name!r} with shape {shape} has no axis matching group axis"
+          f" {kernel_axis} of {kernel!r} {kernel_shape}; a follower must share its kernel's"
           " trailing axes (a bias does).")
-  return Slot(key, sign, axis, groups, pair.stacked)
+  return Slot(key, sign, axis, groups, pair.stacked, block)
+
+
+class _Member(NamedTuple):
+  name: str
+  part: Part
+  shape: tuple[int, ...]  # in the block's coordinates
+  axis: int | None  # absolute group axis
+  sign: int
 
 
 def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, Any]):
-  """Yields each instance of ``pair`` with ``(path, slot, role)`` for each of its leaves."""
-  sides = [[(pattern, ax, _matches(pattern, dtypes, pair))
-            for pattern, ax in zip(pair.patterns(side), pair.side_axes(side))]
+  """Yields each instance of ``pair`` with ``(name, part, slot, role)`` for each member and
+  follower."""
+  sides = [[(spec, ax, _matches(spec, dtypes, pair))
+            for spec, ax in zip(pair.patterns(side), pair.side_axes(side))]
            for side in (0, 1)]
   matched = [(side, found) for side in (0, 1) for _, _, found in sides[side]]
   everywhere = set.intersection(*(set(found) for _, found in matched))
@@ -302,59 +513,69 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]], dtypes: dict[s
                        f" matching {other!r} with the same wildcard captures.")
   follower_matches = [(+1, p, _matches(p, dtypes, pair)) for p in pair.follow_a]
   follower_matches += [(-1, p, _matches(p, dtypes, pair)) for p in pair.follow_b]
+  specs = pair.patterns(0) + pair.patterns(1)
   for caps in sorted(everywhere):
-    kernels = [[(found[caps], ax) for _, ax, found in sides[side]] for side in (0, 1)]
-    key = "|".join("+".join(path for path, _ in side) for side in kernels)
-    first = kernels[0][0][0]
-    resolved = []  # (path, shape, absolute group axis, sign)
-    for side, sign in zip(kernels, (+1, -1)):
-      for path, ax in side:
-        shape = shapes[path]
-        if shape[:pair.stacked] != shapes[first][:pair.stacked]:
+    resolved = []
+    for side, sign in zip(sides, (+1, -1)):
+      for spec, ax, found in side:
+        path = found[caps]
+        name, part, shape = _part(pair, spec, path, shapes[path])
+        if resolved and shapes[path][:pair.stacked] != shapes[resolved[0].part.path][:pair.stacked]:
+          first = resolved[0].part.path
           raise ValueError(f"{pair._spelled}: stacked axes differ between {first!r}"
-                           f" {shapes[first]} and {path!r} {shape}.")
-        resolved.append((path, shape, _group_axis(pair, ax, path, shape), sign))
+                           f" {shapes[first]} and {path!r} {shapes[path]}.")
+        resolved.append(_Member(name, part, shape, _group_axis(pair, ax, name, shape), sign))
+    key = "|".join("+".join(m.name for m in resolved if m.sign == sign) for sign in (+1, -1))
     if pair.axes is None:
       groups = 1
     else:
-      sizes = {shape[axis] for _, shape, axis, _ in resolved}
+      sizes = {m.shape[m.axis] for m in resolved}
       if pair.groups is None and len(sizes) > 1:
-        listed = ", ".join(f"{path!r} {shape}" for path, shape, _, _ in resolved)
+        listed = ", ".join(f"{m.name!r} {m.shape}" for m in resolved)
         raise ValueError(f"{pair._spelled}: group axes differ in size ({listed}); pass groups="
                          " to split all into the same number of blocks.")
       groups = pair.groups or sizes.pop()
-      for path, shape, axis, _ in resolved:
-        if shape[axis] % groups:
+      for m in resolved:
+        if m.shape[m.axis] % groups:
           raise ValueError(f"{pair._spelled}: {groups} groups do not divide axis of size"
-                           f" {shape[axis]} of {path!r} with shape {shape}.")
+                           f" {m.shape[m.axis]} of {m.name!r} with shape {m.shape}.")
     multi = len(resolved) > 2
-    members = [(path, Slot(key, sign, axis, groups, pair.stacked),
-                f"side {'a' if sign > 0 else 'b'}" + (f" (pattern {pattern!r})" if multi else ""))
-               for (path, _, axis, sign), pattern in zip(
-                   resolved, pair.patterns(0) + pair.patterns(1))]
+    members = [(m.name, m.part, Slot(key, m.sign, m.axis, groups, pair.stacked, m.part.block),
+                f"side {'a' if m.sign > 0 else 'b'}" + (f" (pattern {spec!r})" if multi else ""))
+               for m, spec in zip(resolved, specs)]
     followers = {+1: [], -1: []}
-    for sign, pattern, found in follower_matches:
+    for sign, spec, found in follower_matches:
       if caps not in found:
-        raise ValueError(f"{pair._spelled}: follower pattern {pattern!r} has no match with the"
-                         f" captures of {first!r}.")
+        raise ValueError(f"{pair._spelled}: follower pattern {spec!r} has no match with the"
+                         f" captures of {resolved[0].name!r}.")
       path = found[caps]
-      kpath, _, kax, _ = next(r for r in resolved if r[3] == sign)
-      slot = _follower_slot(pair, key, sign, kpath, shapes[kpath], kax, groups, path, shapes[path])
-      members.append((path, slot, f"a follower of side {'a' if sign > 0 else 'b'}"
-                      f" (pattern {pattern!r})"))
-      followers[sign].append(path)
+      name, part, shape = _part(pair, spec, path, shapes[path])
+      kernel = next(m for m in resolved if m.sign == sign)
+      slot = _follower_slot(pair, key, sign, kernel.name, kernel.shape, kernel.axis, groups,
+                            name, shape, part.block)
+      members.append((name, part, slot, f"a follower of side {'a' if sign > 0 else 'b'}"
+                      f" (pattern {spec!r})"))
+      followers[sign].append(name)
+    first = resolved[0].part.path
     fshape = tuple(shapes[first][:pair.stacked]) + ((groups,) if pair.axes is not None else ())
-    yield Instance(key, pair, *(tuple(path for path, _ in side) for side in kernels),
+    yield Instance(key, pair, *(tuple(m.name for m in resolved if m.sign == sign)
+                                for sign in (+1, -1)),
                    tuple(followers[+1]), tuple(followers[-1]), fshape), members
 
 
-def _claim(inst: Instance, members, declared: dict, roles: dict) -> None:
-  """Records the leaves of ``inst``; raises if it is declared already or a leaf cannot join it.
+def _overlap(a: Span | None, b: Span | None) -> bool:
+  """Whether two blocks of one leaf (None: all of it) share entries."""
+  return a is None or b is None or a[0] != b[0] or (a[1] < b[2] and b[1] < a[2])
+
+
+def _claim(inst: Instance, members, declared: dict, roles: dict, parts: dict) -> None:
+  """Records the members of ``inst``; raises if it is declared already or one cannot join it.
 
   A leaf may be in several instances (their factors are then solved jointly),
-  but in one instance once, and each of its axes grouped by one instance at
-  most and not also a copy axis (``stacked``) of another: two groupings of
-  one axis would need factors per combination of groups.
+  but each entry in one instance once: disjoint blocks of a leaf may be on
+  both sides of one. Where entries are shared, each axis is grouped by one
+  instance at most and not also a copy axis (``stacked``) of another: two
+  groupings of one axis would need factors per combination of groups.
   """
   every = frozenset(inst.members_a + inst.members_b)
   if every in declared:
@@ -362,37 +583,49 @@ def _claim(inst: Instance, members, declared: dict, roles: dict) -> None:
         f"{declared[every].pair._spelled} and {inst.pair._spelled} both pair {inst.a!r} with"
         f" {inst.b!r}, so its factors would be applied twice. Declare each pair once.")
   declared[every] = inst
-  for path, slot, role in members:
-    for first_role, first, first_slot in roles.get(path, ()):
+  for name, part, slot, role in members:
+    if parts.setdefault(name, part).block != part.block:
+      raise ValueError(f"{inst.pair._spelled}: {name!r} names two blocks of {part.path!r},"
+                       f" {parts[name].spec!r} and {part.spec!r}; name their parts apart.")
+    for first_role, first, first_slot in roles.get(part.path, ()):
+      if slot.block and first_slot.block and slot.block[0] != first_slot.block[0]:
+        raise ValueError(
+            f"{part.path!r} is split along axis {first_slot.block[0]} as {first_role} of"
+            f" {first.pair._spelled} and along axis {slot.block[0]} as {role} of"
+            f" {inst.pair._spelled}; the blocks of one leaf must split one axis.")
+      if not _overlap(slot.block, first_slot.block):
+        continue  # disjoint blocks of one leaf move independently
       if first.key == inst.key:
         raise ValueError(
-            f"{inst.pair._spelled}: {path!r} is both {first_role} and {role} of the pair of"
-            f" {inst.a!r} and {inst.b!r}; a leaf moves with one side of a pair only. Remove it"
-            " from one of the patterns.")
+            f"{inst.pair._spelled}: {part.path!r} is both {first_role} and {role} of the pair of"
+            f" {inst.a!r} and {inst.b!r}, and the two overlap; a leaf moves with one side of a"
+            " pair only, unless disjoint blocks of it are declared. Remove it from one of the"
+            " patterns.")
       clash = next((f"axis {ax}" for ax, other in ((slot.axis, first_slot), (first_slot.axis, slot))
                     if ax is not None and (ax == other.axis or ax < other.stacked)), None)
       if clash:
         raise ValueError(
-            f"{path!r} is {first_role} of {first.pair._spelled} (pairing {first.a!r} with"
+            f"{part.path!r} is {first_role} of {first.pair._spelled} (pairing {first.a!r} with"
             f" {first.b!r}) and {role} of {inst.pair._spelled} (pairing {inst.a!r} with"
             f" {inst.b!r}), both grouping or stacking its {clash}. Overlapping symmetries are"
             " balanced jointly when each groups a different axis of a shared leaf, outside the"
             " other's stacked axes.")
-    roles.setdefault(path, []).append((role, inst, slot))
+    roles.setdefault(part.path, []).append((role, inst, slot))
 
 
 @functools.lru_cache(maxsize=256)
 def _resolve_cached(pairs: tuple[Pair, ...], leaf_specs: tuple) -> Plan:
   shapes = {path: shape for path, shape, _ in leaf_specs}
   dtypes = {path: dtype for path, _, dtype in leaf_specs}
-  instances, slots, declared, roles = [], {}, {}, {}
+  instances, slots, declared, roles, parts = [], {}, {}, {}, {}
   for pair in pairs:
     for inst, members in _resolve_pair(pair, shapes, dtypes):
-      _claim(inst, members, declared, roles)
+      _claim(inst, members, declared, roles, parts)
       instances.append(inst)
-      for path, slot, _ in members:
-        slots[path] = slots.get(path, ()) + (slot,)
-  return Plan(tuple(instances), slots, shapes)
+      for _, part, slot, _ in members:
+        slots[part.path] = slots.get(part.path, ()) + (slot,)
+  return Plan(tuple(instances), slots, shapes, parts)
+
 
 
 def resolve(pairs: Sequence[Pair], tree: Any) -> Plan:
@@ -426,14 +659,17 @@ def describe(pairs: Sequence[Pair], params: Any) -> str:
     1 pair instance, 2 factors in all.
   """
   plan = resolve(pairs, params)
-  rows = [("pair", "side", "path", "shape", "group axis", "factors")]
+  blocks = any(part.block for part in plan.parts.values())  # a column only when some are
+  rows = [("pair", "side", "path", "shape") + (("block",) * blocks + ("group axis", "factors"))]
   for inst in plan.instances:
-    for side, path in ([("a", p) for p in inst.members_a] + [("b", p) for p in inst.members_b]
-                       + [("a+", p) for p in inst.followers_a]
-                       + [("b+", p) for p in inst.followers_b]):
-      slot = plan.slot(path, inst.key)
+    for side, name in ([("a", n) for n in inst.members_a] + [("b", n) for n in inst.members_b]
+                       + [("a+", n) for n in inst.followers_a]
+                       + [("b+", n) for n in inst.followers_b]):
+      slot, (path, block, _) = plan.slot(name, inst.key), plan.part(name)
       axis = "whole" if slot.axis is None else str(slot.axis)
-      rows.append((inst.pair.label, side, path, str(plan.shapes[path]), axis, str(inst.factor_shape)))
+      where = (f"axis {block[0]} [{block[1]}:{block[2]}]" if block else "all",) * blocks
+      rows.append((inst.pair.label, side, name, str(plan.shapes[path])) + where
+                  + (axis, str(inst.factor_shape)))
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
   lines.insert(1, "  ".join("-" * w for w in widths))
@@ -441,7 +677,7 @@ def describe(pairs: Sequence[Pair], params: Any) -> str:
   n_factors = sum(math.prod(i.factor_shape) for i in plan.instances)
   lines.append(f"{n_instances} pair instance{'s' * (n_instances != 1)},"
                f" {n_factors} factor{'s' * (n_factors != 1)} in all.")
-  shared = [path for path, slots in plan.slots.items() if len(slots) > 1]
+  shared = list(dict.fromkeys(p.path for p in plan.pieces.values() if len(p.slots) > 1))
   if shared:
     lines.append(f"In several pairs, so balanced jointly: {', '.join(shared)}.")
   # What saggs_jax.discover found to be no symmetry, and why.

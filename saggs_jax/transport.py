@@ -185,7 +185,8 @@ def _varying(plan: Plan, path: str, axes: tuple[int, ...]):
   shape = plan.shapes[path]
   for slot in plan.slots[path]:
     for a in axes:
-      if shape[a] > 1 and (a < slot.stacked or (a == slot.axis and slot.groups > 1)):
+      if shape[a] > 1 and (a < slot.stacked or (a == slot.axis and slot.groups > 1)
+                           or (slot.block is not None and a == slot.block[0])):
         return a, slot
   return None
 
@@ -233,7 +234,8 @@ def _transport_factored(plan: Plan, state, factors: Factors, where: str):
             state, f"{where}.{field}[{path!r}]",
             f"Adafactor keeps only means of g**2 over axes {axes[0]} and {axes[1]} of {path!r}"
             f" {shape}, and the factors of {slot.key!r} change along axis {axis}"
-            f" ({'stacked copies' if axis < slot.stacked else 'groups'}), so the transported"
+            f" ({'stacked copies' if axis < slot.stacked else 'groups or blocks'}), so the"
+            " transported"
             " means are not determined by the stored ones.",
             f"{regroup or 'Keep'} this moment unfactored: optax.adafactor(..., factored=False)"
             f" or min_dim_size_to_factor > {shape[axes[1]]}.")

@@ -243,7 +243,7 @@ def test_duplicate_paths():
     (dict(a="q", b="k", stacked=True), "stacked must be an int >= 0 .*got True"),
     (dict(a="q", b="k", follow_a="layers/*/b"),
      r"pattern 'layers/\*/b' has a different number of wildcards"),
-    (dict(a="q", b="k", follow_b=["kb", 3]), "patterns must be strings, got 3"),
+    (dict(a="q", b="k", follow_b=["kb", 3]), "patterns must be strings or Blocks, got 3"),
 ])
 def test_malformed_pair(kwargs, msg):
   with pytest.raises(ValueError, match=re.escape("Pair('q', 'k'): ") + msg
