@@ -12,6 +12,9 @@ orbit move in NumPy (``test_discover.orbit_move``) on parameters whose every pat
 """
 
 import functools
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +22,7 @@ import numpy as np
 import pytest
 
 import saggs_jax as saggs
-from saggs_jax.discover import discover
+from saggs_jax.discover import Discovery, Rejected, discover
 from test_discover import orbit_move
 
 D, HD, F, V, T = 16, 4, 24, 16, 8  # width, head size, MLP hidden, vocabulary, tokens
@@ -270,3 +273,77 @@ def gemma_forward(params, tokens, heads=4, kv=2, cut="unpack"):
     act = jax.nn.gelu(gate[..., 0, :]) * gate[..., 1, :]
     x = x + jnp.einsum("...H,HF->...F", act, m["linear"]["w"])
   return _rms_norm(x, 1.0) @ params["embed"].T
+
+
+def qkv(pattern, axis, part):
+  return saggs.Block(pattern, axis=axis, parts=3, part=part)
+
+
+GPT2_FOUND = {
+    saggs.Pair(qkv("c_attn/kernel", 1, 0), qkv("c_attn/kernel", 1, 1), axes=(1, 1),
+               follow_a=(qkv("c_attn/bias", 0, 0),), follow_b=(qkv("c_attn/bias", 0, 1),),
+               name="attention Q/K"),
+    saggs.Pair(qkv("attn/c_attn/kernel", 1, 2), "attn/c_proj/kernel", axes=(1, 0),
+               follow_a=(qkv("attn/c_attn/bias", 0, 2),), name="attention V/O"),
+    saggs.Pair("ln_1/scale", "attn/c_attn/kernel", axes=(0, 0), follow_a=("ln_1/bias",),
+               name="norm gain"),
+    saggs.Pair("ln_2/scale", "mlp/c_fc/kernel", axes=(0, 0), follow_a=("ln_2/bias",),
+               name="norm gain"),
+    saggs.Pair("ln_f/scale", "head/kernel", axes=(0, 0), follow_a=("ln_f/bias",),
+               name="norm gain"),
+}
+
+
+@pytest.mark.parametrize("cut", ["split", "slice"])
+def test_gpt2_fused_qkv_pairs_its_column_blocks(cut):
+  forward = functools.partial(gpt2_forward, cut=cut)
+  params = gpt2_init()
+  d = discover(forward, params, tokens())
+  assert set(d) == GPT2_FOUND
+  assert {(r.a, r.b) for r in d.rejected} == {("c_fc/kernel", "c_proj/kernel")}  # GELU
+  assert orbit_deviation(forward, params, d) < 1e-5
+  # The oracle sees blocks: Q against V instead of K changes the output.
+  wrong = saggs.Pair(qkv("c_attn/kernel", 1, 0), qkv("c_attn/kernel", 1, 2), axes=(1, 1))
+  assert orbit_deviation(forward, params, [wrong]) > 1e-2
+  if cut == "split":  # the library's own check resolves the blocks alike
+    assert max(saggs.check_symmetry(forward, params, d, tokens()).values()) < 1e-4
+
+
+def kv(part):
+  return saggs.Block("kv_einsum/w", axis=0, parts=2, part=part)
+
+
+GEMMA_FOUND = {
+    saggs.Pair(kv(0), "q_einsum/w", axes=(1, 0), groups=2, name="attention Q/K"),
+    saggs.Pair(kv(1), "attn_vec_einsum/w", axes=(1, 0), groups=2, name="attention V/O"),
+    saggs.Pair(saggs.Block("gating_einsum/w", axis=0, parts=2, part=1), "linear/w", axes=(1, 0),
+               name="gated MLP up/down"),
+}
+
+
+@pytest.mark.parametrize("cut", ["unpack", "split"])
+def test_gemma_kv_and_gating_leaves_pair_by_their_leading_blocks(cut):
+  forward = functools.partial(gemma_forward, cut=cut)
+  params = gemma_init()
+  d = discover(forward, params, tokens())
+  assert set(d) == GEMMA_FOUND
+  assert [r.a for r in d.rejected] == ["gating_einsum/w[part 0 of 2 on axis 0]"]  # GELU gate
+  assert orbit_deviation(forward, params, d) < 1e-5
+  # V against Q (the wrong block) changes the output.
+  assert orbit_deviation(forward, params, [saggs.Pair(kv(1), "q_einsum/w", axes=(1, 0),
+                                                      groups=2)]) > 1e-2
+
+
+def test_the_gemma_package_transformer():
+  """``gm.nn.Transformer`` itself, in a subprocess (gemma patches flax process-wide)."""
+  script = pathlib.Path(__file__).with_name("gemma_discover_check.py")
+  done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                        timeout=600, check=True)
+  *found, deviation = done.stdout.strip().splitlines()
+  namespace = {"Discovery": Discovery, "Pair": saggs.Pair, "Block": saggs.Block,
+               "Rejected": Rejected}
+  d = eval("\n".join(found), namespace)  # pylint: disable=eval-used
+  gating = saggs.Block("gating_einsum", axis=0, parts=2, part=1)  # gemma names it without /w
+  assert set(d) == {*(p for p in GEMMA_FOUND if p.b != "linear/w"),
+                    saggs.Pair(gating, "linear", axes=(1, 0), name="gated MLP up/down")}
+  assert float(deviation) < 1e-5
