@@ -5,8 +5,13 @@ follows, for every parameter used as a linear map (a ``dot_general`` operand)
 or as an elementwise gain, how a per-channel factor ``c`` on that parameter
 travels through the program:
 
-* reshapes, transposes, broadcasts, slices and concatenations carry the
-  channel axes (a reshape that splits a channel axis proposes head groups);
+* reshapes, transposes, broadcasts, slices, stacks and concatenations carry
+  the channel axes (a reshape that splits a channel axis proposes head groups);
+* a slice or split that cuts a whole leaf axis into blocks (GPT-2's fused
+  q|k|v columns, gemma's K and V on a leading axis of 2) makes each block a
+  source of its own (a :class:`~saggs_jax.Block`), the other blocks then
+  values that do not scale; blocks that are added back together (the halves
+  of rotate-half RoPE) stay one channel;
 * multiplying by a value that does not depend on the parameter (a constant,
   RoPE's cos/sin, a SwiGLU gate, attention probabilities) keeps ``c``;
   ``max(x, 0)`` keeps positive ``c`` (ReLU);
@@ -20,12 +25,18 @@ travels through the program:
   candidate ``A -> B`` (V/O, up/down, a norm gain against the rows of every
   linear that reads it);
 * a ``dot_general`` contracting the channel against another parameter's
-  channel (Q.K) cancels it when that parameter is scaled by ``1/c``.
+  channel (Q.K) cancels it when that parameter is scaled by ``1/c``; a head
+  axis may carry the factor on one side only (one KV head read by every
+  query head, MQA), and the check then finds the grouping.
 
 Every candidate is then confirmed numerically: all its instances (every layer)
 get random factors at once and the outputs must agree to ``rtol`` (float32,
-full-precision matmuls); the finest exact grouping wins. Nothing unconfirmed
-is returned. Declarations use path patterns relative to each instance's
+full-precision matmuls); the finest exact grouping wins. The check runs where
+every path is live: all-zero leaves (a zero-initialised output projection)
+are drawn at random first, and a candidate counts as confirmed only if the
+check could have failed: a finer grouping failed, or side a rescaled alone
+moves the outputs past the tolerance. Nothing unconfirmed is returned; what
+could not be tested is rejected as unconfirmed. Declarations use path patterns relative to each instance's
 enclosing module, so one :class:`~saggs_jax.Pair` covers every layer.
 """
 
@@ -869,10 +880,11 @@ def _expand(factors, shape, axis, stacked):
 
 
 def _confirm(checker, instances, options):
-  """``[(instances, groups)]`` confirmed at their finest exact grouping, and those none fits."""
-  for groups in options:
+  """``[(instances, groups, tested)]`` confirmed at their finest exact grouping, and those none
+  fits; ``tested``: a finer grouping failed, so the check could fail on these instances."""
+  for k, groups in enumerate(options):
     if checker.exact(instances, groups):
-      return [(instances, groups)], []
+      return [(instances, groups, k > 0)], []
   if len(instances) == 1:
     return [], instances
   half = len(instances) // 2
@@ -960,7 +972,10 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
   factors in [1/4, 4] leave exact on the example inputs: the outputs agree to
   ``rtol * max|output|`` with full-precision matmuls. All instances of one
   candidate (every layer) are checked at once, at the finest grouping the
-  jaxpr suggests that is exact (per channel, per head, per KV head).
+  jaxpr suggests that is exact (per channel, per head, per KV head), on
+  ``params`` with all-zero leaves drawn at random, and only where the check
+  could have failed. A fused leaf's blocks are paired as
+  :class:`~saggs_jax.Block` s.
 
   Args:
     apply_fn: ``apply_fn(params, *example_args, **example_kwargs)``, returning
@@ -1009,8 +1024,8 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
     sizes = [unit_shapes[unit][axis] for unit, axis in inst_list[0].a + inst_list[0].b]
     options = _group_options(sizes, set().union(*(i.splits for i in inst_list)))
     confirmed, failed = _confirm(checker, inst_list, options)
-    for insts, groups in confirmed:
-      if checker.could_fail(insts, groups):
+    for insts, groups, tested in confirmed:
+      if tested or checker.could_fail(insts, groups):
         pairs += _declare(units, unit_names, unit_shapes, insts, groups)
         continue
       for inst in insts:
