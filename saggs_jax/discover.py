@@ -974,8 +974,8 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
   candidate (every layer) are checked at once, at the finest grouping the
   jaxpr suggests that is exact (per channel, per head, per KV head), on
   ``params`` with all-zero leaves drawn at random, and only where the check
-  could have failed. A fused leaf's blocks are paired as
-  :class:`~saggs_jax.Block` s.
+  could have failed. Blocks of a fused leaf enter pairs as
+  :class:`~saggs_jax.Block` members.
 
   Args:
     apply_fn: ``apply_fn(params, *example_args, **example_kwargs)``, returning
