@@ -626,6 +626,8 @@ class Discovery(collections.abc.Sequence):
 # ---------------------------------------------------------------------------
 # discover()
 
+_UNALIGNED = ("a bias follows it along an axis a Pair's followers cannot name (they share the"
+              " trailing axes of the side's first tensor; an (out, in) kernel's bias does not)")
 _NAMES = {"attention": "attention V/O", "gate": "gated MLP up/down", "relu": "ReLU MLP up/down"}
 
 
@@ -703,9 +705,14 @@ class _Analysis:
     axis, lo, hi, bounds = block
     return f"{self.names[leaf]}[part {bounds.index((lo, hi))} of {len(bounds)} on axis {axis}]"
 
-  def _followers(self, leaf, axis, trace):
-    return [(f, axis - (len(self.shapes[leaf]) - len(self.shapes[f])))
-            for f, _, _ in trace.followers]
+  def _followers(self, leaf, axis, trace) -> list | None:
+    """``[(follower, group axis)]``; None if a follower's axis is not the one a Pair gives it:
+    the source's group axis counted from the end (not so for an (out, in) kernel's bias)."""
+    found = [(f, axis - (len(self.shapes[leaf]) - len(self.shapes[f])), amap.get(axis))
+             for f, amap, _ in trace.followers]
+    if any(fa < 0 or moved != {fa} for _, fa, moved in found):
+      return None
+    return [(f, fa) for f, fa, _ in found]
 
   def _tied(self, units_eqns) -> str | None:
     for unit, eqns in units_eqns:
@@ -750,8 +757,10 @@ class _Analysis:
       b_side.append((r.leaf, min(r.amap[axis])))
     name = "norm gain" if gain else next(
         (_NAMES[k] for k in ("attention", "gate", "relu") if k in trace.through), "linear chain")
-    self.candidates.append(_Candidate(name, [(leaf, axis)], b_side,
-                                      self._followers(leaf, axis, trace), [], stacked,
+    followers = self._followers(leaf, axis, trace)
+    if followers is None:
+      return self._reject([leaf], targets, _UNALIGNED)
+    self.candidates.append(_Candidate(name, [(leaf, axis)], b_side, followers, [], stacked,
                                       trace.splits, any(r.positive for r in trace.reaches)))
 
   def _meeting(self, found):
@@ -776,9 +785,12 @@ class _Analysis:
         if tied:
           self._reject([la], [lb], tied)
           continue
-        self.candidates.append(_Candidate(
-            "attention Q/K", [(la, xa)], [(lb, xb)], self._followers(la, xa, ta),
-            self._followers(lb, xb, tb), sa, ta.splits | tb.splits, ma.positive or mb.positive))
+        fa, fb = self._followers(la, xa, ta), self._followers(lb, xb, tb)
+        if fa is None or fb is None:
+          self._reject([la], [lb], _UNALIGNED)
+          continue
+        self.candidates.append(_Candidate("attention Q/K", [(la, xa)], [(lb, xb)], fa, fb, sa,
+                                          ta.splits | tb.splits, ma.positive or mb.positive))
 
 
 def _clean(trace: _Trace) -> bool:

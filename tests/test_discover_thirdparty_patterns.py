@@ -213,14 +213,17 @@ def gpt2_init(seed=0, layers=2):
   return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
 
 
-def gpt2_forward(params, tokens, cut="split"):
-  """q, k, v cut from one projection by ``jnp.split`` or by slicing (``cut="slice"``)."""
+def gpt2_forward(params, tokens, cut="split", out_in=False):
+  """q, k, v cut from one projection by ``jnp.split`` or by slicing (``cut="slice"``);
+  ``out_in``: ``c_attn/kernel`` read transposed, as transformers' FlaxConv1D stores it."""
   x = params["wte"][tokens]
   b, t, _ = x.shape
   for i in range(sum(k.startswith("h_") for k in params)):
     p = params[f"h_{i}"]
     a = p["attn"]
-    qkv = _layer_norm(x, p["ln_1"]) @ a["c_attn"]["kernel"] + a["c_attn"]["bias"]
+    w = a["c_attn"]["kernel"]
+    qkv = _layer_norm(x, p["ln_1"]) @ (w.T if out_in else w)
+    qkv = qkv + a["c_attn"]["bias"]
     n = H * HD
     q, k, v = (jnp.split(qkv, 3, axis=-1) if cut == "split" else
                (qkv[..., :n], qkv[..., n:2 * n], qkv[..., 2 * n:]))
@@ -307,6 +310,21 @@ def test_gpt2_fused_qkv_pairs_its_column_blocks(cut):
   assert orbit_deviation(forward, params, [wrong]) > 1e-2
   if cut == "split":  # the library's own check resolves the blocks alike
     assert max(saggs.check_symmetry(forward, params, d, tokens()).values()) < 1e-4
+
+
+def test_a_bias_a_pair_cannot_follow_is_rejected_with_its_reason():
+  """An (out, in) kernel's bias does not share its trailing axes, so a Pair cannot declare it
+  as a follower: Q/K and V/O are rejected, saying so, instead of declared wrongly."""
+  params = gpt2_init()
+  params = jax.tree_util.tree_map_with_path(
+      lambda kp, x: x.reshape(x.shape[::-1]) if "c_attn" in jax.tree_util.keystr(kp) else x,
+      params)
+  d = discover(functools.partial(gpt2_forward, out_in=True), params, tokens())
+  assert {p.name for p in d} == {"norm gain"}
+  reasons = {(r.a, r.b): r.reason for r in d.rejected}
+  unaligned = reasons[("c_attn/kernel[part 2 of 3 on axis 0]", "c_proj/kernel")]  # V/O
+  assert unaligned.startswith("a bias follows it along an axis a Pair's")
+  assert reasons[("kernel[part 0 of 3 on axis 0]", "kernel[part 1 of 3 on axis 0]")] == unaligned
 
 
 def kv(part):
