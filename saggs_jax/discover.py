@@ -5,8 +5,13 @@ follows, for every parameter used as a linear map (a ``dot_general`` operand)
 or as an elementwise gain, how a per-channel factor ``c`` on that parameter
 travels through the program:
 
-* reshapes, transposes, broadcasts, slices and concatenations carry the
-  channel axes (a reshape that splits a channel axis proposes head groups);
+* reshapes, transposes, broadcasts, slices, stacks and concatenations carry
+  the channel axes (a reshape that splits a channel axis proposes head groups);
+* a slice or split that cuts a whole leaf axis into blocks (GPT-2's fused
+  q|k|v columns, gemma's K and V on a leading axis of 2) makes each block a
+  source of its own (a :class:`~saggs_jax.Block`), the other blocks then
+  values that do not scale; blocks that are added back together (the halves
+  of rotate-half RoPE) stay one channel;
 * multiplying by a value that does not depend on the parameter (a constant,
   RoPE's cos/sin, a SwiGLU gate, attention probabilities) keeps ``c``;
   ``max(x, 0)`` keeps positive ``c`` (ReLU);
@@ -20,12 +25,18 @@ travels through the program:
   candidate ``A -> B`` (V/O, up/down, a norm gain against the rows of every
   linear that reads it);
 * a ``dot_general`` contracting the channel against another parameter's
-  channel (Q.K) cancels it when that parameter is scaled by ``1/c``.
+  channel (Q.K) cancels it when that parameter is scaled by ``1/c``; a head
+  axis may carry the factor on one side only (one KV head read by every
+  query head, MQA), and the check then finds the grouping.
 
 Every candidate is then confirmed numerically: all its instances (every layer)
 get random factors at once and the outputs must agree to ``rtol`` (float32,
-full-precision matmuls); the finest exact grouping wins. Nothing unconfirmed
-is returned. Declarations use path patterns relative to each instance's
+full-precision matmuls); the finest exact grouping wins. The check runs where
+every path is live: all-zero leaves (a zero-initialised output projection)
+are drawn at random first, and a candidate counts as confirmed only if the
+check could have failed: a finer grouping failed, or side a rescaled alone
+moves the outputs past the tolerance. Nothing unconfirmed is returned; what
+could not be tested is rejected as unconfirmed. Declarations use path patterns relative to each instance's
 enclosing module, so one :class:`~saggs_jax.Pair` covers every layer.
 """
 
@@ -45,7 +56,7 @@ from jax.extend import core as jcore
 
 from saggs_jax import paths
 from saggs_jax.diagnostics import Probe
-from saggs_jax.pairs import Pair
+from saggs_jax.pairs import Block, Pair
 
 NORM = "a normalization over its channels"
 _SUB_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
@@ -53,7 +64,8 @@ _SUB_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _STRUCTURAL = frozenset({
     "convert_element_type", "copy", "copy_p", "reduce_precision", "neg", "transpose",
     "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "slice", "rev", "pad",
-    "dynamic_slice", "scan_slice", "scan_stack", "split", "concatenate", "optimization_barrier",
+    "dynamic_slice", "scan_slice", "scan_stack", "split", "concatenate", "stack",
+    "optimization_barrier",
     "sharding_constraint", "real"})
 _ADD = frozenset({"add", "sub", "add_any"})
 _REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"})
@@ -172,6 +184,8 @@ def _axis_map(prog: _Program, eqn: _Eqn, k: int) -> list[list[int]]:
     return [[]] + [[a - 1] for a in range(1, n)]
   if eqn.prim == "scan_stack":
     return [[a + 1] for a in range(n)]
+  if eqn.prim == "stack":  # a new axis at p["axis"]: interleaved RoPE stacks its halves
+    return [[a + (a >= p["axis"])] for a in range(n)]
   return [[a] for a in range(n)]
 
 
@@ -279,6 +293,8 @@ class _Trace:
   breaks: set = dataclasses.field(default_factory=set)
   splits: set = dataclasses.field(default_factory=set)
   through: set = dataclasses.field(default_factory=set)  # what the factor went through
+  cuts: set = dataclasses.field(default_factory=set)  # (leaf axis, start, stop): blocks read
+  joined: set = dataclasses.field(default_factory=set)  # leaf axes whose blocks add up again
 
 
 class _Follower:
@@ -287,8 +303,12 @@ class _Follower:
   def __init__(self, prog, views, dep, consumers):
     self.prog, self.views, self.dep, self.consumers = prog, views, dep, consumers
 
-  def run(self, start: int, out: int, tag: _Tag) -> _Trace:
+  def run(self, start: int, out: int, tag: _Tag, shape: tuple, keep=None) -> _Trace:
+    """Follows ``tag`` on ``out``, the output of eqn ``start`` using a leaf of ``shape``;
+    with ``keep = (leaf axis, start, stop)``, only that block of the leaf's factor: the
+    other blocks cut from it (``trace.cuts``) go on as values that do not scale."""
     self.trace, self.state, self.heap, self.seen = _Trace(), {}, [], {start}
+    self.shape, self.keep, self.cut_of, self.cut = shape, keep, {}, None
     self._set(out, tag)
     while self.heap:
       e = heapq.heappop(self.heap)
@@ -298,7 +318,7 @@ class _Follower:
   def _set(self, i, value):
     if value is None:
       return
-    self.state[i] = value
+    self.state[i], self.cut_of[i] = value, self.cut
     if i in self.prog.outputs:
       self.trace.breaks.add("it reaches the model's output directly")
     for e in self.consumers.get(i, ()):
@@ -312,6 +332,10 @@ class _Follower:
     taints = [s for s in st if isinstance(s, _Taint)]
     reasons = frozenset().union(*(s.reasons for s in tags + taints))
     p = eqn.prim
+    cuts = {self.cut_of[i] for i, s in zip(eqn.ins, st) if isinstance(s, _Tag)}
+    if len(cuts) > 1 and p in _ADD | {"concatenate", "stack", "select_n"}:
+      self.trace.joined.update(c[0] for c in cuts if c)  # one channel after all (RoPE halves)
+    self.cut = cuts.pop() if len(cuts) == 1 else None
     if not tags:
       for o in eqn.outs:
         self._set(o, _Taint(reasons))
@@ -341,7 +365,7 @@ class _Follower:
   def _structural(self, eqn, st, reasons):
     """Axes move, the factor moves with them; a reshape that splits a channel proposes groups."""
     tag = next(s for s in st if isinstance(s, _Tag))
-    if eqn.prim == "concatenate" and any(not isinstance(s, _Tag) or s.axes != tag.axes
+    if eqn.prim in ("concatenate", "stack") and any(not isinstance(s, _Tag) or s.axes != tag.axes
                                          for s in st):
       reasons |= {"a concatenation with a value that does not scale like it"}
     amap = {}
@@ -354,8 +378,38 @@ class _Follower:
       for a, sizes in enumerate(blocks):
         if a in tag.amap and len(sizes) > 1:
           self.trace.splits.update(math.prod(sizes[:k]) for k in range(1, len(sizes)))
-    for o in eqn.outs:
-      self._set(o, _tag(amap, reasons, tag.positive))
+    cuts = self._cuts(eqn, tag) if eqn.prim in ("slice", "split") else [None] * len(eqn.outs)
+    inherited = self.cut
+    for o, cut in zip(eqn.outs, cuts):
+      if cut is not None:
+        self.trace.cuts.add(cut)
+      self.cut = cut or inherited
+      if cut is None or self.keep is None or cut[0] != self.keep[0] or cut == self.keep:
+        self._set(o, _tag(amap, reasons, tag.positive))
+
+  def _cuts(self, eqn, tag) -> list:
+    """Per output of a slice or split, the block ``(leaf axis, start, stop)`` it takes of the
+    source leaf (a fused QKV kernel's q columns, say), or None. A block is a contiguous range
+    of an axis that holds exactly one whole leaf axis."""
+    shape, p = self.prog.shapes[eqn.ins[0]], eqn.params
+    if eqn.prim == "split":
+      axis, bounds = p["axis"], np.cumsum([0] + list(p["sizes"]))
+      ranges = list(zip(bounds[:-1], bounds[1:]))
+    else:
+      strided = [a for a, s in enumerate(p["strides"] or ()) if s != 1]
+      narrowed = [a for a, (lo, hi) in enumerate(zip(p["start_indices"], p["limit_indices"]))
+                  if hi - lo < shape[a]]
+      if len(narrowed) != 1 or strided:
+        return [None]
+      axis = narrowed[0]
+      ranges = [(p["start_indices"][axis], p["limit_indices"][axis])]
+    leaf_axes = tag.amap.get(axis, frozenset())
+    if len(leaf_axes) != 1:
+      return [None] * len(ranges)
+    (la,) = leaf_axes
+    if shape[axis] != self.shape[la] or sum(la in s for s in tag.amap.values()) > 1:
+      return [None] * len(ranges)
+    return [(la, int(lo), int(hi)) for lo, hi in ranges]
 
   def _binary(self, eqn, st, reasons):
     """add/sub/mul/div with the factor on one operand or both; ``reasons`` has both's."""
@@ -572,14 +626,22 @@ class Discovery(collections.abc.Sequence):
 # ---------------------------------------------------------------------------
 # discover()
 
+_UNALIGNED = ("a bias follows it along an axis a Pair's followers cannot name (they share the"
+              " trailing axes of the side's first tensor; an (out, in) kernel's bias does not)")
 _NAMES = {"attention": "attention V/O", "gate": "gated MLP up/down", "relu": "ReLU MLP up/down"}
 
 
 class _Analysis:
-  """The jaxpr read once: candidate instances and static rejections, by leaf index."""
+  """The jaxpr read once: candidate instances and static rejections, by unit index.
+
+  A unit is a leaf (units ``0 .. n-1`` are the leaves, in order) or one block of a leaf that
+  the program cuts into parts (a fused QKV kernel's q, k and v columns): ``units[u]`` is
+  ``(leaf, None)`` or ``(leaf, (axis, start, stop, bounds))``, ``bounds`` every part's range.
+  """
 
   def __init__(self, closed, names, shapes, floating):
-    self.names, self.shapes = names, shapes
+    self.names, self.shapes = list(names), list(shapes)
+    self.units, self.blocks = [(leaf, None) for leaf in range(len(names))], {}
     prog = _Program(closed, len(names))
     views, self.uses, dep = _views(prog, shapes)
     consumers = collections.defaultdict(list)
@@ -592,28 +654,78 @@ class _Analysis:
     for leaf, e, out, tag, stacked, channel in _sources(prog, self.uses):
       if not floating[leaf]:
         continue
-      trace = follower.run(e, out, tag)
-      source = (leaf, e, channel, stacked, trace, prog.eqns[e].prim == "mul")
-      if len(trace.meets) == 1 and not trace.reaches and not trace.breaks:
-        meets[trace.meets[0].eqn].append(source)
-      elif trace.reaches and not trace.meets:
-        self._chain(*source)
+      trace = follower.run(e, out, tag, shapes[leaf])
+      parts = None if _clean(trace) else _partition(
+          {c for c in trace.cuts if c[0] not in trace.joined}, shapes[leaf])
+      found = [(leaf, channel, trace)]
+      if parts is not None:  # each block its own source, the others values that do not scale
+        axis, bounds = parts
+        found = [(self._block(leaf, axis, lo, hi, bounds),
+                  tuple(a for a in channel if a != axis or hi - lo > 1),
+                  self._block_followers(follower.run(e, out, tag, shapes[leaf], (axis, lo, hi)),
+                                        axis, lo, hi, bounds))
+                 for lo, hi in bounds]
+      for unit, channel, trace in found:
+        source = (unit, e, channel, stacked, trace, prog.eqns[e].prim == "mul")
+        if len(trace.meets) == 1 and not trace.reaches and not trace.breaks:
+          meets[trace.meets[0].eqn].append(source)
+        elif trace.reaches and not trace.meets:
+          self._chain(*source)
     for found in meets.values():
       self._meeting(found)
 
-  def _followers(self, leaf, axis, trace):
-    return [(f, axis - (len(self.shapes[leaf]) - len(self.shapes[f])))
-            for f, _, _ in trace.followers]
+  def _block(self, leaf, axis, lo, hi, bounds) -> int:
+    """The unit of ``leaf``'s block ``[lo, hi)`` on ``axis`` (one of ``bounds``)."""
+    key = (leaf, axis, lo, hi, bounds)
+    if key not in self.blocks:
+      self.blocks[key] = len(self.units)
+      self.units.append((leaf, (axis, lo, hi, bounds)))
+      self.names.append(self.names[leaf])
+      self.shapes.append(tuple(hi - lo if a == axis else n
+                               for a, n in enumerate(self.shapes[leaf])))
+    return self.blocks[key]
 
-  def _tied(self, leaves_eqns) -> str | None:
-    for leaf, eqns in leaves_eqns:
-      if any(u.eqn not in eqns for u in self.uses[leaf]):
-        return (f"weight tying: {self.names[leaf]!r} is also used elsewhere, so rescaling it"
+  def _block_followers(self, trace, axis, lo, hi, bounds) -> _Trace:
+    """``trace`` with each follower (a fused bias) cut like its source: the same range of the
+    follower axis that moves with the source's block axis."""
+    followers = []
+    for f, amap, consumed in trace.followers:
+      fa = min(amap[axis]) if len(amap.get(axis, ())) == 1 else None
+      if fa is not None and self.shapes[f][fa] == bounds[-1][1]:
+        f = self._block(f, fa, lo, hi, bounds)
+      followers.append((f, amap, consumed))
+    trace.followers = followers
+    return trace
+
+  def label(self, unit) -> str:
+    """The unit's name, with the block if it is one (for rejections)."""
+    leaf, block = self.units[unit]
+    if block is None:
+      return self.names[leaf]
+    axis, lo, hi, bounds = block
+    return f"{self.names[leaf]}[part {bounds.index((lo, hi))} of {len(bounds)} on axis {axis}]"
+
+  def _followers(self, leaf, axis, trace) -> list | None:
+    """``[(follower, group axis)]``; None if a follower's axis is not the one a Pair gives it:
+    the source's group axis counted from the end (not so for an (out, in) kernel's bias)."""
+    found = [(f, axis - (len(self.shapes[leaf]) - len(self.shapes[f])), amap.get(axis))
+             for f, amap, _ in trace.followers]
+    if any(fa < 0 or moved != {fa} for _, fa, moved in found):
+      return None
+    return [(f, fa) for f, fa, _ in found]
+
+  def _tied(self, units_eqns) -> str | None:
+    for unit, eqns in units_eqns:
+      if any(u.eqn not in eqns for u in self.uses[self.units[unit][0]]):
+        return (f"weight tying: {self.label(unit)!r} is also used elsewhere, so rescaling it"
                 " changes another part of the model")
     return None
 
+  def _first_use(self, unit) -> int:
+    return self.uses[self.units[unit][0]][0].eqn
+
   def _reject(self, a, b, reason):
-    self.rejected.append(([self.names[x] for x in a], [self.names[x] for x in b], reason))
+    self.rejected.append(([self.label(x) for x in a], [self.label(x) for x in b], reason))
 
   def _chain(self, leaf, e, channel, stacked, trace, gain):
     targets = [r.leaf for r in trace.reaches]
@@ -629,7 +741,7 @@ class _Analysis:
                           + "; ".join(sorted(trace.breaks)))
     reach_eqns = {r.eqn for r in trace.reaches}
     tied = self._tied([(leaf, {e})] + [(t, reach_eqns) for t in targets]
-                      + [(f, {self.uses[f][0].eqn}) for f, _, _ in trace.followers])
+                      + [(f, {self._first_use(f)}) for f, _, _ in trace.followers])
     if tied:
       return self._reject([leaf], targets, tied)
     channel = list(channel)  # a leading channel axis that meets a leading axis of every B
@@ -645,15 +757,17 @@ class _Analysis:
       b_side.append((r.leaf, min(r.amap[axis])))
     name = "norm gain" if gain else next(
         (_NAMES[k] for k in ("attention", "gate", "relu") if k in trace.through), "linear chain")
-    self.candidates.append(_Candidate(name, [(leaf, axis)], b_side,
-                                      self._followers(leaf, axis, trace), [], stacked,
+    followers = self._followers(leaf, axis, trace)
+    if followers is None:
+      return self._reject([leaf], targets, _UNALIGNED)
+    self.candidates.append(_Candidate(name, [(leaf, axis)], b_side, followers, [], stacked,
                                       trace.splits, any(r.positive for r in trace.reaches)))
 
   def _meeting(self, found):
     """Pairs the sources that meet in one dot_general: exact pairs first, then the rest."""
     sides = [[s for s in found if s[4].meets[0].side == k] for k in (0, 1)]
     combos = [(a, b) for a in sides[0] for b in sides[1]
-              if a[4].meets[0].positions == b[4].meets[0].positions and a[3] == b[3]]
+              if _contracted(a[4].meets[0]) == _contracted(b[4].meets[0]) and a[3] == b[3]]
     exact = [(a, b) for a, b in combos if not (a[4].meets[0].reasons | b[4].meets[0].reasons)]
     paired = {id(s) for combo in exact for s in combo}
     for a, b in exact + [(a, b) for a, b in combos if not {id(a), id(b)} & paired]:
@@ -666,37 +780,107 @@ class _Analysis:
       elif ma.reasons | mb.reasons:
         self._reject([la], [lb], _explain(ma.reasons | mb.reasons, "before they meet"))
       else:
-        tied = self._tied([(la, {ea}), (lb, {eb})] + [(f, {self.uses[f][0].eqn}) for f, _, _ in
+        tied = self._tied([(la, {ea}), (lb, {eb})] + [(f, {self._first_use(f)}) for f, _, _ in
                                                        ta.followers + tb.followers])
         if tied:
           self._reject([la], [lb], tied)
           continue
-        self.candidates.append(_Candidate(
-            "attention Q/K", [(la, xa)], [(lb, xb)], self._followers(la, xa, ta),
-            self._followers(lb, xb, tb), sa, ta.splits | tb.splits, ma.positive or mb.positive))
+        fa, fb = self._followers(la, xa, ta), self._followers(lb, xb, tb)
+        if fa is None or fb is None:
+          self._reject([la], [lb], _UNALIGNED)
+          continue
+        self.candidates.append(_Candidate("attention Q/K", [(la, xa)], [(lb, xb)], fa, fb, sa,
+                                          ta.splits | tb.splits, ma.positive or mb.positive))
+
+
+def _clean(trace: _Trace) -> bool:
+  """Whether ``trace`` proposes a candidate as it is (else its blocks may)."""
+  if trace.breaks:
+    return False
+  if len(trace.meets) == 1 and not trace.reaches:
+    return not trace.meets[0].reasons
+  return bool(trace.reaches) and not trace.meets and not any(r.reasons for r in trace.reaches)
+
+
+def _partition(cuts: set, shape: tuple) -> tuple[int, tuple] | None:
+  """``(axis, bounds)``: the parts the blocks in ``cuts`` split one leaf axis into, gaps
+  included as parts of their own; None unless they are disjoint blocks of one axis."""
+  if len({axis for axis, _, _ in cuts}) != 1:
+    return None
+  axis = next(iter(cuts))[0]
+  bounds, end = [], 0
+  for _, lo, hi in sorted(cuts):
+    if lo < end:
+      return None
+    bounds += [(end, lo)] * (lo > end) + [(lo, hi)]
+    end = hi
+  bounds += [(end, shape[axis])] * (shape[axis] > end)
+  return (axis, tuple(bounds)) if len(bounds) > 1 else None
+
+
+def _contracted(meet: _Meet) -> tuple:
+  """The contracted positions a factor sits on. A batch axis (heads) may carry it on one side
+  only: one KV head read by every query head (MQA); the check then finds the grouping."""
+  return tuple(x for x in meet.positions if x[0] == "c")
 
 
 class _Checker:
-  """Rescales instances by random factors and tells whether the model's outputs stay put."""
+  """Rescales instances by random factors and tells whether the model's outputs stay put.
 
-  def __init__(self, apply_fn, params, args, kwargs, rtol, seed):
-    self.leaves, self.treedef = jax.tree.flatten(params)
-    self.probe = Probe(apply_fn, params, args, kwargs, rtol=rtol)
+  The check runs on ``params`` made live: an all-zero leaf (a zero-initialised output
+  projection, an adaLN-Zero gate) cuts the path it sits on, and every factor behind it would
+  pass. Such leaves are drawn at random instead, at the RMS of the non-zero leaves of their
+  rank; symmetries are structural, so what is exact on these parameters is exact on any.
+  """
+
+  def __init__(self, apply_fn, params, args, kwargs, rtol, seed, units):
+    self.units = units
     self.rng = np.random.default_rng(seed)
+    self.leaves, self.treedef = jax.tree.flatten(params)
+    self.leaves = _live(self.leaves, self.rng)
+    self.probe = Probe(apply_fn, self.treedef.unflatten(self.leaves), args, kwargs, rtol=rtol)
 
-  def exact(self, instances: list[_Candidate], groups: int) -> bool:
+  def _moved(self, instances, groups, signs) -> float:
+    """The deviation when every instance's members of ``signs`` take random factors."""
     changed = {}
     for inst in instances:
-      stacked_shape = tuple(self.leaves[inst.a[0][0]].shape[:inst.stacked])
+      stacked_shape = tuple(self.leaves[self.units[inst.a[0][0]][0]].shape[:inst.stacked])
       factors = np.exp(self.rng.uniform(-np.log(4), np.log(4), stacked_shape + (groups,)))
-      for (leaf, axis), sign in inst.scaled:
+      for (unit, axis), sign in inst.scaled:
+        if sign not in signs:
+          continue
+        leaf, block = self.units[unit]
         x = changed.get(leaf)
         x = np.array(self.leaves[leaf], np.float32) if x is None else x
-        changed[leaf] = x * _expand(factors ** sign, x.shape, axis, inst.stacked)
+        part = (slice(None),) * block[0] + (slice(block[1], block[2]),) if block else ()
+        x[part] = x[part] * _expand(factors ** sign, x[part].shape, axis, inst.stacked)
+        changed[leaf] = x
     leaves = [jnp.asarray(changed[i], x.dtype) if i in changed else x
               for i, x in enumerate(self.leaves)]
-    # NaN fails
-    return bool(self.probe.deviation(self.treedef.unflatten(leaves)) <= self.probe.tolerance)
+    return self.probe.deviation(self.treedef.unflatten(leaves))
+
+  def exact(self, instances: list[_Candidate], groups: int) -> bool:
+    return bool(self._moved(instances, groups, (1, -1)) <= self.probe.tolerance)  # NaN fails
+
+  def could_fail(self, instances: list[_Candidate], groups: int) -> bool:
+    """Whether the check of ``instances`` could have failed: side a rescaled alone, a move
+    that is no symmetry, must fail it (it passes behind a constant zero, say)."""
+    return bool(self._moved(instances, groups, (1,)) > self.probe.tolerance)
+
+
+def _live(leaves: list, rng) -> list:
+  """``leaves`` with every all-zero floating array drawn from N(0, s^2), s the mean RMS of the
+  non-zero floating leaves of the same rank (1 if there is none)."""
+  def floating(x):
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating) and np.size(x) > 0
+
+  values = [np.asarray(x, np.float32) if floating(x) else None for x in leaves]
+  rms = collections.defaultdict(list)
+  for v in values:
+    if v is not None and v.any():
+      rms[v.ndim].append(float(np.sqrt(np.mean(v * v))))
+  return [jnp.asarray(rng.standard_normal(v.shape) * np.mean(rms[v.ndim] or [1.0]), x.dtype)
+          if v is not None and not v.any() else x for x, v in zip(leaves, values)]
 
 
 def _expand(factors, shape, axis, stacked):
@@ -708,10 +892,11 @@ def _expand(factors, shape, axis, stacked):
 
 
 def _confirm(checker, instances, options):
-  """``[(instances, groups)]`` confirmed at their finest exact grouping, and those none fits."""
-  for groups in options:
+  """``[(instances, groups, tested)]`` confirmed at their finest exact grouping, and those none
+  fits; ``tested``: a finer grouping failed, so the check could fail on these instances."""
+  for k, groups in enumerate(options):
     if checker.exact(instances, groups):
-      return [(instances, groups)], []
+      return [(instances, groups, k > 0)], []
   if len(instances) == 1:
     return [], instances
   half = len(instances) // 2
@@ -736,15 +921,19 @@ def _one(x):
   return x[0] if len(x) == 1 else tuple(x)
 
 
-def _declare(names, shapes, inst_list, groups) -> list[Pair]:
-  """The fewest Pairs whose patterns resolve to exactly ``inst_list``."""
+def _declare(units, names, shapes, inst_list, groups) -> list[Pair]:
+  """The fewest Pairs whose patterns resolve to exactly ``inst_list`` (``units``, ``names`` and
+  ``shapes`` of :class:`_Analysis`)."""
   first = inst_list[0]
+  leaf_names = [names[leaf] for leaf, block in units if block is None]
   sides = [first.a, first.b, first.follow_a, first.follow_b]
   sizes = [shapes[leaf][axis] for leaf, axis in first.a + first.b]
 
   def pair(patterns, inst):
     n = [len(s) for s in sides]
     cut = np.cumsum([0] + n)
+    patterns = [_as_block(p, units[u][1], inst.stacked) for p, (u, _) in
+                zip(patterns, inst.a + inst.b + inst.follow_a + inst.follow_b)]
     a, b, fa, fb = (patterns[cut[i]:cut[i + 1]] for i in range(4))
     axes = tuple(_one(tuple(axis - inst.stacked for _, axis in side)) for side in (inst.a, inst.b))
     axes = tuple(x if isinstance(x, int) or len(set(x)) > 1 else x[0] for x in axes)
@@ -761,16 +950,27 @@ def _declare(names, shapes, inst_list, groups) -> list[Pair]:
   for extra in range(max(n.count("/") for n in members(first)) + 1):
     patterns = _patterns(members(first), extra)
     if all(_patterns(members(i), extra) == patterns for i in inst_list) and all(
-        {n for n in names if paths.match(p, n) is not None} == w for p, w in zip(patterns, wanted)):
+        {n for n in leaf_names if paths.match(p, n) is not None} == w
+        for p, w in zip(patterns, wanted)):
       return [pair(patterns, first)]
   return [pair(members(i), i) for i in inst_list]
 
 
-def _key(names, inst: _Candidate):
-  rel = _patterns([names[leaf] for side in (inst.a, inst.b, inst.follow_a, inst.follow_b)
-                   for leaf, _ in side], 0)
-  return (inst.name, tuple(rel), tuple(len(s) for s in (inst.a, inst.b, inst.follow_a,
-                                                           inst.follow_b)),
+def _as_block(pattern, block, stacked):
+  """``pattern`` as a :class:`~saggs_jax.Block` if the unit is one."""
+  if block is None:
+    return pattern
+  axis, lo, hi, bounds = block
+  sizes = [b - a for a, b in bounds]
+  return Block(pattern, axis=axis - stacked, parts=len(bounds), part=bounds.index((lo, hi)),
+               sizes=None if len(set(sizes)) == 1 else tuple(sizes))
+
+
+def _key(units, names, inst: _Candidate):
+  members = [u for side in (inst.a, inst.b, inst.follow_a, inst.follow_b) for u, _ in side]
+  rel = _patterns([names[u] for u in members], 0)
+  return (inst.name, tuple(rel), tuple(units[u][1] for u in members),
+          tuple(len(s) for s in (inst.a, inst.b, inst.follow_a, inst.follow_b)),
           tuple(axis - inst.stacked for _, axis in inst.a + inst.b), inst.stacked)
 
 
@@ -784,7 +984,10 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
   factors in [1/4, 4] leave exact on the example inputs: the outputs agree to
   ``rtol * max|output|`` with full-precision matmuls. All instances of one
   candidate (every layer) are checked at once, at the finest grouping the
-  jaxpr suggests that is exact (per channel, per head, per KV head).
+  jaxpr suggests that is exact (per channel, per head, per KV head), on
+  ``params`` with all-zero leaves drawn at random, and only where the check
+  could have failed. Blocks of a fused leaf enter pairs as
+  :class:`~saggs_jax.Block` members.
 
   Args:
     apply_fn: ``apply_fn(params, *example_args, **example_kwargs)``, returning
@@ -821,18 +1024,26 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
   floating = [jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in leaves]
   analysis = _Analysis(closed, list(names), shapes, floating)
 
+  units, unit_names, unit_shapes = analysis.units, analysis.names, analysis.shapes
   groups_of = collections.defaultdict(list)
-  for inst in sorted(analysis.candidates, key=lambda i: i.a[0][0]):  # in the order of the tree
-    groups_of[_key(names, inst)].append(inst)
+  for inst in sorted(analysis.candidates,  # in the order of the tree
+                     key=lambda i: (units[i.a[0][0]][0], i.a[0][0])):
+    groups_of[_key(units, unit_names, inst)].append(inst)
   pairs, rejected = [], []
-  checker = _Checker(apply_fn, params, example_args, example_kwargs, rtol, seed) if groups_of \
-      else None
+  checker = _Checker(apply_fn, params, example_args, example_kwargs, rtol, seed, units) \
+      if groups_of else None
   for inst_list in groups_of.values():
-    sizes = [shapes[leaf][axis] for leaf, axis in inst_list[0].a + inst_list[0].b]
+    sizes = [unit_shapes[unit][axis] for unit, axis in inst_list[0].a + inst_list[0].b]
     options = _group_options(sizes, set().union(*(i.splits for i in inst_list)))
     confirmed, failed = _confirm(checker, inst_list, options)
-    for insts, groups in confirmed:
-      pairs += _declare(list(names), shapes, insts, groups)
+    for insts, groups, tested in confirmed:
+      if tested or checker.could_fail(insts, groups):
+        pairs += _declare(units, unit_names, unit_shapes, insts, groups)
+        continue
+      for inst in insts:
+        analysis._reject([l for l, _ in inst.a], [l for l, _ in inst.b], (
+            "unconfirmed: rescaling side a alone does not change the output on the example"
+            " inputs, even with all-zero parameters drawn at random, so no check could fail"))
     for inst in failed:
       analysis._reject([l for l, _ in inst.a], [l for l, _ in inst.b],
                        "the jaxpr suggests it, but random factors change the output")

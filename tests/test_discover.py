@@ -72,14 +72,25 @@ def llama_found(stacked: int, gate="gate_proj", up="up_proj", down="down_proj", 
 # The oracle: an orbit move by hand.
 
 def _side(patterns, axes):
-  patterns = (patterns,) if isinstance(patterns, str) else patterns
+  patterns = (patterns,) if isinstance(patterns, (str, saggs.Block)) else patterns
   axes = (axes,) * len(patterns) if isinstance(axes, int) else axes
   return list(zip(patterns, axes))
 
 
+def _block_index(block, shape, stacked):
+  """The index of ``block`` (a ``saggs.Block``) in a leaf of ``shape``, worked out here."""
+  axis = stacked + block.axis % (len(shape) - stacked)
+  names = block.parts if isinstance(block.parts, tuple) else range(block.parts)
+  sizes = block.sizes or (shape[axis] // len(names),) * len(names)
+  part = block.part if isinstance(block.part, int) else block.parts.index(block.part)
+  start = sum(sizes[:part])
+  return (slice(None),) * axis + (slice(start, start + sizes[part]),)
+
+
 def orbit_move(params, pairs, seed=0, spread=1.5):
   """``params`` with every instance of ``pairs`` scaled by random per-group factors in
-  ``[e^-spread, e^spread]``: side a by c, side b by 1/c, followers with their side."""
+  ``[e^-spread, e^spread]``: side a by c, side b by 1/c, followers with their side. A
+  ``saggs.Block`` member scales only its part of the leaf."""
   rng = np.random.default_rng(seed)
   values = {path: np.asarray(x, np.float64) for path, x in models.leaf_dict(params).items()}
   for pair in pairs:
@@ -87,26 +98,29 @@ def orbit_move(params, pairs, seed=0, spread=1.5):
     for sign, side, followers in ((1, _side(pair.a, pair.axes[0]), pair.follow_a),
                                   (-1, _side(pair.b, pair.axes[1]), pair.follow_b)):
       for k, (pattern, axis) in enumerate(side + [(f, None) for f in followers]):
+        block = pattern if isinstance(pattern, saggs.Block) else None
         for path in values:
-          caps = saggs.paths.match(pattern, path)
+          caps = saggs.paths.match(block.pattern if block else pattern, path)
           if caps is not None:
-            instances.setdefault(caps, []).append((path, sign, axis, k))
+            index = () if block is None else _block_index(block, values[path].shape, pair.stacked)
+            instances.setdefault(caps, []).append((path, index, sign, axis, k))
     for members in instances.values():
-      kernel = {sign: (path, axis) for path, sign, axis, k in members if k == 0}
-      path0, axis0 = kernel[1]
-      shape0 = values[path0].shape
+      kernel = {sign: (path, index, axis) for path, index, sign, axis, k in members if k == 0}
+      path0, index0, axis0 = kernel[1]
+      shape0 = values[path0][index0].shape
       groups = pair.groups or shape0[pair.stacked + axis0]
       factors = np.exp(rng.uniform(-spread, spread, shape0[:pair.stacked] + (groups,)))
-      for path, sign, axis, _ in members:
-        x = values[path]
+      for path, index, sign, axis, _ in members:
+        x = values[path][index]
         if axis is None:  # a follower: its kernel's group axis, counted from the end
-          kpath, kaxis = kernel[sign]
+          kpath, _, kaxis = kernel[sign]
           axis = pair.stacked + kaxis - (values[kpath].ndim - x.ndim)
         else:
           axis = pair.stacked + axis
         f = np.repeat(factors ** sign, x.shape[axis] // groups, axis=-1)
-        values[path] = x * f.reshape(f.shape[:-1] + (1,) * (axis - pair.stacked) + (-1,)
-                                     + (1,) * (x.ndim - axis - 1))
+        values[path] = values[path].copy()
+        values[path][index] = x * f.reshape(f.shape[:-1] + (1,) * (axis - pair.stacked) + (-1,)
+                                            + (1,) * (x.ndim - axis - 1))
   return jax.tree_util.tree_map_with_path(
       lambda kp, x: jnp.asarray(values[saggs.paths.path_str(kp)], x.dtype), params)
 
