@@ -206,6 +206,8 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
   common case, and the compiled update holds the safe passes of one leaf, not of
   all. Called eagerly, the leaves to recompute are known: no loop is compiled.
   """
+  if not plan.slots:  # no pairs (an empty discover result): nothing to measure
+    return {}
   leaves = dict(paths.leaves_with_paths(params))
   dtype_max = {}  # the smallest dtype maximum among the leaves of each instance
   for path, slots in plan.slots.items():
@@ -364,7 +366,7 @@ def solve(plan: Plan, stats: Stats, dtypes: dict, strength: float) -> Factors:
 
 
 def _dtypes(params: Any) -> dict:
-  return {path: leaf.dtype for path, leaf in paths.leaves_with_paths(params)}
+  return {path: leaf.dtype for path, leaf in paths.arrays_with_paths(params)}
 
 
 def log_norms(plan: Plan, params: Any) -> dict[str, tuple[jax.Array, jax.Array]]:

@@ -31,10 +31,23 @@ def _is_concrete(x) -> bool:
 def _factors(plan: Plan, factor: FactorSpec) -> Factors:
   out = {}
   for inst in plan.instances:
-    f = factor(inst.a, inst.factor_shape) if callable(factor) else factor
-    f = jnp.broadcast_to(jnp.asarray(f, jnp.float32), inst.factor_shape)
-    if _is_concrete(f) and not np.all(np.asarray(f) > 0):
-      raise ValueError(f"Factors for {inst.a!r} must be positive and finite, got {f}.")
+    given = factor(inst.a, inst.factor_shape) if callable(factor) else factor
+    where = f"The factors of {inst.pair.label} on {inst.key!r}"
+    try:
+      if isinstance(given, (str, bytes)):
+        raise TypeError
+      f = jnp.broadcast_to(jnp.asarray(given, jnp.float32), inst.factor_shape)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"{where} must be numbers broadcastable to shape {inst.factor_shape}"
+                       f" (stacked_shape + (groups,)), got {given!r}.") from e
+    ok = jnp.isfinite(f) & (f > 0)
+    if _is_concrete(ok):
+      if not np.all(ok):
+        bad = np.unique(np.asarray(f)[~np.asarray(ok)])
+        raise ValueError(f"{where} must be positive and finite in float32, got"
+                         f" {', '.join(map(str, bad[:4]))}.")
+    else:  # traced: checking would sync with the host; a bad factor leaves its group alone
+      f = jnp.where(ok, f, 1.0)
     out[inst.key] = f
   return out
 
@@ -54,7 +67,10 @@ def reparameterize(params: Any, opt_state: Any, pairs: Sequence[Pair], factor: F
     pairs: the :class:`~saggs_jax.Pair` declarations.
     factor: a positive float for every group, or ``fn(path_a, shape) -> array``
       giving the factors of one pair instance, ``shape`` being
-      ``stacked_shape + (groups,)``.
+      ``stacked_shape + (groups,)``. A factor that is not positive and finite
+      is a ValueError; under ``jax.jit``, where factors are traced and
+      checking them would wait on the device, it leaves its group unchanged
+      (factor 1), as balancing does for a zero or non-finite norm.
 
   Returns:
     ``(params, opt_state)`` transformed.

@@ -50,7 +50,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from saggs_jax import canonical, paths
-from saggs_jax.pairs import Pair, resolve
+from saggs_jax.pairs import Pair, as_pairs, resolve
 
 Layout = dict[str, str]  # path -> "float32[3, 4]", "key<fry>[]" or an empty node "EmptyState()"
 Checksums = dict[str, list[int]]  # path -> two uint32 hashes
@@ -68,15 +68,21 @@ def _is_empty(node) -> bool:
 def _describe(leaf) -> str:
   if _is_empty(leaf):
     return "None" if leaf is None else f"{type(leaf).__name__}()"
+  if not paths.is_array(leaf):
+    return "static"
   return f"{leaf.dtype}{list(np.shape(leaf))}"
 
 
 def layout(tree: Any) -> Layout:
-  """``{path: "dtype[shape]"}`` for every leaf of ``tree`` and ``{path: "Type()"}`` for
-  every empty node, in flatten order (JSON-ready).
+  """``{path: "dtype[shape]"}`` for every array leaf of ``tree``, ``{path: "Type()"}`` for
+  every empty node and ``{path: "static"}`` for every other leaf, in flatten order
+  (JSON-ready).
 
   Empty nodes are recorded because optimizers that differ only in them
-  (``optax.adam`` and ``optax.adamw``) have the same leaves.
+  (``optax.adam`` and ``optax.adamw``) have the same leaves. A static leaf (a
+  function, a Python number or flag, as an Equinox module holds; see
+  :func:`saggs_jax.paths.is_array`) is not saved: :func:`restore` takes it from
+  the target.
 
   Example::
 
@@ -188,12 +194,12 @@ def checksums(tree: Any) -> Checksums:
   # One program per set of devices, each waited for: one small program per
   # leaf, all in flight at once, deadlocked a 2-process job on CPU (gloo).
   groups = collections.defaultdict(dict)
-  for path, leaf in paths.leaves_with_paths(tree):
+  for path, leaf in paths.arrays_with_paths(tree):
     groups[_devices(leaf)][path] = leaf
   hashes = {}
   for leaves in groups.values():
     hashes.update(jax.device_get(_checksum_all(leaves)))
-  return {path: [int(h) for h in hashes[path]] for path, _ in paths.leaves_with_paths(tree)}
+  return {path: [int(h) for h in hashes[path]] for path, _ in paths.arrays_with_paths(tree)}
 
 
 def _verify(saved: Checksums, restored: Any, what: str) -> None:
@@ -207,11 +213,17 @@ def _verify(saved: Checksums, restored: Any, what: str) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Orbax writes no typed PRNG keys: their raw uint32 key data instead.
+# Orbax writes no typed PRNG keys: their raw uint32 key data instead. Static
+# leaves are not written: None stands in for them.
+
+
+def _arrays(tree: Any) -> Any:
+  """``tree`` with None for its static leaves."""
+  return jax.tree.map(lambda x: x if paths.is_array(x) else None, tree)
 
 
 def _storable(tree: Any) -> Any:
-  return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+  return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, _arrays(tree))
 
 
 def _abstract(leaf) -> jax.ShapeDtypeStruct:
@@ -229,6 +241,16 @@ def _unstorable(target: Any, restored: Any) -> Any:
       target, restored)
 
 
+def _with_statics(target: Any, arrays: Any) -> Any:
+  """``arrays`` (None for static leaves) with the static leaves of ``target``."""
+  return jax.tree.map(lambda t, x: x if paths.is_array(t) else t, target, arrays)
+
+
+def _check_step(step) -> None:
+  if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+    raise TypeError(f"step must be an int, got {step!r} of type {type(step).__name__}.")
+
+
 def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any) -> bool:
   """Saves ``params`` and ``opt_state`` as checkpoint ``step``, with their layout and checksums.
 
@@ -241,6 +263,7 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
     Whether a checkpoint was written (the manager's ``save_interval_steps``
     and similar options may skip a step).
   """
+  _check_step(step)
   state = {"params": params, "opt_state": opt_state}
   return manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(_storable(state)), layout=ocp.args.JsonSave(layout(state)),
@@ -259,23 +282,27 @@ def restore(manager: ocp.CheckpointManager, params: Any, opt_state: Any,
       state); its arrays' shardings are kept. It is not modified.
     pairs: the :class:`~saggs_jax.Pair` declarations; with ``canonicalize``,
       the restored state is mapped to its canonical (norm-balanced) form.
-    step: the step to restore; default the latest.
+    step: the step to restore (an int); default the latest.
     canonicalize: canonicalize when ``pairs`` is given.
 
   Returns:
     ``(params, opt_state, step)``.
 
   Raises:
+    TypeError: ``step`` is not an int.
     FileNotFoundError: the manager holds no checkpoint ``step`` (or none at all).
-    ValueError: the checkpoint's layout differs from the target's (the
+    ValueError: the checkpoint was not written by :func:`save` (it lacks the
+      layout and checksums), its layout differs from the target's (the
       message names the first differing path), or ``pairs`` do not resolve
       on ``params``: raised before any array is read. Or the arrays could not
       be read, or one read back does not match its checksum (the message
       names it).
   """
+  if step is not None:
+    _check_step(step)
   manager.wait_until_finished()  # a save still in flight is not readable yet
   steps = manager.all_steps()
-  step = manager.latest_step() if step is None else step
+  step = manager.latest_step() if step is None else int(step)
   if step not in steps:
     which = "No checkpoint" if step is None else f"No checkpoint {step}"
     held = f"it holds steps {sorted(steps)}" if steps else "it holds none"
@@ -285,10 +312,16 @@ def restore(manager: ocp.CheckpointManager, params: Any, opt_state: Any,
     resolve(pairs, params)  # a bad declaration fails before anything is read
   target = {"params": params, "opt_state": opt_state}
   what = f"Checkpoint {step} in {manager.directory}"
-  saved = manager.restore(step, args=ocp.args.Composite(
-      layout=ocp.args.JsonRestore(), checksums=ocp.args.JsonRestore()))
+  try:
+    saved = manager.restore(step, args=ocp.args.Composite(
+        layout=ocp.args.JsonRestore(), checksums=ocp.args.JsonRestore()))
+  except Exception as e:  # a plain Orbax checkpoint: KeyError, ValueError, ... from Orbax
+    raise ValueError(
+        f"{what} was not written by saggs_jax.checkpoint.save: it has no readable 'layout' and"
+        f" 'checksums' items (Orbax: {str(e).splitlines()[0]}). Restore it with Orbax directly,"
+        " or save with saggs_jax.checkpoint.save. Nothing was restored.") from e
   check_layout(saved["layout"], target, what)
-  abstract = jax.tree.map(_abstract, target)
+  abstract = jax.tree.map(lambda x: _abstract(x) if paths.is_array(x) else None, target)
   try:
     state = manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract)))["state"]
@@ -297,11 +330,11 @@ def restore(manager: ocp.CheckpointManager, params: Any, opt_state: Any,
                      " restored; restore another step.") from e
   _verify(saved["checksums"], state, what)
   state = _unstorable(target, state)
-  params, opt_state = state["params"], state["opt_state"]
+  arrays = state["params"], state["opt_state"]
   if canonicalize:
-    shardings, treedef = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, (params, opt_state)))
-    pairs = (pairs,) if isinstance(pairs, Pair) else tuple(pairs)
-    params, opt_state = _canonicalizer(pairs, treedef, tuple(shardings))(params, opt_state)
+    shardings, treedef = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, arrays))
+    arrays = _canonicalizer(as_pairs(pairs), treedef, tuple(shardings))(*arrays)
+  params, opt_state = _with_statics((params, opt_state), arrays)
   return params, opt_state, step
 
 

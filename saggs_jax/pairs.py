@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Iterable
 from typing import Any, NamedTuple, Sequence, Union
 
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ from saggs_jax import paths
 
 
 def _as_tuple(x) -> tuple:
-  return (x,) if isinstance(x, (str, Block)) else tuple(x)
+  return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 def _is_int(x) -> bool:
@@ -182,6 +183,9 @@ class Pair:
   name: str | None = None
 
   def __post_init__(self):
+    if self.name is not None and not isinstance(self.name, str):
+      raise ValueError(f"Pair({self.a!r}, {self.b!r}): name must be a string or None, got"
+                       f" {self.name!r}.")
     for side in ("a", "b"):  # one pattern stays a str, so reprs of plain pairs are unchanged
       value = getattr(self, side)
       if not isinstance(value, str):
@@ -415,13 +419,13 @@ class Plan:
 
 
 def _leaf_specs(tree: Any) -> tuple[tuple[str, tuple[int, ...], Any], ...]:
-  """``(path, shape, dtype)`` of every leaf: all that resolution reads, hence its cache key."""
+  """``(path, shape, dtype)`` of every array leaf (the others are static, see
+  :func:`saggs_jax.paths.is_array`): all that resolution reads, hence its cache key."""
   out = {}
-  for path, leaf in paths.leaves_with_paths(tree):
+  for path, leaf in paths.arrays_with_paths(tree):
     if path in out:
       raise ValueError(f"Two leaves share the path {path!r}; paths must be unique.")
-    dtype = getattr(leaf, "dtype", None)
-    out[path] = (tuple(np.shape(leaf)), np.asarray(leaf).dtype if dtype is None else dtype)
+    out[path] = (tuple(np.shape(leaf)), leaf.dtype)
   return tuple((path, *spec) for path, spec in out.items())
 
 
@@ -637,13 +641,21 @@ def resolve(pairs: Sequence[Pair], tree: Any) -> Plan:
   structure at trace time and costs nothing inside a compiled step. Only
   floating-point leaves are declared.
   """
+  return _resolve_cached(as_pairs(pairs), _leaf_specs(tree))
+
+
+def as_pairs(pairs: Pair | Iterable[Pair]) -> tuple[Pair, ...]:
+  """``pairs`` as a tuple; raises TypeError unless it is a Pair or a collection of them
+  (a :func:`saggs_jax.discover` result is one; so is an empty list)."""
   if isinstance(pairs, Pair):
-    pairs = (pairs,)
-  pairs = tuple(pairs)  # a saggs_jax.discover result is a sequence of pairs
+    return (pairs,)
+  if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Iterable):
+    raise TypeError(f"Expected a saggs_jax.Pair or a sequence of them, got {type(pairs).__name__}:"
+                    f" {pairs!r}")
   for p in pairs:
     if not isinstance(p, Pair):
       raise TypeError(f"Expected saggs_jax.Pair, got {type(p).__name__}: {p!r}")
-  return _resolve_cached(pairs, _leaf_specs(tree))
+  return tuple(pairs)
 
 
 def describe(pairs: Sequence[Pair], params: Any) -> str:

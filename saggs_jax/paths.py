@@ -25,6 +25,7 @@ import re
 from typing import Any, Iterable, Iterator
 
 import jax
+import numpy as np
 
 Captures = tuple[str, ...]
 
@@ -50,6 +51,30 @@ def leaves_with_paths(tree: Any, is_leaf=None) -> Iterator[tuple[str, Any]]:
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
   for key_path, leaf in flat:
     yield path_str(key_path), leaf
+
+
+def is_array(leaf: Any) -> bool:
+  """Whether ``leaf`` is an array (JAX, NumPy, or abstract ``jax.ShapeDtypeStruct``).
+
+  Any other leaf (a function, a Python number or flag, as an Equinox module
+  holds) is static configuration, as ``eqx.filter`` treats it: no pattern
+  matches it, nothing rescales or transports it, and a checkpoint takes it
+  from the target rather than from the files.
+  """
+  return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def arrays_with_paths(tree: Any) -> Iterator[tuple[str, Any]]:
+  """Yields ``(path, leaf)`` for every array leaf of ``tree`` (see :func:`is_array`), in
+  flatten order.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> dict(arrays_with_paths({"w": jnp.ones(2), "act": jax.nn.relu, "p": 0.1}))
+    {'w': Array([1., 1.], dtype=float32)}
+  """
+  return ((path, leaf) for path, leaf in leaves_with_paths(tree) if is_array(leaf))
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,7 +23,7 @@ import optax
 from saggs_jax import paths
 from saggs_jax.balance import (AxisName, Factors, compute_dtype, compute_factors, leaf_multiplier,
                                replicated, scale_tree)
-from saggs_jax.pairs import Pair, resolve
+from saggs_jax.pairs import Pair, as_pairs, resolve
 from saggs_jax.transport import register_transport, transport
 
 
@@ -94,6 +94,13 @@ def _check_number(name, value, ok, interval, integer):
                      f" got {value!r}.")
 
 
+def _check_axis_name(axis_name) -> None:
+  if not (axis_name is None or isinstance(axis_name, str) or (
+      isinstance(axis_name, (tuple, list)) and all(isinstance(a, str) for a in axis_name))):
+    raise ValueError(f"axis_name must be None, a mesh axis name or a tuple of them, got"
+                     f" {axis_name!r}.")
+
+
 def _check_global(axis_name) -> None:
   """Inside ``shard_map`` a leaf is a shard: its norms alone would balance per shard."""
   manual = jax.sharding.get_abstract_mesh().manual_axes
@@ -148,7 +155,9 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
   :mod:`saggs_jax.balance`).
 
   Args:
-    pairs: the :class:`~saggs_jax.Pair` declarations.
+    pairs: the :class:`~saggs_jax.Pair` declarations; none (a
+      :func:`saggs_jax.discover` that found nothing) gives a stage that
+      changes nothing.
     strength: in (0, 1]; 1 is hard SAGGS.
     every: balance on updates 1, every + 1, 2 * every + 1, ...
     axis_name: inside ``shard_map`` only: the mesh axes over which each
@@ -173,7 +182,8 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
     >>> float(state[1].factors["q|k"])  # c = sqrt(2 / 8)
     0.5
   """
-  pairs = (pairs,) if isinstance(pairs, Pair) else tuple(pairs)
+  pairs = as_pairs(pairs)
+  _check_axis_name(axis_name)
   _check_number("strength", strength, lambda s: 0 < s <= 1, "in (0, 1]", integer=False)
   _check_number("every", every, lambda k: k >= 1, ">= 1", integer=True)
   warned = []

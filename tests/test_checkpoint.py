@@ -7,8 +7,10 @@ import collections
 import functools
 import hashlib
 import re
+import shutil
 
 import chex
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import equinox_mlp
 import models
 import saggs_jax as saggs
 
@@ -216,6 +219,41 @@ def test_nnx_state_of_optimizer_is_rejected_with_a_hint():
   optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
   with pytest.raises(TypeError, match="pass optimizer.opt_state"):
     saggs.reparameterize(nnx.state(model, nnx.Param), nnx.state(optimizer), NNX_PAIRS, 2.0)
+
+
+QK = [saggs.Pair("q", "k", axes=(1, 1), name="QK")]
+
+
+def _qk():
+  return {"q": jnp.ones((2, 3)), "k": jnp.ones((2, 3))}
+
+
+@pytest.mark.parametrize("factor, got", [
+    (float("inf"), "got inf."), (0.0, "got 0.0."), (-2.0, "got -2.0."), (1e39, "got inf."),
+    (lambda path, shape: np.array([1.0, np.nan, -1.0]), "got -1.0, nan."),
+])
+def test_reparameterize_refuses_factors_not_positive_and_finite(factor, got):
+  with pytest.raises(ValueError, match=re.escape(
+      "The factors of QK on 'q|k' must be positive and finite in float32, " + got)):
+    saggs.reparameterize(_qk(), None, QK, factor)
+
+
+@pytest.mark.parametrize("factor", ["2", lambda path, shape: np.ones(4)])
+def test_reparameterize_refuses_factors_of_another_shape_or_type(factor):
+  with pytest.raises(ValueError, match=re.escape(
+      "The factors of QK on 'q|k' must be numbers broadcastable to shape (3,)")):
+    saggs.reparameterize(_qk(), None, QK, factor)
+
+
+def test_reparameterize_under_jit_leaves_groups_with_bad_factors_alone():
+  """Traced factors cannot be checked without waiting on the device: a group whose factor
+  is not positive and finite keeps its values (factor 1), so no NaN or inf leaves it."""
+  move = jax.jit(lambda p, c: saggs.reparameterize(p, None, QK, lambda path, shape: c)[0])
+  out = move(_qk(), jnp.asarray([4.0, jnp.inf, -1.0]))
+  np.testing.assert_array_equal(out["q"], np.array([[4.0, 1.0, 1.0]] * 2, np.float32))
+  np.testing.assert_array_equal(out["k"], np.array([[0.25, 1.0, 1.0]] * 2, np.float32))
+  out = move(_qk(), jnp.asarray([0.0, jnp.nan, 2.0]))
+  np.testing.assert_array_equal(out["q"], np.array([[1.0, 1.0, 2.0]] * 2, np.float32))
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["layers", "stacked"])
@@ -420,6 +458,70 @@ def test_restore_reads_the_requested_step(manager):
   chex.assert_trees_all_equal(got, _times(params, 3))
   with pytest.raises(FileNotFoundError, match=r"No checkpoint 4 in .*: it holds steps \[1, 2, 3\]"):
     saggs.checkpoint.restore(manager, params, None, step=4)
+
+
+@pytest.mark.parametrize("step", ["5", 5.0, True, None])
+def test_a_step_that_is_not_an_int_is_refused(manager, step):
+  params = params_of()
+  saggs.checkpoint.save(manager, 5, params, None)
+  message = re.escape(f"step must be an int, got {step!r} of type {type(step).__name__}.")
+  if step is not None:
+    with pytest.raises(TypeError, match=message):
+      saggs.checkpoint.restore(manager, params, None, step=step)
+  with pytest.raises(TypeError, match=message):
+    saggs.checkpoint.save(manager, step, params, None)
+  assert manager.all_steps() == [5]
+  assert saggs.checkpoint.restore(manager, params, None, step=np.int64(5))[2] == 5
+
+
+def test_a_checkpoint_not_written_by_save_is_named(manager, tmp_path):
+  """A plain Orbax checkpoint, and one whose checksums were removed."""
+  params = params_of()
+  saggs.checkpoint.save(manager, 2, params, None)
+  manager.wait_until_finished()
+  shutil.rmtree(tmp_path / "ckpt" / "2" / "checksums")
+  with ocp.CheckpointManager(tmp_path / "plain") as plain:
+    plain.save(1, args=ocp.args.StandardSave({"params": params, "opt_state": None}))
+    plain.wait_until_finished()
+    for step, mngr in ((1, plain), (2, manager)):
+      with pytest.raises(ValueError, match=re.escape(f"Checkpoint {step} in ") + ".*" + re.escape(
+          " was not written by saggs_jax.checkpoint.save: it has no readable 'layout' and"
+          " 'checksums' items")):
+        saggs.checkpoint.restore(mngr, params, None, step=step)
+
+
+def test_static_leaves_are_taken_from_the_target(manager):
+  """Leaves that are not arrays (a Python float, an Equinox module's function, flags and
+  ints) are recorded as static in the layout, not saved, and restored from the target."""
+  saved = {"model": equinox_mlp.imbalanced(seed=0, inference=True), "rate": 0.1}
+  pairs = [saggs.Pair("model/up/weight", "model/down/weight", axes=(0, 1))]
+  tx = saggs.chain(optax.adam(1e-2), saggs.saggs(pairs, every=2))
+  state = models.random_like(tx.init(eqx.filter(saved, eqx.is_inexact_array)), 1)
+  layout = saggs.checkpoint.layout({"params": saved, "opt_state": state})
+  assert {p: v for p, v in layout.items() if p.startswith("params/")} == {
+      "params/model/up/weight": "float32[4, 3]", "params/model/up/bias": "None",
+      "params/model/down/weight": "float32[2, 4]", "params/model/down/bias": "float32[2]",
+      "params/model/dropout/p": "static", "params/model/dropout/inference": "static",
+      "params/model/activation": "static", "params/model/hidden": "static",
+      "params/rate": "static"}
+  saggs.checkpoint.save(manager, 1, saved, state)
+
+  target = {"model": equinox_mlp.MLP(seed=1, inference=False), "rate": 0.5}
+  got, got_state, _ = saggs.checkpoint.restore(manager, target, state, canonicalize=False)
+  assert got["rate"] == 0.5 and not got["model"].dropout.inference
+  assert type(got["model"]) is equinox_mlp.MLP and got["model"].activation is jax.nn.relu
+  chex.assert_trees_all_equal(eqx.filter((got, got_state), eqx.is_array),
+                              eqx.filter((saved, state), eqx.is_array))
+  # With pairs: the canonical form of the saved arrays, the target's static leaves.
+  got, got_state, _ = saggs.checkpoint.restore(manager, target, state, pairs)
+  expected = saggs.canonicalize(saved, state, pairs)
+  chex.assert_trees_all_close(eqx.filter((got, got_state), eqx.is_array),
+                              eqx.filter(expected, eqx.is_array), **EXACT)
+  assert got["rate"] == 0.5 and not got["model"].dropout.inference
+  # An array where the target holds a static leaf is another layout.
+  with pytest.raises(ValueError, match=re.escape("at 'params/rate': static there, the target"
+                                                 " float32[]")):
+    saggs.checkpoint.restore(manager, {**target, "rate": jnp.float32(0.5)}, state)
 
 
 def _is_key(x):

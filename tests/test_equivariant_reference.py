@@ -216,6 +216,19 @@ def test_reference_preset_routes_every_role_to_its_rate():
                                  atol=1e-9, err_msg=path)
 
 
+def test_reference_preset_tied_embedding_is_routed_as_the_lm_head():
+  """With tie_embeddings the embedding (V, d) is the LM head: centred row-norm over the
+  vocabulary rows, at the LM head's rate (the scripts' 5e-3, or an lm_head override), not
+  the embedding's 0.5; an explicit embedding rate still wins."""
+  g = {"embed": llama_grads(800)["embed"]}
+  zeros = jax.tree.map(np.zeros_like, g)
+  direction = center(row_norm(center(flat(g)["embed/embedding"])))
+  for rates, rate in (({}, SCRIPT_RATES["lm_head"]), ({"lm_head": 0.25}, 0.25),
+                      ({"lm_head": 0.25, "embedding": 0.125}, 0.125)):
+    out = stack_update(g, zeros, tie_embeddings=True, learning_rates=rates)
+    np.testing.assert_allclose(out["embed/embedding"], -rate * direction, rtol=1e-5, atol=1e-9)
+
+
 def test_reference_preset_weight_decay_per_role():
   """Zero gradients: the update is -lr * wd * p with the scripts' lr and wd per role."""
   params = llama_grads(700)
@@ -234,3 +247,40 @@ def test_polar_summed_momentum_state():
   _, state = tx.update(g1, tx.init(g1))
   _, state = tx.update(g2, state)
   np.testing.assert_allclose(state.mu, 0.9 * g1 + g2, rtol=1e-6)
+
+
+# ------------------------------------------------ Muon's normaliser near its eps
+
+# The Polar Express coefficients Lau & Su's Muon ships (the Polar Express authors' set
+# for Muon), as published; they assume the normaliser 1.02 ||X||_F + 1e-6.
+MUON_POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+def muon_polar_express(x):
+  """The reference's five Newton-Schulz steps in float64: X / (1.02 ||X||_F + 1e-6), then
+  X <- a X + (b A + c A^2) X with A = X X^T."""
+  x = np.asarray(x, np.float64)
+  x = x / (1.02 * np.linalg.norm(x) + 1e-6)
+  for a, b, c in MUON_POLAR_EXPRESS:
+    gram = x @ x.T
+    x = a * x + (b * gram + c * gram @ gram) @ x
+  return x
+
+
+@pytest.mark.parametrize("norm", [1e-6, 3e-6])
+def test_reference_polar_normaliser_adds_its_eps(norm):
+  """The golden gradients' norms are far above 1e-6, where adding eps or flooring the
+  norm at eps agree; a momentum of norm ~1e-6 tells them apart (Muon's summed momentum
+  with Nesterov: the first step orthogonalises (1 + beta) G)."""
+  g = np.random.default_rng(21).standard_normal((4, 6))
+  g *= norm / (1.95 * np.linalg.norm(g))
+  tx = eqv.scale_by_polar(beta=0.95, ns_dtype=jnp.float32, **eqv.REFERENCE["scale_by_polar"])
+  out, _ = tx.update(jnp.asarray(g, jnp.float32), tx.init(jnp.zeros((4, 6), jnp.float32)))
+  expected = np.sqrt(6 / 4) * muon_polar_express(1.95 * g)
+  np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())

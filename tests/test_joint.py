@@ -169,6 +169,30 @@ def test_three_pairs_sharing_one_leaf_balance_jointly():
     np.testing.assert_allclose(again[n], balanced[n], rtol=1e-5)
 
 
+@pytest.mark.parametrize("strength", [0.3, 0.7])
+def test_soft_with_overlaps_takes_strength_of_the_joint_log_factors(strength):
+  """Soft balancing of overlapping pairs moves ``strength`` of the way to the joint minimum in
+  log space: factors ``exp(strength * u)``, ``u`` the NumPy Newton oracle's, i.e. the hard
+  factors to the power ``strength`` (each pair's own closed form would not be)."""
+  rng = np.random.default_rng(5)
+  params = {n: jnp.asarray(rng.standard_normal((3, 5)) * s, jnp.float32)
+            for n, s in (("q", 4.0), ("k", 0.2), ("v", 1.0), ("o", 9.0))}
+  pairs = [saggs.Pair("q", "k"), saggs.Pair("v", "k"), saggs.Pair("o", "k")]
+  u = _newton_oracle(_np(params), {"q": [("q", 1, _whole)], "v": [("v", 1, _whole)],
+                                   "o": [("o", 1, _whole)],
+                                   "k": [(n, -1, _whole) for n in "qvo"]},
+                     {n: () for n in "qvo"})
+  tx = saggs.chain(optax.sgd(0.0), saggs.soft(pairs, strength=strength))
+  updates, state = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  for n in "qvo":
+    np.testing.assert_allclose(state[1].factors[f"{n}|k"], np.exp(strength * u[n]), rtol=1e-5)
+  moved = optax.apply_updates(params, updates)
+  p = _np(params)
+  for n in "qvo":
+    np.testing.assert_allclose(moved[n], p[n] * np.exp(strength * u[n]), rtol=1e-5)
+  np.testing.assert_allclose(moved["k"], p["k"] * np.exp(-strength * sum(u.values())), rtol=1e-5)
+
+
 def test_norm_gain_shared_by_stacked_experts_against_newton():
   """A gain g (d,) read by every expert's w_up (E, d, F), overlapping the per-expert
   up/down pair (stacked=1): the gain's factor spans the expert axis."""

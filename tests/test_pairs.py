@@ -2,11 +2,14 @@
 
 import re
 
+import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+import equinox_mlp
 import models
 import saggs_jax as saggs
 
@@ -244,6 +247,10 @@ def test_duplicate_paths():
     (dict(a="q", b="k", follow_a="layers/*/b"),
      r"pattern 'layers/\*/b' has a different number of wildcards"),
     (dict(a="q", b="k", follow_b=["kb", 3]), "patterns must be strings or Blocks, got 3"),
+    (dict(a="q", b="k", follow_a=3), "patterns must be strings or Blocks, got 3"),
+    (dict(a="q", b="k", name=3), "name must be a string or None, got 3"),
+    (dict(a=("q", 3), b="k"), re.escape("Pair(('q', 3), 'k'): patterns must be strings or Blocks, got 3.")),
+    (dict(a=1, b="k"), re.escape("Pair(1, 'k'): patterns must be strings or Blocks, got 1.")),
 ])
 def test_malformed_pair(kwargs, msg):
   with pytest.raises(ValueError, match=re.escape("Pair('q', 'k'): ") + msg
@@ -334,3 +341,36 @@ def test_non_float_leaf_in_a_pair(dtype, leaf, pair):
   msg = f"{pair.label}: pattern '{leaf}' matches '{leaf}' of dtype {jnp.dtype(dtype).name}; only"
   with pytest.raises(ValueError, match=re.escape(msg) + ".*integer would be truncated"):
     saggs.canonicalize(params, None, [pair])
+
+
+# --- Equinox modules: leaves that are not arrays are static -----------------------
+
+def test_equinox_module_static_fields_are_not_parameters():
+  """describe, imbalance, canonicalize and reparameterize take a whole Equinox module: its
+  function, flags and numbers are left alone (as eqx.filter leaves them), its arrays move,
+  the function is the same; a pattern naming a static field matches no parameter."""
+  model = equinox_mlp.imbalanced()
+  up, down = (np.asarray(w, np.float64) for w in (model.up.weight, model.down.weight))
+  text = saggs.describe(equinox_mlp.PAIRS, model)
+  assert "ReLU channels  a     up/weight    (4, 3)  0           (4,)" in text
+  assert "dropout" not in text and "activation" not in text
+
+  log_ratio = 0.5 * np.log((up**2).sum(1) / (down**2).sum(0))
+  np.testing.assert_allclose(saggs.imbalance(model, equinox_mlp.PAIRS)["up/weight|down/weight"],
+                             log_ratio, rtol=1e-5)
+  c = np.exp(-0.5 * log_ratio)  # sqrt(||down_j|| / ||up_j||)
+  for moved in (saggs.canonicalize(model, None, equinox_mlp.PAIRS)[0],
+                eqx.filter_jit(lambda m: saggs.canonicalize(m, None, equinox_mlp.PAIRS)[0])(model)):
+    assert type(moved) is equinox_mlp.MLP
+    assert (moved.activation, moved.dropout, moved.hidden) == (jax.nn.relu, model.dropout, 4)
+    np.testing.assert_allclose(moved.up.weight, up * c[:, None], rtol=1e-5)
+    np.testing.assert_allclose(moved.down.weight, down / c[None, :], rtol=1e-5)
+    np.testing.assert_allclose(equinox_mlp.apply(moved, equinox_mlp.X),
+                               equinox_mlp.apply(model, equinox_mlp.X), rtol=1e-5, atol=1e-6)
+  doubled, _ = saggs.reparameterize(model, None, equinox_mlp.PAIRS, 2.0)
+  np.testing.assert_allclose(doubled.up.weight, 2 * up, rtol=1e-6)
+  assert doubled.dropout == model.dropout and doubled.activation is model.activation
+
+  for pattern in ("dropout/p", "hidden"):
+    with pytest.raises(ValueError, match=re.escape(f"pattern {pattern!r} matches no parameter path")):
+      saggs.describe([saggs.Pair(pattern, "down/weight")], model)

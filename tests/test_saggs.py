@@ -5,9 +5,11 @@ MLP, pushed off balance first by a random exact reparameterisation so that
 the balancing has real work to do. Real model layouts are in test_models.py.
 """
 
+import re
 import warnings
 
 import chex
+import equinox as eqx
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -16,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 
+import equinox_mlp
 import models
 import saggs_jax as saggs
 from saggs_jax import equivariant
@@ -414,6 +417,46 @@ def test_equivalent_states_follow_one_trajectory(name):
   assert rel(*ends) > 1e-3
 
 
+def test_chain_trains_an_equinox_module_as_it_trains_a_dict():
+  """The Equinox idiom: the optimizer sees ``eqx.filter(model, eqx.is_inexact_array)`` and
+  ``eqx.filter_grad``'s gradients (None for the function, flags and ints), the step runs
+  under ``eqx.filter_jit``. The trajectory is that of the same arrays held in a dict."""
+  def tx(pairs):
+    return saggs.chain(optax.adam(1e-2), saggs.soft(pairs, strength=0.5, every=2))
+
+  def as_dict(m):
+    return {"up": m.up.weight, "down": m.down.weight, "bias": m.down.bias}
+
+  def dict_loss(p):
+    h = jax.nn.relu(equinox_mlp.X @ p["up"].T)
+    return jnp.mean((h @ p["down"].T + p["bias"] - 1.0) ** 2)
+
+  module_tx, dict_tx = tx(equinox_mlp.PAIRS), tx([saggs.Pair("up", "down", axes=(0, 1))])
+
+  @eqx.filter_jit
+  def module_step(model, state):
+    grads = eqx.filter_grad(lambda m: dict_loss(as_dict(m)))(model)
+    updates, state = module_tx.update(grads, state, eqx.filter(model, eqx.is_inexact_array))
+    return eqx.apply_updates(model, updates), state
+
+  @jax.jit
+  def dict_step(p, state):
+    updates, state = dict_tx.update(jax.grad(dict_loss)(p), state, p)
+    return optax.apply_updates(p, updates), state
+
+  model = equinox_mlp.imbalanced()
+  p = as_dict(model)
+  module_state = module_tx.init(eqx.filter(model, eqx.is_inexact_array))
+  dict_state = dict_tx.init(p)
+  for _ in range(3):  # balances on updates 1 and 3
+    model, module_state = module_step(model, module_state)
+    p, dict_state = dict_step(p, dict_state)
+  chex.assert_trees_all_close(as_dict(model), p, rtol=1e-6)
+  np.testing.assert_allclose(module_state[1].factors["up/weight|down/weight"],
+                             dict_state[1].factors["up|down"], rtol=1e-6)
+  assert model.activation is jax.nn.relu and model.dropout.inference and model.hidden == 4
+
+
 def test_jit_equals_eager_and_traces_once():
   tx = saggs.chain(optax.adam(1e-2), saggs.soft(SMALL_PAIRS, strength=0.5, every=2))
   traces = []
@@ -623,6 +666,37 @@ def test_a_non_finite_entry_changes_only_its_own_group():
 def test_bad_arguments_are_clear_errors(kwargs, match):
   with pytest.raises(ValueError, match=match):
     saggs.scale_by_saggs(SMALL_PAIRS, **kwargs)
+
+
+@pytest.mark.parametrize("make", [saggs.saggs, saggs.soft, saggs.scale_by_saggs])
+def test_bad_pairs_and_axis_names_fail_at_construction(make):
+  """Not at init, and not read as the characters of a string."""
+  with pytest.raises(TypeError, match=r"Expected a saggs_jax.Pair or a sequence of them, got str: 'q'"):
+    make("q")
+  with pytest.raises(TypeError, match=r"Expected saggs_jax.Pair, got str: 'q'"):
+    make([SMALL_PAIRS[0], "q"])
+  for bad in (3, ("data", 3)):
+    with pytest.raises(ValueError, match=re.escape(
+        f"axis_name must be None, a mesh axis name or a tuple of them, got {bad!r}")):
+      make(SMALL_PAIRS, axis_name=bad)
+  make(SMALL_PAIRS, axis_name=("data", "fsdp"))
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_no_pairs_is_a_no_op_stage(every):
+  """An empty declaration (a discover result that found nothing) changes nothing: the
+  chain's updates and inner state are the inner optimizer's, bit for bit, under jit."""
+  params = small_params(0)
+  grads = random_like(params, 1)
+  tx = saggs.chain(optax.adam(1e-2), saggs.saggs([], every=every))
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  inner = optax.adam(1e-2)
+  expected, inner_state = jax.jit(inner.update)(grads, inner.init(params), params)
+  chex.assert_trees_all_equal((updates, state[0]), (expected, inner_state))
+  assert state[1].factors == {} and int(state[1].count) == 1
+  assert saggs.imbalance(params, []) == {}
+  same, _ = saggs.canonicalize(params, None, [])
+  chex.assert_trees_all_equal(same, params)
 
 
 def test_a_symmetry_stage_must_follow_its_optimizer():
