@@ -34,12 +34,12 @@ def _factors(plan: Plan, factor: FactorSpec) -> Factors:
     given = factor(inst.a, inst.factor_shape) if callable(factor) else factor
     where = f"The factors of {inst.pair.label} on {inst.key!r}"
     try:
-      if isinstance(given, (str, bytes)):
-        raise TypeError
       f = jnp.broadcast_to(jnp.asarray(given, jnp.float32), inst.factor_shape)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError):
+      f = None
+    if f is None or isinstance(given, (str, bytes)):  # NumPy would parse "2"
       raise ValueError(f"{where} must be numbers broadcastable to shape {inst.factor_shape}"
-                       f" (stacked_shape + (groups,)), got {given!r}.") from e
+                       f" (stacked_shape + (groups,)), got {given!r}.")
     ok = jnp.isfinite(f) & (f > 0)
     if _is_concrete(ok):
       if not np.all(ok):

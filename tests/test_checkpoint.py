@@ -228,6 +228,7 @@ def _qk():
   return {"q": jnp.ones((2, 3)), "k": jnp.ones((2, 3))}
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e39
 @pytest.mark.parametrize("factor, got", [
     (float("inf"), "got inf."), (0.0, "got 0.0."), (-2.0, "got -2.0."), (1e39, "got inf."),
     (lambda path, shape: np.array([1.0, np.nan, -1.0]), "got -1.0, nan."),

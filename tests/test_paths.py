@@ -1,5 +1,6 @@
 """The path pattern language: segments, wildcards, implicit prefix, Flax containers."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -169,3 +170,15 @@ _LAYERS = [f"layers/{i}/attn/{m}_proj/kernel" for i in range(3) for m in "qkv"] 
 ])
 def test_nearest(pattern, candidates, n, expected):
   assert paths.nearest(pattern, candidates, n) == expected
+
+
+def test_arrays_are_jax_numpy_or_abstract_and_everything_else_is_static():
+  """As eqx.filter(tree, eqx.is_array) keeps them: JAX arrays (tracers under jit included),
+  NumPy arrays and scalars, and ShapeDtypeStructs; functions and Python numbers are static."""
+  arrays = [jnp.ones(2), np.ones(2), np.float32(1), jax.ShapeDtypeStruct((2,), jnp.float32),
+            jax.random.key(0)]
+  static = [jax.nn.relu, 1.0, 3, True, "text"]
+  assert all(map(paths.is_array, arrays)) and not any(map(paths.is_array, static))
+  assert jax.jit(lambda x: jnp.asarray(paths.is_array(x)))(jnp.ones(2))
+  tree = {"w": jnp.ones(2), "act": jax.nn.relu, "drop": {"p": 0.1, "inference": True}, "n": 3}
+  assert [p for p, _ in paths.arrays_with_paths(tree)] == ["w"]

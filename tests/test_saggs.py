@@ -682,13 +682,13 @@ def test_bad_pairs_and_axis_names_fail_at_construction(make):
   make(SMALL_PAIRS, axis_name=("data", "fsdp"))
 
 
-@pytest.mark.parametrize("every", [1, 3])
-def test_no_pairs_is_a_no_op_stage(every):
+@pytest.mark.parametrize("every, pairs", [(1, []), (3, saggs.Discovery())])
+def test_no_pairs_is_a_no_op_stage(every, pairs):
   """An empty declaration (a discover result that found nothing) changes nothing: the
   chain's updates and inner state are the inner optimizer's, bit for bit, under jit."""
   params = small_params(0)
   grads = random_like(params, 1)
-  tx = saggs.chain(optax.adam(1e-2), saggs.saggs([], every=every))
+  tx = saggs.chain(optax.adam(1e-2), saggs.saggs(pairs, every=every))
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
   inner = optax.adam(1e-2)
   expected, inner_state = jax.jit(inner.update)(grads, inner.init(params), params)
