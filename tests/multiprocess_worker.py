@@ -13,7 +13,14 @@ processes and trains it with ``saggs.chain(optax.adamw(...), saggs.saggs(pairs))
   state, trains ``AFTER`` more steps and writes the final params to
   ``DIR/<variant>.npz``;
 * ``reference``: the same trajectory in one process, canonicalizing in memory
-  instead of checkpointing: ``DIR/reference.npz``.
+  instead of checkpointing: ``DIR/reference.npz``;
+* ``every``: ``saggs.saggs(pairs, every=2)`` in a jitted full step (``jax.grad``
+  of the loss, ``tx.update``, ``optax.apply_updates``) under ``jax.set_mesh``,
+  on an Auto and an Explicit mesh, from an eager ``tx.init``: the skipped
+  updates run the gradient's collectives next to a ``lax.cond`` branch that
+  communicates nothing. Writes the final params and which updates balanced to
+  ``DIR/every-<Auto|Explicit>.npz``; process 0 then writes those of the same
+  run on one of its devices, without a mesh, to ``DIR/every-oracle.npz``.
 
 With NUM_PROCESSES > 1 the process first joins a ``jax.distributed`` job on
 ``localhost:PORT`` with gloo CPU collectives. It exits with a traceback of
@@ -32,6 +39,7 @@ import time
 
 BEFORE, AFTER = 5, 4
 LEARNING_RATE, WEIGHT_DECAY, EVERY = 3e-2, 0.1, 3
+SKIPPING_STEPS, SKIPPING_EVERY = 4, 2  # role "every": updates 1 and 3 balance, 2 and 4 skip
 
 
 _START = time.monotonic()
@@ -72,17 +80,19 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
   # Tiny programs run a few times: spend little compile time on them.
   jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
-  def sharding(shape):
+  def sharding(shape, mesh=mesh):
     """FSDP: the first axis split over all devices where it divides evenly, else replicated."""
     return NamedSharding(mesh, P("fsdp") if shape and shape[0] % mesh.size == 0 else P())
 
-  def global_array(x):
+  def global_array(x, mesh=mesh):
     """A global array of the host value ``x``, which every process holds in full."""
     x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, sharding(x.shape), lambda index: x[index])
+    return jax.make_array_from_callback(x.shape, sharding(x.shape, mesh), lambda index: x[index])
 
   def host(tree):
-    """The full values of a tree of global arrays, as NumPy, on every process."""
+    """The full values of a tree of arrays, as NumPy, on every process (local arrays are)."""
+    if all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
+      return jax.tree.map(np.asarray, tree)
     return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
 
   def step(params, state, batch):
@@ -104,10 +114,32 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
     log(f"trained steps {first + 1}..{first + count}")
     return params, state
 
-  def save_npz(name, params):
+  def save_npz(name, params, **extra):
     flat = {p: np.asarray(x) for p, x in saggs.paths.leaves_with_paths(host(params))}
     if jax.process_index() == 0:
-      np.savez(directory / f"{name}.npz", **flat)
+      np.savez(directory / f"{name}.npz", **flat, **extra)
+
+  def skipping_run(loss, params, batch_of):
+    """SKIPPING_STEPS jitted full steps of ``every=SKIPPING_EVERY`` SAGGS from an eager
+    init: the final params and, per update, whether it balanced (some factor is not 1)."""
+    tx = saggs.chain(optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY),
+                     saggs.saggs(pairs, every=SKIPPING_EVERY))
+
+    traces = []
+
+    @jit
+    def full_step(params, state, batch):
+      traces.append(None)
+      updates, state = tx.update(jax.grad(loss)(params, batch), state, params)
+      return optax.apply_updates(params, updates), state
+
+    state, balanced = tx.init(params), []
+    for i in range(SKIPPING_STEPS):
+      params, state = full_step(params, state, batch_of(batches[i]))
+      factors = jax.tree.leaves(state[-1].factors)  # replicated: each device holds them whole
+      balanced.append(any(np.any(np.asarray(f.addressable_data(0)) != 1) for f in factors))
+    assert len(traces) == 1, f"the step was traced {len(traces)} times"
+    return params, balanced
 
   def rescale(path_a, shape):  # log-uniform factors in [1/8, 8], a pure function of the path
     rng = np.random.default_rng([len(path_a), sum(map(ord, path_a))])
@@ -143,8 +175,26 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
     params, state = train(params, init(params), 0, BEFORE)
     params, state = jit(lambda p, s: saggs.canonicalize(p, s, pairs))(params, state)
     save_npz("reference", train(params, state, BEFORE, AFTER)[0])
+  elif role == "every":
+    for kind in ("Auto", "Explicit"):
+      kind_mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(getattr(jax.sharding.AxisType, kind),))
+      with jax.set_mesh(kind_mesh):
+        if kind == "Auto":  # GSPMD shards the batch and the gradient's collectives
+          loss = models.llama_loss
+        else:  # FSDP spelled out: gather the params, every device runs the whole batch
+          loss = lambda p, b: models.llama_loss(jax.sharding.reshard(p, P()),  # noqa: E731
+                                                jax.sharding.reshard(b, P()))
+        params, balanced = skipping_run(
+            loss, jax.tree.map(lambda x: global_array(x, kind_mesh), models.llama_init(0)),
+            lambda b: global_array(b, kind_mesh))
+        save_npz(f"every-{kind}", params, balanced=np.array(balanced))
+      log(f"{kind}: {SKIPPING_STEPS} full steps, balanced {balanced}")
+    if jax.process_index() == 0:
+      local = functools.partial(jax.device_put, device=jax.local_devices()[0])
+      params, balanced = skipping_run(models.llama_loss, local(models.llama_init(0)), local)
+      save_npz("every-oracle", params, balanced=np.array(balanced))
   else:
-    raise ValueError(f"Unknown role {role!r}: expected train, resume or reference.")
+    raise ValueError(f"Unknown role {role!r}: expected train, resume, reference or every.")
   log("done")
 
 

@@ -5,8 +5,11 @@ collectives), shard a tiny LLaMA FSDP-style over all 8 devices, train it with
 ``saggs.chain(optax.adamw(...), saggs.saggs(pairs))`` and save it with
 ``saggs.checkpoint``, once as it is and once reciprocally rescaled. Two fresh
 processes restore both (canonicalized) and train on. The final parameters must
-match a single process running the same trajectory on 8 devices. What each
-process does is in ``multiprocess_worker.py``.
+match a single process running the same trajectory on 8 devices. A second
+job trains with ``saggs.saggs(pairs, every=2)`` in a jitted full step on an
+Auto and an Explicit mesh: its skipped updates run the gradient's collectives
+beside a ``lax.cond`` branch that communicates nothing, and must match the
+same run on one device. What each process does is in ``multiprocess_worker.py``.
 """
 
 import os
@@ -59,6 +62,21 @@ def wait(job, deadline, directory):
           line for line in log[-40:] if not line.startswith("[Gloo]")))
 
 
+def stop(started):
+  """Kills every process of ``started`` still running: none outlives its test."""
+  for _, process in started:
+    if process.poll() is None:
+      process.kill()
+      process.wait()
+
+
+def assert_same_params(got, want, what):
+  assert sorted(set(got) - {"balanced"}) == sorted(set(want) - {"balanced"})
+  for k in set(want) - {"balanced"}:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5 * np.max(np.abs(want[k])),
+                               err_msg=f"{what}: {k}")
+
+
 def test_multiprocess_training_restores_and_matches_one_process(tmp_path):
   deadline, started = time.monotonic() + TIMEOUT, []
   try:
@@ -67,18 +85,28 @@ def test_multiprocess_training_restores_and_matches_one_process(tmp_path):
     wait(train, deadline, tmp_path)
     wait(start("resume", 2, tmp_path, started), deadline, tmp_path)
     wait(reference, deadline, tmp_path)
-  finally:  # on any failure, no process outlives the test
-    for _, process in started:
-      if process.poll() is None:
-        process.kill()
-        process.wait()
+  finally:
+    stop(started)
 
   want = np.load(tmp_path / "reference.npz")
   initial = dict(models.leaf_dict(models.llama_init(0)))
   assert max(np.max(np.abs(want[k] - initial[k])) for k in want) > 1e-2  # it trained
   for variant in ("plain", "rescaled"):
-    got = np.load(tmp_path / f"{variant}.npz")
-    assert sorted(got) == sorted(want)
-    for k in want:
-      np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5 * np.max(np.abs(want[k])),
-                                 err_msg=f"{variant}: {k}")
+    assert_same_params(np.load(tmp_path / f"{variant}.npz"), want, variant)
+
+
+def test_multiprocess_skipped_updates_in_a_full_step_match_one_device(tmp_path):
+  started = []
+  try:
+    wait(start("every", 2, tmp_path, started), time.monotonic() + TIMEOUT, tmp_path)
+  finally:
+    stop(started)
+
+  want = np.load(tmp_path / "every-oracle.npz")
+  initial = dict(models.leaf_dict(models.llama_init(0)))
+  assert max(np.max(np.abs(want[k] - initial[k])) for k in initial) > 1e-2  # it trained
+  for kind in ("Auto", "Explicit"):
+    got = np.load(tmp_path / f"every-{kind}.npz")
+    # Updates 1 and 3 balanced (some factor differs from 1), 2 and 4 were skipped.
+    assert got["balanced"].tolist() == want["balanced"].tolist() == [True, False, True, False]
+    assert_same_params(got, want, kind)
