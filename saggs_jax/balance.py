@@ -224,16 +224,17 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
   def flat(values):
     return jnp.concatenate([jnp.ravel(values[p]).astype(jnp.float32) for p in shapes])
 
-  pieces = [(_restrict(leaves[pc.path], pc.block), pc.slots) for pc in plan.pieces.values()]
-  log_sq = flat({k: _fast_log_sq(x, slots, axis_name)
-                 for k, (x, slots) in zip(shapes, pieces)})
+  pieces = plan.pieces.values()
+  log_sq = flat({k: _fast_log_sq(_restrict(leaves[pc.path], pc.block), pc.slots, axis_name)
+                 for k, pc in zip(shapes, pieces)})
   log_max = 0.5 * log_sq  # the norm bounds the largest entry
   lowest = {k: np.log(_SMALLEST_SAFE_SUM) if k[0] in plan.counted else -np.inf for k in shapes}
   trusted = ((log_sq <= flat({p: np.full(s, 2 * limit[p]) for p, s in shapes.items()}))
              & (log_sq >= flat({p: np.full(s, lowest[p]) for p, s in shapes.items()})))  # NaN fails
-  safe = [lambda x, slots=slots: [v.ravel().astype(jnp.float32)
-                                  for v in _safe_stats(x, slots, axis_name)]
-          for _, slots in pieces]
+  # A piece is masked inside its branch: the leaf itself is the operand, never a copy.
+  safe = [lambda x, pc=pc: [v.ravel().astype(jnp.float32)
+                            for v in _safe_stats(_restrict(x, pc.block), pc.slots, axis_name)]
+          for pc in pieces]
 
   if isinstance(trusted, jax.core.Tracer) or not trusted.is_fully_addressable:
     leaf_of = jnp.asarray(np.repeat(np.arange(len(spans)), [b - a for a, b in spans]))
@@ -249,15 +250,15 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
       span = (index >= starts[leaf]) & (index < stops[leaf])
       place = lambda v: jax.lax.dynamic_update_slice(  # noqa: E731
           jnp.zeros(bad.size + width, jnp.float32), v, (starts[leaf],))[:bad.size]
-      sq, top = jax.lax.switch(leaf, branches, [x for x, _ in pieces])
+      sq, top = jax.lax.switch(leaf, branches, [leaves[pc.path] for pc in pieces])
       return bad & ~span, jnp.where(span, place(sq), log_sq), jnp.where(span, place(top), log_max)
 
     _, log_sq, log_max = jax.lax.while_loop(lambda c: jnp.any(c[0]), body,
                                             (~trusted, log_sq, log_max))
   else:
-    for f, (x, _), (a, b) in zip(safe, pieces, spans):
+    for f, pc, (a, b) in zip(safe, pieces, spans):
       if not np.all(np.asarray(trusted[a:b])):
-        sq, top = f(x)
+        sq, top = f(leaves[pc.path])
         log_sq, log_max = log_sq.at[a:b].set(sq), log_max.at[a:b].set(top)
   return {p: (log_sq[a:b].reshape(s), log_max[a:b].reshape(s))
           for (p, s), (a, b) in zip(shapes.items(), spans)}

@@ -183,9 +183,28 @@ def test_hard_saggs_balances_an_8x_imbalance_in_one_update():
   assert any("kernel[q]|" in k for k in state[1].factors)
 
 
+_canonical = jax.jit(lambda p: saggs.canonicalize(p, None, GPT2_PAIRS)[0])
+
+
+def test_blocks_whose_squares_overflow_float32_are_balanced():
+  """q at 1e20 and k at 1e-20: their float32 sums of squares overflow and underflow, so
+  the scale-safe statistics run (on the q and k pieces of the leaf, under jit). Through
+  canonicalize: an optimizer's update ``target - params`` cannot carry a move from 1e20
+  to 1 in float32."""
+  params = gpt2_init(0)
+  for i in range(LAYERS):
+    p = params["transformer"]["h"][str(i)]["attn"]["c_attn"]
+    p["kernel"] = p["kernel"] * jnp.concatenate([jnp.full(D, 1e20), jnp.full(D, 1e-20),
+                                                 jnp.ones(D)])
+  balanced = _canonical(params)
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(balanced))
+  for key, (a, b) in gpt2_norms(balanced).items():
+    np.testing.assert_allclose(a, b, rtol=1e-4, err_msg=key)
+
+
 def test_canonicalize_is_idempotent_orbit_invariant_and_keeps_logits():
   params = imbalanced_gpt2()
-  canon = jax.jit(lambda p: saggs.canonicalize(p, None, GPT2_PAIRS)[0])
+  canon = _canonical
   once = canon(params)
   np.testing.assert_allclose(gpt2_logits(once, IDS), gpt2_logits(params, IDS), atol=5e-5)
   chex.assert_trees_all_close(canon(once), once, rtol=1e-5, atol=1e-6)
