@@ -19,8 +19,10 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import models
 import saggs_jax as saggs
 from saggs_jax.discover import Discovery, Rejected, discover
 from test_discover import orbit_move
@@ -310,6 +312,22 @@ def test_gpt2_fused_qkv_pairs_its_column_blocks(cut):
   assert orbit_deviation(forward, params, [wrong]) > 1e-2
   if cut == "split":  # the library's own check resolves the blocks alike
     assert max(saggs.check_symmetry(forward, params, d, tokens()).values()) < 1e-4
+
+
+def test_saggs_balances_the_fused_blocks_discover_found_without_changing_the_function():
+  """c_attn sits in three pairs at once: its rows against ln_1, its q|k columns in Q/K and its
+  v columns in V/O; one hard SAGGS step balances them jointly."""
+  params = gpt2_init(layers=1)
+  d = discover(gpt2_forward, params, tokens())
+  start = orbit_move(params, d, seed=3)  # far from balanced, same function
+  tx = saggs.chain(optax.sgd(0.0), saggs.saggs(d))
+  step = models.jit(lambda p, s: optax.apply_updates(
+      p, tx.update(jax.tree.map(jnp.zeros_like, p), s, p)[0]))
+  moved = step(start, tx.init(start))
+  models.assert_same_function(jax.jit(gpt2_forward), start, moved, tokens())
+  worst = {name: max(float(jnp.max(jnp.abs(v))) for v in saggs.imbalance(p, d).values())
+           for name, p in (("start", start), ("moved", moved))}
+  assert worst["start"] > 0.5 and worst["moved"] < 1e-4, worst
 
 
 def test_a_bias_a_pair_cannot_follow_is_rejected_with_its_reason():
