@@ -12,6 +12,7 @@ orbit move in NumPy (``test_discover.orbit_move``) on parameters whose every pat
 """
 
 import functools
+import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -370,6 +371,8 @@ def test_gemma_kv_and_gating_leaves_pair_by_their_leading_blocks(cut):
                                                       groups=2)]) > 1e-2
 
 
+@pytest.mark.skipif(importlib.util.find_spec("gemma") is None,
+                    reason="the gemma package is not installed (not a test dependency)")
 def test_the_gemma_package_transformer():
   """``gm.nn.Transformer`` itself, in a subprocess (gemma patches flax process-wide)."""
   script = pathlib.Path(__file__).with_name("gemma_discover_check.py")
