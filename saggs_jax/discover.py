@@ -66,7 +66,7 @@ _POSITIVE_REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 @dataclasses.dataclass
 class _Eqn:
   prim: str
-  ins: list  # value ids, None for literals and constants
+  ins: list  # value ids
   outs: list
   params: dict
 
@@ -77,9 +77,10 @@ class _Program:
   def __init__(self, closed: jcore.ClosedJaxpr, num_leaves: int):
     self.eqns: list[_Eqn] = []
     self.shapes: list[tuple[int, ...]] = []
+    self.zeros: set[int] = set()  # values known to be all zeros (literals, broadcasts of them)
     ids = [self._new(v.aval.shape) for v in closed.jaxpr.invars]
     self.leaf_ids = ids[:num_leaves]
-    self.outputs = set(i for i in self._inline(closed.jaxpr, ids) if i is not None)
+    self.outputs = set(self._inline(closed.jaxpr, ids, closed.consts))
 
   def _new(self, shape) -> int:
     self.shapes.append(tuple(shape))
@@ -88,26 +89,39 @@ class _Program:
   def _emit(self, prim, ins, out_shapes, params) -> list[int]:
     outs = [self._new(s) for s in out_shapes]
     self.eqns.append(_Eqn(prim, ins, outs, params))
+    if prim in _STRUCTURAL and all(i in self.zeros for i in ins):
+      self.zeros.update(outs)
     return outs
 
-  def _inline(self, jaxpr: jcore.Jaxpr, in_ids: list) -> list:
+  def _const(self, var, value=None) -> int:
+    """A literal or a closed-over constant: it depends on nothing."""
+    i = self._new(var.aval.shape)
+    if isinstance(value, (np.ndarray, np.generic, int, float, jax.Array)) and \
+        np.issubdtype(np.result_type(value), np.number) and not np.any(value):
+      self.zeros.add(i)
+    return i
+
+  def _inline(self, jaxpr: jcore.Jaxpr, in_ids: list, consts=()) -> list:
     env = dict(zip(jaxpr.invars, in_ids))
-    for v in jaxpr.constvars:  # constants do not depend on the parameters
-      env[v] = None
+    for k, v in enumerate(jaxpr.constvars):
+      env[v] = self._const(v, consts[k] if k < len(consts) else None)
 
     def read(x):
-      return None if isinstance(x, jcore.Literal) else env[x]
+      return self._const(x, x.val) if isinstance(x, jcore.Literal) else env[x]
 
     for eqn in jaxpr.eqns:
       ins = [read(x) for x in eqn.invars]
       name = eqn.primitive.name
       sub = next((eqn.params[k] for k in _SUB_JAXPR_PARAMS if k in eqn.params), None)
+      consts = ()
       if isinstance(sub, jcore.ClosedJaxpr):
-        sub = sub.jaxpr
+        sub, consts = sub.jaxpr, sub.consts
       if name == "scan":
         outs = self._scan(eqn, ins)
+      elif name == "cond":
+        outs = self._cond(eqn, ins)
       elif isinstance(sub, jcore.Jaxpr) and len(sub.invars) == len(ins):
-        outs = self._inline(sub, ins)
+        outs = self._inline(sub, ins, consts)
       else:
         outs = self._emit(name, ins, [v.aval.shape for v in eqn.outvars], eqn.params)
       env.update(zip(eqn.outvars, outs))
@@ -115,13 +129,19 @@ class _Program:
 
   def _scan(self, eqn, ins) -> list:
     """One iteration: per-step slices of ``xs`` in, stacked ``ys`` out."""
-    body, nc, ncarry = eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"], eqn.params["num_carry"]
+    body, nc, ncarry = eqn.params["jaxpr"], eqn.params["num_consts"], eqn.params["num_carry"]
     xs = [None if i is None else self._emit("scan_slice", [i], [self.shapes[i][1:]], {})[0]
           for i in ins[nc + ncarry:]]
-    outs = self._inline(body, ins[:nc + ncarry] + xs)
+    outs = self._inline(body.jaxpr, ins[:nc + ncarry] + xs, body.consts)
     ys = [None if o is None else self._emit("scan_stack", [o], [v.aval.shape], {})[0]
           for o, v in zip(outs[ncarry:], eqn.outvars[ncarry:])]
     return outs[:ncarry] + ys
+
+  def _cond(self, eqn, ins) -> list:
+    """Every branch inlined on the operands, their outputs chosen by ``select_n`` on the index."""
+    outs = [self._inline(b.jaxpr, ins[1:], b.consts) for b in eqn.params["branches"]]
+    return [self._emit("select_n", [ins[0], *cases], [v.aval.shape], {})[0]
+            for cases, v in zip(zip(*outs), eqn.outvars)]
 
 
 def _reshape_map(old, new) -> tuple[list[list[int]], list[list[int]]]:
@@ -249,6 +269,10 @@ class _Taint:
   reasons: frozenset
 
 
+class _Sign:
+  """A comparison of the factor's value with zero: unchanged by a positive factor."""
+
+
 def _tag(amap: dict, reasons=frozenset(), positive=False) -> _Tag | None:
   axes = tuple(sorted((a, s) for a, s in amap.items() if s))
   return _Tag(axes, frozenset(reasons), positive) if axes else None
@@ -277,6 +301,7 @@ class _Trace:
   meets: list = dataclasses.field(default_factory=list)
   followers: list = dataclasses.field(default_factory=list)  # (leaf, {source axis: leaf axes})
   breaks: set = dataclasses.field(default_factory=set)
+  lost: list = dataclasses.field(default_factory=list)  # (leaf, reasons): lost before a linear
   splits: set = dataclasses.field(default_factory=set)
   through: set = dataclasses.field(default_factory=set)  # what the factor went through
 
@@ -313,24 +338,36 @@ class _Follower:
     reasons = frozenset().union(*(s.reasons for s in tags + taints))
     p = eqn.prim
     if not tags:
+      if p == "dot_general" and taints:  # a linear reads what the factor became: say why
+        self.trace.lost += [(self.views[i].leaf, reasons) for i in eqn.ins if i in self.views]
+      state = _Taint(reasons) if taints else _Sign()
       for o in eqn.outs:
-        self._set(o, _Taint(reasons))
+        self._set(o, state)
       return
+    zero = [i in self.prog.zeros for i in eqn.ins]
     if p in _STRUCTURAL:
       self._structural(eqn, st, reasons)
     elif p in _ADD or p == "mul" or p == "div":
       self._binary(eqn, st, reasons)
-    elif p in ("max", "min") and st[1 - st.index(tags[0])] is None:
+    elif p in ("max", "min", "ge", "gt", "le", "lt") and len(tags) == 1 and \
+        zero[1 - st.index(tags[0])]:  # ReLU, and the sign test of a leaky ReLU
       self.trace.through.add("relu")
-      self._set(eqn.outs[0], dataclasses.replace(tags[0], positive=True))
+      self._set(eqn.outs[0], dataclasses.replace(tags[0], positive=True) if p in ("max", "min")
+                else _Sign())
     elif p in ("abs",):
       self._set(eqn.outs[0], dataclasses.replace(tags[0], positive=True))
     elif p in _REDUCE:
       self._reduce(eqn, tags[0], reasons)
     elif p == "dot_general":
       self._dot(e, eqn, st, reasons)
-    elif p == "select_n" and st[0] is None and all(isinstance(s, _Tag) for s in st[1:]):
-      self._set(eqn.outs[0], tags[0])
+    elif p == "select_n":  # jnp.where, a cond: every case must scale alike (or be zero)
+      if isinstance(st[0], (_Tag, _Taint)):
+        reasons |= {"a choice that depends on it"}
+      if any(not z and (not isinstance(s, _Tag) or s.axes != tags[0].axes)
+             for s, z in zip(st[1:], zero[1:])):
+        reasons |= {"a choice between values that do not scale alike"}
+      self._set(eqn.outs[0], _Tag(tags[0].axes, reasons, any(
+          s.positive for s in tags) or isinstance(st[0], _Sign)))
     elif len(eqn.ins) == 1 and len(eqn.outs) == 1 and self.prog.shapes[eqn.outs[0]] == \
         self.prog.shapes[eqn.ins[0]]:  # elementwise nonlinearity
       self._set(eqn.outs[0], _Tag(tags[0].axes, reasons | {p}, tags[0].positive))
@@ -371,6 +408,11 @@ class _Follower:
       positive = tag.positive or other.positive
     elif isinstance(other, _Taint):  # its reasons (a normalization, say) are in ``reasons``
       pass
+    elif isinstance(other, _Sign):  # x * (x > 0): ReLU written as a mask
+      reasons |= {"a sum with its own sign test"} if p in _ADD else frozenset()
+      positive = True
+    elif p in _ADD and i in self.prog.zeros:
+      pass
     elif p in _ADD and not self._follower(i, tag):
       if i is None or not self.dep[i]:
         reasons |= {"an added constant"}
@@ -388,9 +430,9 @@ class _Follower:
     view = self.views.get(i)
     if view is None:
       return False
-    amap = {}
-    for a, src in tag.amap.items():
-      if a >= len(view.axes) or not view.axes[a]:
+    amap, leaf = {}, self.prog.shapes[self.prog.leaf_ids[view.leaf]]
+    for a, src in tag.amap.items():  # a bias follows along its own axis, not broadcast over it
+      if a >= len(view.axes) or not view.axes[a] or math.prod(leaf[x] for x in view.axes[a]) != self.prog.shapes[i][a]:
         return False
       for s in src:
         amap[s] = view.axes[a]
@@ -598,6 +640,9 @@ class _Analysis:
         meets[trace.meets[0].eqn].append(source)
       elif trace.reaches and not trace.meets:
         self._chain(*source)
+      elif trace.lost and not trace.meets:  # what reaches a linear no longer carries the factor
+        self._reject([leaf], sorted({t for t, _ in trace.lost}), _explain(
+            frozenset().union(*(r for _, r in trace.lost)), "between them"))
     for found in meets.values():
       self._meeting(found)
 
@@ -642,7 +687,8 @@ class _Analysis:
       stack = frozenset().union(*(r.amap.get(s, frozenset()) for s in range(stacked)))
       if axis not in r.amap or r.consumed + len(stack) != stacked:
         return
-      b_side.append((r.leaf, min(r.amap[axis])))
+      if (r.leaf, min(r.amap[axis])) not in b_side:  # a weight read twice is scaled once
+        b_side.append((r.leaf, min(r.amap[axis])))
     name = "norm gain" if gain else next(
         (_NAMES[k] for k in ("attention", "gate", "relu") if k in trace.through), "linear chain")
     self.candidates.append(_Candidate(name, [(leaf, axis)], b_side,
@@ -659,7 +705,10 @@ class _Analysis:
     for a, b in exact + [(a, b) for a, b in combos if not {id(a), id(b)} & paired]:
       (la, ea, (xa, *_), sa, ta, _), (lb, eb, (xb, *_), sb, tb, _) = a, b
       ma, mb = ta.meets[0], tb.meets[0]
-      if NORM in ma.reasons and NORM in mb.reasons:
+      if la == lb:
+        self._reject([la], [lb], "both sides read the same weight, which cannot carry a factor"
+                     " and its inverse at once")
+      elif NORM in ma.reasons and NORM in mb.reasons:
         self._reject([la], [lb], (
             "moot: each side is scale-invariant on its own (a normalization follows each,"
             " QK-norm), so the pair is exact but balancing it changes nothing that matters"))
@@ -813,20 +862,32 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
              name='ReLU MLP up/down (positive factors)'),
     ], rejected=[])
   """
-  names, leaves = zip(*paths.leaves_with_paths(params)) if jax.tree.leaves(params) else ((), ())
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
-  closed = jax.make_jaxpr(lambda p, a, k: apply_fn(p, *a, **k))(
-      abstract, example_args, example_kwargs)
-  shapes = [tuple(np.shape(x)) for x in leaves]
-  floating = [jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in leaves]
-  analysis = _Analysis(closed, list(names), shapes, floating)
+  if rtol is not None and not rtol >= 0:  # NaN too
+    raise ValueError(f"rtol must be a non-negative number, got {rtol!r}.")
+  # Only inexact arrays are parameters; the rest (flags, activation functions, integer
+  # buffers of an Equinox module) stays static, as under eqx.filter.
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  traced = [isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact)
+            for _, x in flat]
+  names = [paths.path_str(k) for (k, _), t in zip(flat, traced) if t]
+  leaves = [x for (_, x), t in zip(flat, traced) if t]
+
+  def fn(arrays, *args, **kwargs):
+    arrays = iter(arrays)
+    return apply_fn(treedef.unflatten([next(arrays) if t else x for (_, x), t in zip(flat, traced)]),
+                    *args, **kwargs)
+
+  abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+  closed = jax.make_jaxpr(lambda p, a, k: fn(p, *a, **k))(abstract, example_args, example_kwargs)
+  shapes = [tuple(x.shape) for x in leaves]
+  floating = [jnp.issubdtype(x.dtype, jnp.floating) for x in leaves]
+  analysis = _Analysis(closed, names, shapes, floating)
 
   groups_of = collections.defaultdict(list)
   for inst in sorted(analysis.candidates, key=lambda i: i.a[0][0]):  # in the order of the tree
     groups_of[_key(names, inst)].append(inst)
   pairs, rejected = [], []
-  checker = _Checker(apply_fn, params, example_args, example_kwargs, rtol, seed) if groups_of \
-      else None
+  checker = _Checker(fn, leaves, example_args, example_kwargs, rtol, seed) if groups_of else None
   for inst_list in groups_of.values():
     sizes = [shapes[leaf][axis] for leaf, axis in inst_list[0].a + inst_list[0].b]
     options = _group_options(sizes, set().union(*(i.splits for i in inst_list)))
