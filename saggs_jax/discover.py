@@ -79,7 +79,7 @@ class _Program:
     self.shapes: list[tuple[int, ...]] = []
     self.zeros: set[int] = set()  # values known to be all zeros (literals, broadcasts of them)
     ids = [self._new(v.aval.shape) for v in closed.jaxpr.invars]
-    self.leaf_ids = ids[:num_leaves]
+    self.leaf_ids, self.input_ids = ids[:num_leaves], ids[num_leaves:]
     self.outputs = set(self._inline(closed.jaxpr, ids, closed.consts))
 
   def _new(self, shape) -> int:
@@ -302,6 +302,7 @@ class _Trace:
   followers: list = dataclasses.field(default_factory=list)  # (leaf, {source axis: leaf axes})
   breaks: set = dataclasses.field(default_factory=set)
   lost: list = dataclasses.field(default_factory=list)  # (leaf, reasons): lost before a linear
+  gates: set = dataclasses.field(default_factory=set)  # the GLU products it went through
   splits: set = dataclasses.field(default_factory=set)
   through: set = dataclasses.field(default_factory=set)  # what the factor went through
 
@@ -413,9 +414,11 @@ class _Follower:
       positive = True
     elif p in _ADD and i in self.prog.zeros:
       pass
-    elif p in _ADD and not self._follower(i, tag):
+    elif p in _ADD and not self._follower(i, tag, self.prog.shapes[eqn.outs[0]]):
       if i is None or not self.dep[i]:
         reasons |= {"an added constant"}
+      elif i in self.views:  # a bias broadcast over the channels (or along another axis)
+        reasons |= {"an added parameter that does not follow it channel by channel"}
       elif not reasons:  # an exact factor is lost here; an inexact one is reported as such
         self.trace.breaks.add("it is added to a value that does not scale with it"
                               " (the residual stream, say)")
@@ -424,15 +427,17 @@ class _Follower:
       reasons |= {"a division by it"}
     elif i is not None and self.dep[i] and i not in self.views:
       self.trace.through.add("gate")  # a product with another activation: a GLU
+      self.trace.gates.add(eqn.outs[0])
     self._set(eqn.outs[0], _Tag(tag.axes, reasons, positive))
 
-  def _follower(self, i, tag) -> bool:
+  def _follower(self, i, tag, shape) -> bool:
     view = self.views.get(i)
     if view is None:
       return False
     amap, leaf = {}, self.prog.shapes[self.prog.leaf_ids[view.leaf]]
     for a, src in tag.amap.items():  # a bias follows along its own axis, not broadcast over it
-      if a >= len(view.axes) or not view.axes[a] or math.prod(leaf[x] for x in view.axes[a]) != self.prog.shapes[i][a]:
+      if a >= len(view.axes) or not view.axes[a] or \
+          math.prod(leaf[x] for x in view.axes[a]) != shape[a]:
         return False
       for s in src:
         amap[s] = view.axes[a]
@@ -536,6 +541,34 @@ def _sources(prog, uses):
         yield leaf, use.eqn, eqn.outs[0], tag, stacked, tuple(sorted(channel))
 
 
+def _embeddings(prog, views) -> set[int]:
+  """Leaves read by a gather whose indices come from the model's inputs (token embeddings)."""
+  inputs = set(prog.input_ids)
+  found = set()
+  for eqn in prog.eqns:
+    if any(i in inputs for i in eqn.ins):
+      inputs.update(eqn.outs)
+      if eqn.prim == "gather" and eqn.ins[0] in views and eqn.ins[1] in inputs:
+        found.add(views[eqn.ins[0]].leaf)
+  return found
+
+
+def _heads(prog, views, dep) -> set[int]:
+  """Leaves of the linear maps that produce an output, through reshapes and bias additions."""
+  producer = {o: eqn for eqn in prog.eqns for o in eqn.outs}
+  todo, found, seen = list(prog.outputs), set(), set()
+  while todo:
+    eqn = producer.get(todo.pop())
+    if eqn is None or id(eqn) in seen:
+      continue
+    seen.add(id(eqn))
+    if eqn.prim == "dot_general":
+      found.update(views[i].leaf for i in eqn.ins if i in views)
+    elif eqn.prim in _STRUCTURAL or eqn.prim in _ADD:
+      todo += [i for i in eqn.ins if dep[i] and i not in views]
+  return found
+
+
 def _explain(reasons: frozenset, where: str) -> str:
   """Why a factor is not cancelled exactly: the nonlinear primitives if any, else the reasons."""
   prims = sorted(r for r in reasons if " " not in r)
@@ -567,11 +600,14 @@ class Discovery(collections.abc.Sequence):
 
   Pass it wherever pairs go (``saggs.saggs(discovery)``, ``saggs.describe``,
   ``saggs.check_symmetry``). ``repr`` is Python that rebuilds it;
-  :meth:`report` is a readable summary.
+  :meth:`report` is a readable summary. ``roles`` maps the roles of
+  :func:`saggs_jax.equivariant.symmetry_compatible` to path patterns
+  (``patterns=discovery.roles`` routes a model of any naming).
   """
 
-  def __init__(self, pairs: Sequence[Pair] = (), rejected: Sequence[Rejected] = ()):
-    self.pairs, self.rejected = tuple(pairs), tuple(rejected)
+  def __init__(self, pairs: Sequence[Pair] = (), rejected: Sequence[Rejected] = (),
+               roles: dict[str, tuple[str, ...]] | None = None):
+    self.pairs, self.rejected, self.roles = tuple(pairs), tuple(rejected), dict(roles or {})
 
   def __getitem__(self, i):
     return self.pairs[i]
@@ -581,12 +617,13 @@ class Discovery(collections.abc.Sequence):
 
   def __eq__(self, other):
     return (isinstance(other, Discovery) and self.pairs == other.pairs
-            and self.rejected == other.rejected)
+            and self.rejected == other.rejected and self.roles == other.roles)
 
   def __repr__(self):
     def block(items):
       return "".join(f"\n    {x!r}," for x in items) + ("\n" if items else "")
-    return f"Discovery(pairs=[{block(self.pairs)}], rejected=[{block(self.rejected)}])"
+    roles = f", roles={self.roles!r}" if self.roles else ""
+    return f"Discovery(pairs=[{block(self.pairs)}], rejected=[{block(self.rejected)}]{roles})"
 
   def report(self) -> str:
     """Found and rejected symmetries, one line each."""
@@ -630,11 +667,17 @@ class _Analysis:
         consumers[i].append(e)
     follower = _Follower(prog, views, dep, consumers)
     self.candidates, self.rejected = [], []
+    self.gated = collections.defaultdict(set)  # a GLU product -> the leaves whose factor it takes
+    self.gates_of = collections.defaultdict(set)  # leaf -> the GLU products its factor takes
+    self.embeddings, self.heads = _embeddings(prog, views), _heads(prog, views, dep)
     meets = collections.defaultdict(list)
     for leaf, e, out, tag, stacked, channel in _sources(prog, self.uses):
       if not floating[leaf]:
         continue
       trace = follower.run(e, out, tag)
+      self.gates_of[leaf] |= trace.gates
+      for g in trace.gates:
+        self.gated[g].add(leaf)
       source = (leaf, e, channel, stacked, trace, prog.eqns[e].prim == "mul")
       if len(trace.meets) == 1 and not trace.reaches and not trace.breaks:
         meets[trace.meets[0].eqn].append(source)
@@ -649,6 +692,14 @@ class _Analysis:
   def _followers(self, leaf, axis, trace):
     return [(f, axis - (len(self.shapes[leaf]) - len(self.shapes[f])))
             for f, _, _ in trace.followers]
+
+  def _undeclarable(self, leaf, axis, trace) -> str | None:
+    """Why a follower cannot be declared: a Pair's follower shares its kernel's trailing axes."""
+    for (f, amap, _), (_, declared) in zip(trace.followers, self._followers(leaf, axis, trace)):
+      if declared not in amap.get(axis, ()):
+        return (f"its bias {self.names[f]!r} follows axis {axis} of {self.names[leaf]!r}, which"
+                " is not a trailing axis; a Pair's follower shares its kernel's trailing axes")
+    return None
 
   def _tied(self, leaves_eqns) -> str | None:
     for leaf, eqns in leaves_eqns:
@@ -689,6 +740,8 @@ class _Analysis:
         return
       if (r.leaf, min(r.amap[axis])) not in b_side:  # a weight read twice is scaled once
         b_side.append((r.leaf, min(r.amap[axis])))
+    if why := self._undeclarable(leaf, axis, trace):
+      return self._reject([leaf], targets, why)
     name = "norm gain" if gain else next(
         (_NAMES[k] for k in ("attention", "gate", "relu") if k in trace.through), "linear chain")
     self.candidates.append(_Candidate(name, [(leaf, axis)], b_side,
@@ -717,8 +770,9 @@ class _Analysis:
       else:
         tied = self._tied([(la, {ea}), (lb, {eb})] + [(f, {self.uses[f][0].eqn}) for f, _, _ in
                                                        ta.followers + tb.followers])
-        if tied:
-          self._reject([la], [lb], tied)
+        why = tied or self._undeclarable(la, xa, ta) or self._undeclarable(lb, xb, tb)
+        if why:
+          self._reject([la], [lb], why)
           continue
         self.candidates.append(_Candidate(
             "attention Q/K", [(la, xa)], [(lb, xb)], self._followers(la, xa, ta),
@@ -823,6 +877,49 @@ def _key(names, inst: _Candidate):
           tuple(axis - inst.stacked for _, axis in inst.a + inst.b), inst.stacked)
 
 
+def _cover(names: list[str], wanted: set[str]) -> tuple[str, ...]:
+  """Path patterns that match exactly ``wanted`` among ``names``: each its shortest suffix that
+  matches nothing else (``wq`` for every layer's ``.../attention/wq``)."""
+  out = []
+  for name in (n for n in names if n in wanted):
+    segs = name.split("/")
+    pattern = next(p for p in ("/".join(segs[-k:]) for k in range(1, len(segs) + 1))
+                   if all(m in wanted for m in names if paths.match(p, m) is not None))
+    if pattern not in out:
+      out.append(pattern)
+  return tuple(out)
+
+
+# The roles of equivariant.symmetry_compatible each found pair assigns to its sides.
+_ROLES = {"attention Q/K": ("query", "key_value"), "attention V/O": ("key_value", "output"),
+          "gated MLP up/down": ("gate_up", "down"), "ReLU MLP up/down": ("gate_up", "down")}
+
+
+def _roles(analysis, names, shapes, confirmed) -> dict[str, tuple[str, ...]]:
+  """Role -> path patterns, as ``equivariant.symmetry_compatible(patterns=...)`` takes them:
+  attention and MLP matrices from the pairs found (a GLU's gate from the jaxpr, stacked MLP
+  copies that no scan made as experts), the embedding and the LM head from the jaxpr."""
+  leaves = collections.defaultdict(set)
+  for insts, _ in confirmed:
+    for inst in insts:
+      if inst.name not in _ROLES:
+        continue
+      a, b = ([leaf for leaf, _ in side if len(shapes[leaf]) - inst.stacked >= 2]
+              for side in (inst.a, inst.b))
+      a += [g for leaf in a for glu in analysis.gates_of[leaf] for g in analysis.gated[glu]
+            if g != leaf and len(shapes[g]) - inst.stacked >= 2]
+      scanned = min(u.view.consumed for leaf in a for u in analysis.uses[leaf]) if a else 0
+      roles = ("experts", "experts") if inst.stacked > scanned else _ROLES[inst.name]
+      for role, side in zip(roles, (a, b)):
+        leaves[role].update(side)
+  taken = set().union(*leaves.values())
+  leaves["embedding"] = {x for x in analysis.embeddings if len(shapes[x]) == 2} - taken
+  leaves["lm_head"] = {x for x in analysis.heads if len(shapes[x]) == 2} - taken - \
+      leaves["embedding"]
+  order = ("embedding", "lm_head", "query", "key_value", "output", "gate_up", "down", "experts")
+  return {r: _cover(names, {names[x] for x in leaves[r]}) for r in order if leaves[r]}
+
+
 def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: float | None = None,
              seed: int = 0, **example_kwargs) -> Discovery:
   """Finds the exact rescaling symmetries of ``apply_fn`` in ``params``.
@@ -886,12 +983,13 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
   groups_of = collections.defaultdict(list)
   for inst in sorted(analysis.candidates, key=lambda i: i.a[0][0]):  # in the order of the tree
     groups_of[_key(names, inst)].append(inst)
-  pairs, rejected = [], []
+  pairs, rejected, confirmations = [], [], []
   checker = _Checker(fn, leaves, example_args, example_kwargs, rtol, seed) if groups_of else None
   for inst_list in groups_of.values():
     sizes = [shapes[leaf][axis] for leaf, axis in inst_list[0].a + inst_list[0].b]
     options = _group_options(sizes, set().union(*(i.splits for i in inst_list)))
     confirmed, failed = _confirm(checker, inst_list, options)
+    confirmations += confirmed
     for insts, groups in confirmed:
       pairs += _declare(list(names), shapes, insts, groups)
     for inst in failed:
@@ -904,4 +1002,4 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
     if entry not in seen:
       seen.add(entry)
       rejected.append(entry)
-  return Discovery(pairs, rejected)
+  return Discovery(pairs, rejected, _roles(analysis, names, shapes, confirmations))
