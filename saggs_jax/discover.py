@@ -8,10 +8,15 @@ travels through the program:
 * reshapes, transposes, broadcasts, slices and concatenations carry the
   channel axes (a reshape that splits a channel axis proposes head groups);
 * multiplying by a value that does not depend on the parameter (a constant,
-  RoPE's cos/sin, a SwiGLU gate, attention probabilities) keeps ``c``;
-  ``max(x, 0)`` keeps positive ``c`` (ReLU);
-* adding a bias keeps ``c`` if the bias is scaled along (a follower); adding
-  anything else (the residual stream) loses it;
+  RoPE's cos/sin, a SwiGLU gate, attention probabilities, a dropout mask) keeps
+  ``c``; ``max(x, 0)``, ``min(x, 0)`` and a choice on the sign of ``x`` keep
+  positive ``c`` (ReLU, leaky ReLU), a clip at any other constant does not
+  (ReLU6); ``jnp.where`` and ``lax.cond`` keep ``c`` when every case scales
+  alike or is zero;
+* adding a bias keeps ``c`` if the bias is scaled along (a follower: it has
+  the channel axis, as a trailing axis); adding zero changes nothing; adding
+  anything else loses it (the residual stream) or makes it inexact (a
+  constant, a bias broadcast over the channels);
 * a nonlinearity (``exp``, ``tanh``, ``logistic``, ``erf``, ...) or a
   reduction over the channel (a normalisation) breaks it, and the reason is
   kept for the report;
@@ -25,7 +30,9 @@ travels through the program:
 Every candidate is then confirmed numerically: all its instances (every layer)
 get random factors at once and the outputs must agree to ``rtol`` (float32,
 full-precision matmuls); the finest exact grouping wins. Nothing unconfirmed
-is returned. Declarations use path patterns relative to each instance's
+is returned; a factor that reaches another parameter but is no longer exact
+there (whatever made it so, an unknown primitive included) is rejected with
+the reason. Declarations use path patterns relative to each instance's
 enclosing module, so one :class:`~saggs_jax.Pair` covers every layer.
 """
 
@@ -96,8 +103,9 @@ class _Program:
   def _const(self, var, value=None) -> int:
     """A literal or a closed-over constant: it depends on nothing."""
     i = self._new(var.aval.shape)
-    if isinstance(value, (np.ndarray, np.generic, int, float, jax.Array)) and \
-        np.issubdtype(np.result_type(value), np.number) and not np.any(value):
+    dtype = getattr(value, "dtype", None)
+    dtype = np.result_type(value) if dtype is None and isinstance(value, (int, float)) else dtype
+    if dtype is not None and jnp.issubdtype(dtype, jnp.number) and not np.any(value):
       self.zeros.add(i)
     return i
 
@@ -935,17 +943,26 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
   Args:
     apply_fn: ``apply_fn(params, *example_args, **example_kwargs)``, returning
       an array or a pytree.
-    params: the parameter tree (arrays; an ``nnx.State`` or a Linen dict).
+    params: the parameter tree (an ``nnx.State``, a Linen dict, an Equinox
+      module): its inexact arrays are the parameters, every other leaf (flags,
+      activation functions, integer buffers) is static, as under ``eqx.filter``.
     *example_args: small example inputs (a batch of 2 short sequences is enough).
-    rtol: relative tolerance of the numerical check; default 1e-4 in float32,
-      3e-2 with 16-bit parameters or outputs.
+    rtol: relative tolerance of the numerical check (>= 0); default 1e-4 in
+      float32, 3e-2 with 16-bit parameters or outputs.
     seed: seed of the random factors.
     **example_kwargs: keyword inputs of ``apply_fn``.
 
   Returns:
     A :class:`Discovery`: a sequence of :class:`~saggs_jax.Pair` whose patterns
     cover every layer, with ``.rejected`` (what was considered and why it is
-    no exact symmetry) and :meth:`Discovery.report`.
+    no exact symmetry), :meth:`Discovery.report`, and ``.roles``: the path
+    patterns of each role of :func:`saggs_jax.equivariant.symmetry_compatible`
+    found (attention from the Q/K and V/O pairs, MLP up/gate/down from the MLP
+    pairs, stacked experts, the embedding read by a gather on the inputs, the
+    LM head producing the output), for ``symmetry_compatible(patterns=...)``.
+
+  Raises:
+    ValueError: ``rtol`` is negative or NaN.
 
   Example::
 
@@ -957,7 +974,7 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
     Discovery(pairs=[
         Pair(a='up', b='down', axes=(1, 0), groups=None, stacked=0, follow_a=(), follow_b=(),
              name='ReLU MLP up/down (positive factors)'),
-    ], rejected=[])
+    ], rejected=[], roles={'gate_up': ('up',), 'down': ('down',)})
   """
   if rtol is not None and not rtol >= 0:  # NaN too
     raise ValueError(f"rtol must be a non-negative number, got {rtol!r}.")
@@ -971,8 +988,8 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
 
   def fn(arrays, *args, **kwargs):
     arrays = iter(arrays)
-    return apply_fn(treedef.unflatten([next(arrays) if t else x for (_, x), t in zip(flat, traced)]),
-                    *args, **kwargs)
+    tree = treedef.unflatten([next(arrays) if t else x for (_, x), t in zip(flat, traced)])
+    return apply_fn(tree, *args, **kwargs)
 
   abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
   closed = jax.make_jaxpr(lambda p, a, k: fn(p, *a, **k))(abstract, example_args, example_kwargs)

@@ -185,6 +185,14 @@ def symmetry_compatible(
   weight decay; AdamW uses ``adamw_learning_rate`` (default
   ``learning_rate``) and ``adamw_weight_decay``.
 
+  Roles are routed by path pattern (:data:`ROLE_PATTERNS`, LLaMA-style Hugging
+  Face names, or ``patterns``). ``init`` raises a ValueError naming the role
+  and its patterns when a role matches no parameter: one given in
+  ``patterns``, or any but ``router`` and ``experts`` (and a tied
+  ``lm_head``) while a matrix falls to AdamW, as every matrix of a model
+  named otherwise would. ``patterns=saggs_jax.discover(...).roles`` reads the
+  roles from the model itself, whatever its names.
+
   ``preset="reference"`` reproduces Lau & Su's training scripts: every rule
   with its :data:`REFERENCE` settings (Muon's summed momentum and
   coefficient set, the ``x / (||x|| + eps)`` row scaling, ...), ``mlp="polar"``
@@ -300,6 +308,8 @@ def _routed(tx, roles, given, optional, stacked) -> optax.GradientTransformation
 
   def init(params):
     flat = [(path_str(k), x) for k, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+    if not flat:  # optax.tree.map_params's placeholder, an empty model: nothing to route
+      return tx.init(params)
     hits = {r: [p for p, _ in flat if any(match(q, p) is not None for q in pats)]
             for r, pats in roles.items()}
     routed = set().union(*hits.values())
