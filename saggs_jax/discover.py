@@ -891,8 +891,8 @@ def _cover(names: list[str], wanted: set[str]) -> tuple[str, ...]:
   out = []
   for name in (n for n in names if n in wanted):
     segs = name.split("/")
-    pattern = next(p for p in ("/".join(segs[-k:]) for k in range(1, len(segs) + 1))
-                   if all(m in wanted for m in names if paths.match(p, m) is not None))
+    pattern = next((p for p in ("/".join(segs[-k:]) for k in range(1, len(segs)))
+                    if all(m in wanted for m in names if paths.match(p, m) is not None)), name)
     if pattern not in out:
       out.append(pattern)
   return tuple(out)
@@ -914,8 +914,9 @@ def _roles(analysis, names, shapes, confirmed) -> dict[str, tuple[str, ...]]:
         continue
       a, b = ([leaf for leaf, _ in side if len(shapes[leaf]) - inst.stacked >= 2]
               for side in (inst.a, inst.b))
-      a += [g for leaf in a for glu in analysis.gates_of[leaf] for g in analysis.gated[glu]
-            if g != leaf and len(shapes[g]) - inst.stacked >= 2]
+      if inst.name == "gated MLP up/down":  # the gate: the other factor of up's product
+        a += [g for leaf in a for glu in analysis.gates_of[leaf] for g in analysis.gated[glu]
+              if g != leaf and len(shapes[g]) - inst.stacked >= 2]
       scanned = min(u.view.consumed for leaf in a for u in analysis.uses[leaf]) if a else 0
       roles = ("experts", "experts") if inst.stacked > scanned else _ROLES[inst.name]
       for role, side in zip(roles, (a, b)):
