@@ -53,8 +53,9 @@ def reparameterize(params: Any, opt_state: Any, pairs: Sequence[Pair], factor: F
       ``None`` to transform the parameters alone.
     pairs: the :class:`~saggs_jax.Pair` declarations.
     factor: a positive float for every group, or ``fn(path_a, shape) -> array``
-      giving the factors of one pair instance, ``shape`` being
-      ``stacked_shape + (groups,)``.
+      giving the factors of one pair instance, ``path_a`` being the path of its
+      first tensor on side a (followed by ``[part]`` for a :class:`~saggs_jax.Block`)
+      and ``shape`` being ``stacked_shape + (groups,)``.
 
   Returns:
     ``(params, opt_state)`` transformed.

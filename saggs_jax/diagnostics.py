@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Callable, Sequence
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from saggs_jax.balance import log_norms, scale_tree
-from saggs_jax.pairs import Instance, Pair, Plan, resolve
+from saggs_jax.pairs import Block, Instance, Pair, Plan, resolve
 
 
 def imbalance(params: Any, pairs: Sequence[Pair]) -> dict[str, jax.Array]:
@@ -169,12 +170,12 @@ def _only(plan: Plan, inst: Instance, sign: int | None = None) -> Plan:
 
 
 def _variant(plan: Plan, inst: Instance, params: Any, **changes) -> Plan | None:
-  """``inst`` declared otherwise (other axes, groups or followers, named as in ``inst``), or
-  None if that does not resolve."""
+  """``inst`` declared otherwise (other axes, groups or followers, named as in ``inst`` or
+  given as Blocks), or None if that does not resolve."""
   pair = inst.pair
 
   def specs(names):  # each member alone: its path, or a Block on its path
-    return tuple(plan.part(n).spec for n in names)
+    return tuple(plan.part(n).spec if isinstance(n, str) else n for n in names)
 
   fields = {"axes": pair.axes, "groups": pair.groups, "follow_a": inst.followers_a,
             "follow_b": inst.followers_b, **changes}
@@ -280,14 +281,25 @@ def _exact_variant(probe: Probe, plan: Plan, inst: Instance) -> str | None:
         return (f"the grouping: with groups={groups} (declared: {inst.factor_shape[-1]} groups)"
                 " the pair is exact; under GQA, groups is the number of KV heads.")
   declared_paths = set(plan.slots)
+  own = {plan.part(n).spec for n in inst.members_a + inst.members_b + inst.followers_a
+         + inst.followers_b}
   for side, kernel, field, followers in (("a", a, "follow_a", inst.followers_a),
                                          ("b", b, "follow_b", inst.followers_b)):
-    parent = plan.part(kernel).path.rpartition("/")[0]
+    path_k, _, spec_k = plan.part(kernel)
     for path in plan.shapes:
-      if path not in declared_paths and path.rpartition("/")[0] == parent and exact(
-          _variant(plan, inst, params, **{field: followers + (path,)})):
-        return (f"a follower left out: with {path!r} in {field} the pair is exact (a bias moves"
-                f" with the kernel on side {side}).")
+      if path.rpartition("/")[0] != path_k.rpartition("/")[0]:
+        continue
+      # A block's bias is the same block of the bias; a whole kernel's is an undeclared leaf.
+      if isinstance(spec_k, Block):
+        candidate = dataclasses.replace(spec_k, pattern=path)
+      elif path not in declared_paths:
+        candidate = path
+      else:
+        continue
+      if candidate not in own and exact(
+          _variant(plan, inst, params, **{field: followers + (candidate,)})):
+        return (f"a follower left out: with {candidate!r} in {field} the pair is exact (a bias"
+                f" moves with the kernel on side {side}).")
     for path in followers:
       rest = tuple(f for f in followers if f != path)
       if exact(_variant(plan, inst, params, **{field: rest})):

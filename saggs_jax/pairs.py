@@ -84,8 +84,9 @@ class Block:
       raise ValueError(f"{self!r}: parts must be a positive int or a tuple of names.")
     n = len(self.names)
     if not ((_is_int(self.part) and 0 <= self.part < n)
-            or (isinstance(self.part, str) and self.part in self.names)):
-      raise ValueError(f"{self!r}: part must be one of {self.names} or an index below {n}.")
+            or (isinstance(self.parts, tuple) and self.part in self.parts)):
+      named = f"one of {self.parts} or " if isinstance(self.parts, tuple) else ""
+      raise ValueError(f"{self!r}: part must be {named}an index below {n}.")
     if self.sizes is not None:
       object.__setattr__(self, "sizes", tuple(self.sizes) if isinstance(self.sizes, (list, tuple))
                          else self.sizes)
@@ -381,7 +382,8 @@ class Plan:
       size = self.shapes[path][axis]
       cuts = sorted({0, size}.union(*(b[1:] for b in blocks)))
       for start, stop in zip(cuts, cuts[1:]):
-        mine = tuple(s for s in slots if s.block is None or s.block[1] <= start < stop <= s.block[2])
+        mine = tuple(s for s in slots
+                     if s.block is None or s.block[1] <= start < stop <= s.block[2])
         if mine:
           block = None if (start, stop) == (0, size) else (axis, start, stop)
           out[path, block] = Piece(path, block, mine)

@@ -181,13 +181,16 @@ def _factored_axes(shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 def _varying(plan: Plan, path: str, axes: tuple[int, ...]):
-  """``(axis, slot)`` for an axis among ``axes`` along which ``path``'s multiplier changes."""
+  """``(axis, slot, why)`` for an axis among ``axes`` along which ``path``'s multiplier
+  changes: its stacked copies, its groups or a block's edge."""
   shape = plan.shapes[path]
   for slot in plan.slots[path]:
     for a in axes:
-      if shape[a] > 1 and (a < slot.stacked or (a == slot.axis and slot.groups > 1)
-                           or (slot.block is not None and a == slot.block[0])):
-        return a, slot
+      why = ("stacked copies" if a < slot.stacked
+             else "groups" if a == slot.axis and slot.groups > 1
+             else "a block" if slot.block is not None and a == slot.block[0] else None)
+      if shape[a] > 1 and why:
+        return a, slot, why
   return None
 
 
@@ -227,16 +230,14 @@ def _transport_factored(plan: Plan, state, factors: Factors, where: str):
         return None
       hit = _varying(plan, path, axes)
       if hit is not None:
-        axis, slot = hit
-        regroup = ("" if axis < slot.stacked else "Declare the pair with one group per tensor"
+        axis, slot, why = hit
+        regroup = ("" if why != "groups" else "Declare the pair with one group per tensor"
                    " (axes=None) or a group axis other than the two largest, or keep")
         raise _refusal(
             state, f"{where}.{field}[{path!r}]",
             f"Adafactor keeps only means of g**2 over axes {axes[0]} and {axes[1]} of {path!r}"
-            f" {shape}, and the factors of {slot.key!r} change along axis {axis}"
-            f" ({'stacked copies' if axis < slot.stacked else 'groups or blocks'}), so the"
-            " transported"
-            " means are not determined by the stored ones.",
+            f" {shape}, and the factors of {slot.key!r} change along axis {axis} ({why}), so"
+            " the transported means are not determined by the stored ones.",
             f"{regroup or 'Keep'} this moment unfactored: optax.adafactor(..., factored=False)"
             f" or min_dim_size_to_factor > {shape[axes[1]]}.")
       return _scale(plan, path, x, factors, -2, drop=axes[which])
