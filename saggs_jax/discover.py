@@ -13,10 +13,15 @@ travels through the program:
   values that do not scale; blocks that are added back together (the halves
   of rotate-half RoPE) stay one channel;
 * multiplying by a value that does not depend on the parameter (a constant,
-  RoPE's cos/sin, a SwiGLU gate, attention probabilities) keeps ``c``;
-  ``max(x, 0)`` keeps positive ``c`` (ReLU);
-* adding a bias keeps ``c`` if the bias is scaled along (a follower); adding
-  anything else (the residual stream) loses it;
+  RoPE's cos/sin, a SwiGLU gate, attention probabilities, a dropout mask) keeps
+  ``c``; ``max(x, 0)``, ``min(x, 0)`` and a choice on the sign of ``x`` keep
+  positive ``c`` (ReLU, leaky ReLU), a clip at any other constant does not
+  (ReLU6); ``jnp.where`` and ``lax.cond`` keep ``c`` when every case scales
+  alike or is zero;
+* adding a bias keeps ``c`` if the bias is scaled along (a follower: it has
+  the channel axis, as a trailing axis); adding zero changes nothing; adding
+  anything else loses it (the residual stream) or makes it inexact (a
+  constant, a bias broadcast over the channels);
 * a nonlinearity (``exp``, ``tanh``, ``logistic``, ``erf``, ...) or a
   reduction over the channel (a normalisation) breaks it, and the reason is
   kept for the report;
@@ -36,8 +41,11 @@ every path is live: all-zero leaves (a zero-initialised output projection)
 are drawn at random first, and a candidate counts as confirmed only if the
 check could have failed: a finer grouping failed, or side a rescaled alone
 moves the outputs past the tolerance. Nothing unconfirmed is returned; what
-could not be tested is rejected as unconfirmed. Declarations use path patterns relative to each instance's
-enclosing module, so one :class:`~saggs_jax.Pair` covers every layer.
+could not be tested is rejected as unconfirmed, and a factor that reaches
+another parameter but is no longer exact there (whatever made it so, an
+unknown primitive included) is rejected with the reason. Declarations use path
+patterns relative to each instance's enclosing module, so one
+:class:`~saggs_jax.Pair` covers every layer.
 """
 
 from __future__ import annotations
@@ -78,7 +86,7 @@ _POSITIVE_REDUCE = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 @dataclasses.dataclass
 class _Eqn:
   prim: str
-  ins: list  # value ids, None for literals and constants
+  ins: list  # value ids
   outs: list
   params: dict
 
@@ -89,9 +97,10 @@ class _Program:
   def __init__(self, closed: jcore.ClosedJaxpr, num_leaves: int):
     self.eqns: list[_Eqn] = []
     self.shapes: list[tuple[int, ...]] = []
+    self.zeros: set[int] = set()  # values known to be all zeros (literals, broadcasts of them)
     ids = [self._new(v.aval.shape) for v in closed.jaxpr.invars]
-    self.leaf_ids = ids[:num_leaves]
-    self.outputs = set(i for i in self._inline(closed.jaxpr, ids) if i is not None)
+    self.leaf_ids, self.input_ids = ids[:num_leaves], ids[num_leaves:]
+    self.outputs = set(self._inline(closed.jaxpr, ids, closed.consts))
 
   def _new(self, shape) -> int:
     self.shapes.append(tuple(shape))
@@ -100,26 +109,40 @@ class _Program:
   def _emit(self, prim, ins, out_shapes, params) -> list[int]:
     outs = [self._new(s) for s in out_shapes]
     self.eqns.append(_Eqn(prim, ins, outs, params))
+    if prim in _STRUCTURAL and all(i in self.zeros for i in ins):
+      self.zeros.update(outs)
     return outs
 
-  def _inline(self, jaxpr: jcore.Jaxpr, in_ids: list) -> list:
+  def _const(self, var, value=None) -> int:
+    """A literal or a closed-over constant: it depends on nothing."""
+    i = self._new(var.aval.shape)
+    dtype = getattr(value, "dtype", None)
+    dtype = np.result_type(value) if dtype is None and isinstance(value, (int, float)) else dtype
+    if dtype is not None and jnp.issubdtype(dtype, jnp.number) and not np.any(value):
+      self.zeros.add(i)
+    return i
+
+  def _inline(self, jaxpr: jcore.Jaxpr, in_ids: list, consts=()) -> list:
     env = dict(zip(jaxpr.invars, in_ids))
-    for v in jaxpr.constvars:  # constants do not depend on the parameters
-      env[v] = None
+    for k, v in enumerate(jaxpr.constvars):
+      env[v] = self._const(v, consts[k] if k < len(consts) else None)
 
     def read(x):
-      return None if isinstance(x, jcore.Literal) else env[x]
+      return self._const(x, x.val) if isinstance(x, jcore.Literal) else env[x]
 
     for eqn in jaxpr.eqns:
       ins = [read(x) for x in eqn.invars]
       name = eqn.primitive.name
       sub = next((eqn.params[k] for k in _SUB_JAXPR_PARAMS if k in eqn.params), None)
+      consts = ()
       if isinstance(sub, jcore.ClosedJaxpr):
-        sub = sub.jaxpr
+        sub, consts = sub.jaxpr, sub.consts
       if name == "scan":
         outs = self._scan(eqn, ins)
+      elif name == "cond":
+        outs = self._cond(eqn, ins)
       elif isinstance(sub, jcore.Jaxpr) and len(sub.invars) == len(ins):
-        outs = self._inline(sub, ins)
+        outs = self._inline(sub, ins, consts)
       else:
         outs = self._emit(name, ins, [v.aval.shape for v in eqn.outvars], eqn.params)
       env.update(zip(eqn.outvars, outs))
@@ -127,13 +150,19 @@ class _Program:
 
   def _scan(self, eqn, ins) -> list:
     """One iteration: per-step slices of ``xs`` in, stacked ``ys`` out."""
-    body, nc, ncarry = eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"], eqn.params["num_carry"]
+    body, nc, ncarry = eqn.params["jaxpr"], eqn.params["num_consts"], eqn.params["num_carry"]
     xs = [None if i is None else self._emit("scan_slice", [i], [self.shapes[i][1:]], {})[0]
           for i in ins[nc + ncarry:]]
-    outs = self._inline(body, ins[:nc + ncarry] + xs)
+    outs = self._inline(body.jaxpr, ins[:nc + ncarry] + xs, body.consts)
     ys = [None if o is None else self._emit("scan_stack", [o], [v.aval.shape], {})[0]
           for o, v in zip(outs[ncarry:], eqn.outvars[ncarry:])]
     return outs[:ncarry] + ys
+
+  def _cond(self, eqn, ins) -> list:
+    """Every branch inlined on the operands, their outputs chosen by ``select_n`` on the index."""
+    outs = [self._inline(b.jaxpr, ins[1:], b.consts) for b in eqn.params["branches"]]
+    return [self._emit("select_n", [ins[0], *cases], [v.aval.shape], {})[0]
+            for cases, v in zip(zip(*outs), eqn.outvars)]
 
 
 def _reshape_map(old, new) -> tuple[list[list[int]], list[list[int]]]:
@@ -263,6 +292,10 @@ class _Taint:
   reasons: frozenset
 
 
+class _Sign:
+  """A comparison of the factor's value with zero: unchanged by a positive factor."""
+
+
 def _tag(amap: dict, reasons=frozenset(), positive=False) -> _Tag | None:
   axes = tuple(sorted((a, s) for a, s in amap.items() if s))
   return _Tag(axes, frozenset(reasons), positive) if axes else None
@@ -291,6 +324,8 @@ class _Trace:
   meets: list = dataclasses.field(default_factory=list)
   followers: list = dataclasses.field(default_factory=list)  # (leaf, {source axis: leaf axes})
   breaks: set = dataclasses.field(default_factory=set)
+  lost: list = dataclasses.field(default_factory=list)  # (leaf, reasons): lost before a linear
+  gates: set = dataclasses.field(default_factory=set)  # the GLU products it went through
   splits: set = dataclasses.field(default_factory=set)
   through: set = dataclasses.field(default_factory=set)  # what the factor went through
   cuts: set = dataclasses.field(default_factory=set)  # (leaf axis, start, stop): blocks read
@@ -337,24 +372,36 @@ class _Follower:
       self.trace.joined.update(c[0] for c in cuts if c)  # one channel after all (RoPE halves)
     self.cut = cuts.pop() if len(cuts) == 1 else None
     if not tags:
+      if p == "dot_general" and taints:  # a linear reads what the factor became: say why
+        self.trace.lost += [(self.views[i].leaf, reasons) for i in eqn.ins if i in self.views]
+      state = _Taint(reasons) if taints else _Sign()
       for o in eqn.outs:
-        self._set(o, _Taint(reasons))
+        self._set(o, state)
       return
+    zero = [i in self.prog.zeros for i in eqn.ins]
     if p in _STRUCTURAL:
       self._structural(eqn, st, reasons)
     elif p in _ADD or p == "mul" or p == "div":
       self._binary(eqn, st, reasons)
-    elif p in ("max", "min") and st[1 - st.index(tags[0])] is None:
+    elif p in ("max", "min", "ge", "gt", "le", "lt") and len(tags) == 1 and \
+        zero[1 - st.index(tags[0])]:  # ReLU, and the sign test of a leaky ReLU
       self.trace.through.add("relu")
-      self._set(eqn.outs[0], dataclasses.replace(tags[0], positive=True))
+      self._set(eqn.outs[0], dataclasses.replace(tags[0], positive=True) if p in ("max", "min")
+                else _Sign())
     elif p in ("abs",):
       self._set(eqn.outs[0], dataclasses.replace(tags[0], positive=True))
     elif p in _REDUCE:
       self._reduce(eqn, tags[0], reasons)
     elif p == "dot_general":
       self._dot(e, eqn, st, reasons)
-    elif p == "select_n" and st[0] is None and all(isinstance(s, _Tag) for s in st[1:]):
-      self._set(eqn.outs[0], tags[0])
+    elif p == "select_n":  # jnp.where, a cond: every case must scale alike (or be zero)
+      if isinstance(st[0], (_Tag, _Taint)):
+        reasons |= {"a choice that depends on it"}
+      if any(not z and (not isinstance(s, _Tag) or s.axes != tags[0].axes)
+             for s, z in zip(st[1:], zero[1:])):
+        reasons |= {"a choice between values that do not scale alike"}
+      self._set(eqn.outs[0], _Tag(tags[0].axes, reasons, any(
+          s.positive for s in tags) or isinstance(st[0], _Sign)))
     elif len(eqn.ins) == 1 and len(eqn.outs) == 1 and self.prog.shapes[eqn.outs[0]] == \
         self.prog.shapes[eqn.ins[0]]:  # elementwise nonlinearity
       self._set(eqn.outs[0], _Tag(tags[0].axes, reasons | {p}, tags[0].positive))
@@ -425,9 +472,16 @@ class _Follower:
       positive = tag.positive or other.positive
     elif isinstance(other, _Taint):  # its reasons (a normalization, say) are in ``reasons``
       pass
-    elif p in _ADD and not self._follower(i, tag):
+    elif isinstance(other, _Sign):  # x * (x > 0): ReLU written as a mask
+      reasons |= {"a sum with its own sign test"} if p in _ADD else frozenset()
+      positive = True
+    elif p in _ADD and i in self.prog.zeros:
+      pass
+    elif p in _ADD and not self._follower(i, tag, self.prog.shapes[eqn.outs[0]]):
       if i is None or not self.dep[i]:
         reasons |= {"an added constant"}
+      elif i in self.views:  # a bias broadcast over the channels (or along another axis)
+        reasons |= {"an added parameter that does not follow it channel by channel"}
       elif not reasons:  # an exact factor is lost here; an inexact one is reported as such
         self.trace.breaks.add("it is added to a value that does not scale with it"
                               " (the residual stream, say)")
@@ -436,15 +490,17 @@ class _Follower:
       reasons |= {"a division by it"}
     elif i is not None and self.dep[i] and i not in self.views:
       self.trace.through.add("gate")  # a product with another activation: a GLU
+      self.trace.gates.add(eqn.outs[0])
     self._set(eqn.outs[0], _Tag(tag.axes, reasons, positive))
 
-  def _follower(self, i, tag) -> bool:
+  def _follower(self, i, tag, shape) -> bool:
     view = self.views.get(i)
     if view is None:
       return False
-    amap = {}
-    for a, src in tag.amap.items():
-      if a >= len(view.axes) or not view.axes[a]:
+    amap, leaf = {}, self.prog.shapes[self.prog.leaf_ids[view.leaf]]
+    for a, src in tag.amap.items():  # a bias follows along its own axis, not broadcast over it
+      if a >= len(view.axes) or not view.axes[a] or \
+          math.prod(leaf[x] for x in view.axes[a]) != shape[a]:
         return False
       for s in src:
         amap[s] = view.axes[a]
@@ -548,6 +604,34 @@ def _sources(prog, uses):
         yield leaf, use.eqn, eqn.outs[0], tag, stacked, tuple(sorted(channel))
 
 
+def _embeddings(prog, views) -> set[int]:
+  """Leaves read by a gather whose indices come from the model's inputs (token embeddings)."""
+  inputs = set(prog.input_ids)
+  found = set()
+  for eqn in prog.eqns:
+    if any(i in inputs for i in eqn.ins):
+      inputs.update(eqn.outs)
+      if eqn.prim == "gather" and eqn.ins[0] in views and eqn.ins[1] in inputs:
+        found.add(views[eqn.ins[0]].leaf)
+  return found
+
+
+def _heads(prog, views, dep) -> set[int]:
+  """Leaves of the linear maps that produce an output, through reshapes and bias additions."""
+  producer = {o: eqn for eqn in prog.eqns for o in eqn.outs}
+  todo, found, seen = list(prog.outputs), set(), set()
+  while todo:
+    eqn = producer.get(todo.pop())
+    if eqn is None or id(eqn) in seen:
+      continue
+    seen.add(id(eqn))
+    if eqn.prim == "dot_general":
+      found.update(views[i].leaf for i in eqn.ins if i in views)
+    elif eqn.prim in _STRUCTURAL or eqn.prim in _ADD:
+      todo += [i for i in eqn.ins if dep[i] and i not in views]
+  return found
+
+
 def _explain(reasons: frozenset, where: str) -> str:
   """Why a factor is not cancelled exactly: the nonlinear primitives if any, else the reasons."""
   prims = sorted(r for r in reasons if " " not in r)
@@ -579,11 +663,14 @@ class Discovery(collections.abc.Sequence):
 
   Pass it wherever pairs go (``saggs.saggs(discovery)``, ``saggs.describe``,
   ``saggs.check_symmetry``). ``repr`` is Python that rebuilds it;
-  :meth:`report` is a readable summary.
+  :meth:`report` is a readable summary. ``roles`` maps the roles of
+  :func:`saggs_jax.equivariant.symmetry_compatible` to path patterns
+  (``patterns=discovery.roles`` routes a model of any naming).
   """
 
-  def __init__(self, pairs: Sequence[Pair] = (), rejected: Sequence[Rejected] = ()):
-    self.pairs, self.rejected = tuple(pairs), tuple(rejected)
+  def __init__(self, pairs: Sequence[Pair] = (), rejected: Sequence[Rejected] = (),
+               roles: dict[str, tuple[str, ...]] | None = None):
+    self.pairs, self.rejected, self.roles = tuple(pairs), tuple(rejected), dict(roles or {})
 
   def __getitem__(self, i):
     return self.pairs[i]
@@ -593,12 +680,13 @@ class Discovery(collections.abc.Sequence):
 
   def __eq__(self, other):
     return (isinstance(other, Discovery) and self.pairs == other.pairs
-            and self.rejected == other.rejected)
+            and self.rejected == other.rejected and self.roles == other.roles)
 
   def __repr__(self):
     def block(items):
       return "".join(f"\n    {x!r}," for x in items) + ("\n" if items else "")
-    return f"Discovery(pairs=[{block(self.pairs)}], rejected=[{block(self.rejected)}])"
+    roles = f", roles={self.roles!r}" if self.roles else ""
+    return f"Discovery(pairs=[{block(self.pairs)}], rejected=[{block(self.rejected)}]{roles})"
 
   def report(self) -> str:
     """Found and rejected symmetries, one line each."""
@@ -626,8 +714,6 @@ class Discovery(collections.abc.Sequence):
 # ---------------------------------------------------------------------------
 # discover()
 
-_UNALIGNED = ("a bias follows it along an axis a Pair's followers cannot name (they share the"
-              " trailing axes of the side's first tensor; an (out, in) kernel's bias does not)")
 _NAMES = {"attention": "attention V/O", "gate": "gated MLP up/down", "relu": "ReLU MLP up/down"}
 
 
@@ -650,11 +736,17 @@ class _Analysis:
         consumers[i].append(e)
     follower = _Follower(prog, views, dep, consumers)
     self.candidates, self.rejected = [], []
+    self.gated = collections.defaultdict(set)  # a GLU product -> the leaves whose factor it takes
+    self.gates_of = collections.defaultdict(set)  # leaf -> the GLU products its factor takes
+    self.embeddings, self.heads = _embeddings(prog, views), _heads(prog, views, dep)
     meets = collections.defaultdict(list)
     for leaf, e, out, tag, stacked, channel in _sources(prog, self.uses):
       if not floating[leaf]:
         continue
       trace = follower.run(e, out, tag, shapes[leaf])
+      self.gates_of[leaf] |= trace.gates
+      for g in trace.gates:
+        self.gated[g].add(leaf)
       parts = None if _clean(trace) else _partition(
           {c for c in trace.cuts if c[0] not in trace.joined}, shapes[leaf])
       found = [(leaf, channel, trace)]
@@ -671,6 +763,9 @@ class _Analysis:
           meets[trace.meets[0].eqn].append(source)
         elif trace.reaches and not trace.meets:
           self._chain(*source)
+        elif trace.lost and not trace.meets:  # what reaches a linear no longer carries the factor
+          self._reject([unit], sorted({t for t, _ in trace.lost}), _explain(
+              frozenset().union(*(r for _, r in trace.lost)), "between them"))
     for found in meets.values():
       self._meeting(found)
 
@@ -705,14 +800,17 @@ class _Analysis:
     axis, lo, hi, bounds = block
     return f"{self.names[leaf]}[part {bounds.index((lo, hi))} of {len(bounds)} on axis {axis}]"
 
-  def _followers(self, leaf, axis, trace) -> list | None:
-    """``[(follower, group axis)]``; None if a follower's axis is not the one a Pair gives it:
-    the source's group axis counted from the end (not so for an (out, in) kernel's bias)."""
-    found = [(f, axis - (len(self.shapes[leaf]) - len(self.shapes[f])), amap.get(axis))
-             for f, amap, _ in trace.followers]
-    if any(fa < 0 or moved != {fa} for _, fa, moved in found):
-      return None
-    return [(f, fa) for f, fa, _ in found]
+  def _followers(self, leaf, axis, trace):
+    return [(f, axis - (len(self.shapes[leaf]) - len(self.shapes[f])))
+            for f, _, _ in trace.followers]
+
+  def _undeclarable(self, leaf, axis, trace) -> str | None:
+    """Why a follower cannot be declared: a Pair's follower shares its kernel's trailing axes."""
+    for (f, amap, _), (_, declared) in zip(trace.followers, self._followers(leaf, axis, trace)):
+      if declared not in amap.get(axis, ()):
+        return (f"its bias {self.label(f)!r} follows axis {axis} of {self.label(leaf)!r}, which"
+                " is not a trailing axis; a Pair's follower shares its kernel's trailing axes")
+    return None
 
   def _tied(self, units_eqns) -> str | None:
     for unit, eqns in units_eqns:
@@ -754,13 +852,14 @@ class _Analysis:
       stack = frozenset().union(*(r.amap.get(s, frozenset()) for s in range(stacked)))
       if axis not in r.amap or r.consumed + len(stack) != stacked:
         return
-      b_side.append((r.leaf, min(r.amap[axis])))
+      if (r.leaf, min(r.amap[axis])) not in b_side:  # a weight read twice is scaled once
+        b_side.append((r.leaf, min(r.amap[axis])))
+    if why := self._undeclarable(leaf, axis, trace):
+      return self._reject([leaf], targets, why)
     name = "norm gain" if gain else next(
         (_NAMES[k] for k in ("attention", "gate", "relu") if k in trace.through), "linear chain")
-    followers = self._followers(leaf, axis, trace)
-    if followers is None:
-      return self._reject([leaf], targets, _UNALIGNED)
-    self.candidates.append(_Candidate(name, [(leaf, axis)], b_side, followers, [], stacked,
+    self.candidates.append(_Candidate(name, [(leaf, axis)], b_side,
+                                      self._followers(leaf, axis, trace), [], stacked,
                                       trace.splits, any(r.positive for r in trace.reaches)))
 
   def _meeting(self, found):
@@ -773,7 +872,10 @@ class _Analysis:
     for a, b in exact + [(a, b) for a, b in combos if not {id(a), id(b)} & paired]:
       (la, ea, (xa, *_), sa, ta, _), (lb, eb, (xb, *_), sb, tb, _) = a, b
       ma, mb = ta.meets[0], tb.meets[0]
-      if NORM in ma.reasons and NORM in mb.reasons:
+      if la == lb:
+        self._reject([la], [lb], "both sides read the same weight, which cannot carry a factor"
+                     " and its inverse at once")
+      elif NORM in ma.reasons and NORM in mb.reasons:
         self._reject([la], [lb], (
             "moot: each side is scale-invariant on its own (a normalization follows each,"
             " QK-norm), so the pair is exact but balancing it changes nothing that matters"))
@@ -782,15 +884,13 @@ class _Analysis:
       else:
         tied = self._tied([(la, {ea}), (lb, {eb})] + [(f, {self._first_use(f)}) for f, _, _ in
                                                        ta.followers + tb.followers])
-        if tied:
-          self._reject([la], [lb], tied)
+        why = tied or self._undeclarable(la, xa, ta) or self._undeclarable(lb, xb, tb)
+        if why:
+          self._reject([la], [lb], why)
           continue
-        fa, fb = self._followers(la, xa, ta), self._followers(lb, xb, tb)
-        if fa is None or fb is None:
-          self._reject([la], [lb], _UNALIGNED)
-          continue
-        self.candidates.append(_Candidate("attention Q/K", [(la, xa)], [(lb, xb)], fa, fb, sa,
-                                          ta.splits | tb.splits, ma.positive or mb.positive))
+        self.candidates.append(_Candidate(
+            "attention Q/K", [(la, xa)], [(lb, xb)], self._followers(la, xa, ta),
+            self._followers(lb, xb, tb), sa, ta.splits | tb.splits, ma.positive or mb.positive))
 
 
 def _clean(trace: _Trace) -> bool:
@@ -974,6 +1074,51 @@ def _key(units, names, inst: _Candidate):
           tuple(axis - inst.stacked for _, axis in inst.a + inst.b), inst.stacked)
 
 
+def _cover(names: list[str], wanted: set[str]) -> tuple[str, ...]:
+  """Path patterns that match exactly ``wanted`` among ``names``: each its shortest suffix that
+  matches nothing else (``wq`` for every layer's ``.../attention/wq``)."""
+  out = []
+  for name in (n for n in names if n in wanted):
+    segs = name.split("/")
+    pattern = next((p for p in ("/".join(segs[-k:]) for k in range(1, len(segs)))
+                    if all(m in wanted for m in names if paths.match(p, m) is not None)), name)
+    if pattern not in out:
+      out.append(pattern)
+  return tuple(out)
+
+
+# The roles of equivariant.symmetry_compatible each found pair assigns to its sides.
+_ROLES = {"attention Q/K": ("query", "key_value"), "attention V/O": ("key_value", "output"),
+          "gated MLP up/down": ("gate_up", "down"), "ReLU MLP up/down": ("gate_up", "down")}
+
+
+def _roles(analysis, names, shapes, confirmed) -> dict[str, tuple[str, ...]]:
+  """Role -> path patterns, as ``equivariant.symmetry_compatible(patterns=...)`` takes them:
+  attention and MLP matrices from the pairs found (a GLU's gate from the jaxpr, stacked MLP
+  copies that no scan made as experts), the embedding and the LM head from the jaxpr."""
+  leaves = collections.defaultdict(set)
+  for insts, _ in confirmed:
+    for inst in insts:
+      if inst.name not in _ROLES:
+        continue
+      a, b = ([leaf for leaf, _ in side  # a fused leaf's block: no one role for the leaf
+               if analysis.units[leaf][1] is None and len(shapes[leaf]) - inst.stacked >= 2]
+              for side in (inst.a, inst.b))
+      if inst.name == "gated MLP up/down":  # the gate: the other factor of up's product
+        a += [g for leaf in a for glu in analysis.gates_of[leaf] for g in analysis.gated[glu]
+              if g != leaf and len(shapes[g]) - inst.stacked >= 2]
+      scanned = min(u.view.consumed for leaf in a for u in analysis.uses[leaf]) if a else 0
+      roles = ("experts", "experts") if inst.stacked > scanned else _ROLES[inst.name]
+      for role, side in zip(roles, (a, b)):
+        leaves[role].update(side)
+  taken = set().union(*leaves.values())
+  leaves["embedding"] = {x for x in analysis.embeddings if len(shapes[x]) == 2} - taken
+  leaves["lm_head"] = {x for x in analysis.heads if len(shapes[x]) == 2} - taken - \
+      leaves["embedding"]
+  order = ("embedding", "lm_head", "query", "key_value", "output", "gate_up", "down", "experts")
+  return {r: _cover(names, {names[x] for x in leaves[r]}) for r in order if leaves[r]}
+
+
 def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: float | None = None,
              seed: int = 0, **example_kwargs) -> Discovery:
   """Finds the exact rescaling symmetries of ``apply_fn`` in ``params``.
@@ -992,17 +1137,26 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
   Args:
     apply_fn: ``apply_fn(params, *example_args, **example_kwargs)``, returning
       an array or a pytree.
-    params: the parameter tree (arrays; an ``nnx.State`` or a Linen dict).
+    params: the parameter tree (an ``nnx.State``, a Linen dict, an Equinox
+      module): its inexact arrays are the parameters, every other leaf (flags,
+      activation functions, integer buffers) is static, as under ``eqx.filter``.
     *example_args: small example inputs (a batch of 2 short sequences is enough).
-    rtol: relative tolerance of the numerical check; default 1e-4 in float32,
-      3e-2 with 16-bit parameters or outputs.
+    rtol: relative tolerance of the numerical check (>= 0); default 1e-4 in
+      float32, 3e-2 with 16-bit parameters or outputs.
     seed: seed of the random factors.
     **example_kwargs: keyword inputs of ``apply_fn``.
 
   Returns:
     A :class:`Discovery`: a sequence of :class:`~saggs_jax.Pair` whose patterns
     cover every layer, with ``.rejected`` (what was considered and why it is
-    no exact symmetry) and :meth:`Discovery.report`.
+    no exact symmetry), :meth:`Discovery.report`, and ``.roles``: the path
+    patterns of each role of :func:`saggs_jax.equivariant.symmetry_compatible`
+    found (attention from the Q/K and V/O pairs, MLP up/gate/down from the MLP
+    pairs, stacked experts, the embedding read by a gather on the inputs, the
+    LM head producing the output), for ``symmetry_compatible(patterns=...)``.
+
+  Raises:
+    ValueError: ``rtol`` is negative or NaN.
 
   Example::
 
@@ -1014,36 +1168,50 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
     Discovery(pairs=[
         Pair(a='up', b='down', axes=(1, 0), groups=None, stacked=0, follow_a=(), follow_b=(),
              name='ReLU MLP up/down (positive factors)'),
-    ], rejected=[])
+    ], rejected=[], roles={'gate_up': ('up',), 'down': ('down',)})
   """
-  names, leaves = zip(*paths.leaves_with_paths(params)) if jax.tree.leaves(params) else ((), ())
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
-  closed = jax.make_jaxpr(lambda p, a, k: apply_fn(p, *a, **k))(
-      abstract, example_args, example_kwargs)
-  shapes = [tuple(np.shape(x)) for x in leaves]
-  floating = [jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in leaves]
-  analysis = _Analysis(closed, list(names), shapes, floating)
+  if rtol is not None and not rtol >= 0:  # NaN too
+    raise ValueError(f"rtol must be a non-negative number, got {rtol!r}.")
+  # Only inexact arrays are parameters; the rest (flags, activation functions, integer
+  # buffers of an Equinox module) stays static, as under eqx.filter.
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  traced = [isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact)
+            for _, x in flat]
+  names = [paths.path_str(k) for (k, _), t in zip(flat, traced) if t]
+  leaves = [x for (_, x), t in zip(flat, traced) if t]
+
+  def fn(arrays, *args, **kwargs):
+    arrays = iter(arrays)
+    tree = treedef.unflatten([next(arrays) if t else x for (_, x), t in zip(flat, traced)])
+    return apply_fn(tree, *args, **kwargs)
+
+  abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+  closed = jax.make_jaxpr(lambda p, a, k: fn(p, *a, **k))(abstract, example_args, example_kwargs)
+  shapes = [tuple(x.shape) for x in leaves]
+  floating = [jnp.issubdtype(x.dtype, jnp.floating) for x in leaves]
+  analysis = _Analysis(closed, names, shapes, floating)
 
   units, unit_names, unit_shapes = analysis.units, analysis.names, analysis.shapes
   groups_of = collections.defaultdict(list)
   for inst in sorted(analysis.candidates,  # in the order of the tree
                      key=lambda i: (units[i.a[0][0]][0], i.a[0][0])):
     groups_of[_key(units, unit_names, inst)].append(inst)
-  pairs, rejected = [], []
-  checker = _Checker(apply_fn, params, example_args, example_kwargs, rtol, seed, units) \
+  pairs, rejected, confirmations = [], [], []
+  checker = _Checker(fn, leaves, example_args, example_kwargs, rtol, seed, units) \
       if groups_of else None
   for inst_list in groups_of.values():
     sizes = [unit_shapes[unit][axis] for unit, axis in inst_list[0].a + inst_list[0].b]
     options = _group_options(sizes, set().union(*(i.splits for i in inst_list)))
     confirmed, failed = _confirm(checker, inst_list, options)
     for insts, groups, tested in confirmed:
-      if tested or checker.could_fail(insts, groups):
-        pairs += _declare(units, unit_names, unit_shapes, insts, groups)
+      if not (tested or checker.could_fail(insts, groups)):
+        for inst in insts:
+          analysis._reject([l for l, _ in inst.a], [l for l, _ in inst.b], (
+              "unconfirmed: rescaling side a alone does not change the output on the example"
+              " inputs, even with all-zero parameters drawn at random, so no check could fail"))
         continue
-      for inst in insts:
-        analysis._reject([l for l, _ in inst.a], [l for l, _ in inst.b], (
-            "unconfirmed: rescaling side a alone does not change the output on the example"
-            " inputs, even with all-zero parameters drawn at random, so no check could fail"))
+      confirmations.append((insts, groups))
+      pairs += _declare(units, unit_names, unit_shapes, insts, groups)
     for inst in failed:
       analysis._reject([l for l, _ in inst.a], [l for l, _ in inst.b],
                        "the jaxpr suggests it, but random factors change the output")
@@ -1054,4 +1222,4 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
     if entry not in seen:
       seen.add(entry)
       rejected.append(entry)
-  return Discovery(pairs, rejected)
+  return Discovery(pairs, rejected, _roles(analysis, names, shapes, confirmations))

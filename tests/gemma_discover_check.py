@@ -1,34 +1,36 @@
 """Run by ``test_discover_thirdparty_patterns`` in a subprocess: the gemma package replaces
-flax's ``nn.Module.param`` process-wide. ``saggs.discover`` on a tiny ``gm.nn.Transformer``
-(Gemma-2 layout, soft caps off); prints its ``repr`` and the deviation of a NumPy orbit
-move of what it found, one per line."""
+flax's ``nn.Module.param`` process-wide, so it is imported only in ``main``; imported by pytest
+(to look for doctests), this module does nothing.
+
+``saggs.discover`` on a tiny ``gm.nn.Transformer`` (Gemma-2 layout, soft caps off): prints the
+``repr`` of what it found, then the deviation of a NumPy orbit move of it (one line).
+"""
 
 import pathlib
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from gemma import gm
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import models  # noqa: E402
-from test_discover import orbit_move  # noqa: E402
-
-import saggs_jax as saggs  # noqa: E402
-
-GLOBAL = gm.nn.config.AttentionType.GLOBAL
-CONFIG = gm.nn.config.TransformerConfig(
-    num_embed=32, embed_dim=16, hidden_dim=24, num_heads=4, head_dim=4, num_kv_heads=2,
-    final_logit_softcap=None, use_post_attn_norm=False, use_post_ffw_norm=False,
-    attention_types=(GLOBAL, GLOBAL), transpose_gating_einsum=True)
-
 
 def main():
-  model = gm.nn.Transformer(config=CONFIG, dtype=jnp.float32)
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from gemma import gm
+
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+  import models
+  from test_discover import orbit_move
+
+  import saggs_jax as saggs
+
+  attention = gm.nn.config.AttentionType.GLOBAL
+  config = gm.nn.config.TransformerConfig(
+      num_embed=32, embed_dim=16, hidden_dim=24, num_heads=4, head_dim=4, num_kv_heads=2,
+      final_logit_softcap=None, use_post_attn_norm=False, use_post_ffw_norm=False,
+      attention_types=(attention, attention), transpose_gating_einsum=True)
+  model = gm.nn.Transformer(config=config, dtype=jnp.float32)
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, 32, (2, 8)), jnp.int32)
-  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
-  params = models.random_like(shapes, 0, scale=0.5)
+  params = models.random_like(jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens), 0,
+                              scale=0.5)
 
   def forward(params, tokens):
     return model.apply(params, tokens).logits

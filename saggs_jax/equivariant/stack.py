@@ -185,6 +185,14 @@ def symmetry_compatible(
   weight decay; AdamW uses ``adamw_learning_rate`` (default
   ``learning_rate``) and ``adamw_weight_decay``.
 
+  Roles are routed by path pattern (:data:`ROLE_PATTERNS`, LLaMA-style Hugging
+  Face names, or ``patterns``). ``init`` raises a ValueError naming the role
+  and its patterns when a role matches no parameter: one given in
+  ``patterns``, or any but ``router`` and ``experts`` (and a tied
+  ``lm_head``) while a matrix falls to AdamW, as every matrix of a model
+  named otherwise would. ``patterns=saggs_jax.discover(...).roles`` reads the
+  roles from the model itself, whatever its names.
+
   ``preset="reference"`` reproduces Lau & Su's training scripts: every rule
   with its :data:`REFERENCE` settings (Muon's summed momentum and
   coefficient set, the ``x / (||x|| + eps)`` row scaling, ...), ``mlp="polar"``
@@ -213,7 +221,8 @@ def symmetry_compatible(
     down: ``"column"`` (column-aware, the ``mlp`` rule) or ``"polar"``.
     router: rule of an MoE router (always centred).
     stacked: hidden-layer parameters carry a leading layer axis (scan).
-    patterns: per-role overrides of :data:`ROLE_PATTERNS`.
+    patterns: per-role overrides of :data:`ROLE_PATTERNS`, e.g. ``discovery.roles``
+      of :func:`saggs_jax.discover`, which reads them from the model.
     learning_rates: per-role overrides of the learning rates.
     weight_decays: per-role overrides of the weight decays.
     beta: momentum decay of every rule.
@@ -287,7 +296,35 @@ def symmetry_compatible(
       "experts": polar(-1, -2, experts) if reference else polar(batch_axes=experts),
   }
   default = optax.adamw(lrs["adamw"], b2=0.95 if reference else 0.999, weight_decay=wds["adamw"])
-  return layerwise([(roles[r], optimizer(rules[r], lrs[r], wds[r])) for r in roles], default)
+  tx = layerwise([(roles[r], optimizer(rules[r], lrs[r], wds[r])) for r in roles], default)
+  optional = {"router", "experts"} | ({"lm_head"} if tie_embeddings else set())
+  return _routed(tx, roles, set(patterns or ()), optional, len(layer))
+
+
+def _routed(tx, roles, given, optional, stacked) -> optax.GradientTransformationExtraArgs:
+  """``tx`` whose ``init`` rejects a role that matches no parameter: one given in ``patterns``,
+  or any but ``optional`` ones while a matrix (per layer) falls to AdamW, as every matrix of a
+  model named otherwise would."""
+
+  def init(params):
+    flat = [(path_str(k), x) for k, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+    if not flat:  # optax.tree.map_params's placeholder, an empty model: nothing to route
+      return tx.init(params)
+    hits = {r: [p for p, _ in flat if any(match(q, p) is not None for q in pats)]
+            for r, pats in roles.items()}
+    routed = set().union(*hits.values())
+    adamw = [p for p, x in flat if p not in routed and jnp.ndim(x) >= 2 + stacked]
+    empty = [r for r in roles if not hits[r] and (r in given or (adamw and r not in optional))]
+    if empty:
+      raise ValueError(
+          "symmetry_compatible: " + "; ".join(f"role {r!r} matches no parameter (patterns"
+                                             f" {list(roles[r])})" for r in empty)
+          + (f", while the matrices {adamw[:4]}{' ...' if len(adamw) > 4 else ''} fall to AdamW"
+             if adamw else "")
+          + ". Pass patterns={role: patterns}, or patterns=saggs_jax.discover(...).roles.")
+    return tx.init(params)
+
+  return optax.GradientTransformationExtraArgs(init, tx.update)
 
 
 def _rates(preset, learning_rate, adamw_learning_rate, weight_decay, adamw_weight_decay,
