@@ -14,20 +14,28 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def summary(found) -> str:
-  """One phrase per found pair: its name, its sides' last segments, its grouping."""
-  def short(side):
-    specs = side if isinstance(side, tuple) else (side,)
-    names = []
-    for s in specs:
-      pattern = s if isinstance(s, str) else f"{s.pattern}[{s.part}]"
-      names.append("/".join(pattern.split("/")[-2:]))
-    return "+".join(names)
+  """What was found, briefly: each pair's name, the layers on its sides and its grouping; the
+  norm gains by their norm layers."""
   if isinstance(found, Exception):
     return f"raises {found!r}"
-  phrases = []
+
+  def short(side):
+    names = []
+    for s in side if isinstance(side, tuple) else (side,):
+      pattern = s if isinstance(s, str) else s.pattern
+      segs = [x for x in pattern.split("/") if x not in ("kernel", "weight", "scale", "w")]
+      names.append(segs[-1] + ("" if isinstance(s, str) else f"[{s.part}]"))
+    return "+".join(names)
+
+  phrases, gains = [], []
   for p in found:
-    groups = "per index" if p.groups is None else f"{p.groups} group{'s' * (p.groups > 1)}"
-    phrases.append(f"{p.name or 'pair'}: {short(p.a)} ~ {short(p.b)} ({groups})")
+    if p.name == "norm gain":
+      gains.append(short(p.a))
+      continue
+    groups = "per channel" if p.groups is None else f"{p.groups} group{'s' * (p.groups > 1)}"
+    phrases.append(f"{p.name or 'pair'} {short(p.a)} ~ {short(p.b)} ({groups})")
+  if gains:
+    phrases.append(f"norm gains of {', '.join(gains)} against the linears they feed")
   return "; ".join(phrases)
 
 
