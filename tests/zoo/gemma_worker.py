@@ -42,13 +42,13 @@ def not_symmetries():
   ]
 
 
-def main(out_json, scratch):
+def build():
+  """The model, with discover run on it (a ``zoo_oracle.Zoo``)."""
   import jax
   import jax.numpy as jnp
   from gemma import gm
 
   import zoo_models
-  import zoo_oracle
 
   jax.config.update("jax_default_matmul_precision", "highest")
   config = gm.nn.config.TransformerConfig(
@@ -59,12 +59,20 @@ def main(out_json, scratch):
   model = gm.nn.Transformer(config=config, dtype=jnp.float32)
   ids = zoo_models.tokens()
   params = model.init(jax.random.key(0), ids)["params"]
-  # random gains (gemma initialises them to 0, i.e. a gain of 1)
+  # random weights of the transformers models' scale (gemma's own init is too small for a broken
+  # symmetry to show), random gains (gemma initialises them to 0, i.e. a gain of 1)
   params = jax.tree_util.tree_map_with_path(
-      lambda kp, x: 0.3 * jax.random.normal(jax.random.key(zlib.crc32(str(kp).encode())), x.shape)
-      if "norm" in str(kp) else x, params)
-  zoo = zoo_models.make_zoo("gemma package", lambda p, ids: model.apply({"params": p}, ids).logits,
-                            params, (ids,), expected, not_symmetries, ("*norm/scale",))
+      lambda kp, x: zoo_models.INIT * jax.random.normal(
+          jax.random.key(zlib.crc32(str(kp).encode())), x.shape, x.dtype), params)
+  return zoo_models.make_zoo(
+      "gemma package", lambda p, ids: model.apply({"params": p}, ids).logits, params, (ids,),
+      expected, not_symmetries, ("*norm/scale",))
+
+
+def main(out_json, scratch):
+  import zoo_oracle
+
+  zoo = build()
   result = {"seconds": zoo.seconds, "found": repr(zoo.found), "checks": {}}
   for name, check in zoo_oracle.CHECKS.items():
     try:

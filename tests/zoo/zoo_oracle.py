@@ -14,7 +14,6 @@ subprocess) run the same checks.
 """
 
 import fnmatch
-import re
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -364,7 +363,3 @@ def check_checkpoint_round_trip(zoo: Zoo, tmp_dir):
 
 CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
 
-
-def pair_names(found) -> list[str]:
-  """One short line per found pair, for the README table."""
-  return [re.sub(r"\s+", " ", repr(p)) for p in found]
