@@ -91,7 +91,7 @@ def llama(num_kv_heads: int, *, mlp: bool = True, bias: bool = False, stacked: i
 def gpt2(num_heads: int, *, norms: bool = True, stacked: int = 0,
          prefix: str | None = None) -> list[Pair]:
   """Q/K and V/O per head in GPT-2's fused attention, and each LayerNorm against the rows
-  that read it (Hugging Face Flax naming).
+  that read it: Hugging Face's names on Flax ``Dense`` kernels laid out (in, out).
 
   ``attn/c_attn/kernel`` (d, 3d) holds q, k and v as column blocks, and
   ``attn/c_attn/bias`` (3d,) likewise; head h is columns ``h*hd ... (h+1)*hd``
@@ -100,7 +100,10 @@ def gpt2(num_heads: int, *, norms: bool = True, stacked: int = 0,
   ``attn/c_proj/kernel`` (d, d) on the other side of V/O. ``ln_1`` (gain and
   bias per channel) pairs with the rows of ``c_attn``, ``ln_2`` with those of
   ``mlp/c_fc/kernel``; ``c_attn`` is then in three pairs at once, balanced
-  jointly. The GELU MLP has no pair.
+  jointly. The GELU MLP has no pair. (``transformers``' ``FlaxGPT2LMHeadModel``
+  stores its Conv1D kernels transposed, (out, in): ``c_attn/kernel`` is (3d, d),
+  and its (3d,) bias lines up with the kernel's leading axis, which a follower
+  cannot express; this preset does not fit it.)
 
   Args:
     num_heads: the number of attention heads.

@@ -1,8 +1,8 @@
 """Blocks of a fused leaf, through every part of the library, against NumPy oracles.
 
-Two tiny models in plain JAX: GPT-2 (Hugging Face Flax names) with q|k|v fused in
-``c_attn`` (d, 3d) and its bias, and a gemma-style one with K and V stacked on a
-leading axis of ``kv_einsum/w`` (2, KV, d, hd) and gate and up on one of
+Two tiny models in plain JAX: GPT-2 (Hugging Face names, Dense kernels (in, out)) with
+q|k|v fused in ``c_attn`` (d, 3d) and its bias, and a gemma-style one with K and V stacked
+on a leading axis of ``kv_einsum/w`` (2, KV, d, hd) and gate and up on one of
 ``gating_einsum/w`` (2, d, f). The oracle is the orbit move written out by hand:
 which columns, rows or slices each factor multiplies.
 """
@@ -292,7 +292,7 @@ def test_checkpoint_round_trip_and_the_layout_names_blocks(manager):
     saggs.checkpoint.restore(manager, params, _chain_state(swapped, params), pairs=swapped)
 
 
-def test_gpt2_preset_is_exact_on_flax_gpt2_names():
+def test_gpt2_preset_resolves_per_layer_and_is_exact():
   params = gpt2_init(2)
   plan = saggs.pairs.resolve(GPT2_PAIRS, params)
   assert [i.pair.name for i in plan.instances] == (
