@@ -352,7 +352,7 @@ def _chain_log_ratios_numpy(params):
 
 def test_deep_relu_chain_converges_and_is_idempotent():
   """40 layers, one x100: sweeps of closed-form steps alone stop at their cap with
-  |log ratio| ~5e-3 here (they need sweeps growing with depth squared); the Newton steps
+  |log ratio| ~1e-3 here (they need sweeps growing with depth squared); the Newton steps
   reach the joint minimum. Oracle: NumPy norms, the NumPy forward pass, and a second
   canonicalize."""
   params, pairs = _relu_chain(40)

@@ -254,9 +254,10 @@ SHARD_MAP_SCRIPT = PRELUDE + textwrap.dedent(r"""
 
     # Tensor-parallel channels: the group axis split, every shard holding whole groups (one
     # per index), axis_name=(): nothing to sum. Oracle: NumPy norms after an sgd(0) step.
-    layout = {"col": P(None, "x"), "row": P("x", None), "bias": P()}
+    layout = {"col": P(None, "x"), "row": P("x", None), "bias": P("x")}
     tp = saggs.chain(optax.sgd(0.0), saggs.saggs(PAIRS[3:], axis_name=()))
-    got = sharded_update(tp, {"mlp/up|mlp/down": P("x"), "scan/up|scan/down": P(None, "x")})
+    got = optax.apply_updates(PARAMS, sharded_update(
+        tp, {"mlp/up|mlp/down": P("x"), "scan/up|scan/down": P(None, "x")}))
     for name in ("mlp", "scan"):
       up, down = (np.asarray(got[name][n], np.float64) for n in ("up", "down"))
       before = [np.asarray(PARAMS[name][n], np.float64) for n in ("up", "down")]
