@@ -215,6 +215,9 @@ OVERLAP_SCRIPT = PRELUDE + textwrap.dedent(r"""
           got = jax.jit(step)(params, tx.init(params), jax.device_put(grads(1), sh))
         for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
           b = np.asarray(b)
+          if kp[-1] == jax.tree_util.GetAttrKey("residual"):  # rounding-level on both: converged
+            check(a <= saggs.balance.TOLERANCE and b <= saggs.balance.TOLERANCE, f"residual {a}, {b}")
+            continue
           check(np.allclose(a, b, rtol=1e-5, atol=1e-6 * np.max(np.abs(b))),
                 f"{axis_type} {name} {jax.tree_util.keystr(kp)}: max diff {np.max(np.abs(a - b))}")
         for (kp, x), s in zip(jax.tree_util.tree_leaves_with_path(got[0]), jax.tree.leaves(sh)):
