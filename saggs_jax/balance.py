@@ -11,8 +11,9 @@ of several tensors has the norm of all of them together.
 
 When pairs overlap (one leaf in several), hard balancing minimises the total
 squared norm of all declared leaves over all factors at once, a convex problem
-in the log-factors solved by sweeps of the closed form above (see :func:`solve`);
-soft balancing takes ``strength`` of those log-factors.
+in the log-factors solved by Newton steps and sweeps of the closed form above
+(see :func:`solve`), which reports how far from converged it stopped; soft
+balancing takes ``strength`` of those log-factors.
 
 Guards, so that no NaN or Inf is ever produced:
 
@@ -109,7 +110,7 @@ def _group_reduce(v: jax.Array, slot: Slot, axis_name: AxisName, op: str = "sum"
       start, stop = slot.tiled(v.shape[slot.axis])
       s = reduce(s[..., start:stop].reshape(s.shape[:-1] + (slot.groups, -1)), axis=-1)
   s = replicated(s)
-  return s if axis_name is None else collective(s, axis_name)
+  return collective(s, axis_name) if axis_name else s  # () names no axis: nothing to sum
 
 
 def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str = "sum"
@@ -144,7 +145,7 @@ def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str = 
     if s.axis is None:
       r = jnp.expand_dims(r, stacked + i)
   r = replicated(r)
-  return r if axis_name is None else jax.lax.psum(r, axis_name)
+  return jax.lax.psum(r, axis_name) if axis_name else r
 
 
 def _fast_log_sq(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
@@ -283,13 +284,21 @@ def _marginal(plan: Plan, piece: tuple, stats: jax.Array, u: dict, key: str, wei
   """``stats`` of ``piece`` with the log-factors ``weight * sign * u`` of its other slots
   applied, reduced to the groups of instance ``key``."""
   slots = plan.pieces[piece].slots
-  j = next(i for i, s in enumerate(slots) if s.key == key)
   for i, s in enumerate(slots):
-    if i != j:
+    if s.key != key:
       stats = stats + weight * s.sign * _at(u[s.key], i, slots)
+  return _onto(plan, piece, stats, key, u[key].shape, reduce)
+
+
+def _onto(plan: Plan, piece: tuple, x: jax.Array, key: str, shape: tuple[int, ...], reduce
+          ) -> jax.Array:
+  """``x``, on the statistics layout of ``piece``, reduced to the groups of instance ``key``
+  (of factor shape ``shape``)."""
+  slots = plan.pieces[piece].slots
+  j = next(i for i, s in enumerate(slots) if s.key == key)
   kept = set(range(slots[j].stacked)) | {_stacked(slots) + j}
-  others = tuple(d for d in range(stats.ndim) if d not in kept)
-  return (reduce(stats, axis=others) if others else stats).reshape(u[key].shape)
+  others = tuple(d for d in range(x.ndim) if d not in kept)
+  return (reduce(x, axis=others) if others else x).reshape(shape)
 
 
 def _logsumexp(xs: list[jax.Array]) -> jax.Array:
@@ -319,51 +328,158 @@ def _bounds(plan: Plan, stats: Stats, dtypes: dict, u: dict, inst: Instance) -> 
   return lo, hi
 
 
-def _sweep(plan: Plan, stats: Stats, dtypes: dict, u: dict, scale: float) -> dict:
+def _sweep(plan: Plan, stats: Stats, dtypes: dict, u: dict, scale: float
+           ) -> tuple[dict, dict, jax.Array]:
   """One pass over the instances, each set to its best factor given the others: the
   minimiser of ``||c A||^2 + ||B / c||^2`` with the others' factors applied, times
   ``scale`` in log space and clipped to the dtype bounds; 1 (log 0) where a side's norm
-  is zero or non-finite or no factor fits."""
-  u = dict(u)
+  is zero or non-finite or no factor fits. Also returns, per instance, where the factor
+  is free (balanced by the closed form, neither frozen at 1 nor clipped), and the
+  largest finite log squared norm of a side met, which bounds every leaf's after it."""
+  u, free, top = dict(u), {}, jnp.float32(-jnp.inf)
   for inst in plan.instances:
     la, lb = (_side_log_sq(plan, stats, u, inst, sign) for sign in (+1, -1))
     lo, hi = _bounds(plan, stats, dtypes, u, inst)
     ok = jnp.isfinite(la) & jnp.isfinite(lb) & (lo <= hi)
-    u[inst.key] = jnp.where(ok, jnp.clip(scale * 0.25 * jnp.where(ok, lb - la, 0), lo, hi), 0)
-  return u
+    best = scale * 0.25 * jnp.where(ok, lb - la, 0)
+    u[inst.key] = jnp.where(ok, jnp.clip(best, lo, hi), 0)
+    free[inst.key] = ok & (best >= lo) & (best <= hi)
+    top = jnp.maximum(top, jnp.max(jnp.where(ok, jnp.maximum(la, lb), -jnp.inf), initial=-jnp.inf))
+  return u, free, top
 
 
-# Overlapping pairs: sweeps stop once no log-factor moves by more than this.
+def _signed_sum(plan: Plan, piece: tuple, u: dict) -> jax.Array:
+  """``sum_s sign_s u_s`` over the slots of ``piece``, on its statistics layout."""
+  slots = plan.pieces[piece].slots
+  return sum(s.sign * _at(u[s.key], i, slots) for i, s in enumerate(slots))
+
+
+def _newton(plan: Plan, stats: Stats, u: dict, free: dict, shift: jax.Array) -> dict:
+  """One damped Newton step on ``f(u) = sum_leaves ||T_u(leaf)||^2`` over the free
+  log-factors.
+
+  With ``E`` a leaf's squared norm per combination of groups (factors applied), the
+  gradient for instance k is ``2 s_k sum E`` over its groups, and the Hessian
+  ``(H v)_k = 4 s_k sum E (sum_l s_l v_l)``: graph-Laplacian-like, the instances
+  coupled through shared leaves. The step solves ``H du = -grad`` by conjugate
+  gradients preconditioned by the diagonal ``4 sum E`` (at most ``MAX_CG``
+  products, relative residual ``CG_TOLERANCE``), then takes the longest step
+  ``2**-k`` (k < ``LINE_SEARCH_STEPS``) that decreases ``f`` (Armijo, the change
+  summed as ``E * expm1(t * change)`` so that float32 resolves it near the minimum).
+
+  ``E`` is taken relative to ``exp(shift)``, a bound on the largest (from the last
+  sweep; computing it here makes XLA's compile time grow with the square of the
+  number of leaves): groups more than ~1e38 below it underflow to no step here and are
+  left to the sweeps.
+  """
+  members = {k for i in plan.instances for sign in (+1, -1) for name in i.members(sign)
+             for k in plan.pieces_of(name, i.key)}
+  counted = [k for k in plan.pieces if k in members]
+  log_e = {p: stats[p][0] + 2 * _signed_sum(plan, p, u) - shift for p in counted}
+  # A non-finite combination freezes (not free) every group it touches: drop it from f.
+  e = {p: jnp.where(jnp.isfinite(v), jnp.exp(jnp.minimum(v, 80.0)), 0.0) for p, v in log_e.items()}
+  # Vectors over all log-factors travel flat, each instance a static span.
+  shapes = {i.key: i.factor_shape for i in plan.instances}
+  ends = np.cumsum([int(np.prod(v)) for v in shapes.values()])
+  flat = lambda d: jnp.concatenate([jnp.ravel(d[k]) for k in shapes])  # noqa: E731
+  split = lambda v: {k: v[end - int(np.prod(sh)):end].reshape(sh)  # noqa: E731
+                     for (k, sh), end in zip(shapes.items(), ends)}
+  mask = flat(free).astype(jnp.float32)
+
+  def per_instance(weighted):  # sum_p sign * E_p * weighted(p), onto every instance
+    out = {k: jnp.zeros(v, jnp.float32) for k, v in shapes.items()}
+    for p in counted:
+      x = e[p] * weighted(p)
+      for s in plan.pieces[p].slots:
+        out[s.key] = out[s.key] + s.sign * _onto(plan, p, x, s.key, shapes[s.key], jnp.sum)
+    return flat(out) * mask
+
+  grad = per_instance(lambda p: 2.0)
+  diag = flat({k: 4 * _onto_all(plan, e, counted, k, shapes[k]) for k in shapes})
+  inverse = jnp.where(diag > 0, 1 / jnp.where(diag > 0, diag, 1), 0)
+
+  def cg(carry):
+    x, r, p, rz, k = carry
+    dirs = split(p)
+    hp = per_instance(lambda piece: 4 * _signed_sum(plan, piece, dirs))
+    curv = p @ hp
+    alpha = jnp.where(curv > 0, rz / jnp.where(curv > 0, curv, 1), 0)
+    x, r = x + alpha * p, r - alpha * hp
+    z = inverse * r
+    new = r @ z
+    return x, r, z + jnp.where(rz > 0, new / jnp.where(rz > 0, rz, 1), 0) * p, new, k + 1
+
+  z = -inverse * grad
+  rz0 = -grad @ z
+  du, *_ = jax.lax.while_loop(lambda c: (c[3] > CG_TOLERANCE**2 * rz0) & (c[4] < MAX_CG), cg,
+                              (jnp.zeros_like(grad), -grad, z, rz0, 0))
+  slope = grad @ du
+  du = split(du)
+  change = {p: 2 * _signed_sum(plan, p, du) for p in counted}
+
+  # Backtracking without a loop: the Armijo test at every step 2**-k at once.
+  steps = 2.0 ** -jnp.arange(LINE_SEARCH_STEPS, dtype=jnp.float32)
+  decrease = sum(jnp.sum(e[p][..., None] * jnp.expm1(steps * change[p][..., None]),
+                         axis=tuple(range(e[p].ndim))) for p in counted)
+  passed = (decrease <= 1e-4 * steps * slope) & (slope < 0)
+  t = jnp.where(jnp.any(passed), steps[jnp.argmax(passed)], 0.0)
+  return {k: u[k] + t * du[k] for k in u}
+
+
+def _onto_all(plan: Plan, e: dict, counted: list, key: str, shape) -> jax.Array:
+  """``sum_p E_p`` over the counted pieces in instance ``key``, onto its groups."""
+  return sum(_onto(plan, p, e[p], key, shape, jnp.sum) for p in counted
+             if any(s.key == key for s in plan.pieces[p].slots))
+
+
+# Overlapping pairs: the joint solve stops once a sweep moves no log-factor by more than
+# TOLERANCE, or after MAX_ITERATIONS rounds of one Newton step and one sweep.
 TOLERANCE = 1e-6
-MAX_SWEEPS = 200
+MAX_ITERATIONS = 30
+MAX_CG = 256
+CG_TOLERANCE = 1e-3
+LINE_SEARCH_STEPS = 12
 
 
-def solve(plan: Plan, stats: Stats, dtypes: dict, strength: float) -> Factors:
-  """The factors of every instance: log-factors ``strength * u``, ``u`` minimising the total
-  squared norm of the declared leaves over the orbit.
+def solve(plan: Plan, stats: Stats, dtypes: dict, strength: float) -> tuple[Factors, jax.Array]:
+  """The factors of every instance, and how far from converged the joint solve stopped.
 
-  Without overlaps each instance is independent and one sweep gives the closed form
-  ``c = (||B|| / ||A||) ** (strength / 2)``. With overlaps the objective is convex in
-  the log-factors (a sum of exponentials of linear functions); block coordinate
-  descent, one closed-form step per instance per sweep, runs under jit until no
-  log-factor moves by more than ``TOLERANCE`` (at most ``MAX_SWEEPS`` sweeps). At the
-  minimum every instance is balanced: its gradient is ``2 (||A||^2 - ||B||^2)``.
+  The log-factors are ``strength * u``, ``u`` minimising the total squared norm of the
+  declared leaves over the orbit. Without overlaps each instance is independent and one
+  sweep gives the closed form ``c = (||B|| / ||A||) ** (strength / 2)``; the residual is 0.
+  With overlaps the objective is convex in the log-factors (a sum of exponentials of
+  linear functions), and its gradient for an instance is ``2 (||A||^2 - ||B||^2)``: at the
+  minimum every instance is balanced. One sweep of closed-form steps comes first; then
+  each round, under ``jit``, takes one Newton step (see :func:`_newton`) and one sweep
+  (which keeps every factor within its dtype bounds), until the sweep moves no log-factor
+  by more than ``TOLERANCE`` or ``MAX_ITERATIONS`` rounds have run. Coordinate descent
+  alone would need sweeps growing with the square of the depth of the overlaps (a chain
+  of layers); the Newton step propagates along it at once.
+
+  The residual is the largest move of a log-factor in the last sweep (half a
+  ``log(||A|| / ||B||)`` that the sweep found): at most ``TOLERANCE`` when converged.
   """
   u = _no_factors(plan)
   if not plan.overlapping:
-    u = _sweep(plan, stats, dtypes, u, strength)
-  else:
-    def body(carry):
-      u, _, n = carry
-      new = _sweep(plan, stats, dtypes, u, 1.0)
-      moved = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(new[k] - u[k]), initial=0.0)
-                                             for k in u])
-      return new, moved, n + 1
+    return {k: jnp.exp(v) for k, v in _sweep(plan, stats, dtypes, u, strength)[0].items()
+            }, jnp.float32(0.0)
 
-    u, _, _ = jax.lax.while_loop(lambda c: (c[1] > TOLERANCE) & (c[2] < MAX_SWEEPS), body,
-                                 (u, jnp.float32(jnp.inf), 0))
-    u = jax.tree.map(lambda v: strength * v, u)
-  return {k: jnp.exp(v).astype(jnp.float32) for k, v in u.items()}
+  def moved(a, b):
+    return functools.reduce(jnp.maximum, [jnp.max(jnp.abs(a[k] - b[k]), initial=0.0) for k in a])
+
+  def body(carry):
+    u, free, shift, _, n = carry
+    stepped = _newton(plan, stats, u, free, jnp.where(jnp.isfinite(shift), shift, 0.0))
+    new, free, shift = _sweep(plan, stats, dtypes, stepped, 1.0)
+    return new, free, shift, moved(new, stepped), n + 1
+
+  free = jax.tree.map(lambda v: jnp.ones(v.shape, bool), u)  # the sweep clips after
+  top = functools.reduce(jnp.maximum, [jnp.max(jnp.where(jnp.isfinite(v), v, -jnp.inf))
+                                       for v, _ in stats.values()])
+  u, _, _, residual, _ = jax.lax.while_loop(
+      lambda c: (c[3] > TOLERANCE) & (c[4] < MAX_ITERATIONS), body,
+      (u, free, top, jnp.float32(jnp.inf), 0))
+  return {k: jnp.exp(strength * v) for k, v in u.items()}, residual
 
 
 def _dtypes(params: Any) -> dict:
@@ -378,8 +494,9 @@ def log_norms(plan: Plan, params: Any) -> dict[str, tuple[jax.Array, jax.Array]]
 
 
 def compute_factors(plan: Plan, params: Any, strength: float, axis_name: AxisName = None
-                    ) -> Factors:
-  """The balancing factors of every instance in ``plan`` for ``params``."""
+                    ) -> tuple[Factors, jax.Array]:
+  """The balancing factors of every instance in ``plan`` for ``params``, and the joint
+  solve's residual (see :func:`solve`)."""
   return solve(plan, leaf_stats(plan, params, axis_name), _dtypes(params), strength)
 
 

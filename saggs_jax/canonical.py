@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from saggs_jax.balance import Factors, compute_factors, scale_tree
+from saggs_jax.balance import TOLERANCE, Factors, compute_factors, scale_tree
 from saggs_jax.pairs import Pair, Plan, resolve
 from saggs_jax.transport import transport
 
@@ -95,7 +96,9 @@ def canonicalize(params: Any, opt_state: Any, pairs: Sequence[Pair]):
   Each group gets ``c = sqrt(||B|| / ||A||)``, after which ``||A|| = ||B||``
   (norms over every tensor of a side); with overlapping pairs the factors
   jointly minimise the total squared norm, which balances every pair. The
-  moments are transported alongside. ``canonicalize`` is idempotent and
+  moments are transported alongside. Should the joint solve stop at its iteration
+  cap short of ``TOLERANCE`` (see :func:`saggs_jax.balance.solve`), it warns (from
+  the host when traced, via ``jax.debug.callback``). ``canonicalize`` is idempotent and
   ``canonicalize(reparameterize(s, f)) == canonicalize(s)`` for every f > 0
   up to floating point, so equivalent checkpoints become the same state.
 
@@ -109,4 +112,17 @@ def canonicalize(params: Any, opt_state: Any, pairs: Sequence[Pair]):
     (2.0, 2.0)
   """
   plan = resolve(pairs, params)
-  return apply_transform(plan, params, opt_state, compute_factors(plan, params, 1.0))
+  factors, residual = compute_factors(plan, params, 1.0)
+  if _is_concrete(residual):
+    _warn_unconverged(residual)
+  else:
+    jax.debug.callback(_warn_unconverged, residual)
+  return apply_transform(plan, params, opt_state, factors)
+
+
+def _warn_unconverged(residual) -> None:
+  if float(residual) > TOLERANCE:
+    warnings.warn(
+        f"canonicalize: the joint balancing of overlapping pairs stopped at its iteration cap,"
+        f" a log-factor still moving by {float(residual):.3g} (tolerance {TOLERANCE:g}); the"
+        " state is not exactly canonical.", RuntimeWarning, stacklevel=3)

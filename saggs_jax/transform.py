@@ -35,10 +35,18 @@ class SaggsState(NamedTuple):
     factors: the factors applied by the latest update, keyed by pair instance
       (``"a_path|b_path"``), each of shape ``stacked_shape + (groups,)``; all
       ones after an update that ``every`` skipped. Log them to watch SAGGS work.
+    residual: how far the joint solve of overlapping pairs was from converged
+      when the latest balancing stopped: the largest move of a log-factor in
+      its last sweep (see :func:`saggs_jax.balance.solve`). At most
+      ``saggs_jax.balance.TOLERANCE`` when it converged; larger means it hit its
+      iteration cap and the pairs are not exactly balanced. 0 without overlaps
+      and on updates that do not balance. Read on the host; the update never
+      syncs on it.
   """
 
   count: jax.Array
   factors: Factors
+  residual: jax.Array
 
 
 # An earlier symmetry stage's factors record what it applied; they are not moments.
@@ -62,10 +70,50 @@ class SymmetryTransformation(optax.GradientTransformationExtraArgs):
     return self
 
 
-def _ones_like_output(fn, *args):
-  """Ones of the type ``fn(*args)`` returns (shape, dtype and, under an Explicit mesh,
-  sharding), found by tracing only: both branches of a ``lax.cond`` must agree."""
-  return jax.tree.map(jnp.ones_like, jax.eval_shape(fn, *args))
+def _no_balancing(fn, *args):
+  """Factors of ones and residual 0, of the type ``fn(*args)`` returns (shape, dtype and,
+  under an Explicit mesh, sharding), found by tracing only: both branches of a
+  ``lax.cond`` must agree."""
+  factors, residual = jax.eval_shape(fn, *args)
+  return jax.tree.map(jnp.ones_like, factors), jnp.zeros_like(residual)
+
+
+# An update may shrink a weight by at most 2**-k, k as large as keeps the landed weight's
+# relative error within 2**-ERROR_BITS (see step_limits).
+ERROR_BITS = 14
+
+
+def step_limits(plan, params) -> dict[str, float]:
+  """Per pair instance, the largest ``|log c|`` one update applies.
+
+  The update lands on ``p * m`` (``m`` the product of a leaf's factors) as
+  ``p + (p * m - p)`` in the leaf's dtype: when ``m`` is tiny, ``p * m - p`` rounds
+  at the precision of ``p``, and the result loses ``log2(1 / m)`` bits
+  (``q * 1e-25`` would land on 0). With unit roundoff ``2**-b`` the error is at most
+  ``(1 / m + 1) 2**-b`` relative, so ``m >= 2**-k`` with
+  ``k = max(1, b - ERROR_BITS)`` keeps it within ``2**-ERROR_BITS + 2**-b``; at
+  ``k = 1`` (bfloat16, float16) ``p * m - p`` is exact (Sterbenz) and the update lands on
+  ``p * m`` exactly. float32 allows ``2**-10`` per update, float64 ``2**-39``. A leaf in
+  ``n`` instances splits its bound among them. A larger imbalance is balanced over
+  several updates, each within the bound.
+  """
+  dtypes = {path: leaf.dtype for path, leaf in paths.leaves_with_paths(params)}
+
+  def bits(name):  # k for the leaf's dtype, shared among its instances
+    path = plan.part(name).path
+    b = jnp.finfo(dtypes[path]).nmant + 1
+    return max(1, b - ERROR_BITS) / len(plan.slots[path])
+
+  return {i.key: float(np.log(2.0)) * min(bits(p) for p in i.members_a + i.members_b
+                                          + i.followers_a + i.followers_b)
+          for i in plan.instances}
+
+
+def _within_step(plan, params, factors):
+  """``factors`` clipped to :func:`step_limits`."""
+  limits = step_limits(plan, params)
+  return {k: jnp.clip(f, np.exp(-limits[k]), np.exp(limits[k])).astype(f.dtype)
+          for k, f in factors.items()}
 
 
 def _land_on(params, updates, target, plan, factors):
@@ -112,6 +160,27 @@ def _check_global(axis_name) -> None:
         " axis_name=() if every shard holds whole groups.")
 
 
+def _check_whole_groups(plan, global_shapes) -> None:
+  """Inside ``shard_map`` a pair is resolved on each device's shard. Declared ``groups``
+  along an axis that the shards split would resolve there to smaller groups (and the
+  psum over ``axis_name`` would add different groups together): refuse it. The global
+  shapes are those ``init`` saw outside ``shard_map``."""
+  if not global_shapes or not jax.sharding.get_abstract_mesh().manual_axes:
+    return
+  for inst in plan.instances:
+    if inst.pair.groups is None:
+      continue
+    for name in inst.members_a + inst.members_b + inst.followers_a + inst.followers_b:
+      axis, path = plan.slot(name, inst.key).axis, plan.part(name).path
+      local, whole = plan.shapes[path], global_shapes.get(path)
+      if axis is not None and whole is not None and local[axis] != whole[axis]:
+        raise ValueError(
+            f"{inst.pair!r} declares groups={inst.pair.groups} along axis {axis} of {path!r},"
+            f" which shard_map splits over devices (shape {whole} holds {local} per device):"
+            " each device would balance its slices as groups of their own. Keep that axis"
+            " whole on every device, or balance outside shard_map (jit on a mesh).")
+
+
 def _caller():
   """The innermost frame outside saggs_jax, optax and jax: the user's line."""
   internal = tuple(os.path.dirname(m.__file__) for m in (optax, jax)) + (os.path.dirname(__file__),)
@@ -152,7 +221,9 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
   untransported, and warns once.
 
   Norms are scale-safe and a factor never overflows a leaf's dtype (see
-  :mod:`saggs_jax.balance`).
+  :mod:`saggs_jax.balance`). One update rescales a weight by at most
+  :func:`step_limits` (``2**±10`` in float32), so that adding the update keeps
+  the function; a larger imbalance is balanced over several updates.
 
   Args:
     pairs: the :class:`~saggs_jax.Pair` declarations; none (a
@@ -186,41 +257,50 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
   _check_axis_name(axis_name)
   _check_number("strength", strength, lambda s: 0 < s <= 1, "in (0, 1]", integer=False)
   _check_number("every", every, lambda k: k >= 1, ">= 1", integer=True)
-  warned = []
+  warned, global_shapes = [], {}  # the shapes init saw outside shard_map
 
   def factors_of(params, axis_name=axis_name):
     return compute_factors(resolve(pairs, params), params, strength, axis_name)
 
+  def step_factors(params):  # what one update applies: at most step_limits
+    factors, residual = factors_of(params)
+    return _within_step(resolve(pairs, params), params, factors), residual
+
   def scheduled_factors(count, params):
-    """The factors of update number ``count``: ones when it does not balance."""
+    """The factors of update number ``count`` and the solve's residual: ones and 0 when it
+    does not balance."""
     if every == 1:
-      return factors_of(params)
-    factors = jax.lax.cond((count - 1) % every == 0, factors_of,
-                           lambda p: _ones_like_output(factors_of, p), params)
+      return step_factors(params)
+    factors = jax.lax.cond((count - 1) % every == 0, step_factors,
+                           lambda p: _no_balancing(factors_of, p), params)
     return jax.tree.map(replicated, factors)  # else XLA may shard them, then gather each update
 
   def init(params):  # may run outside shard_map: no axis to sum over
     count = jnp.zeros([], jnp.int32)
+    if not jax.sharding.get_abstract_mesh().manual_axes:
+      global_shapes.update((p, tuple(x.shape)) for p, x in paths.leaves_with_paths(params))
     if not jax.tree.leaves(params):
       # optax.tree.map_params traces init on a leafless placeholder for the params to
       # find the params-shaped parts of a state; the factors are not one of them.
-      return SaggsState(count, jnp.ones([], jnp.float32))
-    return SaggsState(count, _ones_like_output(lambda p: factors_of(p, axis_name=None), params))
+      return SaggsState(count, jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32))
+    return SaggsState(count, *_no_balancing(lambda p: factors_of(p, axis_name=None), params))
 
   def start(state, params):
     if params is None:
       raise ValueError("SAGGS needs the current parameters: call update(updates, state, params).")
     _check_global(axis_name)
-    return resolve(pairs, params), optax.safe_increment(state.count)
+    plan = resolve(pairs, params)
+    _check_whole_groups(plan, global_shapes)
+    return plan, optax.safe_increment(state.count)
 
   def around(prior, grads, state, prior_states, params):
     plan, count = start(state, params)
-    factors = scheduled_factors(count, params)
+    factors, residual = scheduled_factors(count, params)
     balanced = scale_tree(plan, params, factors, 1.0)
     updates, prior_states = prior(scale_tree(plan, grads, factors, -1.0),
                                   transport(plan, prior_states, factors), balanced)
     updates = _land_on(params, updates, optax.apply_updates(balanced, updates), plan, factors)
-    return updates, SaggsState(count, factors), prior_states
+    return updates, SaggsState(count, factors, residual), prior_states
 
   def update(updates, state, params=None, **extra_args):
     del extra_args
@@ -234,9 +314,9 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
           frame.f_code.co_filename if frame else "<unknown>", frame.f_lineno if frame else 0)
     plan, count = start(state, params)
     stepped = optax.apply_updates(params, updates)
-    factors = scheduled_factors(count, stepped)
+    factors, residual = scheduled_factors(count, stepped)
     target = scale_tree(plan, stepped, factors, 1.0)
-    return _land_on(params, updates, target, plan, factors), SaggsState(count, factors)
+    return _land_on(params, updates, target, plan, factors), SaggsState(count, factors, residual)
 
   return SymmetryTransformation(init, update, around)
 

@@ -347,3 +347,69 @@ def test_describe_lists_every_tensor_and_the_shared_leaves():
   text = saggs.describe(PAIRS, models.llama_init(0))
   assert "attention norm gain  b     layers/0/attn/v_proj/kernel" in text
   assert re.search(r"In several pairs, so balanced jointly: .*layers/0/attn/q_proj/kernel", text)
+
+
+def _relu_chain(depth, width=6, jump=20, seed=11):
+  """A ReLU MLP ``x -> w_{n-1} ... relu(w_1 relu(w_0 x))`` (kernels (in, out)), layer
+  ``jump`` 100x larger; each hidden channel of w_i pairs with the same row of w_{i+1}."""
+  rng = np.random.default_rng(seed)
+  params = {f"w{i:02d}": jnp.asarray(rng.standard_normal((width, width)) / np.sqrt(width)
+                                     * (100.0 if i == jump else 1.0), jnp.float32)
+            for i in range(depth)}
+  pairs = [saggs.Pair(f"w{i:02d}", f"w{i + 1:02d}", axes=(1, 0)) for i in range(depth - 1)]
+  return params, pairs
+
+
+def _chain_forward_numpy(params, x):
+  ws = [np.asarray(params[k], np.float64) for k in sorted(params)]
+  for w in ws[:-1]:
+    x = np.maximum(x @ w, 0)
+  return x @ ws[-1]
+
+
+def _chain_log_ratios_numpy(params):
+  """log(||column j of w_i|| / ||row j of w_{i+1}||) for every pair of consecutive layers."""
+  ws = [np.asarray(params[k], np.float64) for k in sorted(params)]
+  return np.stack([np.log(np.linalg.norm(a, axis=0) / np.linalg.norm(b, axis=1))
+                   for a, b in zip(ws[:-1], ws[1:])])
+
+
+def test_deep_relu_chain_converges_and_is_idempotent():
+  """40 layers, one x100: sweeps of closed-form steps alone stop at their cap with
+  |log ratio| ~1e-3 here (they need sweeps growing with depth squared); the Newton steps
+  reach the joint minimum. Oracle: NumPy norms, the NumPy forward pass, and a second
+  canonicalize."""
+  params, pairs = _relu_chain(40)
+  canon = jax.jit(lambda p: saggs.canonicalize(p, None, pairs)[0])
+  balanced = canon(params)
+  assert np.max(np.abs(_chain_log_ratios_numpy(params))) > 1  # far from balanced at first
+  assert np.max(np.abs(_chain_log_ratios_numpy(balanced))) <= 1e-4
+  x = np.random.default_rng(12).standard_normal((5, 6))
+  want = _chain_forward_numpy(params, x)
+  np.testing.assert_allclose(_chain_forward_numpy(balanced, x), want,
+                             atol=1e-4 * np.max(np.abs(want)))
+  again = canon(balanced)
+  for k in params:
+    b = np.asarray(balanced[k], np.float64)
+    assert np.max(np.abs(np.asarray(again[k], np.float64) - b)) <= 1e-4 * np.max(np.abs(b)), k
+
+
+def test_joint_solve_stopped_at_its_cap_is_reported(monkeypatch):
+  """One round without its Newton step (a single sweep) does not balance a chain with a
+  x100 layer: canonicalize warns (eagerly and under jit) and SaggsState.residual says so.
+  With the caps as they are the residual is within tolerance."""
+  params, pairs = _relu_chain(6, jump=3)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+
+  def residual():  # a new transformation, traced afresh with the caps of the moment
+    tx = saggs.chain(optax.sgd(0.0), saggs.saggs(pairs))
+    return float(jax.jit(tx.update)(zeros, tx.init(params), params)[1][1].residual)
+
+  assert residual() <= saggs.balance.TOLERANCE
+  monkeypatch.setattr(saggs.balance, "MAX_ITERATIONS", 1)
+  monkeypatch.setattr(saggs.balance, "MAX_CG", 0)
+  assert residual() > 1e-3
+  with pytest.warns(RuntimeWarning, match="stopped at its iteration cap"):
+    saggs.canonicalize(params, None, pairs)
+  with pytest.warns(RuntimeWarning, match="stopped at its iteration cap"):
+    jax.block_until_ready(jax.jit(lambda p: saggs.canonicalize(p, None, pairs)[0])(params))
