@@ -39,7 +39,7 @@ from saggs_jax.transport import AS_REGISTERED, transport
 CANDIDATES = (1, 2, 0, -1, -2, 3, 4)
 """Degrees tried, in order, for a leaf whose registered degree does not fit."""
 
-STEPS = 3
+STEPS = 2
 """Length of the probe history: enough for ``MultiSteps(every_k_schedule=2)`` to step."""
 
 
@@ -141,15 +141,17 @@ def _measure(tx, params, plan):
     # The registered rules first: an unregistered image refuses before any step runs.
     start = tx.init(params)
     transport(plan, start, factors)
-    try:
-      state = history(params, grads)
-      moved = history(scale_tree(plan, params, factors, 1.0),
-                      [scale_tree(plan, g, factors, -1.0) for g in grads])
+    both = lambda a, b: jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)  # noqa: E731
+    try:  # one vmapped history compiles the update once for both
+      states = jax.vmap(history)(
+          both(params, scale_tree(plan, params, factors, 1.0)),
+          [both(g, scale_tree(plan, g, factors, -1.0)) for g in grads])
     except Exception as e:  # e.g. an update that needs more than the gradients and a value
       raise TypeError(
           f"Cannot transport {type(start).__name__} at opt_state: its degrees are measured on a"
           " probe history (gradients laid out like the parameters, extra argument value=1),"
           f" on which the optimizer fails: {type(e).__name__}: {e}") from e
+    state, moved = (jax.tree.map(lambda x, i=i: x[i], states) for i in (0, 1))
     registered = transport(plan, state, factors)
     ones = jax.tree.map(jnp.ones_like, state)
     mult = transport(plan, ones, factors, degrees=jax.tree.map(lambda _: 1, state))
