@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -64,6 +65,13 @@ def probe_factors(plan: Plan) -> Factors:
     e = np.where(n % 2 == 0, 1.0, -1.0) * (0.6 + 0.4 * ((n * 0.618) % 1))
     out[inst.key] = jnp.asarray(2.0 ** e.reshape(inst.factor_shape), jnp.float32)
   return out
+
+
+def _probe_dtype(x):
+  """16-bit floats probe in float32: their rounding, amplified where two probe gradients
+  cancel in a moment, would hide the degree; a degree does not depend on the precision."""
+  dtype = jnp.result_type(x)
+  return jnp.float32 if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4 else dtype
 
 
 def _close(wanted, got, dtype) -> jax.Array:
@@ -126,7 +134,7 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
 
 
 def _measure(tx, params, plan):
-  spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
+  spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), _probe_dtype(x)), params)
   tx = optax.with_extra_args_support(tx)
   factors = probe_factors(plan)
   found = {}
@@ -170,8 +178,19 @@ def _measure(tx, params, plan):
     return jnp.stack(verdicts) if verdicts else jnp.zeros((0, 1 + len(CANDIDATES)), bool)
 
   rng = np.random.default_rng(0)
-  verdicts = np.asarray(jax.jit(probe)(_like(spec, rng), [_like(spec, rng) for _ in range(STEPS)],
-                                       factors))
+  verdicts = jax.jit(probe)(_like(spec, rng), [_like(spec, rng) for _ in range(STEPS)], factors)
+  if isinstance(verdicts, jax.core.Tracer):
+    # The optimizer closes over values traced outside, as when optax.inject_hyperparams
+    # wraps a whole saggs.chain (its hyperparameters are then tracers in init and update).
+    warnings.warn(
+        "saggs_jax could not measure the transport degrees of this optimizer: it depends on"
+        " values traced outside it (a saggs.chain built inside optax.inject_hyperparams?), so"
+        " its states move by their registered degrees, which are wrong for adamax's nu or a"
+        " trace after a normaliser. Put inject_hyperparams inside the chain:"
+        " saggs.chain(optax.inject_hyperparams(optax.adamw)(...), saggs.saggs(pairs)).",
+        UserWarning, stacklevel=4)
+    return None
+  verdicts = np.asarray(verdicts)
   degrees = []
   for key_path, v in zip(found["paths"], verdicts):
     if v[0]:

@@ -275,3 +275,13 @@ def test_chain_steps_from_the_equivalent_history(name):
   mults = {"q": c, "k": 1 / c, "b": c}
   want = _history(opt)(moved(PARAMS, mults, -1), [moved(g, mults, 1) for g in GRADS + [last]])
   assert_close(inner, want, name)
+
+
+def test_chain_inside_inject_hyperparams_warns_that_it_cannot_measure():
+  """inject_hyperparams around a whole chain makes its rate a tracer of the jitted init, which
+  the probe cannot evaluate: the registered degrees are used, and it says so."""
+  tx = optax.inject_hyperparams(
+      lambda learning_rate: saggs.chain(optax.adamax(learning_rate), saggs.saggs(GROUPED)))(
+          learning_rate=1e-2)
+  with pytest.warns(UserWarning, match="could not measure the transport degrees"):
+    jax.jit(tx.init)(PARAMS)
