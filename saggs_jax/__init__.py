@@ -9,7 +9,7 @@
 * :mod:`saggs_jax.equivariant` holds symmetry-compatible update rules.
 """
 
-from saggs_jax import checkpoint, equivariant, presets
+from saggs_jax import checkpoint, degrees, equivariant, presets
 from saggs_jax.canonical import canonicalize, reparameterize
 from saggs_jax.diagnostics import check_symmetry, imbalance
 from saggs_jax.discover import Discovery, Rejected, discover
@@ -20,7 +20,8 @@ from saggs_jax.transport import NESTED, register_transport
 
 __all__ = [
     "NESTED", "Block", "Discovery", "Pair", "Rejected", "SaggsState", "SymmetryTransformation",
-    "canonicalize", "chain", "checkpoint", "check_symmetry", "describe", "discover", "equivariant",
+    "canonicalize", "chain", "checkpoint", "check_symmetry", "degrees", "describe", "discover",
+    "equivariant",
     "imbalance", "presets", "register_transport",
     "reparameterize", "saggs", "scale_by_saggs", "soft",
 ]

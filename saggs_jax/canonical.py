@@ -8,17 +8,23 @@ from typing import Any, Callable, Sequence, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from saggs_jax.balance import TOLERANCE, Factors, compute_factors, scale_tree
+from saggs_jax.degrees import measure
 from saggs_jax.pairs import Pair, Plan, resolve
 from saggs_jax.transport import transport
 
 FactorSpec = Union[float, Callable[[str, tuple[int, ...]], Any]]
 
 
-def apply_transform(plan: Plan, params: Any, opt_state: Any, factors: Factors):
-  """Rescales ``params`` by ``factors`` and transports every moment in ``opt_state``."""
-  return scale_tree(plan, params, factors, 1.0), transport(plan, opt_state, factors)
+def apply_transform(plan: Plan, params: Any, opt_state: Any, factors: Factors,
+                    tx: optax.GradientTransformation | None = None):
+  """Rescales ``params`` by ``factors`` and transports every moment in ``opt_state``,
+  by the degrees measured on ``tx`` if given, else by the registered ones."""
+  degrees = None if tx is None or opt_state is None else measure(tx, params, plan)
+  return scale_tree(plan, params, factors, 1.0), transport(plan, opt_state, factors,
+                                                           degrees=degrees)
 
 
 def _is_concrete(x) -> bool:
@@ -53,7 +59,8 @@ def _factors(plan: Plan, factor: FactorSpec) -> Factors:
   return out
 
 
-def reparameterize(params: Any, opt_state: Any, pairs: Sequence[Pair], factor: FactorSpec):
+def reparameterize(params: Any, opt_state: Any, pairs: Sequence[Pair], factor: FactorSpec,
+                   tx: optax.GradientTransformation | None = None):
   """Applies an exact symmetry transform to the parameters and the optimizer state.
 
   Every A group is multiplied by ``c`` and its B group divided by ``c``;
@@ -73,6 +80,12 @@ def reparameterize(params: Any, opt_state: Any, pairs: Sequence[Pair], factor: F
       positive and finite is a ValueError; under ``jax.jit``, where factors are
       traced and checking them would wait on the device, it leaves its group
       unchanged (factor 1), as balancing does for a zero or non-finite norm.
+    tx: the optimizer that made ``opt_state`` (without its symmetry stage).
+      A state type does not always fix its degrees (``optax.adamax`` keeps
+      degree 1 in Adam's ``nu``): given ``tx``, each leaf moves by the degree
+      measured at its place (:func:`saggs_jax.degrees.measure`), and a leaf no
+      degree moves is a TypeError naming its state and path. Without it, the
+      degrees registered for the state types are used.
 
   Returns:
     ``(params, opt_state)`` transformed.
@@ -87,16 +100,18 @@ def reparameterize(params: Any, opt_state: Any, pairs: Sequence[Pair], factor: F
     (2.0, 0.5)
   """
   plan = resolve(pairs, params)
-  return apply_transform(plan, params, opt_state, _factors(plan, factor))
+  return apply_transform(plan, params, opt_state, _factors(plan, factor), tx)
 
 
-def canonicalize(params: Any, opt_state: Any, pairs: Sequence[Pair]):
+def canonicalize(params: Any, opt_state: Any, pairs: Sequence[Pair],
+                 tx: optax.GradientTransformation | None = None):
   """Maps a training state to the canonical (norm-balanced) member of its orbit.
 
   Each group gets ``c = sqrt(||B|| / ||A||)``, after which ``||A|| = ||B||``
   (norms over every tensor of a side); with overlapping pairs the factors
   jointly minimise the total squared norm, which balances every pair. The
-  moments are transported alongside. Should the joint solve stop at its iteration
+  moments are transported alongside (by the degrees measured on ``tx``, if
+  given: see :func:`reparameterize`). Should the joint solve stop at its iteration
   cap short of ``TOLERANCE`` (see :func:`saggs_jax.balance.solve`), it warns (from
   the host when traced, via ``jax.debug.callback``). ``canonicalize`` is idempotent and
   ``canonicalize(reparameterize(s, f)) == canonicalize(s)`` for every f > 0
@@ -117,7 +132,7 @@ def canonicalize(params: Any, opt_state: Any, pairs: Sequence[Pair]):
     _warn_unconverged(residual)
   else:
     jax.debug.callback(_warn_unconverged, residual)
-  return apply_transform(plan, params, opt_state, factors)
+  return apply_transform(plan, params, opt_state, factors, tx)
 
 
 def _warn_unconverged(residual) -> None:

@@ -23,7 +23,8 @@ import optax
 from saggs_jax import paths
 from saggs_jax.balance import (AxisName, Factors, compute_dtype, compute_factors, leaf_multiplier,
                                replicated, scale_tree)
-from saggs_jax.pairs import Pair, as_pairs, resolve
+from saggs_jax.degrees import measure
+from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
 from saggs_jax.transport import register_transport, transport
 
 
@@ -56,17 +57,20 @@ register_transport(SaggsState, {})
 class SymmetryTransformation(optax.GradientTransformationExtraArgs):
   """An optax transformation that also acts on the stages before it.
 
-  ``around(prior, grads, state, prior_states, params)`` runs ``prior``, the
-  stages before this one as ``prior(grads, prior_states, params) -> (updates,
-  prior_states)``, itself (so it can transform their inputs, their outputs or
-  both) and returns ``(updates, state, prior_states)``.
+  ``around(prior, grads, state, prior_states, params, degrees=None)`` runs
+  ``prior``, the stages before this one as ``prior(grads, prior_states, params)
+  -> (updates, prior_states)``, itself (so it can transform their inputs, their
+  outputs or both) and returns ``(updates, state, prior_states)``; ``degrees``
+  are the transport degrees of ``prior_states`` that :func:`chain` measured
+  (:func:`saggs_jax.degrees.measure`) on the pairs ``resolve(params)`` gives.
   :func:`chain` calls it; a plain ``optax.chain`` calls ``update``, which can
   balance the parameters only.
   """
 
-  def __new__(cls, init, update, around: Callable[..., tuple]):
+  def __new__(cls, init, update, around: Callable[..., tuple],
+              resolve: Callable[..., Plan] | None = None):
     self = super().__new__(cls, init, update)
-    self.around = around
+    self.around, self.resolve = around, resolve
     return self
 
 
@@ -293,12 +297,12 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
     _check_whole_groups(plan, global_shapes)
     return plan, optax.safe_increment(state.count)
 
-  def around(prior, grads, state, prior_states, params):
+  def around(prior, grads, state, prior_states, params, degrees=None):
     plan, count = start(state, params)
     factors, residual = scheduled_factors(count, params)
     balanced = scale_tree(plan, params, factors, 1.0)
     updates, prior_states = prior(scale_tree(plan, grads, factors, -1.0),
-                                  transport(plan, prior_states, factors), balanced)
+                                  transport(plan, prior_states, factors, degrees=degrees), balanced)
     updates = _land_on(params, updates, optax.apply_updates(balanced, updates), plan, factors)
     return updates, SaggsState(count, factors, residual), prior_states
 
@@ -318,7 +322,7 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
     target = scale_tree(plan, stepped, factors, 1.0)
     return _land_on(params, updates, target, plan, factors), SaggsState(count, factors, residual)
 
-  return SymmetryTransformation(init, update, around)
+  return SymmetryTransformation(init, update, around, lambda params: resolve(pairs, params))
 
 
 def saggs(pairs: Sequence[Pair], every: int = 1, axis_name: AxisName = None
@@ -359,7 +363,11 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
   :class:`SymmetryTransformation` rescales the parameters by factors ``c``, the
   states of every stage before it are transported (``mu -> mu / c``,
   ``nu -> nu / c**2`` on the A side, the inverse on the B side; see
-  :func:`saggs_jax.register_transport`).
+  :func:`saggs_jax.register_transport`), each leaf by the degree it has at its
+  place in the chain: ``init`` (or the first update of a parameter layout)
+  measures them on a short probe history (:func:`saggs_jax.degrees.measure`)
+  and raises a TypeError naming the state and the path of a leaf that no
+  degree transports, as when a stage before it clips by a global norm.
 
   Example::
 
@@ -380,7 +388,26 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
           f" {['symmetry' if s else 'optimizer' for s in symmetric]}. Write"
           " saggs_jax.chain(optax.adamw(...), saggs_jax.saggs(pairs)).")
 
+  measured = {}
+
+  def degrees(n, params):
+    """The degrees of the states before stage ``n`` (a symmetry stage), once per layout."""
+    if stages[n].resolve is None:
+      return None
+    layout = (n, jax.tree.structure(params),
+              tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)))
+    if layout not in measured:
+      prior = optax.GradientTransformationExtraArgs(
+          lambda p: tuple(t.init(p) for t in stages[:n]),
+          lambda g, s, p=None, **extra: run(stages[:n], g, s, p, extra))
+      measured[layout] = measure(prior, params, stages[n].resolve(params))
+    return measured[layout]
+
   def init(params):
+    if jax.tree.leaves(params):  # not optax.tree.map_params' leafless placeholder
+      for n, s in enumerate(symmetric):
+        if s:
+          degrees(n, params)
     return tuple(t.init(params) for t in stages)
 
   def run(stages, grads, states, params, extra_args):
@@ -388,8 +415,9 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
       return optax.chain(*stages).update(grads, states, params, **extra_args)
     # The last symmetry stage runs everything before it, balancing its inputs.
     prior = lambda g, s, p: run(stages[:-1], g, s, p, extra_args)  # noqa: E731
-    updates, state, prior_states = stages[-1].around(prior, grads, states[-1],
-                                                     tuple(states[:-1]), params)
+    updates, state, prior_states = stages[-1].around(
+        prior, grads, states[-1], tuple(states[:-1]), params,
+        degrees=degrees(len(stages) - 1, params) if params is not None else None)
     return updates, (*prior_states, state)
 
   def update(updates, state, params=None, **extra_args):

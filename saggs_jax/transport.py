@@ -23,6 +23,13 @@ change the optimizer's trajectory. The images transported are
 
 A moment field holding anything else, and an unregistered state holding an
 array at a declared path, of a declared shape or raveled, is refused.
+
+A state type does not always fix its degrees: optax reuses them for moments of
+other degrees (``optax.adamax`` keeps an infinity norm, degree 1, in Adam's
+``nu``; a ``trace`` after a normaliser holds updates of degree 0). So
+:func:`transport` takes ``degrees``, the degree of each leaf as measured at its
+place in the chain (:func:`saggs_jax.degrees.measure`), in place of the
+registered one.
 """
 
 from __future__ import annotations
@@ -46,7 +53,10 @@ NESTED = "nested"
 """Marks a field that holds an inner optimizer state to transport recursively."""
 
 Degree = Union[int, float, str]
-Rule = Callable[[Plan, Any, Factors, str], Any]
+Rule = Callable[[Plan, Any, Factors, str, Any], Any]
+
+AS_REGISTERED = "as registered"
+"""A leaf of a ``degrees`` tree that keeps the degree its state type registers."""
 _RULES: dict[type, Rule] = {}
 
 _LAYOUT_FIX = (
@@ -135,6 +145,8 @@ def _scale_raveled(plan: Plan, x, factors: Factors, power: float):
 
 def _moment_leaf(plan: Plan, path: str, x, factors: Factors, degree: float):
   """One leaf of a moment of gradient ``degree`` transported, or None if it is no known image."""
+  if degree == 0:
+    return x
   if path in plan.slots:
     return _scale(plan, path, x, factors, -degree) if _shape(x) == plan.shapes[path] else None
   if path in plan.shapes:
@@ -144,12 +156,17 @@ def _moment_leaf(plan: Plan, path: str, x, factors: Factors, degree: float):
   return None
 
 
-def _map_leaves(plan: Plan, state, where: str, tree, leaf_fn: Callable[[str, Any], Any]):
-  """``leaf_fn(path, leaf)`` on every leaf of ``tree``; a None result refuses the state."""
+def _degree(registered: Degree, measured: Degree) -> Degree:
+  return registered if isinstance(measured, str) else measured
 
-  def visit(key_path, x):
+
+def _map_leaves(plan: Plan, state, where: str, tree, degrees, leaf_fn: Callable[..., Any]):
+  """``leaf_fn(path, leaf, measured)`` on every leaf of ``tree``, ``measured`` being its
+  leaf in ``degrees`` (or :data:`AS_REGISTERED`); a None result refuses the state."""
+
+  def visit(key_path, x, measured=AS_REGISTERED):
     path = paths.path_str(key_path)
-    out = leaf_fn(path, x)
+    out = leaf_fn(path, x, measured)
     if out is None:
       if path in plan.shapes:
         why = f"the parameter {path!r} has shape {plan.shapes[path]}, this leaf {_shape(x)}"
@@ -159,18 +176,26 @@ def _map_leaves(plan: Plan, state, where: str, tree, leaf_fn: Callable[[str, Any
       raise _refusal(state, f"{where}[{path!r}]", f"{why}, so it has no exact transport.")
     return out
 
-  return jax.tree_util.tree_map_with_path(visit, tree)
+  if degrees is None:
+    return jax.tree_util.tree_map_with_path(visit, tree)
+  return jax.tree_util.tree_map_with_path(visit, tree, degrees)
 
 
-def _transport_fields(fields: dict[str, Degree], plan: Plan, state, factors: Factors, where: str):
+def _field(degrees, name: str):
+  return None if degrees is None else getattr(degrees, name)
+
+
+def _transport_fields(fields: dict[str, Degree], plan: Plan, state, factors: Factors, where: str,
+                      degrees=None):
   changes = {}
   for field, degree in fields.items():
     value, sub = getattr(state, field), f"{where}.{field}"
     if degree == NESTED:
-      changes[field] = transport(plan, value, factors, sub)
+      changes[field] = transport(plan, value, factors, sub, _field(degrees, field))
     else:
-      changes[field] = _map_leaves(plan, state, sub, value,
-                                   lambda p, x, d=degree: _moment_leaf(plan, p, x, factors, d))
+      changes[field] = _map_leaves(
+          plan, state, sub, value, _field(degrees, field),
+          lambda p, x, m, d=degree: _moment_leaf(plan, p, x, factors, _degree(d, m)))
   return _replace(state, **changes)
 
 
@@ -194,7 +219,7 @@ def _varying(plan: Plan, path: str, axes: tuple[int, ...]):
   return None
 
 
-def _transport_factored(plan: Plan, state, factors: Factors, where: str):
+def _transport_factored(plan: Plan, state, factors: Factors, where: str, degrees=None):
   """Adafactor's second moment, ``optax.scale_by_factored_rms`` (gradient degree 2).
 
   An unfactored parameter keeps ``v``, an EMA of ``g**2`` in its own shape
@@ -218,11 +243,13 @@ def _transport_factored(plan: Plan, state, factors: Factors, where: str):
   def factored(path):
     return path in plan.slots and v_shapes.get(path) != plan.shapes[path]
 
-  def v_leaf(path, x):
-    return x if factored(path) and _shape(x) == (1,) else _moment_leaf(plan, path, x, factors, 2)
+  def v_leaf(path, x, measured):
+    if factored(path) and _shape(x) == (1,):
+      return x
+    return _moment_leaf(plan, path, x, factors, _degree(2, measured))
 
   def stat_leaf(field, which):
-    def leaf(path, x):
+    def leaf(path, x, measured):
       if not factored(path):  # a stand-in, or a parameter no pair declares
         return x if _shape(x) == (1,) or path in plan.shapes and path not in plan.slots else None
       shape, axes = plan.shapes[path], _factored_axes(plan.shapes[path])
@@ -240,13 +267,15 @@ def _transport_factored(plan: Plan, state, factors: Factors, where: str):
             " the transported means are not determined by the stored ones.",
             f"{regroup or 'Keep'} this moment unfactored: optax.adafactor(..., factored=False)"
             f" or min_dim_size_to_factor > {shape[axes[1]]}.")
-      return _scale(plan, path, x, factors, -2, drop=axes[which])
+      return _scale(plan, path, x, factors, -_degree(2, measured), drop=axes[which])
     return leaf
 
-  return state._replace(
-      v=_map_leaves(plan, state, f"{where}.v", state.v, v_leaf),
-      v_row=_map_leaves(plan, state, f"{where}.v_row", state.v_row, stat_leaf("v_row", 0)),
-      v_col=_map_leaves(plan, state, f"{where}.v_col", state.v_col, stat_leaf("v_col", 1)))
+  def field(name, leaf_fn):
+    return _map_leaves(plan, state, f"{where}.{name}", getattr(state, name),
+                       _field(degrees, name), leaf_fn)
+
+  return state._replace(v=field("v", v_leaf), v_row=field("v_row", stat_leaf("v_row", 0)),
+                        v_col=field("v_col", stat_leaf("v_col", 1)))
 
 
 def _subplan(plan: Plan, prefix: str) -> Plan:
@@ -259,7 +288,7 @@ def _subplan(plan: Plan, prefix: str) -> Plan:
   return dataclasses.replace(plan, slots=pick(plan.slots), shapes=pick(plan.shapes))
 
 
-def _transport_lookahead(plan: Plan, state, factors: Factors, where: str):
+def _transport_lookahead(plan: Plan, state, factors: Factors, where: str, degrees=None):
   """``optax.lookahead``: the fast optimizer's state is laid out like ``params.fast``.
 
   The slow weights are parameters (in ``optax.LookaheadParams``), and each
@@ -276,7 +305,7 @@ def _transport_lookahead(plan: Plan, state, factors: Factors, where: str):
           "Declare the pairs on the fast weights with the slow ones as followers, e.g."
           " Pair('fast/q', 'fast/k', follow_a='slow/q', follow_b='slow/k').")
   return state._replace(fast_state=transport(fast, state.fast_state, factors,
-                                             f"{where}.fast_state"))
+                                             f"{where}.fast_state", _field(degrees, "fast_state")))
 
 
 for _type, _fields in [
@@ -328,11 +357,16 @@ def _is_plain_container(s) -> bool:
   return isinstance(s, (list, dict)) or (isinstance(s, tuple) and not hasattr(s, "_fields"))
 
 
-def transport(plan: Plan, state: Any, factors: Factors, where: str = "opt_state") -> Any:
-  """Transports every registered moment inside ``state`` by ``factors`` (see the module doc)."""
+def transport(plan: Plan, state: Any, factors: Factors, where: str = "opt_state",
+              degrees: Any = None) -> Any:
+  """Transports every registered moment inside ``state`` by ``factors`` (see the module doc).
+
+  ``degrees``, if given, is a tree laid out like ``state`` whose leaves give the
+  degree of each moment leaf, or :data:`AS_REGISTERED` to keep its type's.
+  """
   rule = _RULES.get(type(state))
   if rule is not None:
-    return rule(plan, state, factors, where)
+    return rule(plan, state, factors, where, degrees)
   if _is_plain_container(state):
     # Moments kept directly in a plain container have no rule to say their degree.
     hit = _image_path(plan, state, is_leaf=lambda x: not _is_plain_container(x))
@@ -342,7 +376,8 @@ def transport(plan: Plan, state: Any, factors: Factors, where: str = "opt_state"
                       " type to say its degree. Wrap such arrays in a NamedTuple state and"
                       " register it with saggs_jax.register_transport.")
     items = state.items() if isinstance(state, dict) else enumerate(state)
-    new = {k: transport(plan, v, factors, f"{where}[{k!r}]") for k, v in items}
+    new = {k: transport(plan, v, factors, f"{where}[{k!r}]", None if degrees is None else degrees[k])
+           for k, v in items}
     return new if isinstance(state, dict) else type(state)(new[i] for i in range(len(state)))
   hit = _image_path(plan, state)
   if hit is not None:

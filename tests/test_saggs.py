@@ -273,9 +273,10 @@ def test_unregistered_state_raises_then_register_transport_fixes_it():
   tx = saggs.chain(inner, saggs.saggs(SMALL_PAIRS))
   params = small_imbalanced(8)
   grads = random_like(params, 9)
-  s0 = (random_like(inner.init(params), 10), tx.init(params)[1])
-  with pytest.raises(TypeError, match=r"MyEmaState.*opt_state.*register_transport\(MyEmaState"):
-    tx.update(grads, s0, params)
+  s0 = (random_like(inner.init(params), 10), saggs.saggs(SMALL_PAIRS).init(params))
+  for call in (lambda: tx.init(params), lambda: tx.update(grads, s0, params)):
+    with pytest.raises(TypeError, match=r"MyEmaState.*opt_state.*register_transport\(MyEmaState"):
+      call()
   saggs.register_transport(state_type, {"ema": 1})
   mult = small_multipliers(params)
   _, _, (s_chain, _) = step(tx, params, s0, grads)
