@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 import common
 from common import lm
-from saggs_jax.discover import discover
+from saggs_jax.discovery import discover
 
 
 def main(argv=None):

@@ -27,7 +27,7 @@ import optax
 
 import lm
 import saggs_jax as saggs
-from saggs_jax.discover import discover
+from saggs_jax.discovery import discover
 
 
 def parse_args() -> argparse.Namespace:

@@ -12,7 +12,7 @@
 from saggs_jax import checkpoint, degrees, equivariant, presets
 from saggs_jax.canonical import canonicalize, reparameterize
 from saggs_jax.diagnostics import check_symmetry, imbalance
-from saggs_jax.discover import Discovery, Rejected, discover
+from saggs_jax.discovery import Discovery, Rejected, discover
 from saggs_jax.pairs import Block, Pair, describe
 from saggs_jax.transform import (SaggsState, SymmetryTransformation, chain, saggs,
                                  scale_by_saggs, soft)

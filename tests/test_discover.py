@@ -18,9 +18,9 @@ import pytest
 import discover_models as dm
 import models
 import saggs_jax as saggs
-from saggs_jax.discover import Discovery, Rejected, discover
+from saggs_jax.discovery import Discovery, Rejected, discover
 
-discover_module = importlib.import_module("saggs_jax.discover")  # the module, not the function
+discover_module = importlib.import_module("saggs_jax.discovery")  # the module, not the function
 QKN = models.Config(qk_norm=True)
 
 MODELS = {  # name -> () -> (forward, params, *inputs)
@@ -304,3 +304,13 @@ def test_describe_and_check_symmetry_accept_a_discovery():
           in saggs.describe(d, params))
   deviations = saggs.check_symmetry(forward, params, d, *inputs)
   assert max(deviations.values()) < 1e-4
+
+
+def test_the_module_and_the_function_have_different_names():
+  """``saggs_jax.discover`` is the function; its module is ``saggs_jax.discovery``, so that
+  ``import saggs_jax.discover`` cannot hand back the function in place of a module."""
+  import saggs_jax
+  assert callable(saggs_jax.discover) and not isinstance(saggs_jax.discover, type(saggs_jax))
+  assert importlib.import_module("saggs_jax.discovery").discover is saggs_jax.discover
+  with pytest.raises(ModuleNotFoundError):
+    importlib.import_module("saggs_jax.discover")

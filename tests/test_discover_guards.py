@@ -19,9 +19,9 @@ import pytest
 
 import saggs_jax as saggs
 from saggs_jax import equivariant as eqv
-from saggs_jax.discover import discover
+from saggs_jax.discovery import discover
 
-discover_module = importlib.import_module("saggs_jax.discover")
+discover_module = importlib.import_module("saggs_jax.discovery")
 D, F, T = 8, 16, 4
 RNG = np.random.default_rng(0)
 

@@ -25,7 +25,7 @@ import pytest
 
 import models
 import saggs_jax as saggs
-from saggs_jax.discover import Discovery, Rejected, discover
+from saggs_jax.discovery import Discovery, Rejected, discover
 from test_discover import orbit_move
 
 D, HD, F, V, T = 16, 4, 24, 16, 8  # width, head size, MLP hidden, vocabulary, tokens

@@ -1161,7 +1161,7 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
   Example::
 
     >>> import jax, jax.numpy as jnp
-    >>> from saggs_jax.discover import discover
+    >>> from saggs_jax.discovery import discover
     >>> def mlp(p, x): return jax.nn.relu(x @ p["up"]) @ p["down"]
     >>> params = {"up": jnp.ones((3, 4)), "down": jnp.ones((4, 2))}
     >>> discover(mlp, params, jnp.ones((2, 3)))
