@@ -280,16 +280,15 @@ def eqx_forward(m, x):
 
 def test_an_equinox_module():
   """Dropout's flag, the activation function and head counts are static; the (out, in)
-  Linear's bias shares its weight's leading axis, which a Pair's follower cannot."""
+  Linear's bias (out,) is a follower of its weight's leading axis."""
   block = EqxBlock(jax.random.PRNGKey(0))
   d = discover(eqx_forward, block, X)
   assert set(d) == {
       saggs.Pair("query_proj/weight", "key_proj/weight", axes=(0, 0), name="attention Q/K"),
-      saggs.Pair("value_proj/weight", "output_proj/weight", axes=(0, 1), name="attention V/O")}
+      saggs.Pair("value_proj/weight", "output_proj/weight", axes=(0, 1), name="attention V/O"),
+      saggs.Pair("up/weight", "down/weight", axes=(0, 1), follow_a="up/bias",
+                 name="ReLU MLP up/down (positive factors)")}
   assert rejected(d) == {
-      ("up/weight", "down/weight"): "its bias 'up/bias' follows axis 0 of 'up/weight', which is"
-                                    " not a trailing axis; a Pair's follower shares its kernel's"
-                                    " trailing axes",
       # the residual adds the model's input, which no factor scales
       ("attn/output_proj/weight", "up/weight"): "not exact: an added constant between them"}
   n = H * (D // H)
