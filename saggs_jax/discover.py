@@ -19,9 +19,9 @@ travels through the program:
   (ReLU6); ``jnp.where`` and ``lax.cond`` keep ``c`` when every case scales
   alike or is zero;
 * adding a bias keeps ``c`` if the bias is scaled along (a follower: a bias
-  vector of the channel axis, or a tensor sharing it as a trailing axis); adding zero changes nothing; adding
-  anything else loses it (the residual stream) or makes it inexact (a
-  constant, a bias broadcast over the channels);
+  vector of the channel axis, or a tensor sharing it as a trailing axis);
+  adding zero changes nothing; adding anything else loses it (the residual
+  stream) or makes it inexact (a constant, a bias broadcast over the channels);
 * a nonlinearity (``exp``, ``tanh``, ``logistic``, ``erf``, ...) or a
   reduction over the channel (a normalisation) breaks it, and the reason is
   kept for the report;

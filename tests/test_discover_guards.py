@@ -300,6 +300,21 @@ def test_an_equinox_module():
   assert deviation(eqx_forward, block, {("up/weight", "c", 0, F, 1)}, X) > 1e-2
 
 
+def test_a_follower_a_pair_cannot_declare_is_rejected_with_its_reason():
+  """An (out, in) kernel's bias stored (1, out): two axes, so a Pair would move it along the
+  kernel's trailing axes (its size-1 axis 0), not along the channel it follows (axis 1).
+  The pair is rejected, saying so, instead of declared wrongly; it is exact all the same."""
+  params = {"up": normal(F, D, scale=np.sqrt(D)), "b": normal(1, F), "down": normal(D, F)}
+  forward = lambda p, x: jax.nn.relu(x @ p["up"].T + p["b"]) @ p["down"].T  # noqa: E731
+  d = discover(forward, params, X)
+  assert list(d) == []
+  assert rejected(d) == {("up", "down"): "its bias 'b' follows axis 0 of 'up' along another"
+                                         " axis than a Pair's follower: a bias vector's own,"
+                                         " or its kernel's trailing axes"}
+  moves = {("up", "c", 0, F, 1), ("b", "c", 1, F, 1), ("down", "c", 1, F, -1)}
+  assert deviation(forward, params, moves, X) < 1e-5
+
+
 # ---------------------------------------------------------------------------
 # Roles for equivariant.symmetry_compatible (issue 19, point 8).
 
