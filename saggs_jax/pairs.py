@@ -4,7 +4,7 @@ A :class:`Pair` says: scaling every group of ``a`` by ``c`` and the matching
 group of ``b`` by ``1/c`` leaves the model's function unchanged. A side may be
 several tensors (a norm gain against the input rows of every linear reading
 the normalised activations). A :class:`Block` names a fixed part of one axis
-of a fused leaf (GPT-2's q|k|v columns), and stands anywhere a pattern does.
+of a fused leaf (GPT-2's q|k|v blocks), and stands anywhere a pattern does.
 Resolution turns the declarations into :class:`Slot` records, one per matched
 leaf (or block of it) and pair instance, that the balancing and transport code
 index by path. A leaf may be in several pair instances (overlapping
@@ -55,14 +55,14 @@ class Block:
     sizes: the parts' sizes along ``axis`` when they differ (fused QKV under
       GQA); default equal parts.
 
-  Example (GPT-2's fused attention, q|k|v columns)::
+  Example (GPT-2's fused attention, kernel (out, in) = (3d, d): q|k|v rows)::
 
     >>> import saggs_jax as saggs
-    >>> qkv = dict(axis=-1, parts=("q", "k", "v"))
+    >>> qkv = dict(axis=0, parts=("q", "k", "v"))
     >>> qk = saggs.Pair(saggs.Block("attn/c_attn/kernel", part="q", **qkv),
-    ...                 saggs.Block("attn/c_attn/kernel", part="k", **qkv), axes=(1, 1), groups=12)
+    ...                 saggs.Block("attn/c_attn/kernel", part="k", **qkv), axes=(0, 0), groups=12)
     >>> qk.a
-    Block('attn/c_attn/kernel', axis=-1, parts=('q', 'k', 'v'), part='q')
+    Block('attn/c_attn/kernel', axis=0, parts=('q', 'k', 'v'), part='q')
   """
 
   pattern: str
