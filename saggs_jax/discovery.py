@@ -18,10 +18,10 @@ travels through the program:
   positive ``c`` (ReLU, leaky ReLU), a clip at any other constant does not
   (ReLU6); ``jnp.where`` and ``lax.cond`` keep ``c`` when every case scales
   alike or is zero;
-* adding a bias keeps ``c`` if the bias is scaled along (a follower: it has
-  the channel axis, as a trailing axis); adding zero changes nothing; adding
-  anything else loses it (the residual stream) or makes it inexact (a
-  constant, a bias broadcast over the channels);
+* adding a bias keeps ``c`` if the bias is scaled along (a follower: a bias
+  vector of the channel axis, or a tensor sharing it as a trailing axis);
+  adding zero changes nothing; adding anything else loses it (the residual
+  stream) or makes it inexact (a constant, a bias broadcast over the channels);
 * a nonlinearity (``exp``, ``tanh``, ``logistic``, ``erf``, ...) or a
   reduction over the channel (a normalisation) breaks it, and the reason is
   kept for the report;
@@ -64,7 +64,7 @@ from jax.extend import core as jcore
 
 from saggs_jax import paths
 from saggs_jax.diagnostics import Probe
-from saggs_jax.pairs import Block, Pair
+from saggs_jax.pairs import Block, Pair, follower_axis
 
 NORM = "a normalization over its channels"
 _SUB_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
@@ -800,16 +800,20 @@ class _Analysis:
     axis, lo, hi, bounds = block
     return f"{self.names[leaf]}[part {bounds.index((lo, hi))} of {len(bounds)} on axis {axis}]"
 
-  def _followers(self, leaf, axis, trace):
-    return [(f, axis - (len(self.shapes[leaf]) - len(self.shapes[f])))
+  def _followers(self, leaf, axis, trace, stacked):
+    """Each follower with the axis a Pair declares it on (see ``pairs.follower_axis``)."""
+    return [(f, follower_axis(len(self.shapes[leaf]), axis, len(self.shapes[f]), stacked))
             for f, _, _ in trace.followers]
 
-  def _undeclarable(self, leaf, axis, trace) -> str | None:
-    """Why a follower cannot be declared: a Pair's follower shares its kernel's trailing axes."""
-    for (f, amap, _), (_, declared) in zip(trace.followers, self._followers(leaf, axis, trace)):
+  def _undeclarable(self, leaf, axis, trace, stacked) -> str | None:
+    """Why a follower cannot be declared: it moves along another axis than the one a Pair
+    gives it (a bias vector's, or its kernel's trailing axes)."""
+    for (f, amap, _), (_, declared) in zip(trace.followers,
+                                           self._followers(leaf, axis, trace, stacked)):
       if declared not in amap.get(axis, ()):
-        return (f"its bias {self.label(f)!r} follows axis {axis} of {self.label(leaf)!r}, which"
-                " is not a trailing axis; a Pair's follower shares its kernel's trailing axes")
+        return (f"its bias {self.label(f)!r} follows axis {axis} of {self.label(leaf)!r} along"
+                " another axis than a Pair's follower: a bias vector's own, or its kernel's"
+                " trailing axes")
     return None
 
   def _tied(self, units_eqns) -> str | None:
@@ -854,12 +858,12 @@ class _Analysis:
         return
       if (r.leaf, min(r.amap[axis])) not in b_side:  # a weight read twice is scaled once
         b_side.append((r.leaf, min(r.amap[axis])))
-    if why := self._undeclarable(leaf, axis, trace):
+    if why := self._undeclarable(leaf, axis, trace, stacked):
       return self._reject([leaf], targets, why)
     name = "norm gain" if gain else next(
         (_NAMES[k] for k in ("attention", "gate", "relu") if k in trace.through), "linear chain")
     self.candidates.append(_Candidate(name, [(leaf, axis)], b_side,
-                                      self._followers(leaf, axis, trace), [], stacked,
+                                      self._followers(leaf, axis, trace, stacked), [], stacked,
                                       trace.splits, any(r.positive for r in trace.reaches)))
 
   def _meeting(self, found):
@@ -884,13 +888,13 @@ class _Analysis:
       else:
         tied = self._tied([(la, {ea}), (lb, {eb})] + [(f, {self._first_use(f)}) for f, _, _ in
                                                        ta.followers + tb.followers])
-        why = tied or self._undeclarable(la, xa, ta) or self._undeclarable(lb, xb, tb)
+        why = (tied or self._undeclarable(la, xa, ta, sa) or self._undeclarable(lb, xb, tb, sb))
         if why:
           self._reject([la], [lb], why)
           continue
         self.candidates.append(_Candidate(
-            "attention Q/K", [(la, xa)], [(lb, xb)], self._followers(la, xa, ta),
-            self._followers(lb, xb, tb), sa, ta.splits | tb.splits, ma.positive or mb.positive))
+            "attention Q/K", [(la, xa)], [(lb, xb)], self._followers(la, xa, ta, sa),
+            self._followers(lb, xb, tb, sb), sa, ta.splits | tb.splits, ma.positive or mb.positive))
 
 
 def _clean(trace: _Trace) -> bool:

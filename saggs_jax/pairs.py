@@ -4,7 +4,7 @@ A :class:`Pair` says: scaling every group of ``a`` by ``c`` and the matching
 group of ``b`` by ``1/c`` leaves the model's function unchanged. A side may be
 several tensors (a norm gain against the input rows of every linear reading
 the normalised activations). A :class:`Block` names a fixed part of one axis
-of a fused leaf (GPT-2's q|k|v columns), and stands anywhere a pattern does.
+of a fused leaf (GPT-2's q|k|v blocks), and stands anywhere a pattern does.
 Resolution turns the declarations into :class:`Slot` records, one per matched
 leaf (or block of it) and pair instance, that the balancing and transport code
 index by path. A leaf may be in several pair instances (overlapping
@@ -55,14 +55,14 @@ class Block:
     sizes: the parts' sizes along ``axis`` when they differ (fused QKV under
       GQA); default equal parts.
 
-  Example (GPT-2's fused attention, q|k|v columns)::
+  Example (GPT-2's fused attention, kernel (out, in) = (3d, d): q|k|v rows)::
 
     >>> import saggs_jax as saggs
-    >>> qkv = dict(axis=-1, parts=("q", "k", "v"))
+    >>> qkv = dict(axis=0, parts=("q", "k", "v"))
     >>> qk = saggs.Pair(saggs.Block("attn/c_attn/kernel", part="q", **qkv),
-    ...                 saggs.Block("attn/c_attn/kernel", part="k", **qkv), axes=(1, 1), groups=12)
+    ...                 saggs.Block("attn/c_attn/kernel", part="k", **qkv), axes=(0, 0), groups=12)
     >>> qk.a
-    Block('attn/c_attn/kernel', axis=-1, parts=('q', 'k', 'v'), part='q')
+    Block('attn/c_attn/kernel', axis=0, parts=('q', 'k', 'v'), part='q')
   """
 
   pattern: str
@@ -159,8 +159,12 @@ class Pair:
       (scanned layers, experts). Factors then have shape
       ``stacked_shape + (groups,)``.
     follow_a: patterns of tensors that move with ``a`` (its biases) but do not
-      count in its norm. A follower shares the trailing axes of the side's
-      first tensor, so its group axis is that tensor's counted from the end.
+      count in its norm, grouped like the side's first tensor. A follower
+      with one axis per copy (after ``stacked``), a bias vector, is grouped
+      along that axis, whatever the kernel's layout: the bias (out,) of an
+      (in, out) or an (out, in) kernel. A follower of more axes shares the
+      kernel's trailing axes, so its group axis is the kernel's counted from
+      the end.
     follow_b: likewise for ``b``.
     name: label used in errors (with the patterns) and in :func:`saggs_jax.describe`.
 
@@ -481,18 +485,28 @@ def _group_axis(pair: Pair, ax: int | None, path: str, shape: tuple[int, ...]) -
   return pair.stacked + ax % per_copy
 
 
+def follower_axis(kernel_ndim: int, kernel_axis: int, ndim: int, stacked: int) -> int:
+  """The absolute group axis of a follower with ``ndim`` axes whose kernel, of ``kernel_ndim``
+  axes, is grouped on absolute axis ``kernel_axis``.
+
+  A bias vector (one axis per copy) is grouped on that axis, whatever the kernel's layout
+  ((in, out) or (out, in)); a follower of more axes shares its kernel's trailing axes.
+  """
+  return stacked if ndim - stacked == 1 else kernel_axis - (kernel_ndim - ndim)
+
+
 def _follower_slot(pair, key, sign, kernel, kernel_shape, kernel_axis, groups, name, shape, block):
   if tuple(shape[:pair.stacked]) != tuple(kernel_shape[:pair.stacked]):
     raise ValueError(f"{pair._spelled}: follower {name!r} {shape} does not share the stacked"
                      f" axes of {kernel!r} {kernel_shape}.")
   axis = None
   if kernel_axis is not None:
-    axis = kernel_axis - (len(kernel_shape) - len(shape))
+    axis = follower_axis(len(kernel_shape), kernel_axis, len(shape), pair.stacked)
     if axis < pair.stacked or shape[axis] != kernel_shape[kernel_axis]:
       raise ValueError(
           f"{pair._spelled}: follower {name!r} with shape {shape} has no axis matching group axis"
-          f" {kernel_axis} of {kernel!r} {kernel_shape}; a follower must share its kernel's"
-          " trailing axes (a bias does).")
+          f" {kernel_axis} of {kernel!r} {kernel_shape}; a follower is a bias of that axis's"
+          " size, or shares its kernel's trailing axes.")
   return Slot(key, sign, axis, groups, pair.stacked, block)
 
 

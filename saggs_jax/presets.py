@@ -90,20 +90,18 @@ def llama(num_kv_heads: int, *, mlp: bool = True, bias: bool = False, stacked: i
 
 def gpt2(num_heads: int, *, norms: bool = True, stacked: int = 0,
          prefix: str | None = None) -> list[Pair]:
-  """Q/K and V/O per head in GPT-2's fused attention, and each LayerNorm against the rows
-  that read it: Hugging Face's names on Flax ``Dense`` kernels laid out (in, out).
+  """Q/K and V/O per head in GPT-2's fused attention, and each LayerNorm against the input
+  columns that read it (Hugging Face Flax names and layout).
 
-  ``attn/c_attn/kernel`` (d, 3d) holds q, k and v as column blocks, and
-  ``attn/c_attn/bias`` (3d,) likewise; head h is columns ``h*hd ... (h+1)*hd``
-  of each block. Q/K and V/O take :class:`~saggs_jax.Block` s of them, with the
-  q, k and v biases moving with their columns, and the rows of
+  Hugging Face's ``FlaxConv1D`` stores kernels (out, in): ``attn/c_attn/kernel``
+  (3d, d) holds q, k and v as blocks of rows (its output axis 0), and
+  ``attn/c_attn/bias`` (3d,) likewise; head h is rows ``h*hd ... (h+1)*hd`` of
+  each block. Q/K and V/O take :class:`~saggs_jax.Block` s of them, with the
+  q, k and v biases moving with their rows, and the input columns (axis 1) of
   ``attn/c_proj/kernel`` (d, d) on the other side of V/O. ``ln_1`` (gain and
-  bias per channel) pairs with the rows of ``c_attn``, ``ln_2`` with those of
-  ``mlp/c_fc/kernel``; ``c_attn`` is then in three pairs at once, balanced
-  jointly. The GELU MLP has no pair. (``transformers``' ``FlaxGPT2LMHeadModel``
-  stores its Conv1D kernels transposed, (out, in): ``c_attn/kernel`` is (3d, d),
-  and its (3d,) bias lines up with the kernel's leading axis, which a follower
-  cannot express; this preset does not fit it.)
+  bias per channel) pairs with the input columns of ``c_attn``, ``ln_2`` with
+  those of ``mlp/c_fc/kernel`` (4d, d); ``c_attn`` is then in three pairs at
+  once, balanced jointly. The GELU MLP has no pair.
 
   Args:
     num_heads: the number of attention heads.
@@ -116,26 +114,26 @@ def gpt2(num_heads: int, *, norms: bool = True, stacked: int = 0,
     >>> import saggs_jax as saggs
     >>> pairs = saggs.presets.gpt2(num_heads=12)
     >>> pairs[0].a
-    Block('attn/c_attn/kernel', axis=-1, parts=('q', 'k', 'v'), part='q')
+    Block('attn/c_attn/kernel', axis=0, parts=('q', 'k', 'v'), part='q')
   """
   def p(name):
     return _join(prefix, name)
 
   def qkv(leaf, part):
-    return Block(p(f"attn/c_attn/{leaf}"), axis=-1, parts=("q", "k", "v"), part=part)
+    return Block(p(f"attn/c_attn/{leaf}"), axis=0, parts=("q", "k", "v"), part=part)
 
   pairs = [
-      Pair(qkv("kernel", "q"), qkv("kernel", "k"), axes=(1, 1), groups=num_heads,
+      Pair(qkv("kernel", "q"), qkv("kernel", "k"), axes=(0, 0), groups=num_heads,
            stacked=stacked, follow_a=qkv("bias", "q"), follow_b=qkv("bias", "k"),
            name="attention Q/K"),
-      Pair(qkv("kernel", "v"), p("attn/c_proj/kernel"), axes=(1, 0), groups=num_heads,
+      Pair(qkv("kernel", "v"), p("attn/c_proj/kernel"), axes=(0, 1), groups=num_heads,
            stacked=stacked, follow_a=qkv("bias", "v"), name="attention V/O"),
   ]
   if norms:
     pairs += [
-        Pair(p("ln_1/scale"), p("attn/c_attn/kernel"), axes=(0, 0), stacked=stacked,
+        Pair(p("ln_1/scale"), p("attn/c_attn/kernel"), axes=(0, 1), stacked=stacked,
              follow_a=p("ln_1/bias"), name="LayerNorm ln_1"),
-        Pair(p("ln_2/scale"), p("mlp/c_fc/kernel"), axes=(0, 0), stacked=stacked,
+        Pair(p("ln_2/scale"), p("mlp/c_fc/kernel"), axes=(0, 1), stacked=stacked,
              follow_a=p("ln_2/bias"), name="LayerNorm ln_2"),
     ]
   return pairs

@@ -1,8 +1,8 @@
 """Blocks of a fused leaf, through every part of the library, against NumPy oracles.
 
-Two tiny models in plain JAX: GPT-2 (Hugging Face names, Dense kernels (in, out)) with
-q|k|v fused in ``c_attn`` (d, 3d) and its bias, and a gemma-style one with K and V stacked
-on a leading axis of ``kv_einsum/w`` (2, KV, d, hd) and gate and up on one of
+Two tiny models in plain JAX: GPT-2 (Hugging Face Flax names and layout: FlaxConv1D
+kernels are (out, in)) with q|k|v fused in the rows of ``c_attn`` (3d, d) and its bias, and a gemma-style one with K and V stacked on a
+leading axis of ``kv_einsum/w`` (2, KV, d, hd) and gate and up on one of
 ``gating_einsum/w`` (2, d, f). The oracle is the orbit move written out by hand:
 which columns, rows or slices each factor multiplies.
 """
@@ -37,11 +37,11 @@ def gpt2_init(seed=0):
 
   layer = lambda: {  # noqa: E731
       "ln_1": ln(),
-      "attn": {"c_attn": {"kernel": w(D, 3 * D), "bias": w(3 * D)},
+      "attn": {"c_attn": {"kernel": w(3 * D, D), "bias": w(3 * D)},  # (out, in)
                "c_proj": {"kernel": w(D, D), "bias": w(D)}},
       "ln_2": ln(),
-      "mlp": {"c_fc": {"kernel": w(D, 4 * D), "bias": w(4 * D)},
-              "c_proj": {"kernel": w(4 * D, D), "bias": w(D)}}}
+      "mlp": {"c_fc": {"kernel": w(4 * D, D), "bias": w(4 * D)},
+              "c_proj": {"kernel": w(D, 4 * D), "bias": w(D)}}}
   return {"transformer": {"wte": w(VOCAB, D), "wpe": w(T, D), "ln_f": ln(),
                           "h": {str(i): layer() for i in range(LAYERS)}}}
 
@@ -59,15 +59,15 @@ def gpt2_forward(params, ids):
   for i in range(LAYERS):
     p = t["h"][str(i)]
     h = _layer_norm(x, p["ln_1"])
-    qkv = h @ p["attn"]["c_attn"]["kernel"] + p["attn"]["c_attn"]["bias"]
+    qkv = h @ p["attn"]["c_attn"]["kernel"].T + p["attn"]["c_attn"]["bias"]
     q, k, v = (a.reshape(a.shape[:-1] + (HEADS, HD)) for a in jnp.split(qkv, 3, axis=-1))
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(HD)
     a = jax.nn.softmax(jnp.where(causal, s, -1e9), axis=-1)
     o = jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(x.shape)
-    x = x + o @ p["attn"]["c_proj"]["kernel"] + p["attn"]["c_proj"]["bias"]
+    x = x + o @ p["attn"]["c_proj"]["kernel"].T + p["attn"]["c_proj"]["bias"]
     h = _layer_norm(x, p["ln_2"])
-    h = jax.nn.gelu(h @ p["mlp"]["c_fc"]["kernel"] + p["mlp"]["c_fc"]["bias"])
-    x = x + h @ p["mlp"]["c_proj"]["kernel"] + p["mlp"]["c_proj"]["bias"]
+    h = jax.nn.gelu(h @ p["mlp"]["c_fc"]["kernel"].T + p["mlp"]["c_fc"]["bias"])
+    x = x + h @ p["mlp"]["c_proj"]["kernel"].T + p["mlp"]["c_proj"]["bias"]
   return _layer_norm(x, t["ln_f"]) @ t["wte"].T
 
 
@@ -90,14 +90,14 @@ def gpt2_move(tree, factors, power):
     p = out["transformer"]["h"][str(i)]
     qk, vo, ln1, ln2 = (np.asarray(factors[gpt2_instance(i, w)], np.float64) ** power
                         for w in ("qk", "vo", "ln_1", "ln_2"))
-    columns = np.concatenate([np.repeat(qk, HD), 1 / np.repeat(qk, HD), np.repeat(vo, HD)])
-    p["attn"]["c_attn"]["kernel"] *= columns[None, :] / ln1[:, None]
-    p["attn"]["c_attn"]["bias"] *= columns
-    p["attn"]["c_proj"]["kernel"] /= np.repeat(vo, HD)[:, None]
+    rows = np.concatenate([np.repeat(qk, HD), 1 / np.repeat(qk, HD), np.repeat(vo, HD)])
+    p["attn"]["c_attn"]["kernel"] *= rows[:, None] / ln1[None, :]  # outputs by heads, inputs
+    p["attn"]["c_attn"]["bias"] *= rows
+    p["attn"]["c_proj"]["kernel"] /= np.repeat(vo, HD)[None, :]  # its input columns
     for leaf in ("scale", "bias"):
       p["ln_1"][leaf] *= ln1
       p["ln_2"][leaf] *= ln2
-    p["mlp"]["c_fc"]["kernel"] /= ln2[:, None]
+    p["mlp"]["c_fc"]["kernel"] /= ln2[None, :]
   return out
 
 
@@ -112,15 +112,14 @@ def gpt2_norms(params):
   out = {}
   for i in range(LAYERS):
     p = jax.tree.map(lambda x: np.asarray(x, np.float64), params["transformer"]["h"][str(i)])
-    w = p["attn"]["c_attn"]["kernel"]
-    heads = lambda m: np.sqrt((m.reshape(D, HEADS, HD) ** 2).sum((0, 2)))  # noqa: E731
-    out[gpt2_instance(i, "qk")] = heads(w[:, :D]), heads(w[:, D:2 * D])
-    out[gpt2_instance(i, "vo")] = (heads(w[:, 2 * D:]),
-                                   np.sqrt((p["attn"]["c_proj"]["kernel"].reshape(HEADS, HD, D)
-                                            ** 2).sum((1, 2))))
-    out[gpt2_instance(i, "ln_1")] = np.abs(p["ln_1"]["scale"]), np.sqrt((w**2).sum(1))
+    w = p["attn"]["c_attn"]["kernel"]  # (3D, D): q, k, v rows
+    heads = lambda m: np.sqrt((m.reshape(HEADS, HD, -1) ** 2).sum((1, 2)))  # noqa: E731
+    out[gpt2_instance(i, "qk")] = heads(w[:D]), heads(w[D:2 * D])
+    out[gpt2_instance(i, "vo")] = (heads(w[2 * D:]),
+                                   heads(p["attn"]["c_proj"]["kernel"].T))  # input columns
+    out[gpt2_instance(i, "ln_1")] = np.abs(p["ln_1"]["scale"]), np.sqrt((w**2).sum(0))
     out[gpt2_instance(i, "ln_2")] = (np.abs(p["ln_2"]["scale"]),
-                                     np.sqrt((p["mlp"]["c_fc"]["kernel"] ** 2).sum(1)))
+                                     np.sqrt((p["mlp"]["c_fc"]["kernel"] ** 2).sum(0)))
   return out
 
 
@@ -130,7 +129,8 @@ def imbalanced_gpt2(seed=0):
   for i in range(LAYERS):
     p = params["transformer"]["h"][str(i)]["attn"]
     scale = jnp.concatenate([jnp.full(D, 8.0), jnp.full(D, 1 / 8), jnp.full(D, 8.0)])
-    p["c_attn"] = {"kernel": p["c_attn"]["kernel"] * scale, "bias": p["c_attn"]["bias"] * scale}
+    p["c_attn"] = {"kernel": p["c_attn"]["kernel"] * scale[:, None],
+                   "bias": p["c_attn"]["bias"] * scale}
     p["c_proj"] = dict(p["c_proj"], kernel=p["c_proj"]["kernel"] / 8)
   return params
 
@@ -195,7 +195,7 @@ def test_blocks_whose_squares_overflow_float32_are_balanced():
   for i in range(LAYERS):
     p = params["transformer"]["h"][str(i)]["attn"]["c_attn"]
     p["kernel"] = p["kernel"] * jnp.concatenate([jnp.full(D, 1e20), jnp.full(D, 1e-20),
-                                                 jnp.ones(D)])
+                                                 jnp.ones(D)])[:, None]
   balanced = _canonical(params)
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(balanced))
   for key, (a, b) in gpt2_norms(balanced).items():
@@ -224,11 +224,12 @@ def test_imbalance_and_describe_show_blocks():
   assert f"{qk}[q]|{qk}[k]" in got
   text = saggs.describe(GPT2_PAIRS, params)
   rows = [line.split() for line in text.splitlines()]
-  for row in (f"attention Q/K a {qk}[q] (8, 24) axis 1 [0:8] 1 (2,)",
-              f"attention Q/K b {qk}[k] (8, 24) axis 1 [8:16] 1 (2,)",
-              f"attention V/O a {qk}[v] (8, 24) axis 1 [16:24] 1 (2,)",
+  for row in (f"attention Q/K a {qk}[q] (24, 8) axis 0 [0:8] 0 (2,)",
+              f"attention Q/K b {qk}[k] (24, 8) axis 0 [8:16] 0 (2,)",
+              f"attention V/O a {qk}[v] (24, 8) axis 0 [16:24] 0 (2,)",
+              "attention V/O b transformer/h/0/attn/c_proj/kernel (8, 8) all 1 (2,)",
               "attention Q/K a+ transformer/h/0/attn/c_attn/bias[q] (24,) axis 0 [0:8] 0 (2,)",
-              f"LayerNorm ln_1 b {qk} (8, 24) all 0 (8,)"):
+              f"LayerNorm ln_1 b {qk} (24, 8) all 1 (8,)"):
     assert row.split() in rows, text
   assert f"In several pairs, so balanced jointly: {qk}, transformer/h/1" in text
 
@@ -236,10 +237,10 @@ def test_imbalance_and_describe_show_blocks():
 def test_check_symmetry_accepts_the_blocks_and_rejects_q_against_v():
   deviations = saggs.check_symmetry(gpt2_forward, gpt2_init(0), GPT2_PAIRS, IDS)
   assert len(deviations) == 4 * LAYERS
-  qkv = dict(axis=-1, parts=("q", "k", "v"))
+  qkv = dict(axis=0, parts=("q", "k", "v"))
   wrong = saggs.Pair(saggs.Block("attn/c_attn/kernel", part="q", **qkv),
                      saggs.Block("attn/c_attn/kernel", part="v", **qkv),
-                     axes=(1, 1), groups=HEADS, name="Q against V")
+                     axes=(0, 0), groups=HEADS, name="Q against V")
   with pytest.raises(ValueError, match=r"Q against V is not a symmetry of the model: rescaling"
                      r" 'transformer/h/0/attn/c_attn/kernel\[q\]' by c and"
                      r" 'transformer/h/0/attn/c_attn/kernel\[v\]' by 1/c"):
@@ -247,13 +248,13 @@ def test_check_symmetry_accepts_the_blocks_and_rejects_q_against_v():
 
 
 def test_a_bias_left_out_of_a_block_pair_is_named():
-  qkv = dict(axis=-1, parts=("q", "k", "v"))
+  qkv = dict(axis=0, parts=("q", "k", "v"))
   no_bias = saggs.Pair(saggs.Block("attn/c_attn/kernel", part="q", **qkv),
                        saggs.Block("attn/c_attn/kernel", part="k", **qkv),
-                       axes=(1, 1), groups=HEADS, follow_b=saggs.Block("attn/c_attn/bias",
+                       axes=(0, 0), groups=HEADS, follow_b=saggs.Block("attn/c_attn/bias",
                                                                         part="k", **qkv))
   with pytest.raises(ValueError, match=r"a follower left out: with Block\('transformer/h/0/attn/"
-                     r"c_attn/bias', axis=-1, parts=\('q', 'k', 'v'\), part='q'\) in follow_a"):
+                     r"c_attn/bias', axis=0, parts=\('q', 'k', 'v'\), part='q'\) in follow_a"):
     saggs.check_symmetry(gpt2_forward, gpt2_init(0), [no_bias], IDS)
 
 
@@ -284,7 +285,7 @@ def test_checkpoint_round_trip_and_the_layout_names_blocks(manager):
   chex.assert_trees_all_close(got, saggs.canonicalize(params, state, GPT2_PAIRS),
                               rtol=1e-5, atol=1e-6)
   # The same leaves paired otherwise (K against Q) is another layout: refused by name.
-  swapped = [saggs.Pair(GPT2_PAIRS[0].b, GPT2_PAIRS[0].a, axes=(1, 1), groups=HEADS,
+  swapped = [saggs.Pair(GPT2_PAIRS[0].b, GPT2_PAIRS[0].a, axes=(0, 0), groups=HEADS,
                         follow_a=GPT2_PAIRS[0].follow_b, follow_b=GPT2_PAIRS[0].follow_a),
              *GPT2_PAIRS[1:]]
   with pytest.raises(ValueError, match=rf"does not fit the target at"
@@ -292,7 +293,7 @@ def test_checkpoint_round_trip_and_the_layout_names_blocks(manager):
     saggs.checkpoint.restore(manager, params, _chain_state(swapped, params), pairs=swapped)
 
 
-def test_gpt2_preset_resolves_per_layer_and_is_exact():
+def test_gpt2_preset_is_exact_on_flax_gpt2_names():
   params = gpt2_init(2)
   plan = saggs.pairs.resolve(GPT2_PAIRS, params)
   assert [i.pair.name for i in plan.instances] == (
@@ -442,11 +443,11 @@ def test_bad_blocks_name_pattern_path_and_shape(pairs, msg):
 
 
 def test_adafactor_refuses_a_block_edge_along_a_factored_axis():
-  qkv = dict(axis=-1, parts=("q", "k", "v"))
+  qkv = dict(axis=0, parts=("q", "k", "v"))
   pairs = [saggs.Pair(saggs.Block("attn/c_attn/kernel", part="q", **qkv),
                       saggs.Block("attn/c_attn/kernel", part="k", **qkv))]
   params = gpt2_init(0)
   state = optax.adafactor(1e-2, min_dim_size_to_factor=4).init(params)
-  with pytest.raises(TypeError, match=r"c_attn/kernel' \(8, 24\), and the factors of .* change"
-                     r" along axis 1 \(a block\), .* Keep this moment unfactored"):
+  with pytest.raises(TypeError, match=r"c_attn/kernel' \(24, 8\), and the factors of .* change"
+                     r" along axis 0 \(a block\), .* Keep this moment unfactored"):
     saggs.reparameterize(params, state, pairs, 2.0)

@@ -112,7 +112,9 @@ def orbit_move(params, pairs, seed=0, spread=1.5):
       factors = np.exp(rng.uniform(-spread, spread, shape0[:pair.stacked] + (groups,)))
       for path, index, sign, axis, _ in members:
         x = values[path][index]
-        if axis is None:  # a follower: its kernel's group axis, counted from the end
+        if axis is None and x.ndim == pair.stacked + 1:  # a follower, a bias: along its axis
+          axis = pair.stacked
+        elif axis is None:  # a follower: its kernel's group axis, counted from the end
           kpath, _, kaxis = kernel[sign]
           axis = pair.stacked + kaxis - (values[kpath].ndim - x.ndim)
         else:

@@ -280,16 +280,15 @@ def eqx_forward(m, x):
 
 def test_an_equinox_module():
   """Dropout's flag, the activation function and head counts are static; the (out, in)
-  Linear's bias shares its weight's leading axis, which a Pair's follower cannot."""
+  Linear's bias (out,) is a follower of its weight's leading axis."""
   block = EqxBlock(jax.random.PRNGKey(0))
   d = discover(eqx_forward, block, X)
   assert set(d) == {
       saggs.Pair("query_proj/weight", "key_proj/weight", axes=(0, 0), name="attention Q/K"),
-      saggs.Pair("value_proj/weight", "output_proj/weight", axes=(0, 1), name="attention V/O")}
+      saggs.Pair("value_proj/weight", "output_proj/weight", axes=(0, 1), name="attention V/O"),
+      saggs.Pair("up/weight", "down/weight", axes=(0, 1), follow_a="up/bias",
+                 name="ReLU MLP up/down (positive factors)")}
   assert rejected(d) == {
-      ("up/weight", "down/weight"): "its bias 'up/bias' follows axis 0 of 'up/weight', which is"
-                                    " not a trailing axis; a Pair's follower shares its kernel's"
-                                    " trailing axes",
       # the residual adds the model's input, which no factor scales
       ("attn/output_proj/weight", "up/weight"): "not exact: an added constant between them"}
   n = H * (D // H)
@@ -299,6 +298,21 @@ def test_an_equinox_module():
            ("up/bias", "c", 0, F, 1), ("down/weight", "c", 1, F, -1)}
   assert deviation(eqx_forward, block, moves, X) < 1e-5
   assert deviation(eqx_forward, block, {("up/weight", "c", 0, F, 1)}, X) > 1e-2
+
+
+def test_a_follower_a_pair_cannot_declare_is_rejected_with_its_reason():
+  """An (out, in) kernel's bias stored (1, out): two axes, so a Pair would move it along the
+  kernel's trailing axes (its size-1 axis 0), not along the channel it follows (axis 1).
+  The pair is rejected, saying so, instead of declared wrongly; it is exact all the same."""
+  params = {"up": normal(F, D, scale=np.sqrt(D)), "b": normal(1, F), "down": normal(D, F)}
+  forward = lambda p, x: jax.nn.relu(x @ p["up"].T + p["b"]) @ p["down"].T  # noqa: E731
+  d = discover(forward, params, X)
+  assert list(d) == []
+  assert rejected(d) == {("up", "down"): "its bias 'b' follows axis 0 of 'up' along another"
+                                         " axis than a Pair's follower: a bias vector's own,"
+                                         " or its kernel's trailing axes"}
+  moves = {("up", "c", 0, F, 1), ("b", "c", 1, F, 1), ("down", "c", 1, F, -1)}
+  assert deviation(forward, params, moves, X) < 1e-5
 
 
 # ---------------------------------------------------------------------------

@@ -224,6 +224,52 @@ def test_follower_without_matching_axis():
     _init([saggs.Pair("q", "k", axes=(1, 1), follow_a="qb")], params)
 
 
+def test_a_bias_of_an_out_in_kernel_follows_its_leading_group_axis():
+  """An (out, in) kernel (transformers' FlaxConv1D, eqx.nn.Linear) grouped on axis 0: its
+  bias (out,) moves along its one axis, per group, in stacked copies too; scores q.k and the
+  value path through o are unchanged. A multi-axis follower keeps the trailing rule."""
+  rng = np.random.default_rng(11)
+  L, H, HD, D = 2, 2, 3, 4  # 2 stacked layers, 2 heads of 3
+  params = {"q": _arr(rng, L, H * HD, D), "qb": _arr(rng, L, H * HD),
+            "k": _arr(rng, L, H * HD, D), "kb": _arr(rng, L, H * HD),
+            "v": _arr(rng, L, H * HD, D), "vb": _arr(rng, L, H * HD), "o": _arr(rng, L, D, H * HD)}
+  pairs = [saggs.Pair("q", "k", axes=(0, 0), groups=H, stacked=1, follow_a="qb", follow_b="kb"),
+           saggs.Pair("v", "o", axes=(0, 1), groups=H, stacked=1, follow_a="vb")]
+  c = {"q": np.array([[2.0, 0.5], [3.0, 0.25]]), "v": np.array([[4.0, 0.2], [0.3, 5.0]])}
+  new, _ = saggs.reparameterize(params, None, pairs, lambda a, shape: c[a[0]].astype(np.float32))
+  per = {k: np.repeat(f, HD, axis=-1) for k, f in c.items()}  # (L, H*HD)
+  want = {"q": params["q"] * per["q"][..., None], "qb": params["qb"] * per["q"],
+          "k": params["k"] / per["q"][..., None], "kb": params["kb"] / per["q"],
+          "v": params["v"] * per["v"][..., None], "vb": params["vb"] * per["v"],
+          "o": params["o"] / per["v"][:, None, :]}
+  for name, w in want.items():
+    np.testing.assert_allclose(new[name], w, rtol=1e-6, err_msg=name)
+
+  def heads(p, x):  # per layer and head: q.k scores, and o applied to v
+    q, k, v = (jnp.einsum("lod,d->lo", p[n], x) + p[n + "b"] for n in "qkv")
+    qk = (q * k).reshape(L, H, HD).sum(-1)
+    return qk, jnp.einsum("ldo,lo->ld", p["o"], v)
+
+  x = _arr(rng, D)
+  for got, ref in zip(heads(new, x), heads(params, x)):
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+  # The bias of another size is refused, naming follower, shapes and kernel.
+  bad = {**params, "qb": _arr(rng, L, H * HD + 1)}
+  with pytest.raises(ValueError, match=re.escape(
+      "follower 'qb' with shape (2, 7) has no axis matching group axis 1 of 'q' (2, 6, 4)")):
+    _init(pairs[:1], bad)
+  # A follower of two axes per copy still shares the kernel's trailing axes: (out, in)'s
+  # axis 0 is not among them, so a (6, 4) follower of axis 0 is refused ...
+  with pytest.raises(ValueError, match="follower 'f' with shape"):
+    _init([saggs.Pair("q", "k", axes=(0, 0), groups=H, stacked=1, follow_a="f")],
+          {**params, "f": _arr(rng, L, 5, H * HD)})
+  # ... and a (heads, hd) bias of a (d, heads, hd) kernel follows axis 1 as before.
+  plan = saggs.pairs.resolve([saggs.Pair("w", "u", axes=(1, 1), follow_a="b")],
+                             {"w": _arr(rng, D, H, HD), "u": _arr(rng, D, H, HD),
+                              "b": _arr(rng, H, HD)})
+  assert [s.axis for s in plan.slots["b"]] == [0]
+
+
 def test_duplicate_paths():
   rng = np.random.default_rng(7)
   params = {"a/q": _arr(rng, 2), "a": {"q": _arr(rng, 2)}, "k": _arr(rng, 2)}
