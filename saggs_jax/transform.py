@@ -98,17 +98,18 @@ def step_limits(plan, params) -> dict[str, float]:
   ``k = max(1, b - ERROR_BITS)`` keeps it within ``2**-ERROR_BITS + 2**-b``; at
   ``k = 1`` (bfloat16, float16) ``p * m - p`` is exact (Sterbenz) and the update lands on
   ``p * m`` exactly. float32 allows ``2**-10`` per update, float64 ``2**-39``. A leaf in
-  ``n`` instances splits its bound among them. A larger imbalance is balanced over
-  several updates, each within the bound.
+  ``n`` instances splits its bound among them (disjoint blocks of a leaf count
+  apart: an entry moves by the factors of its own piece only). A larger imbalance
+  is balanced over several updates, each within the bound.
   """
   dtypes = {path: leaf.dtype for path, leaf in paths.leaves_with_paths(params)}
 
-  def bits(name):  # k for the leaf's dtype, shared among its instances
-    path = plan.part(name).path
-    b = jnp.finfo(dtypes[path]).nmant + 1
-    return max(1, b - ERROR_BITS) / len(plan.slots[path])
+  def bits(name, key):  # k for the leaf's dtype, shared by the factors of each entry
+    b = jnp.finfo(dtypes[plan.part(name).path]).nmant + 1
+    return max(1, b - ERROR_BITS) / max(len(plan.pieces[k].slots)
+                                        for k in plan.pieces_of(name, key))
 
-  return {i.key: float(np.log(2.0)) * min(bits(p) for p in i.members_a + i.members_b
+  return {i.key: float(np.log(2.0)) * min(bits(n, i.key) for n in i.members_a + i.members_b
                                           + i.followers_a + i.followers_b)
           for i in plan.instances}
 

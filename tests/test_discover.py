@@ -280,18 +280,26 @@ def test_report_lists_found_and_rejected():
   ])
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _hard_step(tx, params, state):
+  updates, state = tx.update(jax.tree.map(jnp.zeros_like, params), state, params)
+  return optax.apply_updates(params, updates), state
+
+
 @pytest.mark.parametrize("name", ["gpt2", "moe"])
 def test_saggs_balances_what_discover_found_without_changing_the_function(name):
   """Overlapping discoveries (norm gains share q/k/v with Q/K and V/O, the MoE gain shares
-  w_up with the stacked expert pair) are balanced jointly in one hard step."""
+  w_up with the stacked expert pair) are balanced jointly by hard steps, a few since one
+  update moves a factor by at most ``step_limits`` (2**(10/n) in float32, n factors on an
+  entry), each keeping the function."""
   forward, params, inputs = model(name)
   d = found(name)
   start = orbit_move(params, d, seed=3)  # far from balanced, same function
   tx = saggs.chain(optax.sgd(0.0), saggs.saggs(d))
-  step = jax.jit(lambda p, s: optax.apply_updates(p, tx.update(jax.tree.map(jnp.zeros_like, p),
-                                                               s, p)[0]))
-  moved = step(start, tx.init(start))
-  models.assert_same_function(forward, start, moved, *inputs)
+  moved, state = start, tx.init(start)
+  for _ in range(4):
+    moved, state = _hard_step(tx, moved, state)
+    models.assert_same_function(forward, start, moved, *inputs)
   worst = {name: max(float(jnp.max(jnp.abs(v))) for v in saggs.imbalance(p, d).values())
            for name, p in (("start", start), ("moved", moved))}
   assert worst["start"] > 0.5 and worst["moved"] < 1e-4, worst
