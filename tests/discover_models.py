@@ -226,3 +226,17 @@ def nnx_mha():
     return nnx.merge(graphdef, params)(x)
 
   return forward, random_like(state, 2, scale=0.5), inputs()[..., :8]
+
+
+def blind_to_reasons(monkeypatch) -> None:
+  """Makes discover's jaxpr reading forget what a factor passed through, so that only the
+  numerical confirmation can refute a candidate (the tests of that check)."""
+  from saggs_jax import discovery
+  run = discovery._Follower.run
+
+  def blind(self, *args):
+    trace = run(self, *args)
+    trace.reaches = [r._replace(reasons=frozenset()) for r in trace.reaches]
+    return trace
+
+  monkeypatch.setattr(discovery._Follower, "run", blind)

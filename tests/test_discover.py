@@ -20,7 +20,6 @@ import models
 import saggs_jax as saggs
 from saggs_jax.discovery import Discovery, Rejected, discover
 
-discover_module = importlib.import_module("saggs_jax.discovery")  # the module, not the function
 QKN = models.Config(qk_norm=True)
 
 MODELS = {  # name -> () -> (forward, params, *inputs)
@@ -244,14 +243,7 @@ def test_a_norm_between_two_linears_breaks_their_pair():
 def test_a_candidate_the_numbers_refute_is_rejected(monkeypatch):
   # Blind the jaxpr reading to what it passed through: up -> LayerNorm -> down then looks
   # exact, and only the numerical check stands between it and the result.
-  run = discover_module._Follower.run
-
-  def blind(self, *args):
-    trace = run(self, *args)
-    trace.reaches = [r._replace(reasons=frozenset()) for r in trace.reaches]
-    return trace
-
-  monkeypatch.setattr(discover_module._Follower, "run", blind)
+  dm.blind_to_reasons(monkeypatch)
   forward, params, x = MODELS["norm_between"]()
   d = discover(forward, params, x)
   assert not any(p.a == "up/kernel" for p in d)

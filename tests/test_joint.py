@@ -145,11 +145,10 @@ def _whole(idx):
   return 0
 
 
-def test_three_pairs_sharing_one_leaf_balance_jointly():
-  """q/k, v/k, o/k (whole tensors), k shared: one canonicalize reaches the joint minimum
-  (the NumPy Newton oracle), every pair is balanced and a second one changes nothing.
-  Applied pair by pair, the factors would oscillate instead."""
-  rng = np.random.default_rng(3)
+def _star(seed):
+  """q/k, v/k, o/k on whole (3, 5) tensors of unequal scales, k shared by all three, and the
+  NumPy Newton oracle's joint log-factors."""
+  rng = np.random.default_rng(seed)
   params = {n: jnp.asarray(rng.standard_normal((3, 5)) * s, jnp.float32)
             for n, s in (("q", 4.0), ("k", 0.2), ("v", 1.0), ("o", 9.0))}
   pairs = [saggs.Pair("q", "k"), saggs.Pair("v", "k"), saggs.Pair("o", "k")]
@@ -157,6 +156,14 @@ def test_three_pairs_sharing_one_leaf_balance_jointly():
                                    "o": [("o", 1, _whole)],
                                    "k": [(n, -1, _whole) for n in "qvo"]},
                      {n: () for n in "qvo"})
+  return params, pairs, u
+
+
+def test_three_pairs_sharing_one_leaf_balance_jointly():
+  """q/k, v/k, o/k (whole tensors), k shared: one canonicalize reaches the joint minimum
+  (the NumPy Newton oracle), every pair is balanced and a second one changes nothing.
+  Applied pair by pair, the factors would oscillate instead."""
+  params, pairs, u = _star(3)
   balanced, _ = saggs.canonicalize(params, None, pairs)
   p = _np(params)
   for n in "qvo":
@@ -174,14 +181,7 @@ def test_soft_with_overlaps_takes_strength_of_the_joint_log_factors(strength):
   """Soft balancing of overlapping pairs moves ``strength`` of the way to the joint minimum in
   log space: factors ``exp(strength * u)``, ``u`` the NumPy Newton oracle's, i.e. the hard
   factors to the power ``strength`` (each pair's own closed form would not be)."""
-  rng = np.random.default_rng(5)
-  params = {n: jnp.asarray(rng.standard_normal((3, 5)) * s, jnp.float32)
-            for n, s in (("q", 4.0), ("k", 0.2), ("v", 1.0), ("o", 9.0))}
-  pairs = [saggs.Pair("q", "k"), saggs.Pair("v", "k"), saggs.Pair("o", "k")]
-  u = _newton_oracle(_np(params), {"q": [("q", 1, _whole)], "v": [("v", 1, _whole)],
-                                   "o": [("o", 1, _whole)],
-                                   "k": [(n, -1, _whole) for n in "qvo"]},
-                     {n: () for n in "qvo"})
+  params, pairs, u = _star(5)
   tx = saggs.chain(optax.sgd(0.0), saggs.soft(pairs, strength=strength))
   updates, state = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
   for n in "qvo":
