@@ -14,7 +14,7 @@ standard library, trained with
 * ``stack``: ``saggs_jax.equivariant.symmetry_compatible`` with the model's
   heads: polar per attention head, row-norm embedding, centred row-norm LM
   head, row-aware SwiGLU gate/up, column-aware down, AdamW on the norms;
-* ``reference``: the same with ``preset="reference"``, Lau & Su's training
+* ``reference``: ``symmetry_compatible_reference``, Lau & Su's training
   scripts (Muon per head and on SwiGLU, row-norm embedding, centred row-norm
   LM head, their numerics) with their per-role rates, all scaled so that the
   hidden matrices get the swept rate (0.02 = the scripts' own) and AdamW gets
@@ -131,8 +131,8 @@ def make_optimizer(name: str, lr: float, config: lm.ModelConfig,
   heads = dict(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
   if name == "reference":
     scale = lr / eqv.REFERENCE_LEARNING_RATES["query"]
-    return eqv.symmetry_compatible(
-        preset="reference", **heads,
+    return eqv.symmetry_compatible_reference(
+        **heads,
         learning_rates={r: schedule(v * scale, args) for r, v in eqv.REFERENCE_LEARNING_RATES.items()},
         weight_decays=dict.fromkeys(eqv.REFERENCE_WEIGHT_DECAYS, wd))
   return eqv.symmetry_compatible(

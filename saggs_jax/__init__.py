@@ -13,16 +13,17 @@ from saggs_jax import checkpoint, degrees, equivariant, presets
 from saggs_jax.canonical import canonicalize, reparameterize
 from saggs_jax.diagnostics import check_symmetry, imbalance
 from saggs_jax.discovery import Discovery, Rejected, discover
+from saggs_jax.equivariant import MuonDimensionNumbers, UnitDimensionNumbers, muon_dimension_numbers
 from saggs_jax.pairs import Block, Pair, describe
 from saggs_jax.transform import (SaggsState, SymmetryTransformation, chain, saggs,
                                  scale_by_saggs, soft)
 from saggs_jax.transport import NESTED, register_transport
 
 __all__ = [
-    "NESTED", "Block", "Discovery", "Pair", "Rejected", "SaggsState", "SymmetryTransformation",
-    "canonicalize", "chain", "checkpoint", "check_symmetry", "degrees", "describe", "discover",
-    "equivariant",
-    "imbalance", "presets", "register_transport",
+    "NESTED", "Block", "Discovery", "MuonDimensionNumbers", "Pair", "Rejected", "SaggsState",
+    "SymmetryTransformation", "UnitDimensionNumbers", "canonicalize", "chain", "checkpoint",
+    "check_symmetry", "degrees", "describe", "discover", "equivariant", "imbalance",
+    "muon_dimension_numbers", "presets", "register_transport",
     "reparameterize", "saggs", "scale_by_saggs", "soft",
 ]
 __version__ = "0.1.0"

@@ -710,6 +710,12 @@ class Discovery(collections.abc.Sequence):
 
   __str__ = report
 
+  def muon_dimension_numbers(self, params):
+    """The ``optax.contrib.muon`` tree of ``MuonDimensionNumbers`` for the matrices of
+    :attr:`roles`, ``None`` elsewhere (see :func:`saggs_jax.equivariant.role_dimension_numbers`)."""
+    from saggs_jax.equivariant.stack import role_dimension_numbers
+    return role_dimension_numbers(params, self.roles)
+
 
 # ---------------------------------------------------------------------------
 # discover()

@@ -2,11 +2,17 @@
 
 Patterns are anchored at the end of a path and pair up within one module, so
 they apply to every layer of a model at once; ``prefix`` restricts them to
-part of the tree (e.g. ``"decoder/**"``).
+part of the tree (e.g. ``"decoder/**"``). :func:`muon_dimension_numbers`
+declares the same layouts' matrices for ``optax.contrib.muon``.
 """
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
+from optax.contrib import MuonDimensionNumbers
+
+from saggs_jax.equivariant.dimension_numbers import muon_dimension_numbers as _from_patterns
 from saggs_jax.pairs import Block, Pair
 
 
@@ -137,3 +143,46 @@ def gpt2(num_heads: int, *, norms: bool = True, stacked: int = 0,
              follow_a=p("ln_2/bias"), name="LayerNorm ln_2"),
     ]
   return pairs
+
+
+# The hidden matrices of each layout for Muon; negative axes, so that the
+# leading axes of scanned layers are batched too.
+_MUON_LAYOUTS: dict[str, dict[tuple[str, ...], MuonDimensionNumbers]] = {
+    # Dense (in, out) kernels.
+    "llama": {("q_proj/kernel", "k_proj/kernel", "v_proj/kernel", "o_proj/kernel",
+               "gate_proj/kernel", "up_proj/kernel", "down_proj/kernel"): MuonDimensionNumbers(-2, -1)},
+    # (d, H, hd) query/key/value and (H, hd, d) output kernels: one matrix per head.
+    "flax_mha": {("query/kernel", "key/kernel", "value/kernel"): MuonDimensionNumbers(-3, -1),
+                 ("out/kernel",): MuonDimensionNumbers(-2, -1)},
+    # FlaxConv1D (out, in) kernels; c_attn's q, k and v blocks form one matrix.
+    "gpt2": {("attn/c_attn/kernel", "attn/c_proj/kernel", "mlp/c_fc/kernel",
+              "mlp/c_proj/kernel"): MuonDimensionNumbers(-1, -2)},
+}
+
+
+def muon_dimension_numbers(params: Any, layout: Literal["llama", "flax_mha", "gpt2"], *,
+                           prefix: str | None = None) -> Any:
+  """The ``muon_weight_dimension_numbers`` tree of ``optax.contrib.muon`` for a preset layout.
+
+  The hidden matrices of :func:`llama` (q/k/v/o and the SwiGLU kernels),
+  :func:`flax_mha` (one matrix per head: the heads axis is batched) or
+  :func:`gpt2` get their ``MuonDimensionNumbers``; every other leaf (norms,
+  biases, embeddings, the LM head) ``None``, which Muon leaves to AdamW. The
+  same declarations serve :func:`saggs_jax.equivariant.scale_by_polar`.
+
+  Example::
+
+    >>> import jax.numpy as jnp, optax
+    >>> import saggs_jax as saggs
+    >>> params = {"attn": {"query": {"kernel": jnp.ones((8, 2, 4))}, "out": {"kernel": jnp.ones((2, 4, 8))}},
+    ...           "ln": {"scale": jnp.ones(8)}}
+    >>> dims = saggs.presets.muon_dimension_numbers(params, "flax_mha")
+    >>> dims["attn"]["query"]["kernel"], dims["ln"]["scale"]
+    (MuonDimensionNumbers(reduction_axis=-3, output_axis=-1), None)
+    >>> tx = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
+    >>> updates, _ = tx.update(params, tx.init(params), params)
+  """
+  if layout not in _MUON_LAYOUTS:
+    raise ValueError(f"Unknown layout {layout!r}; expected one of {sorted(_MUON_LAYOUTS)}.")
+  return _from_patterns(params, {tuple(_join(prefix, p) for p in pats): dims
+                                 for pats, dims in _MUON_LAYOUTS[layout].items()})

@@ -204,7 +204,7 @@ def test_batch_axes_are_independent_copies():
     for e in range(3):
       close(out[l, e], np.sqrt(6 / 4) * polar(g[l, e]), rtol=1e-3)
   h = rand(13, (2, F, U), np.float32)
-  tx = eqv.scale_by_right_spectral(-1, batch_axes=0, beta=0.0)
+  tx = eqv.scale_by_right_spectral(eqv.UnitDimensionNumbers(-1, batch_axis=0), beta=0.0)
   out = np.asarray(tx.update(h, tx.init(h))[0])
   for l in range(2):
     close(out[l], right_spectral(h[l].T).T, rtol=2e-4)

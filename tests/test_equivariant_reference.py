@@ -50,10 +50,11 @@ EXPERT_MUON = {
 # Unit layouts of RowNormM / HybridPolarGradM (2-D orientation, 3-D expert layout).
 UNITS_2D = {"row": dict(unit_axis=0), "col": dict(unit_axis=1)}
 UNITS_3D = {
-    "row": dict(unit_axis=1, batch_axes=0),
-    "col": dict(unit_axis=2, batch_axes=0),
-    "gpt_oss_gate_up_pair": dict(unit_axis=2, batch_axes=0, fused=2, interleaved=True),
-    "olmoe_gate_up_pair": dict(unit_axis=1, batch_axes=0, fused=2),
+    "row": dict(unit_axis=eqv.UnitDimensionNumbers(1, batch_axis=0)),
+    "col": dict(unit_axis=eqv.UnitDimensionNumbers(2, batch_axis=0)),
+    "gpt_oss_gate_up_pair": dict(unit_axis=eqv.UnitDimensionNumbers(2, batch_axis=0, fused=2,
+                                                                    interleaved=True)),
+    "olmoe_gate_up_pair": dict(unit_axis=eqv.UnitDimensionNumbers(1, batch_axis=0, fused=2)),
 }
 
 
@@ -178,7 +179,7 @@ def flat(tree):
 
 
 def stack_update(grads, params, **kw):
-  tx = eqv.symmetry_compatible(preset="reference", num_heads=H, num_kv_heads=KV, ns_coeffs="polar_express",
+  tx = eqv.symmetry_compatible_reference(num_heads=H, num_kv_heads=KV, ns_coeffs="polar_express",
                                ns_steps=10, ns_dtype=jnp.float32, **kw)  # polar ~ exact
   return flat(jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])(grads, params))
 

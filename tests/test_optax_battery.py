@@ -94,7 +94,7 @@ def routed(make_rule, routes):
 # The battery's leaves: "**" is the bare matrix of the matrix targets; "1" the
 # matrix of the mixed target; "0" (2, 3) and "1" (2, 5, 2) the inject params.
 UNIT_ROUTES = {"bare": {"**": dict(unit_axis=0)}, "mixed": {"1": dict(unit_axis=0)},
-               "inject": {"0": dict(unit_axis=0), "1": dict(unit_axis=1, batch_axes=0)}}
+               "inject": {"0": dict(unit_axis=0), "1": dict(unit_axis=eqv.UnitDimensionNumbers(1, batch_axis=0))}}
 POLAR_ROUTES = {"bare": {"**": {}}, "mixed": {"1": {}}, "inject": {"0": {}, "1": dict(batch_axes=0)}}
 RULES = {  # name -> (rule, routes, centred)
     "polar": (eqv.scale_by_polar, POLAR_ROUTES, False),

@@ -6,7 +6,10 @@ for Optimizer Design: Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers"
 Each rule's update is equivariant under the symmetry group of its weight block:
 polar (Muon) for general matrices, row-norm / one-sided spectral / hybrid rules
 for blocks whose units can be permuted (embeddings, LM heads, SwiGLU neurons,
-MoE experts), centred variants where a shared shift changes nothing.
+MoE experts), centred variants where a shared shift changes nothing. Layouts are declared
+with ``optax.contrib.MuonDimensionNumbers`` (polar) and
+:class:`UnitDimensionNumbers` (unit rules); :func:`role_dimension_numbers`
+emits the tree ``optax.contrib.muon`` takes for the same matrices.
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -21,7 +24,10 @@ Example:
   >>> updates, state = tx.update(params, tx.init(params), params)
 """
 
+from optax.contrib import MuonDimensionNumbers
+
 from saggs_jax.equivariant._linalg import NS_COEFFS, POLAR_EXPRESS, QUINTIC, CoefficientSet, newton_schulz
+from saggs_jax.equivariant.dimension_numbers import UnitDimensionNumbers, muon_dimension_numbers
 from saggs_jax.equivariant.rules import (
     REFERENCE,
     MomentumState,
@@ -34,29 +40,38 @@ from saggs_jax.equivariant.rules import (
 from saggs_jax.equivariant.stack import (
     REFERENCE_LEARNING_RATES,
     REFERENCE_WEIGHT_DECAYS,
+    ROLE_DIMENSION_NUMBERS,
     ROLE_PATTERNS,
     layerwise,
     optimizer,
+    role_dimension_numbers,
     symmetry_compatible,
+    symmetry_compatible_reference,
 )
 
 __all__ = [
     "CoefficientSet",
     "MomentumState",
+    "MuonDimensionNumbers",
     "NS_COEFFS",
     "POLAR_EXPRESS",
     "QUINTIC",
     "REFERENCE",
     "REFERENCE_LEARNING_RATES",
     "REFERENCE_WEIGHT_DECAYS",
+    "ROLE_DIMENSION_NUMBERS",
     "ROLE_PATTERNS",
+    "UnitDimensionNumbers",
     "layerwise",
+    "muon_dimension_numbers",
     "newton_schulz",
     "optimizer",
+    "role_dimension_numbers",
     "scale_by_hybrid",
     "scale_by_left_spectral",
     "scale_by_polar",
     "scale_by_right_spectral",
     "scale_by_row_norm",
     "symmetry_compatible",
+    "symmetry_compatible_reference",
 ]

@@ -6,11 +6,12 @@ to an update that is equivariant under the symmetry group of the weight block
 stack of matrices ``(batch..., rows, cols)``:
 
 * unit rules (row-norm, spectral, hybrid): rows are the units the symmetry
-  permutes (``unit_axis``), columns the remaining axis, which carries features;
-* polar: rows are the reduction (input) axes, columns the output axes, in the
-  manner of ``optax.contrib.MuonDimensionNumbers``.
+  permutes, columns the axes that carry features (``unit_axis``, or a
+  :class:`~saggs_jax.equivariant.UnitDimensionNumbers`);
+* polar: rows are the reduction (input) axes, columns the output axes, given
+  as axes or as an ``optax.contrib.MuonDimensionNumbers``.
 
-Leading ``batch_axes`` (stacked layers, experts, heads) are independent copies.
+Batch axes (stacked layers, experts, heads) are independent copies.
 Every rule declares the rank it accepts, and ``init`` raises a ValueError
 naming the parameter path when a parameter does not fit. Reductions run in at
 least float32; updates keep the dtype of the gradients.
@@ -18,19 +19,29 @@ least float32; updates keep the dtype of the gradients.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Callable, Literal, NamedTuple, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from optax.contrib import MuonDimensionNumbers
 
 from saggs_jax.equivariant import _linalg
+from saggs_jax.equivariant.dimension_numbers import (
+  Axes,
+  UnitDimensionNumbers,
+  muon_axes,
+  partition,
+  unit_dimension_numbers,
+)
+from saggs_jax.equivariant.dimension_numbers import as_tuple as _as_tuple
+from saggs_jax.equivariant.dimension_numbers import normalize as _normalize
 from saggs_jax.paths import match, path_str
 from saggs_jax.transport import register_transport
-
-Axes = Union[int, Sequence[int]]
 
 
 class MomentumState(NamedTuple):
@@ -60,17 +71,6 @@ def _from_matrix(y: jax.Array, plan: _Plan, shape: tuple[int, ...]) -> jax.Array
   return y.reshape(permuted).transpose(np.argsort(plan.perm)).reshape(shape)
 
 
-def _as_tuple(axes: Axes) -> tuple[int, ...]:
-  return (axes,) if isinstance(axes, int) else tuple(axes)
-
-
-def _normalize(axes: Axes, ndim: int) -> tuple[int, ...]:
-  axes = _as_tuple(axes)
-  if any(not -ndim <= a < ndim for a in axes):
-    raise ValueError(f"axes {axes} are out of range for rank {ndim}")
-  return tuple(a % ndim for a in axes)
-
-
 def _make_plan(shape, batch, rows, cols) -> _Plan:
   if sorted(batch + rows + cols) != list(range(len(shape))):
     raise ValueError(f"batch axes {batch}, row axes {rows} and column axes {cols} must partition the axes")
@@ -91,40 +91,48 @@ def _split(shape, axis: int, count: int, interleaved: bool):
   return split, piece, lambda axes: tuple(within if a == axis else a + (a > axis) for a in axes)
 
 
-def _unit_planner(unit_axis: int, batch_axes: Axes, fused: int, interleaved: bool):
-  """Rows: ``unit_axis`` (holding ``fused`` branches per unit); columns: the
-  one remaining non-batch axis, then the branch index."""
-  nbatch = len(_as_tuple(batch_axes))
+def _unit_planner(dims: UnitDimensionNumbers):
+  """Rows: the unit axis (holding ``fused`` branches per unit); columns: the
+  feature axes, then the branch index."""
 
   def plan(shape):
-    if len(shape) != nbatch + 2:
-      raise ValueError(f"expected rank {nbatch + 2} (units, features and {nbatch} batch axes)")
-    batch, (unit,) = _normalize(batch_axes, len(shape)), _normalize(unit_axis, len(shape))
-    features = tuple(a for a in range(len(shape)) if a != unit and a not in batch)
-    if fused == 1:
+    unit, features, batch = dims.axes(len(shape))
+    if dims.fused == 1:
       return _make_plan(shape, batch, (unit,), features)
-    if fused < 1 or shape[unit] % fused:
-      raise ValueError(f"unit axis {unit} of size {shape[unit]} does not hold {fused} fused branches")
-    split, piece, move = _split(shape, unit, fused, interleaved)
+    if dims.fused < 1 or shape[unit] % dims.fused:
+      raise ValueError(f"unit axis {unit} of size {shape[unit]} does not hold {dims.fused} fused branches")
+    split, piece, move = _split(shape, unit, dims.fused, dims.interleaved)
     return _make_plan(split, move(batch), move((unit,)), move(features) + (piece,))
 
   return plan
 
 
 def _polar_planner(reduction_axes, output_axes, batch_axes, num_heads, head_dim, head_axis, interleaved):
-  """Rows: reduction axes; columns: output axes; ``head_axis`` optionally split into heads."""
-  rank = sum(len(_as_tuple(a)) for a in (reduction_axes, output_axes, batch_axes))
+  """Rows: reduction axes; columns: output axes; ``head_axis`` optionally split into heads.
+
+  ``reduction_axes`` may be a ``MuonDimensionNumbers``: then every other axis
+  is batched, whatever the rank."""
   if num_heads is not None and head_dim is not None:
     raise ValueError("Give num_heads or head_dim, not both.")
+  if isinstance(reduction_axes, MuonDimensionNumbers):
+    if (output_axes, batch_axes) != (-1, ()):
+      raise ValueError(f"{reduction_axes} names the matrix axes (the others are batched): "
+                       f"give neither output_axes nor batch_axes with it.")
+    axes_of = functools.partial(muon_axes, reduction_axes)
+  else:
+    rank = sum(len(_as_tuple(a)) for a in (reduction_axes, output_axes, batch_axes))
+
+    def axes_of(ndim):
+      if ndim != rank:
+        raise ValueError(f"expected rank {rank} (reduction axes {reduction_axes}, "
+                         f"output axes {output_axes}, batch axes {batch_axes})")
+      return partition(rank, [reduction_axes, output_axes], batch_axes)
 
   def plan(shape):
-    if len(shape) != rank:
-      raise ValueError(f"expected rank {rank} (reduction axes {reduction_axes}, "
-                       f"output axes {output_axes}, batch axes {batch_axes})")
-    rows, cols, batch = (_normalize(a, rank) for a in (reduction_axes, output_axes, batch_axes))
+    rows, cols, batch = axes_of(len(shape))
     if num_heads is None and head_dim is None:
       return _make_plan(shape, batch, rows, cols)
-    (h,) = _normalize(head_axis, rank)
+    (h,) = _normalize(head_axis, len(shape))
     heads = num_heads or shape[h] // head_dim
     if h in batch or heads < 1 or shape[h] % heads:
       raise ValueError(f"axis {h} of size {shape[h]} does not split into "
@@ -243,12 +251,12 @@ def _maybe_center(center: bool) -> Callable[[jax.Array], jax.Array]:
 
 
 def scale_by_polar(
-    reduction_axes: Axes = -2,
+    reduction_axes: Axes | MuonDimensionNumbers = -2,
     output_axes: Axes = -1,
     batch_axes: Axes = (),
     *,
-    num_heads: Optional[int] = None,
-    head_dim: Optional[int] = None,
+    num_heads: int | None = None,
+    head_dim: int | None = None,
     head_axis: int = -1,
     interleaved: bool = False,
     beta: float = 0.95,
@@ -260,7 +268,7 @@ def scale_by_polar(
     eps: float = 1e-7,
     eps_form: _linalg.EpsForm = "floor",
     ns_gram: bool = False,
-    mu_dtype: Optional[jnp.dtype] = None,
+    mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   r"""Muon: the polar factor of the Nesterov momentum, per matrix (and per head).
 
@@ -282,8 +290,16 @@ def scale_by_polar(
   ``num_heads=2, interleaved=True`` (``reduction_axes=2, output_axes=1,
   batch_axes=0`` for Lau & Su's shape factor).
 
+  ``reduction_axes`` may instead be an ``optax.contrib.MuonDimensionNumbers``
+  (see :mod:`saggs_jax.equivariant.dimension_numbers`): its reduction and
+  output axes make the matrix and every other axis is batched, whatever the
+  rank, as in ``optax.contrib.muon``; ``MuonDimensionNumbers(-2, -1)`` serves
+  a ``(d, F)`` kernel and a ``(layers, d, F)`` stack of them.
+
   Args:
-    reduction_axes: input axes (rows of the Flax ``(in, out)`` layout).
+    reduction_axes: input axes (rows of the Flax ``(in, out)`` layout), or a
+      ``MuonDimensionNumbers`` (then give neither ``output_axes`` nor
+      ``batch_axes``).
     output_axes: output axes.
     batch_axes: axes holding independent matrices (layers, experts).
     num_heads: split ``head_axis`` into this many heads.
@@ -312,6 +328,23 @@ def scale_by_polar(
     >>> u, _ = tx.update(g, tx.init(g))
     >>> u["q"].shape
     (8, 8)
+    >>> from optax.contrib import MuonDimensionNumbers
+    >>> tx = scale_by_polar(MuonDimensionNumbers(0, 2))  # (d, H, hd): per head
+    >>> g = {"q": jax.random.normal(jax.random.key(0), (8, 2, 4))}
+    >>> u, _ = tx.update(g, tx.init(g))
+    >>> u["q"].shape
+    (8, 2, 4)
+
+  References:
+    Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+    <https://kellerjordan.github.io/posts/muon/>`_, 2024
+
+    Amsel, Persson, Musco, Gower, `The Polar Express: Optimal Matrix Sign
+    Methods and Their Application to the Muon Algorithm
+    <https://arxiv.org/abs/2505.16932>`_, 2025
+
+    Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
+    Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
   """
   planner = _polar_planner(reduction_axes, output_axes, batch_axes, num_heads, head_dim, head_axis,
                            interleaved)
@@ -325,17 +358,14 @@ def scale_by_polar(
 
 
 def scale_by_row_norm(
-    unit_axis: int,
+    unit_axis: int | UnitDimensionNumbers,
     *,
     center: bool = False,
-    batch_axes: Axes = (),
     joint: Sequence[str] = (),
-    fused: int = 1,
-    interleaved: bool = False,
     beta: float = 0.95,
     eps: float = 1e-8,
     eps_form: _linalg.EpsForm = "floor",
-    mu_dtype: Optional[jnp.dtype] = None,
+    mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   r"""Row-norm: every unit vector of the momentum scaled to unit length.
 
@@ -352,17 +382,13 @@ def scale_by_row_norm(
   Args:
     unit_axis: the axis of units (vocabulary: 0 for a ``(V, d)`` embedding,
       1 for a Flax ``(d, V)`` LM head; hidden neurons: 1 for SwiGLU gate/up,
-      0 for down).
+      0 for down), or the whole layout as a :class:`UnitDimensionNumbers`
+      (batch axes of stacked layers and experts, fused branches).
     center: remove the shared-shift direction before and after.
-    batch_axes: axes of independent copies (stacked layers, experts).
     joint: path patterns whose parameters (paired by equal captures, see
       ``saggs_jax.paths``) share units, e.g. ``("gate_proj/kernel",
       "up_proj/kernel")``: a neuron's vector is its gate vector followed by
       its up vector.
-    fused: the unit axis holds this many branches per unit (a fused
-      ``gate_up`` kernel: 2); a unit's vector holds its vectors in every branch.
-    interleaved: the branches interleave along the unit axis (gpt-oss:
-      gate, up, gate, up, ...) instead of following each other (OLMoE).
     beta: momentum decay.
     eps: floor of the row norms.
     eps_form: ``"floor"`` (``max(||x||, eps)``) or ``"add"`` (``||x|| + eps``).
@@ -375,9 +401,18 @@ def scale_by_row_norm(
     >>> tx.update(g, tx.init(g))[0]["embedding"]
     Array([[0.6, 0.8],
            [0. , 0. ]], dtype=float32)
+    >>> stacked = UnitDimensionNumbers(unit_axis=-1, feature_axis=-2)  # (layers, d, F), F neurons
+    >>> tx = scale_by_row_norm(stacked, beta=0.0)
+    >>> g = {"gate": jnp.ones((2, 4, 3))}
+    >>> tx.update(g, tx.init(g))[0]["gate"][0, :, 0]
+    Array([0.5, 0.5, 0.5, 0.5], dtype=float32)
+
+  References:
+    Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
+    Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
   """
   p = _maybe_center(center)
-  return _rule("scale_by_row_norm", _unit_planner(unit_axis, batch_axes, fused, interleaved),
+  return _rule("scale_by_row_norm", _unit_planner(unit_dimension_numbers(unit_axis)),
                lambda x: p(_linalg.row_normalize(p(x), eps, eps_form)),
                beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint)
 
@@ -389,8 +424,8 @@ def _nuclear_scale(nu: jax.Array, alpha: float, floor: float) -> jax.Array:
   return nu if alpha == 1.0 else nu**alpha
 
 
-def _spectral_rule(name, unit_axis, *, center, batch_axes, joint, fused, interleaved, beta, eps,
-                   relative_eps, alpha, inv_sqrt, inv_sqrt_steps, gram, mu_dtype):
+def _spectral_rule(name, unit_axis, *, center, joint, beta, eps, relative_eps, alpha, inv_sqrt,
+                   inv_sqrt_steps, gram, mu_dtype):
   p = _maybe_center(center)
   floor = 0.0 if relative_eps else eps
 
@@ -399,26 +434,23 @@ def _spectral_rule(name, unit_axis, *, center, batch_axes, joint, fused, interle
                              gram=gram)
     return p(_nuclear_scale(nu, alpha, floor) * u)
 
-  return _rule(name, _unit_planner(unit_axis, batch_axes, fused, interleaved), direction,
+  return _rule(name, _unit_planner(unit_dimension_numbers(unit_axis)), direction,
                beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint, batched=True)
 
 
 def scale_by_right_spectral(
-    unit_axis: int,
+    unit_axis: int | UnitDimensionNumbers,
     *,
     center: bool = False,
-    batch_axes: Axes = (),
     joint: Sequence[str] = (),
-    fused: int = 1,
-    interleaved: bool = False,
     beta: float = 0.95,
     eps: float = 1e-6,
     relative_eps: bool = True,
     alpha: float = 1.0,
-    inv_sqrt: Union[str, _linalg.Coeffs] = "eigh",
+    inv_sqrt: str | _linalg.Coeffs = "eigh",
     inv_sqrt_steps: int = 5,
     gram: _linalg.Gram = "smaller",
-    mu_dtype: Optional[jnp.dtype] = None,
+    mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   r"""Right (one-sided) spectral update.
 
@@ -434,11 +466,9 @@ def scale_by_right_spectral(
   Zero units stay zero (without ``center``).
 
   Args:
-    unit_axis: the axis of units.
+    unit_axis: the axis of units, or a :class:`UnitDimensionNumbers`.
     center: use :math:`P(M)` (shared-shift invariant).
-    batch_axes: axes of independent copies.
-    joint, fused, interleaved: units shared by several parameters or fused
-      in one (see :func:`scale_by_row_norm`).
+    joint: units shared by several parameters (see :func:`scale_by_row_norm`).
     beta: momentum decay.
     eps: eigenvalue floor (relative to :math:`\|X\|_F^2` with ``relative_eps``).
     relative_eps: scale the floor with :math:`\|X\|_F^2`.
@@ -458,29 +488,29 @@ def scale_by_right_spectral(
     >>> tx.update(g, tx.init(g))[0]["w"].round(4)  # nuclear norm x polar factor
     Array([[3., 0.],
            [0., 3.]], dtype=float32)
+
+  References:
+    Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
+    Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
   """
-  return _spectral_rule("scale_by_right_spectral", unit_axis, center=center, batch_axes=batch_axes,
-                        joint=joint, fused=fused, interleaved=interleaved, beta=beta, eps=eps,
-                        relative_eps=relative_eps, alpha=alpha, inv_sqrt=inv_sqrt,
+  return _spectral_rule("scale_by_right_spectral", unit_axis, center=center, joint=joint, beta=beta,
+                        eps=eps, relative_eps=relative_eps, alpha=alpha, inv_sqrt=inv_sqrt,
                         inv_sqrt_steps=inv_sqrt_steps, gram=gram, mu_dtype=mu_dtype)
 
 
 def scale_by_left_spectral(
-    unit_axis: int,
+    unit_axis: int | UnitDimensionNumbers,
     *,
     center: bool = True,
-    batch_axes: Axes = (),
     joint: Sequence[str] = (),
-    fused: int = 1,
-    interleaved: bool = False,
     beta: float = 0.95,
     eps: float = 1e-6,
     relative_eps: bool = True,
     alpha: float = 1.0,
-    inv_sqrt: Union[str, _linalg.Coeffs] = "eigh",
+    inv_sqrt: str | _linalg.Coeffs = "eigh",
     inv_sqrt_steps: int = 5,
     gram: _linalg.Gram = "smaller",
-    mu_dtype: Optional[jnp.dtype] = None,
+    mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   r"""Left spectral update, for MoE routers (units = experts).
 
@@ -501,22 +531,22 @@ def scale_by_left_spectral(
     >>> u = tx.update(g, tx.init(g))[0]["router"]
     >>> bool(jnp.allclose(u.sum(axis=1), 0.0, atol=1e-4))  # centred over experts
     True
+
+  References:
+    Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
+    Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
   """
-  return _spectral_rule("scale_by_left_spectral", unit_axis, center=center, batch_axes=batch_axes,
-                        joint=joint, fused=fused, interleaved=interleaved, beta=beta, eps=eps,
-                        relative_eps=relative_eps, alpha=alpha, inv_sqrt=inv_sqrt,
+  return _spectral_rule("scale_by_left_spectral", unit_axis, center=center, joint=joint, beta=beta,
+                        eps=eps, relative_eps=relative_eps, alpha=alpha, inv_sqrt=inv_sqrt,
                         inv_sqrt_steps=inv_sqrt_steps, gram=gram, mu_dtype=mu_dtype)
 
 
 def scale_by_hybrid(
-    unit_axis: int,
+    unit_axis: int | UnitDimensionNumbers,
     *,
     order: Literal["row_then_polar", "polar_then_row"] = "row_then_polar",
     center: bool = False,
-    batch_axes: Axes = (),
     joint: Sequence[str] = (),
-    fused: int = 1,
-    interleaved: bool = False,
     beta: float = 0.95,
     eps: float = 1e-8,
     eps_form: _linalg.EpsForm = "floor",
@@ -528,10 +558,10 @@ def scale_by_hybrid(
     ns_dtype: jnp.dtype = jnp.bfloat16,
     ns_gram: bool = False,
     relative_eps: bool = True,
-    inv_sqrt: Union[str, _linalg.Coeffs] = "eigh",
+    inv_sqrt: str | _linalg.Coeffs = "eigh",
     inv_sqrt_steps: int = 5,
     gram: _linalg.Gram = "smaller",
-    mu_dtype: Optional[jnp.dtype] = None,
+    mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   r"""Hybrid row-norm / spectral update.
 
@@ -552,12 +582,10 @@ def scale_by_hybrid(
   ``inv_sqrt``, ``inv_sqrt_steps`` and ``gram``).
 
   Args:
-    unit_axis: the axis of units.
+    unit_axis: the axis of units, or a :class:`UnitDimensionNumbers`.
     order: which map comes first.
     center: apply :math:`P` first and last (and between, see above).
-    batch_axes: axes of independent copies.
-    joint, fused, interleaved: units shared by several parameters or fused
-      in one (see :func:`scale_by_row_norm`).
+    joint: units shared by several parameters (see :func:`scale_by_row_norm`).
     beta: momentum decay.
     eps: floor of the row norms and of the Frobenius normaliser, the damping
       of ``polar="gram"``, and the floor of :math:`\nu`.
@@ -566,7 +594,8 @@ def scale_by_hybrid(
     alpha: power of the nuclear-norm factor.
     nuclear_norm_axes: batch axes over which :math:`\nu` is summed, so that
       their matrices share one factor (Lau & Su's batched-expert hybrid sums
-      over the experts of a tensor); default one factor per matrix.
+      over the experts of a tensor); default one factor per matrix. Needs
+      the layout's ``batch_axis`` named, and no ``feature_axis``.
     polar: how the polar factor is computed, see above.
     ns_coeffs: Newton-Schulz coefficients (see :func:`newton_schulz`).
     ns_steps: Newton-Schulz iterations.
@@ -583,15 +612,32 @@ def scale_by_hybrid(
     >>> u = tx.update(g, tx.init(g))[0]["embed"]
     >>> bool(jnp.allclose(u.mean(axis=0), 0.0, atol=1e-5))
     True
+    >>> experts = UnitDimensionNumbers(unit_axis=1, batch_axis=0)  # (E, F, d) experts, F units
+    >>> tx = scale_by_hybrid(experts, nuclear_norm_axes=0)  # one factor per tensor
+    >>> g = {"w": jax.random.normal(jax.random.key(1), (3, 4, 6))}
+    >>> tx.update(g, tx.init(g))[0]["w"].shape
+    (3, 4, 6)
+
+  References:
+    Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
+    Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
+
+    Amsel, Persson, Musco, Gower, `The Polar Express: Optimal Matrix Sign
+    Methods and Their Application to the Muon Algorithm
+    <https://arxiv.org/abs/2505.16932>`_, 2025
   """
   if order not in ("row_then_polar", "polar_then_row"):
     raise ValueError(f"order must be 'row_then_polar' or 'polar_then_row', got {order!r}.")
   if polar not in ("newton_schulz", "gram"):
     raise ValueError(f"polar must be 'newton_schulz' or 'gram', got {polar!r}.")
-  if not set(_as_tuple(nuclear_norm_axes)) <= set(_as_tuple(batch_axes)):
-    raise ValueError(f"nuclear_norm_axes {nuclear_norm_axes} must be among the batch axes {batch_axes}.")
+  dims = unit_dimension_numbers(unit_axis)
+  batch_axes = () if dims.batch_axis is None else dims.batch_axis
+  if nuclear_norm_axes != () and (dims.feature_axis is not None
+                                  or not set(_as_tuple(nuclear_norm_axes)) <= set(_as_tuple(batch_axes))):
+    raise ValueError(f"nuclear_norm_axes {nuclear_norm_axes} must be among the named batch axes of "
+                     f"{dims} (and its feature_axis None).")
   p = _maybe_center(center)
-  row = lambda x: _linalg.row_normalize(x, eps, eps_form)  # noqa: E731
+  row = lambda x: _linalg.row_normalize(x, eps, eps_form)
 
   def polar_and_scale(x):
     if polar == "gram":
@@ -611,7 +657,7 @@ def scale_by_hybrid(
       return p(row(polar_and_scale(p(m))))
     return p(polar_and_scale(p(row(p(m)))))
 
-  return _rule("scale_by_hybrid", _unit_planner(unit_axis, batch_axes, fused, interleaved), direction,
+  return _rule("scale_by_hybrid", _unit_planner(dims), direction,
                beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint,
                batched=nuclear_norm_axes == ())
 
@@ -627,9 +673,10 @@ def scale_by_hybrid(
 #     interleaved=True, OLMoE pairs num_heads=2, head_axis=1;
 #   RowNormM / HybridPolarGradM: unit_axis=0 ("row") or 1 ("col"),
 #     center=center_rows, and the hybrid's order, alpha, gram="left" when left;
-#   BatchedExpert{RowNormM,HybridPolarGradM}: batch_axes=0, unit_axis=1
-#     ("row", OLMoE pairs with fused=2) or 2 ("col", gpt-oss pairs with
-#     fused=2, interleaved=True); the hybrid with nuclear_norm_axes=0;
+#   BatchedExpert{RowNormM,HybridPolarGradM}: UnitDimensionNumbers with
+#     batch_axis=0 and unit_axis=1 ("row", OLMoE pairs with fused=2) or 2
+#     ("col", gpt-oss pairs with fused=2, interleaved=True); the hybrid with
+#     nuclear_norm_axes=0;
 #   Right/LeftPolarGradM: unit_axis=0, center=center_rows, alpha.
 REFERENCE: dict[str, dict] = {
     # MuonHeadsPolarExpress, BatchedExpertMuonPolarExpress.

@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import optax
+from optax.contrib import MuonDimensionNumbers
 
 from saggs_jax.equivariant import _linalg
+from saggs_jax.equivariant.dimension_numbers import (
+  Patterns,
+  UnitDimensionNumbers,
+  muon_dimension_numbers,
+)
 from saggs_jax.equivariant.rules import (
-    REFERENCE,
-    scale_by_hybrid,
-    scale_by_left_spectral,
-    scale_by_polar,
-    scale_by_row_norm,
+  REFERENCE,
+  scale_by_hybrid,
+  scale_by_left_spectral,
+  scale_by_polar,
+  scale_by_row_norm,
 )
 from saggs_jax.paths import match, path_str
 
-Patterns = Union[str, Sequence[str]]
-Rules = Union[Mapping[Patterns, optax.GradientTransformation],
-              Sequence[tuple[Patterns, optax.GradientTransformation]]]
+Rules = (Mapping[Patterns, optax.GradientTransformation]
+         | Sequence[tuple[Patterns, optax.GradientTransformation]])
 
 
 def optimizer(
@@ -52,9 +58,13 @@ def optimizer(
   )
 
 
+def _as_patterns(patterns: Patterns) -> tuple[str, ...]:
+  return (patterns,) if isinstance(patterns, str) else tuple(patterns)
+
+
 def layerwise(
     rules: Rules,
-    default: Optional[optax.GradientTransformation] = None,
+    default: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformation:
   """Routes every parameter to the transformation whose path pattern matches it.
 
@@ -84,7 +94,7 @@ def layerwise(
     >>> state = tx.init(params)
   """
   entries = list(rules.items() if isinstance(rules, Mapping) else rules)
-  entries = [((pats,) if isinstance(pats, str) else tuple(pats), tx) for pats, tx in entries]
+  entries = [(_as_patterns(pats), tx) for pats, tx in entries]
 
   def label(key_path, _):
     path = path_str(key_path)
@@ -121,6 +131,38 @@ ROLE_PATTERNS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Per role of ``symmetry_compatible``: the hidden matrices, reduced over the
+# Flax (in, out) kernel's rows, every leading axis (layers, experts) batched.
+# Embedding, LM head and router: None, as Muon leaves them to AdamW.
+ROLE_DIMENSION_NUMBERS: dict[str, MuonDimensionNumbers | None] = {
+    **dict.fromkeys(("query", "key_value", "output", "gate_up", "down", "experts"),
+                    MuonDimensionNumbers(-2, -1)),
+    **dict.fromkeys(("embedding", "lm_head", "router"), None),
+}
+
+
+def role_dimension_numbers(params: Any, roles: Mapping[str, Patterns] | None = None) -> Any:
+  """:func:`muon_dimension_numbers` for the roles of ``symmetry_compatible``.
+
+  ``roles`` maps roles to path patterns, as :data:`ROLE_PATTERNS` (the
+  default) or ``saggs_jax.discover(...).roles`` do; each role's leaves get
+  :data:`ROLE_DIMENSION_NUMBERS`. Query, key/value and output kernels are
+  orthogonalised whole: ``MuonDimensionNumbers`` cannot split one axis into
+  heads (``scale_by_polar(num_heads=...)`` can).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> params = {"q_proj": {"kernel": jnp.ones((2, 8, 8))}, "embed": {"embedding": jnp.ones((16, 8))}}
+    >>> role_dimension_numbers(params)["q_proj"]["kernel"]
+    MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
+  """
+  roles = ROLE_PATTERNS if roles is None else roles
+  if unknown := set(roles) - set(ROLE_DIMENSION_NUMBERS):
+    raise ValueError(f"Unknown roles {sorted(unknown)}; the roles are {sorted(ROLE_DIMENSION_NUMBERS)}.")
+  return muon_dimension_numbers(
+      params, {_as_patterns(pats): ROLE_DIMENSION_NUMBERS[r] for r, pats in roles.items()})
+
+
 # Lau & Su's training scripts (timlautk/equivariant_optimizers, train_qwen3.py
 # defaults; the router's rate from train_olmoe.py and train_gpt-oss.py):
 # learning rate and decoupled weight decay per role, "adamw" for the rest.
@@ -135,27 +177,26 @@ REFERENCE_WEIGHT_DECAYS: dict[str, float] = {
 
 
 def symmetry_compatible(
-    learning_rate: Optional[optax.ScalarOrSchedule] = None,
+    learning_rate: optax.ScalarOrSchedule,
     *,
-    preset: Literal["default", "reference"] = "default",
-    adamw_learning_rate: Optional[optax.ScalarOrSchedule] = None,
-    weight_decay: Optional[optax.ScalarOrSchedule] = None,
-    adamw_weight_decay: Optional[optax.ScalarOrSchedule] = None,
-    num_heads: Optional[int] = None,
-    num_kv_heads: Optional[int] = None,
-    head_dim: Optional[int] = None,
+    adamw_learning_rate: optax.ScalarOrSchedule | None = None,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
+    adamw_weight_decay: optax.ScalarOrSchedule = 0.0,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
     tie_embeddings: bool = False,
     embedding: Literal["row_norm", "hybrid"] = "row_norm",
     lm_head: Literal["row_norm", "hybrid"] = "row_norm",
-    mlp: Optional[Literal["row_norm", "hybrid", "polar"]] = None,
+    mlp: Literal["row_norm", "hybrid", "polar"] = "row_norm",
     down: Literal["column", "polar"] = "column",
     router: Literal["row_norm", "left_spectral"] = "row_norm",
     stacked: bool = False,
-    patterns: Optional[Mapping[str, Patterns]] = None,
-    learning_rates: Optional[Mapping[str, optax.ScalarOrSchedule]] = None,
-    weight_decays: Optional[Mapping[str, optax.ScalarOrSchedule]] = None,
+    patterns: Mapping[str, Patterns] | None = None,
+    learning_rates: Mapping[str, optax.ScalarOrSchedule] | None = None,
+    weight_decays: Mapping[str, optax.ScalarOrSchedule] | None = None,
     beta: float = 0.95,
-    ns_coeffs: Optional[_linalg.Coeffs] = None,
+    ns_coeffs: _linalg.Coeffs = "polar_express",
     ns_steps: int = 5,
     ns_dtype: Any = jnp.bfloat16,
     ns_gram: bool = False,
@@ -184,6 +225,8 @@ def symmetry_compatible(
   Every rule runs under :func:`optimizer` with its role's learning rate and
   weight decay; AdamW uses ``adamw_learning_rate`` (default
   ``learning_rate``) and ``adamw_weight_decay``.
+  :func:`symmetry_compatible_reference` builds the same stack with the
+  settings of Lau & Su's training scripts.
 
   Roles are routed by path pattern (:data:`ROLE_PATTERNS`, LLaMA-style Hugging
   Face names, or ``patterns``). ``init`` raises a ValueError naming the role
@@ -193,31 +236,18 @@ def symmetry_compatible(
   named otherwise would. ``patterns=saggs_jax.discover(...).roles`` reads the
   roles from the model itself, whatever its names.
 
-  ``preset="reference"`` reproduces Lau & Su's training scripts: every rule
-  with its :data:`REFERENCE` settings (Muon's summed momentum and
-  coefficient set, the ``x / (||x|| + eps)`` row scaling, ...), ``mlp="polar"``
-  (dense SwiGLU gate, up and down each orthogonalised whole), Muon's shape
-  factor of experts ``sqrt(max(1, in/out))`` as for gpt-oss's ``(E, in,
-  out)`` experts, AdamW with ``b2=0.95``, and the rates and weight decays of
-  :data:`REFERENCE_LEARNING_RATES` and :data:`REFERENCE_WEIGHT_DECAYS`
-  (``learning_rate`` and ``weight_decay``, when given, replace those of the
-  matrix roles; ``learning_rates`` and ``weight_decays`` any role's).
-
   Args:
-    learning_rate: learning rate (or schedule) of the matrix rules (required
-      by the default preset).
-    preset: ``"default"`` or ``"reference"``, see above.
+    learning_rate: learning rate (or schedule) of the matrix rules.
     adamw_learning_rate: learning rate of AdamW for the remaining parameters.
-    weight_decay: decoupled weight decay of the matrix rules (default 0).
-    adamw_weight_decay: weight decay of AdamW (default 0).
+    weight_decay: decoupled weight decay of the matrix rules.
+    adamw_weight_decay: weight decay of AdamW.
     num_heads: query / output heads.
     num_kv_heads: key / value heads (GQA); default ``num_heads``.
     head_dim: head size; splits every attention kernel, GQA included.
-    tie_embeddings: the embedding is also the LM head (and takes its rate
-      under the reference preset, as the scripts do).
+    tie_embeddings: the embedding is also the LM head.
     embedding: rule of an untied embedding.
     lm_head: rule of the LM head (always centred).
-    mlp: rule of gate/up and of a column-aware down (default ``"row_norm"``).
+    mlp: rule of gate/up and of a column-aware down.
     down: ``"column"`` (column-aware, the ``mlp`` rule) or ``"polar"``.
     router: rule of an MoE router (always centred).
     stacked: hidden-layer parameters carry a leading layer axis (scan).
@@ -227,7 +257,7 @@ def symmetry_compatible(
     weight_decays: per-role overrides of the weight decays.
     beta: momentum decay of every rule.
     ns_coeffs: Newton-Schulz coefficients of the polar and hybrid rules
-      (default ``"polar_express"``, see :func:`newton_schulz`).
+      (see :func:`newton_schulz`).
     ns_steps: Newton-Schulz iterations.
     ns_dtype: dtype of the iterations' matmuls.
     ns_gram: Newton-Schulz on the Gram matrix (see :func:`newton_schulz`).
@@ -240,35 +270,127 @@ def symmetry_compatible(
     ...           "lm_head": {"kernel": jnp.ones((8, 32))}}
     >>> tx = symmetry_compatible(0.02, adamw_learning_rate=3e-4, num_heads=2)
     >>> updates, state = tx.update(params, tx.init(params), params)
-    >>> ref = symmetry_compatible(preset="reference", num_heads=2, learning_rates={"lm_head": 1e-2})
-    >>> updates, state = ref.update(params, ref.init(params), params)
+
+  References:
+    Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
+    Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
   """
+  matrices = tuple(r for r in ROLE_PATTERNS if r != "adamw")
+  lrs = {**dict.fromkeys(REFERENCE_LEARNING_RATES, learning_rate),
+         "adamw": learning_rate if adamw_learning_rate is None else adamw_learning_rate}
+  wds = {**dict.fromkeys(matrices, weight_decay), "adamw": adamw_weight_decay}
+  return _stack(
+      settings={}, lrs={**lrs, **(learning_rates or {})}, wds={**wds, **(weight_decays or {})},
+      experts_transposed=False, adamw_b2=0.999, num_heads=num_heads, num_kv_heads=num_kv_heads,
+      head_dim=head_dim, tie_embeddings=tie_embeddings, embedding=embedding, lm_head=lm_head,
+      mlp=mlp, down=down, router=router, stacked=stacked, patterns=patterns, beta=beta,
+      ns={"ns_coeffs": ns_coeffs, "ns_steps": ns_steps, "ns_dtype": ns_dtype, "ns_gram": ns_gram})
+
+
+def symmetry_compatible_reference(
+    learning_rate: optax.ScalarOrSchedule | None = None,
+    *,
+    adamw_learning_rate: optax.ScalarOrSchedule | None = None,
+    weight_decay: optax.ScalarOrSchedule | None = None,
+    adamw_weight_decay: optax.ScalarOrSchedule | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    tie_embeddings: bool = False,
+    embedding: Literal["row_norm", "hybrid"] = "row_norm",
+    lm_head: Literal["row_norm", "hybrid"] = "row_norm",
+    mlp: Literal["row_norm", "hybrid", "polar"] = "polar",
+    down: Literal["column", "polar"] = "column",
+    router: Literal["row_norm", "left_spectral"] = "row_norm",
+    stacked: bool = False,
+    patterns: Mapping[str, Patterns] | None = None,
+    learning_rates: Mapping[str, optax.ScalarOrSchedule] | None = None,
+    weight_decays: Mapping[str, optax.ScalarOrSchedule] | None = None,
+    beta: float = 0.95,
+    ns_coeffs: _linalg.Coeffs = "polar_express_cushion",
+    ns_steps: int = 5,
+    ns_dtype: Any = jnp.bfloat16,
+    ns_gram: bool = False,
+) -> optax.GradientTransformation:
+  """:func:`symmetry_compatible` as Lau & Su's training scripts set it up.
+
+  It differs from the default builder in:
+
+  * every rule with its :data:`REFERENCE` settings (Muon's summed momentum
+    and ``"polar_express_cushion"`` coefficient set, the ``x / (||x|| + eps)``
+    row scaling, ...);
+  * ``mlp="polar"``: dense SwiGLU gate, up and down each orthogonalised whole;
+  * Muon's shape factor of experts ``sqrt(max(1, in/out))``, as for
+    gpt-oss's ``(E, in, out)`` experts;
+  * AdamW with ``b2=0.95``;
+  * the rates and weight decays of :data:`REFERENCE_LEARNING_RATES` and
+    :data:`REFERENCE_WEIGHT_DECAYS`: ``learning_rate`` and ``weight_decay``,
+    when given, replace those of the matrix roles, ``adamw_learning_rate``
+    and ``adamw_weight_decay`` AdamW's, ``learning_rates`` and
+    ``weight_decays`` any role's; a tied embedding takes the LM head's, as
+    the scripts route it.
+
+  Arguments as in :func:`symmetry_compatible`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> params = {"embed": {"embedding": jnp.ones((32, 8))},
+    ...           "layers_0": {"q_proj": {"kernel": jnp.ones((8, 8))}},
+    ...           "lm_head": {"kernel": jnp.ones((8, 32))}}
+    >>> tx = symmetry_compatible_reference(num_heads=2, learning_rates={"lm_head": 1e-2})
+    >>> updates, state = tx.update(params, tx.init(params), params)
+
+  References:
+    Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
+    Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026; training
+    scripts in timlautk/equivariant_optimizers.
+  """
+  matrices = ("query", "key_value", "output", "gate_up", "down", "experts")
+  lrs, wds = dict(REFERENCE_LEARNING_RATES), dict(REFERENCE_WEIGHT_DECAYS)
+  for rates, value, adamw, overrides in ((lrs, learning_rate, adamw_learning_rate, learning_rates),
+                                         (wds, weight_decay, adamw_weight_decay, weight_decays)):
+    if value is not None:
+      rates.update(dict.fromkeys(matrices, value))
+    if adamw is not None:
+      rates["adamw"] = adamw
+    rates.update(overrides or {})
+    if tie_embeddings and "embedding" not in (overrides or {}):
+      rates["embedding"] = rates["lm_head"]
+  return _stack(
+      settings=REFERENCE, lrs=lrs, wds=wds, experts_transposed=True, adamw_b2=0.95,
+      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+      tie_embeddings=tie_embeddings, embedding=embedding, lm_head=lm_head, mlp=mlp, down=down,
+      router=router, stacked=stacked, patterns=patterns, beta=beta,
+      ns={"ns_coeffs": ns_coeffs, "ns_steps": ns_steps, "ns_dtype": ns_dtype, "ns_gram": ns_gram})
+
+
+def _stack(*, settings, lrs, wds, experts_transposed, adamw_b2, num_heads, num_kv_heads, head_dim,
+           tie_embeddings, embedding, lm_head, mlp, down, router, stacked, patterns, beta, ns):
+  """The stack of both builders: each role's rule, with ``settings`` per rule name, under
+  :func:`optimizer` with its rate ``lrs[role]`` and decay ``wds[role]``, AdamW for the rest."""
   roles = {**ROLE_PATTERNS}
-  for overrides in (patterns or {}, learning_rates or {}, weight_decays or {}):
+  for overrides in (patterns or {}, lrs, wds):
     if unknown := set(overrides) - set(roles) - {"adamw"}:
       raise ValueError(f"Unknown roles {sorted(unknown)}; the roles are {sorted(roles) + ['adamw']}.")
-  roles.update({r: (p,) if isinstance(p, str) else tuple(p) for r, p in (patterns or {}).items()})
-  lrs, wds = _rates(preset, learning_rate, adamw_learning_rate, weight_decay, adamw_weight_decay,
-                    learning_rates, weight_decays, tie_embeddings)
-  reference = preset == "reference"
-  settings = {name: (REFERENCE[name] if reference else {}) for name in REFERENCE}
-  mlp = mlp or ("polar" if reference else "row_norm")
-  ns = dict(ns_coeffs=ns_coeffs or settings["scale_by_polar"].get("ns_coeffs", "polar_express"),
-            ns_steps=ns_steps, ns_dtype=ns_dtype, ns_gram=ns_gram)
-
+  roles.update({r: _as_patterns(p) for r, p in (patterns or {}).items()})
+  if down not in ("column", "polar"):
+    raise ValueError(f"down must be 'column' or 'polar', got {down!r}.")
   layer = (0,) if stacked else ()
 
   def polar(*axes, **kw):
-    return scale_by_polar(*axes, beta=beta, **{**settings["scale_by_polar"], **ns}, **kw)
+    return scale_by_polar(*axes, beta=beta, **{**settings.get("scale_by_polar", {}), **ns}, **kw)
 
-  def units(kind, unit_axis, center=False, batch_axes=(), joint=()):
-    common = dict(center=center, batch_axes=batch_axes, joint=joint, beta=beta)
+  def units(kind, unit_axis, center=False, batch_axis=(), joint=()):
+    dims = UnitDimensionNumbers(unit_axis, batch_axis=batch_axis)
     if kind == "row_norm":
-      return scale_by_row_norm(unit_axis, **common, **settings["scale_by_row_norm"])
+      return scale_by_row_norm(dims, center=center, joint=joint, beta=beta,
+                               **settings.get("scale_by_row_norm", {}))
     if kind == "hybrid":
-      return scale_by_hybrid(unit_axis, **common, **{**settings["scale_by_hybrid"], **ns})
+      return scale_by_hybrid(dims, center=center, joint=joint, beta=beta,
+                             **{**settings.get("scale_by_hybrid", {}), **ns})
     if kind == "left_spectral":
-      return scale_by_left_spectral(unit_axis, **common, **settings["scale_by_left_spectral"])
+      return scale_by_left_spectral(dims, center=center, joint=joint, beta=beta,
+                                    **settings.get("scale_by_left_spectral", {}))
     raise ValueError(f"Unknown rule {kind!r}.")
 
   def heads(n, axis):
@@ -276,26 +398,24 @@ def symmetry_compatible(
       return polar(batch_axes=layer, head_dim=head_dim, head_axis=axis)
     return polar(batch_axes=layer, num_heads=n, head_axis=axis)
 
-  if down not in ("column", "polar"):
-    raise ValueError(f"down must be 'column' or 'polar', got {down!r}.")
   if mlp == "polar":
     gate_up = down_rule = polar(batch_axes=layer)
   else:
-    gate_up = units(mlp, -1, batch_axes=layer, joint=roles["gate_up"])
-    down_rule = units(mlp, -2, batch_axes=layer) if down == "column" else polar(batch_axes=layer)
+    gate_up = units(mlp, -1, batch_axis=layer, joint=roles["gate_up"])
+    down_rule = units(mlp, -2, batch_axis=layer) if down == "column" else polar(batch_axes=layer)
   experts = layer + (len(layer),)
   rules = {
-      "embedding": (units(lm_head, 0, center=True) if tie_embeddings else units(embedding, 0)),
+      "embedding": units(lm_head, 0, center=True) if tie_embeddings else units(embedding, 0),
       "lm_head": units(lm_head, 1, center=True),
       "query": heads(num_heads, -1),
       "key_value": heads(num_kv_heads or num_heads, -1),
       "output": heads(num_heads, -2),
       "gate_up": gate_up,
       "down": down_rule,
-      "router": units(router, -1, center=True, batch_axes=layer),
-      "experts": polar(-1, -2, experts) if reference else polar(batch_axes=experts),
+      "router": units(router, -1, center=True, batch_axis=layer),
+      "experts": polar(-1, -2, experts) if experts_transposed else polar(batch_axes=experts),
   }
-  default = optax.adamw(lrs["adamw"], b2=0.95 if reference else 0.999, weight_decay=wds["adamw"])
+  default = optax.adamw(lrs["adamw"], b2=adamw_b2, weight_decay=wds["adamw"])
   tx = layerwise([(roles[r], optimizer(rules[r], lrs[r], wds[r])) for r in roles], default)
   optional = {"router", "experts"} | ({"lm_head"} if tie_embeddings else set())
   return _routed(tx, roles, set(patterns or ()), optional, len(layer))
@@ -325,29 +445,3 @@ def _routed(tx, roles, given, optional, stacked) -> optax.GradientTransformation
     return tx.init(params)
 
   return optax.GradientTransformationExtraArgs(init, tx.update)
-
-
-def _rates(preset, learning_rate, adamw_learning_rate, weight_decay, adamw_weight_decay,
-           learning_rates, weight_decays, tie_embeddings):
-  """Learning rate and weight decay per role (``"adamw"`` for the rest)."""
-  if preset == "reference":
-    lrs, wds = dict(REFERENCE_LEARNING_RATES), dict(REFERENCE_WEIGHT_DECAYS)
-    scope = ("query", "key_value", "output", "gate_up", "down", "experts")
-  elif preset == "default":
-    if learning_rate is None:
-      raise ValueError("symmetry_compatible needs a learning_rate (or preset='reference').")
-    lrs = dict.fromkeys(REFERENCE_LEARNING_RATES, learning_rate)
-    wds = dict.fromkeys(REFERENCE_WEIGHT_DECAYS, 0.0)
-    scope = tuple(r for r in lrs if r != "adamw")
-  else:
-    raise ValueError(f"preset must be 'default' or 'reference', got {preset!r}.")
-  for rates, value, adamw, overrides in ((lrs, learning_rate, adamw_learning_rate, learning_rates),
-                                         (wds, weight_decay, adamw_weight_decay, weight_decays)):
-    if value is not None:
-      rates.update(dict.fromkeys(scope, value))
-    if adamw is not None:
-      rates["adamw"] = adamw
-    rates.update(overrides or {})
-    if preset == "reference" and tie_embeddings and "embedding" not in (overrides or {}):
-      rates["embedding"] = rates["lm_head"]  # the scripts route a tied embedding as the LM head
-  return lrs, wds

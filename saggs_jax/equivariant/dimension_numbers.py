@@ -1,0 +1,206 @@
+"""Where the matrices of a parameter lie, in the manner of ``optax.contrib.muon``.
+
+``optax.contrib.MuonDimensionNumbers(reduction_axis, output_axis)`` says which
+axes of a weight ``W`` in ``x W = y`` are reduced and which are produced; every
+other axis is a batch axis (stacked layers, heads, experts), each index an
+independent matrix. Negative axes count from the end, so one declaration
+serves a layer and a scanned stack of them.
+
+* :func:`~saggs_jax.equivariant.scale_by_polar` takes a ``MuonDimensionNumbers``
+  where it takes reduction and output axes.
+* The unit rules (row-norm, spectral, hybrid) permute the units of one axis:
+  :class:`UnitDimensionNumbers` names it, the axis that carries each unit's
+  features, and fused branches; it converts from and to ``MuonDimensionNumbers``.
+* :func:`muon_dimension_numbers` builds the tree ``optax.contrib.muon`` takes
+  as ``muon_weight_dimension_numbers`` from path patterns, and
+  :func:`role_dimension_numbers` from the roles of
+  :func:`~saggs_jax.equivariant.symmetry_compatible` (or of
+  ``saggs_jax.discover(...).roles``), so optax's Muon and this library's
+  polar rule see the same matrices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, NamedTuple
+
+import jax
+from optax.contrib import MuonDimensionNumbers
+
+from saggs_jax.paths import is_array, match, path_str
+
+Axes = int | Sequence[int]
+Side = Literal["reduction", "output"]
+
+
+def as_tuple(axes: Axes) -> tuple[int, ...]:
+  return (axes,) if isinstance(axes, int) else tuple(axes)
+
+
+def normalize(axes: Axes, ndim: int) -> tuple[int, ...]:
+  """``axes`` as non-negative ints; a ValueError when one is out of range or repeats."""
+  axes = as_tuple(axes)
+  if any(not -ndim <= a < ndim for a in axes):
+    raise ValueError(f"axes {axes} are out of range for rank {ndim}")
+  out = tuple(a % ndim for a in axes)
+  if len(set(out)) < len(out):
+    raise ValueError(f"axes {axes} name an axis twice for rank {ndim}")
+  return out
+
+
+def partition(ndim: int, named: Sequence[Axes], batch: Axes | None) -> tuple[tuple[int, ...], ...]:
+  """The ``named`` axes and the batch axes, normalised for rank ``ndim``.
+
+  ``batch=None`` takes every axis not named (``MuonDimensionNumbers``'s
+  convention); otherwise the named and batch axes must partition the axes.
+  """
+  groups = [normalize(a, ndim) for a in named]
+  taken = [a for g in groups for a in g]
+  if len(set(taken)) < len(taken):
+    raise ValueError(f"axes {tuple(named)} overlap")
+  if batch is None:
+    return (*groups, tuple(a for a in range(ndim) if a not in taken))
+  batch = normalize(batch, ndim)
+  if sorted(taken + list(batch)) != list(range(ndim)):
+    raise ValueError(f"axes {tuple(named)} and batch axes {batch} do not partition rank {ndim}")
+  return (*groups, batch)
+
+
+class UnitDimensionNumbers(NamedTuple):
+  """The matrices a unit rule acts on: rows are the units a symmetry permutes.
+
+  A parameter is viewed as a stack of ``units x features`` matrices:
+
+  * ``unit_axis``: the axis of units (vocabulary rows of a ``(V, d)``
+    embedding: 0; the hidden neurons of a Flax ``(d, F)`` gate kernel: -1);
+  * ``feature_axis``: the axes holding each unit's vector; ``None``: the one
+    axis left once the unit and batch axes are taken;
+  * ``batch_axis``: independent copies (layers, experts); ``None``: every
+    axis not named when ``feature_axis`` is given (as in
+    ``MuonDimensionNumbers``), none otherwise. Naming both checks the rank;
+  * ``fused``: the unit axis holds this many branches per unit (a fused
+    ``gate_up`` kernel: 2), and a unit's vector is its vectors in every branch;
+    ``interleaved``: the branches alternate (gate, up, gate, up, ...) instead
+    of following each other.
+
+  Example:
+    >>> from optax.contrib import MuonDimensionNumbers
+    >>> dims = UnitDimensionNumbers.from_muon(MuonDimensionNumbers(-2, -1), units="output")
+    >>> dims
+    UnitDimensionNumbers(unit_axis=-1, feature_axis=-2, batch_axis=None, fused=1, interleaved=False)
+    >>> dims.to_muon(units="output")
+    MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
+  """
+
+  unit_axis: int = 0
+  feature_axis: Axes | None = None
+  batch_axis: Axes | None = None
+  fused: int = 1
+  interleaved: bool = False
+
+  @classmethod
+  def from_muon(cls, dims: MuonDimensionNumbers, units: Side, *, fused: int = 1,
+                interleaved: bool = False) -> UnitDimensionNumbers:
+    """The layout whose units are the ``units`` side of ``dims`` (a single axis)."""
+    unit, features = _sides(dims, units)
+    if len(as_tuple(unit)) != 1:
+      raise ValueError(f"the {units} side of {dims} must be a single axis to hold units")
+    return cls(as_tuple(unit)[0], features, None, fused, interleaved)
+
+  def to_muon(self, units: Side) -> MuonDimensionNumbers:
+    """The same matrices for ``optax.contrib.muon``, with the units on the ``units`` side."""
+    if self.feature_axis is None or self.fused != 1:
+      raise ValueError(f"{self} has no MuonDimensionNumbers: name its feature_axis, and "
+                       "Muon cannot split fused branches")
+    unit, features = _sides(MuonDimensionNumbers(self.unit_axis, self.feature_axis), units)
+    return MuonDimensionNumbers(unit, features)
+
+  def axes(self, ndim: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """``(unit, features, batch)`` for a parameter of rank ``ndim``."""
+    if self.feature_axis is not None:
+      (unit,), features, batch = partition(ndim, [self.unit_axis, self.feature_axis], self.batch_axis)
+      return unit, features, batch
+    batch = as_tuple(() if self.batch_axis is None else self.batch_axis)
+    if ndim != len(batch) + 2:
+      raise ValueError(f"expected rank {len(batch) + 2} (units, features and {len(batch)} batch axes)")
+    (unit,), batch, features = partition(ndim, [self.unit_axis, batch], None)
+    return unit, features, batch
+
+
+def _sides(dims: MuonDimensionNumbers, units: Side):
+  """``(units side, other side)`` of ``dims``."""
+  if units not in ("reduction", "output"):
+    raise ValueError(f"units must be 'reduction' or 'output', got {units!r}")
+  if units == "output":
+    return dims.output_axis, dims.reduction_axis
+  return dims.reduction_axis, dims.output_axis
+
+
+def unit_dimension_numbers(dims: int | UnitDimensionNumbers) -> UnitDimensionNumbers:
+  """A unit rule's layout: an int is ``UnitDimensionNumbers(unit_axis=dims)``."""
+  if isinstance(dims, UnitDimensionNumbers):
+    return dims
+  if isinstance(dims, MuonDimensionNumbers):
+    raise TypeError(f"{dims} does not say which side holds the units: pass "
+                    "UnitDimensionNumbers.from_muon(dims, units='reduction' or 'output')")
+  return UnitDimensionNumbers(unit_axis=dims)
+
+
+def muon_axes(dims: MuonDimensionNumbers, ndim: int) -> tuple[tuple[int, ...], ...]:
+  """``(reduction, output, batch)`` axes of ``dims`` for rank ``ndim``, as ``optax.contrib.muon``
+  reads them (stricter: an axis out of range or named twice is an error)."""
+  if ndim < 2:
+    raise ValueError(f"{dims} needs a matrix, got rank {ndim}")
+  return partition(ndim, [dims.reduction_axis, dims.output_axis], None)
+
+
+Patterns = str | Sequence[str]
+
+
+def muon_dimension_numbers(
+    params: Any, layouts: Mapping[Patterns, MuonDimensionNumbers | None]
+) -> Any:
+  r"""The tree of ``MuonDimensionNumbers`` that ``optax.contrib.muon`` takes, from path patterns.
+
+  Each array leaf whose path matches a pattern of ``layouts`` (see
+  :mod:`saggs_jax.paths`) gets that pattern's ``MuonDimensionNumbers``;
+  every other leaf gets ``None``, which ``optax.contrib.muon`` hands to AdamW.
+  The tree has the structure of ``params`` (an ``nnx.State`` included).
+
+  Raises:
+    ValueError: naming the path, when two patterns match one leaf or a leaf
+      does not have the axes its dimension numbers name.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from optax.contrib import MuonDimensionNumbers
+    >>> params = {"attn": {"kernel": jnp.ones((4, 2, 3))}, "norm": jnp.ones(4)}
+    >>> dims = muon_dimension_numbers(params, {"attn/kernel": MuonDimensionNumbers(0, 2)})
+    >>> dims
+    {'attn': {'kernel': MuonDimensionNumbers(reduction_axis=0, output_axis=2)}, 'norm': None}
+    >>> tx = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
+    >>> updates, _ = tx.update(params, tx.init(params), params)
+  """
+  entries = [((pats,) if isinstance(pats, str) else tuple(pats), dims) for pats, dims in layouts.items()]
+
+  def leaf(key_path, x):
+    if not is_array(x):
+      return None
+    path = path_str(key_path)
+    hits = {dims for pats, dims in entries for p in pats if match(p, path) is not None}
+    if len(hits) > 1:
+      raise ValueError(f"Parameter {path!r} matches patterns with different dimension numbers {hits}.")
+    dims = next(iter(hits), None)
+    if dims is not None:
+      try:
+        muon_axes(dims, x.ndim)
+      except ValueError as e:
+        raise ValueError(f"Parameter {path!r} of shape {tuple(x.shape)}: {e}.") from None
+    return dims
+
+  tree = jax.tree_util.tree_map_with_path(leaf, params)
+  if all(d is None for d in jax.tree.leaves(tree, is_leaf=lambda x: x is None)) and any(
+      d is not None for _, d in entries):
+    raise ValueError(f"No parameter matches the patterns {[p for pats, _ in entries for p in pats]}: "
+                     "the tree would leave every parameter to AdamW.")
+  return tree
