@@ -12,7 +12,9 @@ from typing import Any, Literal
 
 from optax.contrib import MuonDimensionNumbers
 
-from saggs_jax.equivariant.dimension_numbers import muon_dimension_numbers as _from_patterns
+from saggs_jax.equivariant.dimension_numbers import (
+  muon_dimension_numbers as _from_patterns,
+)
 from saggs_jax.pairs import Block, Pair
 
 

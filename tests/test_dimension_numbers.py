@@ -5,6 +5,7 @@ library's polar rule with the same coefficients gives the same trajectory."""
 
 from __future__ import annotations
 
+import discover_models as dm
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,11 +13,10 @@ import optax
 import pytest
 from optax.contrib import MuonDimensionNumbers as MDN
 
-import discover_models as dm
 import saggs_jax as saggs
 from saggs_jax import equivariant as eqv
 
-EXACT_NS = dict(ns_coeffs="polar_express", ns_steps=10, ns_dtype=jnp.float32)
+EXACT_NS = {"ns_coeffs": "polar_express", "ns_steps": 10, "ns_dtype": jnp.float32}
 
 
 def polar(x):
@@ -155,7 +155,11 @@ def test_optax_muon_with_the_discovered_tree_equals_the_polar_rule(scanned_lm):
                           default=optax.adamw(lr, eps=eps, weight_decay=wd))
 
   def run(tx):
-    step = jax.jit(lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))
+    @jax.jit
+    def step(g, s, p):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
     p, s = params, tx.init(params)
     for k in range(3):
       p, s = step(dm.random_like(params, 10 + k), s, p)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -107,7 +107,8 @@ def layerwise(
       raise ValueError(f"Parameter {path!r} matches no pattern and there is no default.")
     return "default"
 
-  transforms = {f"rule_{i}": tx for i, (_, tx) in enumerate(entries)}
+  transforms: dict[Hashable, optax.GradientTransformation] = {
+      f"rule_{i}": tx for i, (_, tx) in enumerate(entries)}
   if default is not None:
     transforms["default"] = default
   return optax.multi_transform(
@@ -346,7 +347,8 @@ def symmetry_compatible_reference(
     scripts in timlautk/equivariant_optimizers.
   """
   matrices = ("query", "key_value", "output", "gate_up", "down", "experts")
-  lrs, wds = dict(REFERENCE_LEARNING_RATES), dict(REFERENCE_WEIGHT_DECAYS)
+  lrs: dict[str, optax.ScalarOrSchedule] = dict(REFERENCE_LEARNING_RATES)
+  wds: dict[str, optax.ScalarOrSchedule] = dict(REFERENCE_WEIGHT_DECAYS)
   for rates, value, adamw, overrides in ((lrs, learning_rate, adamw_learning_rate, learning_rates),
                                          (wds, weight_decay, adamw_weight_decay, weight_decays)):
     if value is not None:
