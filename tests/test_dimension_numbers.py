@@ -141,8 +141,8 @@ def test_optax_muon_with_the_discovered_tree_equals_the_polar_rule(scanned_lm):
   """The round trip: ``discover`` -> tree -> ``optax.contrib.muon`` equals the
   library's polar rule routed to the same roles, with Muon's quintic, its
   ``||X|| + eps`` normaliser, fp32 iterations and plain (non-Nesterov) momentum
-  (optax's Nesterov mixes bias-corrected terms, which rescales nothing
-  but the mixing weights)."""
+  (optax's Nesterov look-ahead mixes bias-corrected terms with step-dependent
+  weights; the bias correction of plain momentum is a scale the normaliser removes)."""
   params, found = scanned_lm
   lr, wd, beta, eps = 0.01, 0.1, 0.9, 1e-8
   muon = optax.contrib.muon(lr, ns_coeffs=eqv.QUINTIC[0], ns_steps=5, beta=beta, eps=eps,
