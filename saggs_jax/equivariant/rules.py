@@ -12,8 +12,9 @@ stack of matrices ``(batch..., rows, cols)``:
   as axes or as an ``optax.contrib.MuonDimensionNumbers``.
 
 Batch axes (stacked layers, experts, heads) are independent copies.
-Every rule declares the rank it accepts, and ``init`` raises a ValueError
-naming the parameter path when a parameter does not fit. Reductions run in at
+Every rule declares the axes it needs (and the rank, unless its dimension
+numbers batch every other axis), and ``init`` raises a ValueError naming the
+parameter path when a parameter does not fit. Reductions run in at
 least float32; updates keep the dtype of the gradients.
 """
 
