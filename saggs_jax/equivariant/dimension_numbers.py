@@ -199,8 +199,8 @@ def muon_dimension_numbers(
     return dims
 
   tree = jax.tree_util.tree_map_with_path(leaf, params)
-  if all(d is None for d in jax.tree.leaves(tree, is_leaf=lambda x: x is None)) and any(
-      d is not None for _, d in entries):
+  emitted = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, MuonDimensionNumbers))
+  if not emitted and any(d is not None for _, d in entries):
     raise ValueError(f"No parameter matches the patterns {[p for pats, _ in entries for p in pats]}: "
                      "the tree would leave every parameter to AdamW.")
   return tree
