@@ -269,11 +269,11 @@ def _check_not_nnx_objects(params: Any, opt_state: Any) -> None:
   for name, value in (("params", params), ("opt_state", opt_state)):
     if isinstance(value, objects):
       raise TypeError(f"{name} is an nnx {type(value).__name__} object, not its state.{fix}")
-  if isinstance(opt_state, nnx.State) and "opt_state" in opt_state:
-    raise TypeError(
-        "opt_state is nnx.state(optimizer): the whole nnx.Optimizer state (keys"
-        f" {sorted(map(str, opt_state.keys()))}), whose optax states have become plain"
-        f" mappings that no optimizer can update.{fix}")
+    if isinstance(value, nnx.State) and "opt_state" in value:
+      raise TypeError(
+          f"{name} is nnx.state(optimizer): the whole nnx.Optimizer state (keys"
+          f" {sorted(map(str, value.keys()))}), whose optax states have become plain"
+          f" mappings that no optimizer can update.{fix}")
 
 
 def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any) -> bool:

@@ -59,10 +59,12 @@ def kernels(model):
 @pytest.mark.parametrize("wrong, match", [
     (lambda model, optimizer: (nnx.state(model, nnx.Param), nnx.state(optimizer)),
      r"opt_state is nnx.state\(optimizer\).*keys \['opt_state', 'step'\]"),
+    (lambda model, optimizer: (nnx.state(optimizer), optimizer.opt_state),
+     r"params is nnx.state\(optimizer\)"),
     (lambda model, optimizer: (model, optimizer.opt_state), "params is an nnx MLP object"),
     (lambda model, optimizer: (nnx.state(model, nnx.Param), optimizer),
      "opt_state is an nnx Optimizer object"),
-], ids=["state_of_optimizer", "module", "optimizer"])
+], ids=["state_of_optimizer", "state_of_optimizer_as_params", "module", "optimizer"])
 def test_nnx_objects_fail_at_save_and_write_nothing(manager, wrong, match):
   model, optimizer = make()
   with pytest.raises(TypeError, match=match) as info:
