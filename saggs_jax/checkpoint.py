@@ -296,6 +296,15 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
   Raises:
     TypeError: ``step`` is not an int, or ``params`` or ``opt_state`` is an
       nnx object or ``nnx.state(optimizer)``.
+
+  Example::
+
+    >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, saggs_jax as saggs
+    >>> params = {"w": jnp.ones((2, 3))}
+    >>> manager = ocp.CheckpointManager(tempfile.mkdtemp())
+    >>> saggs.checkpoint.save(manager, 1, params, optax.adam(1e-3).init(params))
+    True
+    >>> manager.close()
   """
   _check_step(step)
   _check_not_nnx_objects(params, opt_state)
@@ -333,6 +342,20 @@ def restore(manager: ocp.CheckpointManager, params: Any, opt_state: Any,
       on ``params``: raised before any array is read. Or the arrays could not
       be read, or one read back does not match its checksum (the message
       names it).
+
+  Example::
+
+    >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, saggs_jax as saggs
+    >>> pairs = [saggs.Pair("q", "k")]
+    >>> params = {"q": jnp.full((2, 2), 4.0), "k": jnp.ones((2, 2))}
+    >>> opt_state = optax.adam(1e-3).init(params)
+    >>> manager = ocp.CheckpointManager(tempfile.mkdtemp())
+    >>> saggs.checkpoint.save(manager, 3, params, opt_state)
+    True
+    >>> restored, opt_state, step = saggs.checkpoint.restore(manager, params, opt_state, pairs)
+    >>> step, float(restored["q"][0, 0]), float(restored["k"][0, 0])  # canonicalised
+    (3, 2.0, 2.0)
+    >>> manager.close()
   """
   if step is not None:
     _check_step(step)
