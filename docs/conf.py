@@ -1,17 +1,16 @@
 """Sphinx configuration: autodoc and napoleon for the API, MyST for the guides."""
 
+import importlib
 import pathlib
 import sys
 
 # Document the tree this file sits in, not an installed copy.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import saggs_jax  # noqa: E402
-
 project = "saggs-jax"
 author = "saggs-jax contributors"
 copyright = "2026, saggs-jax contributors"
-release = version = saggs_jax.__version__
+release = version = importlib.import_module("saggs_jax").__version__
 
 extensions = [
     "sphinx.ext.autodoc",

@@ -25,7 +25,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MULTI_HOST = ROOT / "docs" / "multi_host.md"
 TIMEOUT = 600
 # A fence and its info string: ```python, ```{code-block} python, ```pycon, ...
-FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 
 def python_blocks(page: pathlib.Path) -> list[str]:
@@ -111,15 +111,15 @@ def test_multi_host_guide_runs_as_two_processes(tmp_path):
   outputs = finish([run([sys.executable, str(file)], {**env, "SLURM_PROCID": str(i),
                                                       "SLURM_LOCALID": str(i)}, tmp_path)
                     for i in range(2)])
-  lines = [re.search(r"process (\d): step 20, loss (\S+), restored (\S+)", o) for o in outputs]
-  assert all(lines), outputs
-  assert sorted(m.group(1) for m in lines) == ["0", "1"]
-  assert len({m.group(2) for m in lines}) == 1  # both hosts computed the one global loss
+  found = [re.findall(r"process (\d): step 20, loss (\S+), restored \S+", o) for o in outputs]
+  assert all(len(f) == 1 for f in found), outputs
+  assert sorted(f[0][0] for f in found) == ["0", "1"]
+  assert len({f[0][1] for f in found}) == 1  # both hosts computed the one global loss
 
 
 def test_api_page_names_every_public_name():
   api = (ROOT / "docs" / "api.md").read_text()
-  documented = set(re.findall(r"^\.\. (?:auto\w+|py:\w+):: ([\w.]+)", api, re.M))
+  documented = set(re.findall(r"^\.\. (?:auto\w+|py:\w+):: ([\w.]+)", api, re.MULTILINE))
   documented |= {m for line in re.findall(r":members: (.*)", api) for m in line.split(", ")}
   modules = {"checkpoint", "degrees", "equivariant", "presets"}  # automodule'd themselves
   missing = [n for n in saggs.__all__ if n not in documented and n not in modules]
