@@ -75,6 +75,13 @@ class SymmetryTransformation(optax.GradientTransformationExtraArgs):
   (:func:`saggs_jax.degrees.measure`) on the pairs ``resolve(params)`` gives.
   :func:`chain` calls it; a plain ``optax.chain`` calls ``update``, which can
   balance the parameters only.
+
+  Example::
+
+    >>> import optax, saggs_jax as saggs
+    >>> stage = saggs.saggs([saggs.Pair("up", "down", axes=(1, 0))])
+    >>> isinstance(stage, saggs.SymmetryTransformation), callable(stage.around)
+    (True, True)
   """
 
   def __new__(cls, init, update, around: Callable[..., tuple],
