@@ -29,7 +29,9 @@ FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 
 def python_blocks(page: pathlib.Path) -> list[str]:
-  return [code for info, code in FENCE.findall(page.read_text())
+  # A MyST directive's options (":caption: ...") open its block; they are not code.
+  return [re.sub(r"\A(:\w[\w-]*:.*\n)+", "", code) if info.startswith("{") else code
+          for info, code in FENCE.findall(page.read_text())
           if re.search(r"\b(python|py|pycon)\b", info)]
 
 
