@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import sys
 from typing import Any, Sequence
 
 import jax
@@ -251,6 +252,30 @@ def _check_step(step) -> None:
     raise TypeError(f"step must be an int, got {step!r} of type {type(step).__name__}.")
 
 
+def _check_not_nnx_objects(params: Any, opt_state: Any) -> None:
+  """Refuses a Flax nnx object where its arrays belong, before anything is written or read.
+
+  ``nnx.state(optimizer)`` holds the optax states as plain mappings, which no
+  ``tx`` can update and :func:`restore` cannot give back to an
+  ``nnx.Optimizer``: the pair to save is ``nnx.state(model, nnx.Param)`` and
+  ``optimizer.opt_state``.
+  """
+  nnx = sys.modules.get("flax.nnx")  # no nnx object exists unless flax.nnx was imported
+  if nnx is None:
+    return
+  fix = (" Save nnx.state(model, nnx.Param) and optimizer.opt_state; after restore, put them"
+         " back with nnx.update(model, params) and optimizer.opt_state = opt_state.")
+  objects = tuple(getattr(nnx, n) for n in ("Pytree", "Object") if hasattr(nnx, n))  # by version
+  for name, value in (("params", params), ("opt_state", opt_state)):
+    if isinstance(value, objects):
+      raise TypeError(f"{name} is an nnx {type(value).__name__} object, not its state.{fix}")
+    if isinstance(value, nnx.State) and "opt_state" in value:
+      raise TypeError(
+          f"{name} is nnx.state(optimizer): the whole nnx.Optimizer state (keys"
+          f" {sorted(map(str, value.keys()))}), whose optax states have become plain"
+          f" mappings that no optimizer can update.{fix}")
+
+
 def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any) -> bool:
   """Saves ``params`` and ``opt_state`` as checkpoint ``step``, with their layout and checksums.
 
@@ -259,11 +284,30 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
   waits by itself). In a multi-process job every process calls it, with the
   same ``step``, on its global arrays and a directory all processes share.
 
+  With ``flax.nnx``, save ``nnx.state(model, nnx.Param)`` and
+  ``optimizer.opt_state``: an nnx object, or ``nnx.state(optimizer)`` (whose
+  optax states are plain mappings), is a ``TypeError`` here rather than at
+  :func:`restore`.
+
   Returns:
     Whether a checkpoint was written (the manager's ``save_interval_steps``
     and similar options may skip a step).
+
+  Raises:
+    TypeError: ``step`` is not an int, or ``params`` or ``opt_state`` is an
+      nnx object or ``nnx.state(optimizer)``.
+
+  Example::
+
+    >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, saggs_jax as saggs
+    >>> params = {"w": jnp.ones((2, 3))}
+    >>> manager = ocp.CheckpointManager(tempfile.mkdtemp())
+    >>> saggs.checkpoint.save(manager, 1, params, optax.adam(1e-3).init(params))
+    True
+    >>> manager.close()
   """
   _check_step(step)
+  _check_not_nnx_objects(params, opt_state)
   state = {"params": params, "opt_state": opt_state}
   return manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(_storable(state)), layout=ocp.args.JsonSave(layout(state)),
@@ -289,7 +333,8 @@ def restore(manager: ocp.CheckpointManager, params: Any, opt_state: Any,
     ``(params, opt_state, step)``.
 
   Raises:
-    TypeError: ``step`` is not an int.
+    TypeError: ``step`` is not an int, or the target is an nnx object or
+      ``nnx.state(optimizer)`` (see :func:`save`).
     FileNotFoundError: the manager holds no checkpoint ``step`` (or none at all).
     ValueError: the checkpoint was not written by :func:`save` (it lacks the
       layout and checksums), its layout differs from the target's (the
@@ -297,9 +342,24 @@ def restore(manager: ocp.CheckpointManager, params: Any, opt_state: Any,
       on ``params``: raised before any array is read. Or the arrays could not
       be read, or one read back does not match its checksum (the message
       names it).
+
+  Example::
+
+    >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, saggs_jax as saggs
+    >>> pairs = [saggs.Pair("q", "k")]
+    >>> params = {"q": jnp.full((2, 2), 4.0), "k": jnp.ones((2, 2))}
+    >>> opt_state = optax.adam(1e-3).init(params)
+    >>> manager = ocp.CheckpointManager(tempfile.mkdtemp())
+    >>> saggs.checkpoint.save(manager, 3, params, opt_state)
+    True
+    >>> restored, opt_state, step = saggs.checkpoint.restore(manager, params, opt_state, pairs)
+    >>> step, float(restored["q"][0, 0]), float(restored["k"][0, 0])  # canonicalised
+    (3, 2.0, 2.0)
+    >>> manager.close()
   """
   if step is not None:
     _check_step(step)
+  _check_not_nnx_objects(params, opt_state)
   manager.wait_until_finished()  # a save still in flight is not readable yet
   steps = manager.all_steps()
   step = manager.latest_step() if step is None else int(step)

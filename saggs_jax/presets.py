@@ -4,6 +4,12 @@ Patterns are anchored at the end of a path and pair up within one module, so
 they apply to every layer of a model at once; ``prefix`` restricts them to
 part of the tree (e.g. ``"decoder/**"``). :func:`muon_dimension_numbers`
 declares the same layouts' matrices for ``optax.contrib.muon``.
+
+Example::
+
+  >>> import saggs_jax as saggs
+  >>> [pair.name for pair in saggs.presets.llama(num_kv_heads=2)]
+  ['attention Q/K', 'attention V/O', 'SwiGLU up/down']
 """
 
 from __future__ import annotations

@@ -43,6 +43,16 @@ class SaggsState(NamedTuple):
       iteration cap and the pairs are not exactly balanced. 0 without overlaps
       and on updates that do not balance. Read on the host; the update never
       syncs on it.
+
+  Example::
+
+    >>> import jax.numpy as jnp, optax, saggs_jax as saggs
+    >>> pairs = [saggs.Pair("up", "down", axes=(1, 0))]
+    >>> params = {"up": jnp.full((2, 3), 4.0), "down": jnp.ones((3, 2))}
+    >>> tx = saggs.chain(optax.sgd(0.0), saggs.saggs(pairs))
+    >>> _, (_, stage) = tx.update(params, tx.init(params), params)
+    >>> int(stage.count), stage.factors["up|down"].tolist()  # c = (||B_g|| / ||A_g||)^(1/2)
+    (1, [0.5, 0.5, 0.5])
   """
 
   count: jax.Array
@@ -65,6 +75,13 @@ class SymmetryTransformation(optax.GradientTransformationExtraArgs):
   (:func:`saggs_jax.degrees.measure`) on the pairs ``resolve(params)`` gives.
   :func:`chain` calls it; a plain ``optax.chain`` calls ``update``, which can
   balance the parameters only.
+
+  Example::
+
+    >>> import optax, saggs_jax as saggs
+    >>> stage = saggs.saggs([saggs.Pair("up", "down", axes=(1, 0))])
+    >>> isinstance(stage, saggs.SymmetryTransformation), callable(stage.around)
+    (True, True)
   """
 
   def __new__(cls, init, update, around: Callable[..., tuple],
