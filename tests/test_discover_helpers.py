@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from saggs_jax.discovery import declarations, propagation
+from saggs_jax import Block, Pair
+from saggs_jax.discovery import Discovery, declarations, propagation
 from saggs_jax.discovery.candidates import group_options
 from saggs_jax.discovery.program import Program
 from saggs_jax.discovery.propagation import RULES, Trace, explain, inexact, nonlinear, reshape_map
@@ -134,3 +135,12 @@ def test_patterns_drop_the_enclosing_module_and_number_wildcards():
   assert declarations.patterns(names, 1) == ["attn/q", "attn/k"]
   assert declarations.patterns(names, 2) == ["*/attn/q", "*/attn/k"]
   assert declarations.patterns(["h_1/mlp/up", "h_1/mlp/down"], 2) == ["h_*/mlp/up", "h_*/mlp/down"]
+
+
+def test_report_names_block_sides():
+  # A fused QKV kernel's q and k columns pair as Blocks: one member per side, not iterated.
+  q, k = (Block("c_attn/kernel", axis=1, parts=3, part=i) for i in (0, 1))
+  assert Discovery([Pair(q, k, axes=(1, 1), groups=2, name="attention Q/K")]).report() == (
+      "Found 1 symmetry:\n"
+      f"  attention Q/K: {q!r} (axis 1) x c  against  {k!r} (axis 1) x 1/c; 2 groups\n"
+      "Rejected 0:")
