@@ -47,10 +47,10 @@ unknown primitive included) is rejected with the reason. Declarations use path
 patterns relative to each instance's enclosing module, so one
 :class:`~saggs_jax.Pair` covers every layer.
 
-The stages, one module each (see ``README.md`` beside them): :mod:`.program`
-(the jaxpr flattened), :mod:`.propagation` (a factor followed, with the rule
-table of every primitive), :mod:`.candidates`, :mod:`.confirmation`,
-:mod:`.declarations` and :mod:`.result`; :mod:`.pipeline` runs them.
+The stages, one module each (``docs/discover_pipeline.md`` describes them):
+``program`` (the jaxpr flattened), ``propagation`` (a factor followed, with
+the rule table of every primitive), ``candidates``, ``confirmation``,
+``declarations`` and ``result``; ``pipeline`` runs them.
 """
 
 from saggs_jax.discovery.pipeline import discover

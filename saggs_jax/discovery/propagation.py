@@ -276,7 +276,8 @@ class Meet(NamedTuple):
 
 
 class Follower(NamedTuple):
-  """Parameter ``leaf`` is added to the factor's value along its channels (a bias)."""
+  """Parameter ``leaf`` is added to the factor's value along its channels (a bias); the
+  candidates stage replaces ``leaf`` by the unit of its block when the source is cut."""
   leaf: int
   amap: dict[int, frozenset[int]]  # source leaf axis -> leaf axes of the follower
   consumed: int
