@@ -231,12 +231,11 @@ def nnx_mha():
 def blind_to_reasons(monkeypatch) -> None:
   """Makes discover's jaxpr reading forget what a factor passed through, so that only the
   numerical confirmation can refute a candidate (the tests of that check)."""
-  from saggs_jax import discovery
-  run = discovery._Follower.run
+  from saggs_jax.discovery import candidates
+  follow = candidates.propagation.follow
 
-  def blind(self, *args):
-    trace = run(self, *args)
-    trace.reaches = [r._replace(reasons=frozenset()) for r in trace.reaches]
-    return trace
+  def blind(*args):
+    trace = follow(*args)
+    return trace._replace(reaches=tuple(r._replace(reasons=frozenset()) for r in trace.reaches))
 
-  monkeypatch.setattr(discovery._Follower, "run", blind)
+  monkeypatch.setattr(candidates.propagation, "follow", blind)

@@ -1,0 +1,110 @@
+"""The jaxpr as one flat program of equations on integer value ids.
+
+``pjit``, ``custom_jvp``/``custom_vjp``, ``remat`` and other calls are inlined; a
+``scan`` becomes one iteration between a ``scan_slice`` of its ``xs`` and a
+``scan_stack`` of its ``ys``; a ``cond`` becomes every branch inlined and a
+``select_n`` on the index. Nothing here knows what a primitive does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+_SUB_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def _shape(var: jcore.Var | jcore.Literal) -> tuple[int, ...]:
+  return tuple(var.aval.shape)  # pyright: ignore[reportAttributeAccessIssue]  (a ShapedArray)
+
+
+class Eqn(NamedTuple):
+  """``outs = prim(*ins, **params)`` on value ids."""
+  prim: str
+  ins: list[int]
+  outs: list[int]
+  params: dict[str, Any]
+
+
+class Program:
+  """A closed jaxpr flattened, its first ``num_leaves`` inputs the parameters.
+
+  Attributes:
+    eqns: the equations in program order (a topological order).
+    shapes: the shape of every value id.
+    leaf_ids, input_ids: the value ids of the parameters and of the other inputs.
+    outputs: the value ids the program returns.
+    zeros: the constants (literals, closed-over arrays) that are all zero.
+  """
+
+  def __init__(self, closed: jcore.ClosedJaxpr, num_leaves: int):
+    self.eqns: list[Eqn] = []
+    self.shapes: list[tuple[int, ...]] = []
+    self.zeros: set[int] = set()
+    ids = [self._new(_shape(v)) for v in closed.jaxpr.invars]
+    self.leaf_ids, self.input_ids = ids[:num_leaves], ids[num_leaves:]
+    self.outputs = set(self._inline(closed.jaxpr, ids, closed.consts))
+
+  def _new(self, shape: Sequence[int]) -> int:
+    self.shapes.append(tuple(shape))
+    return len(self.shapes) - 1
+
+  def _emit(self, prim: str, ins: list[int], out_shapes, params: dict[str, Any]) -> list[int]:
+    outs = [self._new(s) for s in out_shapes]
+    self.eqns.append(Eqn(prim, ins, outs, params))
+    return outs
+
+  def _const(self, var, value=None) -> int:
+    """A literal or a closed-over constant: it depends on nothing."""
+    i = self._new(_shape(var))
+    dtype = getattr(value, "dtype", None)
+    dtype = np.result_type(value) if dtype is None and isinstance(value, (int, float)) else dtype
+    if dtype is not None and jnp.issubdtype(dtype, jnp.number) and not np.any(value):
+      self.zeros.add(i)
+    return i
+
+  def _inline(self, jaxpr: jcore.Jaxpr, in_ids: list[int], consts: Sequence[Any] = ()
+              ) -> list[int]:
+    env = dict(zip(jaxpr.invars, in_ids))
+    for k, v in enumerate(jaxpr.constvars):
+      env[v] = self._const(v, consts[k] if k < len(consts) else None)
+
+    def read(x) -> int:
+      return self._const(x, x.val) if isinstance(x, jcore.Literal) else env[x]
+
+    for eqn in jaxpr.eqns:
+      ins = [read(x) for x in eqn.invars]
+      name = eqn.primitive.name
+      sub = next((eqn.params[k] for k in _SUB_JAXPR_PARAMS if k in eqn.params), None)
+      sub_consts = ()
+      if isinstance(sub, jcore.ClosedJaxpr):
+        sub, sub_consts = sub.jaxpr, sub.consts
+      if name == "scan":
+        outs = self._scan(eqn, ins)
+      elif name == "cond":
+        outs = self._cond(eqn, ins)
+      elif isinstance(sub, jcore.Jaxpr) and len(sub.invars) == len(ins):
+        outs = self._inline(sub, ins, sub_consts)
+      else:
+        outs = self._emit(name, ins, [_shape(v) for v in eqn.outvars], eqn.params)
+      env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+  def _scan(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
+    """One iteration: per-step slices of ``xs`` in, stacked ``ys`` out."""
+    body, nc, ncarry = eqn.params["jaxpr"], eqn.params["num_consts"], eqn.params["num_carry"]
+    xs = [self._emit("scan_slice", [i], [self.shapes[i][1:]], {})[0] for i in ins[nc + ncarry:]]
+    outs = self._inline(body.jaxpr, ins[:nc + ncarry] + xs, body.consts)
+    ys = [self._emit("scan_stack", [o], [_shape(v)], {})[0]
+          for o, v in zip(outs[ncarry:], eqn.outvars[ncarry:])]
+    return outs[:ncarry] + ys
+
+  def _cond(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
+    """Every branch inlined on the operands, their outputs chosen by ``select_n`` on the index."""
+    outs = [self._inline(b.jaxpr, ins[1:], b.consts) for b in eqn.params["branches"]]
+    return [self._emit("select_n", [ins[0], *cases], [_shape(v)], {})[0]
+            for cases, v in zip(zip(*outs), eqn.outvars)]

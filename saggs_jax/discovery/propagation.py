@@ -1,0 +1,693 @@
+"""Following a per-channel factor through the program, one primitive at a time.
+
+A value the factor reaches is a :class:`Tag` (scaled per channel: which of its
+axes carry which source-leaf axes, and why it may no longer be exact), a
+:class:`Taint` (changed by the factor, with no channel axis left: a norm
+statistic), or :data:`SIGN` (a comparison with zero, unchanged by a positive
+factor). :data:`RULES` holds, for every primitive, one :class:`Rule`: how it
+moves axes if it only moves them, and its step, a function from the inputs'
+values to the outputs' values and what the factor met there (a :class:`Trace`
+part). :func:`follow` folds the steps in program order.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import functools
+import heapq
+import itertools
+import math
+import operator
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from saggs_jax.discovery.program import Eqn, Program
+
+Shape = Sequence[int]
+AxisMap = Callable[[Shape, Shape, dict], list[list[int]]]
+
+
+# ---------------------------------------------------------------------------
+# Why a factor is no longer exact.
+
+class Cause(enum.Enum):
+  """The kind of a :class:`Reason`; its value starts the message that explains it."""
+  NONLINEAR = "not positively homogeneous"  # a primitive such as exp, tanh, reduce_prod
+  INEXACT = "not exact"  # anything else: an added constant, a normalization
+
+
+class Reason(NamedTuple):
+  """Why a factor is no longer exact: a primitive's name, or a phrase."""
+  cause: Cause
+  text: str
+
+
+def nonlinear(prim: str) -> Reason:
+  return Reason(Cause.NONLINEAR, prim)
+
+
+def inexact(text: str) -> Reason:
+  return Reason(Cause.INEXACT, text)
+
+
+NORM = inexact("a normalization over its channels")
+
+
+def explain(reasons: frozenset[Reason], where: str) -> str:
+  """Why a factor is not cancelled exactly: the nonlinear primitives if any, else the reasons."""
+  prims = sorted(r.text for r in reasons if r.cause is Cause.NONLINEAR)
+  if prims:
+    return f"{Cause.NONLINEAR.value}: {', '.join(prims)} {where}"
+  return f"{Cause.INEXACT.value}: {'; '.join(sorted(r.text for r in reasons))} {where}"
+
+
+# ---------------------------------------------------------------------------
+# Values.
+
+class Tag(NamedTuple):
+  """A value scaled per channel: value axis -> source leaf axes; why it is no longer exact."""
+  axes: tuple[tuple[int, frozenset[int]], ...]
+  reasons: frozenset[Reason] = frozenset()
+  positive: bool = False  # exact for positive factors only (it went through a ReLU, say)
+
+  @property
+  def amap(self) -> dict[int, frozenset[int]]:
+    return dict(self.axes)
+
+
+class Taint(NamedTuple):
+  """A value changed by the factor without a channel axis (a norm statistic, say)."""
+  reasons: frozenset[Reason]
+
+
+class Sign:
+  """A comparison of the factor's value with zero: unchanged by a positive factor."""
+
+
+SIGN = Sign()
+Value = Tag | Taint | Sign
+
+
+def tag(amap: dict[int, frozenset[int]], reasons: frozenset[Reason] = frozenset(),
+        positive: bool = False) -> Tag | None:
+  """The :class:`Tag` of ``amap`` without its empty entries; None if none is left."""
+  axes = tuple(sorted((a, s) for a, s in amap.items() if s))
+  return Tag(axes, frozenset(reasons), positive) if axes else None
+
+
+# ---------------------------------------------------------------------------
+# Pure axis bookkeeping.
+
+def reshape_map(old: Shape, new: Shape) -> tuple[list[list[int]], list[list[int]]]:
+  """For each old axis the new axes of its block, and each block's new sizes.
+
+  Axes of size 1 map nowhere. ``(6, 4) -> (2, 3, 4)``: axis 0 splits into new
+  axes 0 and 1 of sizes 2 and 3; ``(2, 3, 4) -> (6, 4)``: old axes 0 and 1
+  both land on new axis 0 (of size 6).
+  """
+  out: list[list[int]] = [[] for _ in old]
+  sizes: list[list[int]] = [[] for _ in old]
+  i = j = 0
+  while i < len(old) and j < len(new):
+    if old[i] == 1:
+      i += 1
+      continue
+    if new[j] == 1:
+      j += 1
+      continue
+    bi, bj, po, pn = [i], [j], old[i], new[j]
+    i, j = i + 1, j + 1
+    while po != pn:
+      if po < pn:
+        bi.append(i)
+        po *= old[i]
+        i += 1
+      else:
+        bj.append(j)
+        pn *= new[j]
+        j += 1
+    for a in bi:
+      out[a], sizes[a] = bj, [new[b] for b in bj]
+  return out, sizes
+
+
+def dot_out_axis(dims, shapes: Sequence[Shape], side: int) -> dict[int, int]:
+  """Output position of every batch or free axis of operand ``side`` of a dot_general."""
+  (lc, rc), (lb, rb) = dims
+  contract, batch = (lc, rc), (lb, rb)
+  free = [[a for a in range(len(s)) if a not in contract[i] and a not in batch[i]]
+          for i, s in enumerate(shapes)]
+  out = {a: i for i, a in enumerate(batch[side])}
+  offset = len(batch[0]) + (len(free[0]) if side else 0)
+  out.update({a: offset + i for i, a in enumerate(free[side])})
+  return out
+
+
+def _same_axes(shape, out_shape, params) -> list[list[int]]:
+  return [[a] for a in range(len(shape))]
+
+
+def _transpose_axes(shape, out_shape, params) -> list[list[int]]:
+  inv = {old: new for new, old in enumerate(params["permutation"])}
+  return [[inv[a]] for a in range(len(shape))]
+
+
+def _broadcast_axes(shape, out_shape, params) -> list[list[int]]:
+  return [[d] for d in params["broadcast_dimensions"]]
+
+
+def _reshape_axes(shape, out_shape, params) -> list[list[int]]:
+  return reshape_map(shape, out_shape)[0]
+
+
+def _squeeze_axes(shape, out_shape, params) -> list[list[int]]:
+  kept = [a for a in range(len(shape)) if a not in params["dimensions"]]
+  return [[kept.index(a)] if a in kept else [] for a in range(len(shape))]
+
+
+def _expand_dims_axes(shape, out_shape, params) -> list[list[int]]:
+  return [[o] for o in range(len(out_shape)) if o not in params["dimensions"]]
+
+
+def _scan_slice_axes(shape, out_shape, params) -> list[list[int]]:
+  return [[]] + [[a - 1] for a in range(1, len(shape))]
+
+
+def _scan_stack_axes(shape, out_shape, params) -> list[list[int]]:
+  return [[a + 1] for a in range(len(shape))]
+
+
+def _stack_axes(shape, out_shape, params) -> list[list[int]]:
+  """A new axis at ``params["axis"]`` (interleaved RoPE stacks its halves)."""
+  return [[a + (a >= params["axis"])] for a in range(len(shape))]
+
+
+# ---------------------------------------------------------------------------
+# The program's static facts: leaf views, uses, dependence on leaves, zeros.
+
+class View(NamedTuple):
+  """A value that is a leaf with its axes moved (transposed, reshaped, sliced by a scan)."""
+  leaf: int
+  axes: tuple[frozenset[int], ...]  # per axis of the value: the leaf axes it holds
+  consumed: int  # leading leaf axes sliced off by scans
+
+
+class Use(NamedTuple):
+  """Operand ``operand`` of eqn ``eqn`` reads ``view``."""
+  eqn: int
+  operand: int
+  view: View
+
+
+class Flow(NamedTuple):
+  """What :func:`follow` needs to know of a program, computed once by :func:`flow`."""
+  prog: Program
+  views: dict[int, View]  # value id -> the leaf it is a view of
+  uses: dict[int, list[Use]]  # leaf -> its uses, in program order
+  dep: list[bool]  # per value id: whether it depends on a leaf
+  zeros: set[int]  # values known to be all zeros (zero constants moved around)
+  consumers: dict[int, list[int]]  # value id -> the eqns that read it
+
+
+def moved(eqn: Eqn, shapes: list[tuple[int, ...]], axes: tuple[frozenset[int], ...]
+          ) -> list[frozenset[int]]:
+  """``axes`` (per axis of structural ``eqn``'s first input) on its output's axes."""
+  new = [frozenset() for _ in shapes[eqn.outs[0]]]
+  axis_map = RULES[eqn.prim].axes
+  assert axis_map is not None, eqn.prim
+  for a, outs in enumerate(axis_map(shapes[eqn.ins[0]], shapes[eqn.outs[0]], eqn.params)):
+    for o in outs:
+      new[o] = new[o] | axes[a]
+  return new
+
+
+def flow(prog: Program) -> Flow:
+  """Views of one leaf through structural eqns, each leaf's other uses, and dependence."""
+  views = {i: View(n, tuple(frozenset([a]) for a in range(len(prog.shapes[i]))), 0)
+           for n, i in enumerate(prog.leaf_ids)}
+  dep = [False] * len(prog.shapes)
+  for i in prog.leaf_ids:
+    dep[i] = True
+  zeros = set(prog.zeros)
+  uses = collections.defaultdict(list)
+  consumers = collections.defaultdict(list)
+  for e, eqn in enumerate(prog.eqns):
+    for i in set(eqn.ins):
+      consumers[i].append(e)
+    for o in eqn.outs:
+      dep[o] = any(dep[i] for i in eqn.ins)
+    rule = rule_of(eqn.prim)
+    if rule.axes is not None and all(i in zeros for i in eqn.ins):
+      zeros.update(eqn.outs)
+    src = [(k, views[i]) for k, i in enumerate(eqn.ins) if i in views]
+    if src and len(eqn.ins) == 1 and rule.axes is not None and rule.views:
+      view = src[0][1]
+      views[eqn.outs[0]] = View(view.leaf, tuple(moved(eqn, prog.shapes, view.axes)),
+                                view.consumed + (eqn.prim == "scan_slice"))
+      continue
+    for k, view in src:
+      uses[view.leaf].append(Use(e, k, view))
+  return Flow(prog, views, uses, dep, zeros, consumers)
+
+
+# ---------------------------------------------------------------------------
+# What a factor meets.
+
+class Reach(NamedTuple):
+  """The factor is contracted against parameter ``leaf``: a candidate ``A -> leaf``."""
+  leaf: int
+  amap: dict[int, frozenset[int]]  # source leaf axis -> leaf axes of the reached parameter
+  consumed: int  # its leading axes sliced off by scans
+  eqn: int
+  reasons: frozenset[Reason]
+  positive: bool
+
+
+class Meet(NamedTuple):
+  """The factor is contracted against another value that depends on parameters (Q.K)."""
+  eqn: int
+  side: int
+  positions: tuple[tuple[str, int], ...]  # ("c" or "b", k): the dimension numbers it sits on
+  reasons: frozenset[Reason]
+  positive: bool
+
+
+class Follower(NamedTuple):
+  """Parameter ``leaf`` is added to the factor's value along its channels (a bias); the
+  candidates stage replaces ``leaf`` by the unit of its block when the source is cut."""
+  leaf: int
+  amap: dict[int, frozenset[int]]  # source leaf axis -> leaf axes of the follower
+  consumed: int
+
+
+class Lost(NamedTuple):
+  """A linear map reads parameter ``leaf`` with what the factor became, inexact for ``reasons``."""
+  leaf: int
+  reasons: frozenset[Reason]
+
+
+class Cut(NamedTuple):
+  """The block ``[lo, hi)`` of a source leaf's ``axis`` (a fused QKV kernel's q columns)."""
+  axis: int
+  lo: int
+  hi: int
+
+
+class Via(enum.Enum):
+  """What the factor went through, naming the pair; the first found wins."""
+  ATTENTION = "attention V/O"  # a product with another activation (the attention weights)
+  GATE = "gated MLP up/down"  # an elementwise product with another activation (a GLU)
+  RELU = "ReLU MLP up/down"
+
+
+REACHES_OUTPUT = "it reaches the model's output directly"
+RESIDUAL = "it is added to a value that does not scale with it (the residual stream, say)"
+
+
+class Trace(NamedTuple):
+  """What a factor met on its way, in program order: a whole run's, or one step's part."""
+  reaches: tuple[Reach, ...] = ()
+  meets: tuple[Meet, ...] = ()
+  followers: tuple[Follower, ...] = ()
+  lost: tuple[Lost, ...] = ()  # lost before a linear map
+  breaks: frozenset[str] = frozenset()  # why part of it is lost exactly
+  gates: frozenset[int] = frozenset()  # the GLU products it went through
+  splits: frozenset[int] = frozenset()  # the sizes a reshape split a channel axis into
+  through: frozenset[Via] = frozenset()
+  cuts: frozenset[Cut] = frozenset()  # blocks of the source leaf that were read alone
+  joined: frozenset[int] = frozenset()  # leaf axes whose blocks add up again
+
+  @classmethod
+  def merge(cls, parts: Sequence[Trace]) -> Trace:
+    """The parts' fields concatenated (tuples) or united (sets)."""
+    return cls._make(functools.reduce(operator.or_ if isinstance(empty, frozenset) else
+                                      operator.add, fields, empty)
+                     for empty, *fields in zip(cls(), *parts))
+
+
+# ---------------------------------------------------------------------------
+# Steps: one function per kind of primitive, from the inputs' values to the outputs'.
+
+class Walk(NamedTuple):
+  """What is fixed during one :func:`follow`."""
+  flow: Flow
+  shape: tuple[int, ...]  # the source leaf's
+  keep: Cut | None  # follow only this block of the source leaf's factor
+
+
+class Site(NamedTuple):
+  """An eqn the factor arrived at, its inputs as the factor left them."""
+  e: int  # the eqn's index
+  eqn: Eqn
+  values: list[Value | None]  # per input; None where the factor does not reach
+  tags: list[Tag]
+  reasons: frozenset[Reason]  # every input's reasons
+  cut: Cut | None  # the block of the source leaf the tagged inputs come from, if one
+
+
+Out = tuple[int, Value | None, Cut | None]  # value id, its value (None: unchanged), its block
+Step = tuple[list[Out], Trace | None]  # the outputs' values, and what the factor met
+
+
+def _first(x: Site, value: Value | None, note: Trace | None = None) -> Step:
+  return [(x.eqn.outs[0], value, x.cut)], note
+
+
+def _all(x: Site, value: Value) -> Step:
+  return [(o, value, x.cut) for o in x.eqn.outs], None
+
+
+def _other(walk: Walk, x: Site) -> Step:
+  """Any other primitive: an elementwise nonlinearity keeps the channels, the rest loses them."""
+  shapes, eqn, reasons = walk.flow.prog.shapes, x.eqn, x.reasons | {nonlinear(x.eqn.prim)}
+  if len(eqn.ins) == 1 and len(eqn.outs) == 1 and shapes[eqn.outs[0]] == shapes[eqn.ins[0]]:
+    return _first(x, Tag(x.tags[0].axes, reasons, x.tags[0].positive))
+  return _all(x, Taint(reasons))
+
+
+def _carry(walk: Walk, x: Site, reasons: frozenset[Reason],
+           cuts: Sequence[Cut | None] | None = None) -> list[Out]:
+  """Axes move, the factor moves with them; with ``cuts`` (per output, a block of the source
+  leaf or None), an output that cuts another block than :attr:`Walk.keep` does not scale."""
+  t, eqn, keep = x.tags[0], x.eqn, walk.keep
+  amap = t.amap
+  axes = tuple(amap.get(a, frozenset()) for a in range(len(walk.flow.prog.shapes[eqn.ins[0]])))
+  value = tag(dict(enumerate(moved(eqn, walk.flow.prog.shapes, axes))), reasons, t.positive)
+  return [(o, value if c is None or keep is None or c.axis != keep.axis or c == keep else None,
+           c or x.cut) for o, c in zip(eqn.outs, cuts or [None] * len(eqn.outs))]
+
+
+def _move(walk: Walk, x: Site) -> Step:
+  return _carry(walk, x, x.reasons), None
+
+
+def _concatenate(walk: Walk, x: Site) -> Step:
+  reasons = x.reasons
+  if any(not isinstance(s, Tag) or s.axes != x.tags[0].axes for s in x.values):
+    reasons |= {inexact("a concatenation with a value that does not scale like it")}
+  return _carry(walk, x, reasons), None
+
+
+def _reshape(walk: Walk, x: Site) -> Step:
+  """A reshape that splits a channel axis proposes groups (heads)."""
+  shapes, amap = walk.flow.prog.shapes, x.tags[0].amap
+  blocks = reshape_map(shapes[x.eqn.ins[0]], shapes[x.eqn.outs[0]])[1]
+  splits = frozenset(math.prod(sizes[:k]) for a, sizes in enumerate(blocks)
+                     if a in amap and len(sizes) > 1 for k in range(1, len(sizes)))
+  return _carry(walk, x, x.reasons), Trace(splits=splits) if splits else None
+
+
+def _slice(walk: Walk, x: Site) -> Step:
+  """A slice or split: an output that is one block of a whole leaf axis is a :class:`Cut`."""
+  cuts = _cuts(walk, x.eqn, x.tags[0])
+  found = frozenset(c for c in cuts if c is not None)
+  return _carry(walk, x, x.reasons, cuts), Trace(cuts=found) if found else None
+
+
+def _cuts(walk: Walk, eqn: Eqn, t: Tag) -> list[Cut | None]:
+  """Per output of a slice or split, the block it takes of the source leaf, or None. A block
+  is a contiguous range of an axis that holds exactly one whole leaf axis."""
+  shape, p = walk.flow.prog.shapes[eqn.ins[0]], eqn.params
+  if eqn.prim == "split":
+    axis, bounds = p["axis"], np.cumsum([0] + list(p["sizes"]))
+    ranges = list(itertools.pairwise(bounds))
+  else:
+    strided = [a for a, s in enumerate(p["strides"] or ()) if s != 1]
+    narrowed = [a for a, (lo, hi) in enumerate(zip(p["start_indices"], p["limit_indices"]))
+                if hi - lo < shape[a]]
+    if len(narrowed) != 1 or strided:
+      return [None]
+    axis = narrowed[0]
+    ranges = [(p["start_indices"][axis], p["limit_indices"][axis])]
+  amap = t.amap
+  leaf_axes = amap.get(axis, frozenset())
+  if len(leaf_axes) != 1:
+    return [None] * len(ranges)
+  (la,) = leaf_axes
+  if shape[axis] != walk.shape[la] or sum(la in s for s in amap.values()) > 1:
+    return [None] * len(ranges)
+  return [Cut(la, int(lo), int(hi)) for lo, hi in ranges]
+
+
+def _operands(x: Site) -> tuple[bool, Tag, Value | None, int]:
+  """A binary eqn's first tagged operand: whether it is the second, its tag; the other
+  operand's value and id."""
+  second = not isinstance(x.values[0], Tag)
+  return second, x.tags[0], x.values[1 - second], x.eqn.ins[1 - second]
+
+
+def _add(walk: Walk, x: Site) -> Step:
+  """A sum keeps the factor if the other term scales alike, is zero or is a follower."""
+  _, t, other, i = _operands(x)
+  reasons, positive, note = x.reasons, t.positive, None
+  if isinstance(other, Tag):
+    if other.axes != t.axes:
+      reasons |= {inexact("a sum of values scaled along different axes")}
+    positive = t.positive or other.positive
+  elif isinstance(other, Sign):
+    reasons |= {inexact("a sum with its own sign test")}
+    positive = True
+  elif other is None and i not in walk.flow.zeros:
+    follower = _follower(walk.flow, i, t, walk.flow.prog.shapes[x.eqn.outs[0]])
+    if follower is not None:
+      note = Trace(followers=(follower,))
+    elif not walk.flow.dep[i]:
+      reasons |= {inexact("an added constant")}
+    elif i in walk.flow.views:  # a bias broadcast over the channels (or along another axis)
+      reasons |= {inexact("an added parameter that does not follow it channel by channel")}
+    elif not reasons:  # an exact factor is lost here; an inexact one is reported as such
+      return [], Trace(breaks=frozenset({RESIDUAL}))
+  return _first(x, Tag(t.axes, reasons, positive), note)
+
+
+def _follower(flow: Flow, i: int, t: Tag, shape: Shape) -> Follower | None:
+  """Value ``i`` as a follower of ``t``: a view of a leaf whose axes are ``t``'s channels."""
+  view = flow.views.get(i)
+  if view is None:
+    return None
+  amap, leaf = {}, flow.prog.shapes[flow.prog.leaf_ids[view.leaf]]
+  for a, src in t.amap.items():  # a bias follows along its own axis, not broadcast over it
+    if a >= len(view.axes) or not view.axes[a] or \
+        math.prod(leaf[x] for x in view.axes[a]) != shape[a]:
+      return None
+    for s in src:
+      amap[s] = view.axes[a]
+  return Follower(view.leaf, amap, view.consumed)
+
+
+def _product(walk: Walk, x: Site) -> Step:
+  """mul, div: a product with what does not depend on the factor keeps it."""
+  second, t, other, i = _operands(x)
+  reasons, positive, note = x.reasons, t.positive, None
+  if isinstance(other, Tag):
+    reasons |= {inexact(f"{x.eqn.prim} of two values that both scale with it (degree 2)")}
+    positive = t.positive or other.positive
+  elif isinstance(other, Sign):  # x * (x > 0): ReLU written as a mask
+    positive = True
+  elif isinstance(other, Taint):  # its reasons (a normalization, say) are in ``reasons``
+    pass
+  elif x.eqn.prim == "div" and second:
+    reasons |= {inexact("a division by it")}
+  elif walk.flow.dep[i] and i not in walk.flow.views:  # a product with another activation
+    note = Trace(through=frozenset({Via.GATE}), gates=frozenset({x.eqn.outs[0]}))
+  return _first(x, Tag(t.axes, reasons, positive), note)
+
+
+def _relu(walk: Walk, x: Site) -> Step:
+  """``max(x, 0)``, ``min(x, 0)`` keep a positive factor; ``x > 0`` is a :data:`SIGN`."""
+  k = next(k for k, s in enumerate(x.values) if isinstance(s, Tag))
+  if len(x.tags) != 1 or x.eqn.ins[1 - k] not in walk.flow.zeros:
+    return _other(walk, x)
+  value = x.tags[0]._replace(positive=True) if x.eqn.prim in ("max", "min") else SIGN
+  return _first(x, value, Trace(through=frozenset({Via.RELU})))
+
+
+def _abs(walk: Walk, x: Site) -> Step:
+  return _first(x, x.tags[0]._replace(positive=True))
+
+
+def _reduce(walk: Walk, x: Site, homogeneous: bool, linear: bool) -> Step:
+  """A reduction over a channel is a normalization's statistic; over other axes, a sum
+  (``linear``) keeps the factor, ``max``/``min`` keep a positive one (``homogeneous``), the
+  rest (``prod``, ``argmax``) neither."""
+  t, axes = x.tags[0], set(x.eqn.params["axes"])
+  if axes & set(t.amap):
+    return _all(x, Taint(x.reasons | {NORM}))
+  kept = [a for a in range(len(walk.flow.prog.shapes[x.eqn.ins[0]])) if a not in axes]
+  amap = {kept.index(a): s for a, s in t.amap.items()}
+  reasons = x.reasons if homogeneous else x.reasons | {nonlinear(x.eqn.prim)}
+  return _first(x, tag(amap, reasons, t.positive or not linear))
+
+
+def _dot(walk: Walk, x: Site) -> Step:
+  """A contraction over the channel: against a parameter it reaches it, against an activation
+  the factors meet, against a constant the channels mix; a free channel axis carries on."""
+  flow, eqn, reasons = walk.flow, x.eqn, x.reasons
+  dims = eqn.params["dimension_numbers"]
+  (lc, rc), (lb, rb) = dims
+  if all(isinstance(s, Tag) for s in x.values):
+    return _all(x, Taint(reasons | {inexact("a product of two values that both scale with it")}))
+  side = 0 if isinstance(x.values[0], Tag) else 1
+  t, other, amap = x.tags[0], eqn.ins[1 - side], x.tags[0].amap
+  contract, batch = (lc, rc)[side], (lb, rb)[side]
+  out = dot_out_axis(dims, [flow.prog.shapes[i] for i in eqn.ins], side)
+  if set(contract) & set(amap):
+    view = flow.views.get(other)
+    ocontract, obatch = (lc, rc)[1 - side], (lb, rb)[1 - side]
+    if view is not None:
+      reached: dict[int, frozenset[int]] = {}
+      for mine, theirs in zip(list(contract) + list(batch), list(ocontract) + list(obatch)):
+        for s in amap.get(mine, ()):
+          reached[s] = reached.get(s, frozenset()) | view.axes[theirs]
+      return [], Trace(reaches=(Reach(view.leaf, reached, view.consumed, x.e, reasons,
+                                      t.positive),))
+    if flow.dep[other]:
+      positions = tuple(sorted([("c", k) for k, a in enumerate(contract) if a in amap]
+                               + [("b", k) for k, a in enumerate(batch) if a in amap]))
+      return [], Trace(meets=(Meet(x.e, side, positions, reasons, t.positive),))
+    # a constant mixes the contracted channels (RoPE as a matmul): the rest stay
+    rest = tag({out[a]: s for a, s in amap.items() if a not in contract}, reasons, t.positive)
+    return _first(x, rest or Taint(reasons | {inexact("a contraction with a constant")}))
+  note = Trace(through=frozenset({Via.ATTENTION})) \
+      if flow.dep[other] and other not in flow.views else None
+  return _first(x, tag({out[a]: s for a, s in amap.items()}, reasons, t.positive), note)
+
+
+def _select(walk: Walk, x: Site) -> Step:
+  """``jnp.where``, a ``cond``: every case must scale alike (or be zero)."""
+  reasons, t, (which, *cases) = x.reasons, x.tags[0], x.values
+  if isinstance(which, (Tag, Taint)):
+    reasons |= {inexact("a choice that depends on it")}
+  if any(i not in walk.flow.zeros and (not isinstance(s, Tag) or s.axes != t.axes)
+         for s, i in zip(cases, x.eqn.ins[1:])):
+    reasons |= {inexact("a choice between values that do not scale alike")}
+  return _first(x, Tag(t.axes, reasons, any(s.positive for s in x.tags) or
+                       isinstance(which, Sign)))
+
+
+# ---------------------------------------------------------------------------
+# The rule table.
+
+class Rule(NamedTuple):
+  """How a primitive acts on a per-channel factor.
+
+  Attributes:
+    step: the outputs' values and what the factor met, from the inputs' values.
+    axes: for a primitive that only moves axes around (it carries leaf views, zeros and
+      factors, mixing no channels): per axis of its first input, the output axes it lands
+      on, from ``(input shape, output shape, params)``; None for any other.
+    joins: it brings values together (a sum, a concatenation, a choice): two blocks of one
+      leaf meeting here are one channel after all (the halves of rotate-half RoPE).
+    additive: a sum, through which a head's output passes (a bias).
+    views: a view of a leaf through it is still a view (an axis move, not a split).
+  """
+  step: Callable[[Walk, Site], Step]
+  axes: AxisMap | None = None
+  joins: bool = False
+  additive: bool = False
+  views: bool = True
+
+
+def _mover(axes: AxisMap = _same_axes, step: Callable[[Walk, Site], Step] = _move,
+           **kwargs) -> Rule:
+  return Rule(step, axes, **kwargs)
+
+
+_SUM = Rule(_add, joins=True, additive=True)
+_RELU = Rule(_relu)
+RULES: dict[str, Rule] = {
+    **{p: _mover() for p in (
+        "convert_element_type", "copy", "copy_p", "reduce_precision", "neg", "rev", "pad",
+        "dynamic_slice", "optimization_barrier", "sharding_constraint", "real")},
+    "transpose": _mover(_transpose_axes),
+    "broadcast_in_dim": _mover(_broadcast_axes),
+    "reshape": _mover(_reshape_axes, _reshape),
+    "squeeze": _mover(_squeeze_axes),
+    "expand_dims": _mover(_expand_dims_axes),
+    "scan_slice": _mover(_scan_slice_axes),
+    "scan_stack": _mover(_scan_stack_axes),
+    "slice": _mover(step=_slice),
+    "split": _mover(step=_slice, views=False),
+    "concatenate": _mover(step=_concatenate, joins=True),
+    "stack": _mover(_stack_axes, _concatenate, joins=True),
+    "add": _SUM, "sub": _SUM, "add_any": _SUM,
+    "mul": Rule(_product), "div": Rule(_product),
+    **{p: _RELU for p in ("max", "min", "ge", "gt", "le", "lt")},
+    "abs": Rule(_abs),
+    "reduce_sum": Rule(functools.partial(_reduce, homogeneous=True, linear=True)),
+    **{p: Rule(functools.partial(_reduce, homogeneous=True, linear=False))
+       for p in ("reduce_max", "reduce_min")},
+    **{p: Rule(functools.partial(_reduce, homogeneous=False, linear=False))
+       for p in ("reduce_prod", "argmax", "argmin")},
+    "dot_general": Rule(_dot),
+    "select_n": Rule(_select, joins=True),
+}
+_OTHER = Rule(_other)
+
+
+def rule_of(prim: str) -> Rule:
+  """``prim``'s rule; a primitive not in :data:`RULES` is a nonlinearity."""
+  return RULES.get(prim, _OTHER)
+
+
+# ---------------------------------------------------------------------------
+# Following one factor.
+
+def follow(flow: Flow, start: int, out: int, source: Tag, shape: tuple[int, ...],
+           keep: Cut | None = None) -> Trace:
+  """Follows ``source`` on value ``out``, the output of eqn ``start`` using a leaf of
+  ``shape``, in program order; with ``keep``, only that block of the leaf's factor: the other
+  blocks cut from it (``Trace.cuts``) go on as values that do not scale."""
+  walk = Walk(flow, shape, keep)
+  values: dict[int, Value] = {}
+  cut_of: dict[int, Cut | None] = {}
+  heap, seen, notes = [], {start}, []
+
+  def put(i: int, value: Value | None, cut: Cut | None):
+    if value is None:
+      return
+    values[i], cut_of[i] = value, cut
+    if i in flow.prog.outputs:
+      notes.append(Trace(breaks=frozenset({REACHES_OUTPUT})))
+    for e in flow.consumers.get(i, ()):
+      if e not in seen:
+        seen.add(e)
+        heapq.heappush(heap, e)
+
+  put(out, source, None)
+  while heap:
+    e = heapq.heappop(heap)
+    outs, note = _step(walk, e, values, cut_of)
+    if note is not None:
+      notes.append(note)
+    for o in outs:
+      put(*o)
+  return Trace.merge(notes)
+
+
+def _step(walk: Walk, e: int, values: dict[int, Value], cut_of: dict[int, Cut | None]
+          ) -> Step:
+  """Eqn ``e`` on the inputs' ``values``: the outputs' values, and what the factor met."""
+  eqn = walk.flow.prog.eqns[e]
+  st = [values.get(i) for i in eqn.ins]
+  tags = [s for s in st if isinstance(s, Tag)]
+  taints = [s for s in st if isinstance(s, Taint)]
+  reasons = frozenset().union(*(s.reasons for s in tags + taints))
+  rule = rule_of(eqn.prim)
+  cuts = {cut_of[i] for i, s in zip(eqn.ins, st) if isinstance(s, Tag)}
+  joined = frozenset(c.axis for c in cuts if c) if len(cuts) > 1 and rule.joins else None
+  x = Site(e, eqn, st, tags, reasons, cuts.pop() if len(cuts) == 1 else None)
+  if tags:
+    outs, note = rule.step(walk, x)
+  else:
+    note = None
+    if eqn.prim == "dot_general" and taints:  # a linear reads what the factor became: say why
+      note = Trace(lost=tuple(Lost(walk.flow.views[i].leaf, reasons) for i in eqn.ins
+                              if i in walk.flow.views))
+    outs, _ = _all(x, Taint(reasons) if taints else SIGN)
+  if joined:  # one channel after all (RoPE halves)
+    note = Trace.merge([note or Trace(), Trace(joined=joined)])
+  return outs, note
