@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -105,10 +105,12 @@ def _heads_plan(plan: Plan, heads: Mapping[str, int]) -> Plan:
   for inst in plan.instances:
     for name in inst.members_a + inst.followers_a + inst.members_b + inst.followers_b:
       slot = plan.slot(name, inst.key)
-      side = dict(key=f"{inst.key}@q", groups=heads[inst.key]) if slot.sign > 0 else dict(
-          key=f"{inst.key}@k", sign=1)
+      if slot.sign > 0:
+        slot = dataclasses.replace(slot, key=f"{inst.key}@q", groups=heads[inst.key])
+      else:
+        slot = dataclasses.replace(slot, key=f"{inst.key}@k", sign=1)
       path = plan.part(name).path
-      slots[path] = slots.get(path, ()) + (dataclasses.replace(slot, **side),)
+      slots[path] = slots.get(path, ()) + (slot,)
   return Plan((), slots, plan.shapes, plan.parts)
 
 
@@ -130,10 +132,12 @@ def _checked_logits(plan: Plan, extra_args: dict) -> dict[str, jax.Array]:
   out = {}
   for a, inst in wanted.items():
     s, stacked, groups = logits[a], inst.factor_shape[:-1], inst.factor_shape[-1]
-    q_size = plan.shapes[plan.part(a).path][plan.slot(a, inst.key).axis]
-    block = plan.part(a).block
-    if block is not None and block[0] == plan.slot(a, inst.key).axis:
-      q_size = block[2] - block[1]
+    slot = plan.slot(a, inst.key)
+    if slot.axis is None:
+      raise ValueError(f"qk_clip: {inst.pair.label} has no group axis; declare the Q/K pair"
+                       " with axes= (the head axis of each side) and groups= the KV heads.")
+    start, stop = slot.tiled(plan.shapes[plan.part(a).path][slot.axis])
+    q_size = stop - start  # the query head axis, within its block for a fused leaf
     if (jnp.ndim(s) != len(stacked) + 1 or tuple(jnp.shape(s)[:-1]) != stacked
         or jnp.shape(s)[-1] % groups or q_size % jnp.shape(s)[-1]):
       raise ValueError(
@@ -234,12 +238,7 @@ def qk_clip(pairs: Sequence[Pair], tau: float = 100.0, alpha: float = 0.5
     if params is None:
       raise ValueError("qk_clip needs the current parameters: call update(updates, state,"
                        " params, max_logits=...).")
-    plan = resolve(pairs, params)
-    for inst in plan.instances:
-      if inst.pair.axes is None:
-        raise ValueError(f"qk_clip: {inst.pair.label} has no group axis; declare the Q/K pair"
-                         " with axes= (the head axis of each side) and groups= the KV heads.")
-    return plan
+    return resolve(pairs, params)
 
   def clip(params, updates, extra_args):
     """Updates landing on the clipped ``params + updates``, and the gauge factors."""

@@ -27,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def make_params(heads, kv_heads, seed=0, scale=1.0, stacked=()):
   rng = np.random.default_rng(seed)
-  mk = lambda cols: jnp.asarray(rng.standard_normal(stacked + (D, cols)) * scale, jnp.float32)  # noqa: E731
+  mk = lambda cols: jnp.asarray(rng.standard_normal(stacked + (D, cols)) * scale, jnp.float32)
   wo = jnp.asarray(rng.standard_normal(stacked + (heads * HD, D)), jnp.float32)
   return {"attn": {"wq": mk(heads * HD), "wk": mk(kv_heads * HD), "wv": mk(kv_heads * HD),
                    "wo": wo}}
@@ -184,7 +184,7 @@ def test_stacked_layers_clip_each_layer_by_its_own_logits():
   layers = 2
   params = make_params(4, 2, stacked=(layers,))
   x = batch()
-  per_layer = lambda p: jax.vmap(  # noqa: E731
+  per_layer = lambda p: jax.vmap(
       lambda a: saggs.max_logits(*qk(a, x), is_causal=True))(p["attn"])
   before = np.asarray(per_layer(params))
   assert before.shape == (layers, 4) and (before > TAU).any() and (before < TAU).any()
@@ -228,9 +228,9 @@ def test_max_logits_matches_numpy_with_masks():
   mask[1, 0, 2] = False  # a query row with nothing to attend
   s = np.einsum("bqhe,bkhe->bhqk", q, np.repeat(k, 2, axis=2)) * 0.3
   causal = np.tril(np.ones((3, 5), bool), 2)
-  for kwargs, keep in [({}, np.ones((1, 1, 3, 5), bool)), (dict(is_causal=True), causal),
-                       (dict(mask=jnp.asarray(mask)), mask),
-                       (dict(mask=jnp.asarray(mask), is_causal=True), mask & causal)]:
+  for kwargs, keep in [({}, np.ones((1, 1, 3, 5), bool)), ({"is_causal": True}, causal),
+                       ({"mask": jnp.asarray(mask)}, mask),
+                       ({"mask": jnp.asarray(mask), "is_causal": True}, mask & causal)]:
     got = saggs.max_logits(jnp.asarray(q), jnp.asarray(k), scale=0.3, **kwargs)
     want = np.where(np.broadcast_to(keep, s.shape), s, -np.inf).max(axis=(0, 2, 3))
     np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -274,5 +274,5 @@ def test_fsdp_mesh_equals_unsharded():
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}
   proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                        timeout=600, env=env)
+                        timeout=600, env=env, check=False)
   assert proc.returncode == 0 and "fsdp OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
