@@ -226,7 +226,7 @@ class Attention(nnx.Module):
     q, k = apply_rope(q, c.rope_theta), apply_rope(k, c.rope_theta)
     if self.sow_max_logits:  # what saggs.qk_clip reads, from the q and k of this forward pass
       self.sow(nnx.Intermediate, "max_logits", saggs.max_logits(q, k, is_causal=True),
-               reduce_fn=lambda _, new: new)
+               reduce_fn=lambda _, new: new)  # one value per call, not a growing tuple
     # Groups query heads contiguously per KV head and takes the softmax in float32.
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     return self.o_proj(out.reshape(batch, seq_len, c.num_heads * c.head_dim))
@@ -305,13 +305,13 @@ def loss_and_max_logits(params: nnx.State, graphdef: nnx.GraphDef, batch: jax.Ar
 
   The logits are keyed by the layer's query kernel path, as ``saggs.qk_clip``
   reads them: ``{"layers/0/attn/q_proj/kernel": (num_heads,), ...}``. Each
-  ``Attention`` sows them (``nnx.Intermediate``) when asked to.
+  ``Attention`` sows them (``nnx.Intermediate``) when asked to, and
+  ``nnx.capture`` collects them.
   """
   model = nnx.merge(graphdef, params)
   model.set_attributes(sow_max_logits=True)
-  loss = _cross_entropy(model(batch[:, :-1]), batch)
-  sown = nnx.state(model, nnx.Intermediate)
-  return loss, {path.replace("/max_logits", "/q_proj/kernel"): value
+  logits, sown = nnx.capture(model, nnx.Intermediate)(batch[:, :-1])
+  return _cross_entropy(logits, batch), {path.replace("/max_logits", "/q_proj/kernel"): value
                 for path, value in saggs.paths.leaves_with_paths(sown)}
 
 

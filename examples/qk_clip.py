@@ -53,7 +53,7 @@ from saggs_jax import equivariant as eqv
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
   parser.add_argument("--steps", type=int, default=150)
   parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. seeds-1")
   parser.add_argument("--batch-size", type=int, default=16)
@@ -147,7 +147,7 @@ def report(args, results) -> str:
       if arm == "none" or len(vals) < 2:
         diff = "-"
       else:
-        ci = stats.t_interval(stats.paired_differences(vals, base))
+        ci = stats.t_interval(list(stats.paired_differences(vals, base)))
         diff = f"{ci.mean:+.4f} [{ci.low:+.4f}, {ci.high:+.4f}]"
       rows.append((name, arm, float(tops.max(axis=1).mean()), float(tops[:, -1].mean()),
                    f"{mean:.4f} ± {std:.4f}", diff))

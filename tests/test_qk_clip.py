@@ -220,6 +220,38 @@ def test_jit_traces_once_and_the_missing_argument_is_named():
     tx.update(params, state, params, max_logits={"attn/wv": jnp.ones(4)})
 
 
+def test_example_lm_sows_logits_by_query_path_and_its_step_clips_them():
+  """examples/qk_clip.py's step on a tiny lm.LM: its sown logits, keyed as the clip reads
+  them, land on τ after an update with lr 0."""
+  sys.path.insert(0, str(ROOT / "examples"))
+  import lm
+  import qk_clip as example
+
+  config = lm.ModelConfig(d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
+                          mlp_hidden=24, seq_len=8)
+  graphdef, params = lm.init_model(config, seed=0)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 9)), jnp.int32)
+  measure = jax.jit(lm.loss_and_max_logits, static_argnums=1)  # compiled once, used twice
+  _, before = measure(params, graphdef, tokens)
+  assert {k: v.shape for k, v in before.items()} == {
+      f"layers/{i}/attn/q_proj/kernel": (4,) for i in range(2)}
+  # τ between layer 0's logits and above layer 1's: the clip of layer 0 changes the inputs
+  # of layer 1, whose logits are then no longer the measured ones.
+  first, second = (np.asarray(before[f"layers/{i}/attn/q_proj/kernel"]) for i in range(2))
+  tau = float(np.median(first))
+  assert second.max() < tau < first.max()
+  tx = example.with_arm(optax.adamw(0.0), "clip", config, tau)
+  new, _, _, top = example.make_step(graphdef, tx)(lm.donatable_copy(params), tx.init(params),
+                                                   tokens)
+  assert float(top) == max(float(v.max()) for v in before.values())
+  _, after = measure(new, graphdef, tokens)
+  np.testing.assert_allclose(after["layers/0/attn/q_proj/kernel"], np.minimum(first, tau),
+                             rtol=1e-5)
+  for name in ("q_proj", "k_proj"):
+    np.testing.assert_array_equal(new["layers"][1]["attn"][name]["kernel"][...],
+                                  params["layers"][1]["attn"][name]["kernel"][...])
+
+
 def test_max_logits_matches_numpy_with_masks():
   rng = np.random.default_rng(3)
   q = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
