@@ -118,7 +118,8 @@ def _checked_logits(plan: Plan, extra_args: dict) -> dict[str, jax.Array]:
   """The ``max_logits`` extra argument, one entry per instance keyed by its Q member, each
   ``stacked_shape + (heads,)``; raises a ValueError naming what is missing or wrong."""
   wanted = {inst.a: inst for inst in plan.instances}
-  spelled = ", ".join(f"{a!r}: {i.factor_shape[:-1] + ('heads',)}" for a, i in wanted.items())
+  spelled = ", ".join(f"{a!r}: {i.factor_shape[:i.pair.stacked] + ('heads',)}"
+                      for a, i in wanted.items())
   logits = extra_args.get("max_logits")
   if logits is None:
     raise ValueError(
@@ -131,11 +132,11 @@ def _checked_logits(plan: Plan, extra_args: dict) -> dict[str, jax.Array]:
                      f" per-head max logits, {{{spelled}}}; got keys {got}.")
   out = {}
   for a, inst in wanted.items():
-    s, stacked, groups = logits[a], inst.factor_shape[:-1], inst.factor_shape[-1]
     slot = plan.slot(a, inst.key)
     if slot.axis is None:
       raise ValueError(f"qk_clip: {inst.pair.label} has no group axis; declare the Q/K pair"
                        " with axes= (the head axis of each side) and groups= the KV heads.")
+    s, stacked, groups = logits[a], inst.factor_shape[:-1], inst.factor_shape[-1]
     start, stop = slot.tiled(plan.shapes[plan.part(a).path][slot.axis])
     q_size = stop - start  # the query head axis, within its block for a fused leaf
     if (jnp.ndim(s) != len(stacked) + 1 or tuple(jnp.shape(s)[:-1]) != stacked
