@@ -43,6 +43,8 @@ from flax import nnx
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
+import saggs_jax as saggs
+
 VOCAB_SIZE = 256  # bytes
 
 # ----------------------------------------------------------------------------
@@ -208,6 +210,7 @@ class Attention(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     self.config = config
+    self.sow_max_logits = False  # see loss_and_max_logits
     d, hd = config.d_model, config.head_dim
     self.q_proj = _linear(d, config.num_heads * hd, config, rngs)
     self.k_proj = _linear(d, config.num_kv_heads * hd, config, rngs)
@@ -221,6 +224,9 @@ class Attention(nnx.Module):
     k = self.k_proj(x).reshape(batch, seq_len, c.num_kv_heads, c.head_dim)
     v = self.v_proj(x).reshape(batch, seq_len, c.num_kv_heads, c.head_dim)
     q, k = apply_rope(q, c.rope_theta), apply_rope(k, c.rope_theta)
+    if self.sow_max_logits:  # what saggs.qk_clip reads, from the q and k of this forward pass
+      self.sow(nnx.Intermediate, "max_logits", saggs.max_logits(q, k, is_causal=True),
+               reduce_fn=lambda _, new: new)  # one value per call, not a growing tuple
     # Groups query heads contiguously per KV head and takes the softmax in float32.
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     return self.o_proj(out.reshape(batch, seq_len, c.num_heads * c.head_dim))
@@ -283,10 +289,30 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array) -> jax
   return nnx.merge(graphdef, params)(tokens)
 
 
+def _cross_entropy(logits: jax.Array, batch: jax.Array) -> jax.Array:
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), batch[:, 1:]).mean()
+
+
 def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: jax.Array) -> jax.Array:
   """Mean next-byte cross-entropy (nats) over windows ``batch`` of shape (B, T + 1)."""
-  logits = forward(graphdef, params, batch[:, :-1]).astype(jnp.float32)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+  return _cross_entropy(forward(graphdef, params, batch[:, :-1]), batch)
+
+
+def loss_and_max_logits(params: nnx.State, graphdef: nnx.GraphDef, batch: jax.Array
+                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """``loss_fn`` and, from the same forward pass, each layer's per-head max attention logit.
+
+  The logits are keyed by the layer's query kernel path, as ``saggs.qk_clip``
+  reads them: ``{"layers/0/attn/q_proj/kernel": (num_heads,), ...}``. Each
+  ``Attention`` sows them (``nnx.Intermediate``) when asked to, and
+  ``nnx.capture`` collects them.
+  """
+  model = nnx.merge(graphdef, params)
+  model.set_attributes(sow_max_logits=True)
+  logits, sown = nnx.capture(model, nnx.Intermediate)(batch[:, :-1])
+  return _cross_entropy(logits, batch), {path.replace("/max_logits", "/q_proj/kernel"): value
+                for path, value in saggs.paths.leaves_with_paths(sown)}
 
 
 def num_params(params: Any) -> int:

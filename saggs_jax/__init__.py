@@ -5,6 +5,8 @@
   of the optimizer before it.
 * :func:`reparameterize` and :func:`canonicalize` move whole training states
   along and onto their symmetry orbits.
+* :func:`qk_clip` bounds attention logits (MuonClip) per head, its split a
+  Q/K gauge; :func:`max_logits` measures them in the attention code.
 * :func:`discover` finds a model's exact rescaling symmetries from its jaxpr.
 * :mod:`saggs_jax.equivariant` holds symmetry-compatible update rules.
 """
@@ -15,6 +17,7 @@ from saggs_jax.diagnostics import check_symmetry, imbalance
 from saggs_jax.discovery import Discovery, Rejected, discover
 from saggs_jax.equivariant import MuonDimensionNumbers, UnitDimensionNumbers, muon_dimension_numbers
 from saggs_jax.pairs import Block, Pair, describe
+from saggs_jax.qk_clip import max_logits, qk_clip
 from saggs_jax.transform import (SaggsState, SymmetryTransformation, chain, saggs,
                                  scale_by_saggs, soft)
 from saggs_jax.transport import NESTED, register_transport
@@ -23,7 +26,7 @@ __all__ = [
     "NESTED", "Block", "Discovery", "MuonDimensionNumbers", "Pair", "Rejected", "SaggsState",
     "SymmetryTransformation", "UnitDimensionNumbers", "canonicalize", "chain", "checkpoint",
     "check_symmetry", "degrees", "describe", "discover", "equivariant", "imbalance",
-    "muon_dimension_numbers", "presets", "register_transport",
+    "max_logits", "muon_dimension_numbers", "presets", "qk_clip", "register_transport",
     "reparameterize", "saggs", "scale_by_saggs", "soft",
 ]
 __version__ = "0.1.0"

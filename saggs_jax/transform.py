@@ -67,12 +67,15 @@ register_transport(SaggsState, {})
 class SymmetryTransformation(optax.GradientTransformationExtraArgs):
   """An optax transformation that also acts on the stages before it.
 
-  ``around(prior, grads, state, prior_states, params, degrees=None)`` runs
+  ``around(prior, grads, state, prior_states, params, degrees=None, **extra_args)`` runs
   ``prior``, the stages before this one as ``prior(grads, prior_states, params)
   -> (updates, prior_states)``, itself (so it can transform their inputs, their
   outputs or both) and returns ``(updates, state, prior_states)``; ``degrees``
   are the transport degrees of ``prior_states`` that :func:`chain` measured
-  (:func:`saggs_jax.degrees.measure`) on the pairs ``resolve(params)`` gives.
+  (:func:`saggs_jax.degrees.measure`) on the pairs ``resolve(params)`` gives;
+  ``extra_args`` are the keyword arguments of the chain's ``update``
+  (:func:`saggs_jax.qk_clip` reads ``max_logits`` there), which ``prior``
+  passes on to the stages before it.
   :func:`chain` calls it; a plain ``optax.chain`` calls ``update``, which can
   balance the parameters only.
 
@@ -315,7 +318,8 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
     _check_whole_groups(plan, global_shapes)
     return plan, optax.safe_increment(state.count)
 
-  def around(prior, grads, state, prior_states, params, degrees=None):
+  def around(prior, grads, state, prior_states, params, degrees=None, **extra_args):
+    del extra_args  # the stages before it receive them through prior
     plan, count = start(state, params)
     factors, residual = scheduled_factors(count, params)
     balanced = scale_tree(plan, params, factors, 1.0)
@@ -409,16 +413,23 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
   measured = {}
 
   def degrees(n, params):
-    """The degrees of the states before stage ``n`` (a symmetry stage), once per layout."""
+    """The degrees of the states before stage ``n`` (a symmetry stage), once per layout.
+
+    They are measured on the optimizer stages alone: a symmetry stage between them and
+    stage ``n`` holds no moments (its state's rule keeps it as it is) and only moves
+    theirs along the orbit, which changes no degree; probing it would need its extra
+    arguments (a qk_clip's logits)."""
     if stages[n].resolve is None:
       return None
     layout = (n, jax.tree.structure(params),
               tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)))
     if layout not in measured:
+      first = symmetric.index(True)
       prior = optax.GradientTransformationExtraArgs(
-          lambda p: tuple(t.init(p) for t in stages[:n]),
-          lambda g, s, p=None, **extra: run(stages[:n], g, s, p, extra))
-      measured[layout] = measure(prior, params, stages[n].resolve(params))
+          lambda p: tuple(t.init(p) for t in stages[:first]),
+          lambda g, s, p=None, **extra: run(stages[:first], g, s, p, extra))
+      found = measure(prior, params, stages[n].resolve(params))
+      measured[layout] = None if found is None else (*found, *(None,) * (n - first))
     return measured[layout]
 
   def init(params):
@@ -435,7 +446,7 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
     prior = lambda g, s, p: run(stages[:-1], g, s, p, extra_args)  # noqa: E731
     updates, state, prior_states = stages[-1].around(
         prior, grads, states[-1], tuple(states[:-1]), params,
-        degrees=degrees(len(stages) - 1, params) if params is not None else None)
+        degrees=degrees(len(stages) - 1, params) if params is not None else None, **extra_args)
     return updates, (*prior_states, state)
 
   def update(updates, state, params=None, **extra_args):

@@ -1,0 +1,273 @@
+"""QK-clip (MuonClip, Kimi K2) that clips the gauge-invariant product and transports its gauge.
+
+Kimi K2 bounds attention logits after each step: for every head h whose largest
+pre-softmax logit ``S_h`` on the batch exceeds ``τ``, with ``γ_h = τ / S_h``,
+``W_q^h ← W_q^h·γ_h^α`` and ``W_k^h ← W_k^h·γ_h^(1−α)`` (α = 1/2), momentum
+untouched. Only the product ``q·k`` is clipped; the split is a gauge:
+
+  (γ^α, γ^(1−α)) = (γ^½, γ^½) ∘ (γ^(α−½), γ^(½−α)),
+
+and the second factor is exactly the Q/K symmetry that :func:`saggs_jax.saggs`
+balances. This stage applies the first factor as K2 does (moments untouched)
+and the second as a symmetry move (moments of the stages before it transported
+by their degree, as SAGGS does), so a clip with any α is the α = 1/2 clip moved
+along its orbit; with hard SAGGS the trajectory does not depend on α.
+
+Under GQA a key head is shared by the ``n`` query heads of its group. Each
+query head's ``γ_h`` multiplies its own ``W_q`` rows (exact per head); the
+split of the group's common part is the per-KV-head gauge,
+``W_q^h ← W_q^h·γ_h·Γ^(α−1)``, ``W_k ← W_k·Γ^(1−α)`` with ``Γ`` the geometric
+mean of the group's ``γ_h``. With one query head per KV head (MHA) this is K2's
+clip.
+
+:func:`max_logits` measures ``S_h`` inside the attention code, from the same
+``q`` and ``k`` the forward pass uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from saggs_jax.balance import scale_tree
+from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
+from saggs_jax.transform import SymmetryTransformation, _caller, _check_number, _land_on
+from saggs_jax.transport import transport
+
+
+def max_logits(q: jax.Array, k: jax.Array, *, scale: float | None = None,
+               mask: jax.Array | None = None, is_causal: bool = False) -> jax.Array:
+  """The largest pre-softmax logit ``q·k·scale`` of each query head, over batch and positions.
+
+  Takes ``q`` (batch, q_len, heads, head_dim) and ``k`` (batch, kv_len,
+  kv_heads, head_dim) as :func:`jax.nn.dot_product_attention` does (after RoPE,
+  before the softmax), query head h reading KV head ``h // (heads // kv_heads)``.
+  Masked positions (``mask`` False, broadcastable to (batch, heads, q_len,
+  kv_len), or above the diagonal with ``is_causal``) are excluded; a head
+  whose every logit is masked gets ``-inf`` (never clipped). The result, of
+  shape (heads,), is in float32 and carries no gradient: call it beside the
+  attention it measures and hand it to :func:`qk_clip` through ``update``. It
+  costs one more ``q·kᵀ`` (no backward, no second forward pass); attention code
+  that forms the logits itself can take their masked max directly.
+
+  From flax.nnx, ``self.sow(nnx.Intermediate, "max_logits", max_logits(q, k))``;
+  from linen, ``self.sow("intermediates", "max_logits", max_logits(q, k))``.
+  Scanned layers then stack them to (layers, heads).
+
+  Args:
+    q: queries, (batch, q_len, heads, head_dim).
+    k: keys, (batch, kv_len, kv_heads, head_dim); kv_heads divides heads.
+    scale: logit scale; default ``1 / sqrt(head_dim)``.
+    mask: boolean, True where a query may attend.
+    is_causal: mask positions after the query's (query i at the end of the keys).
+
+  Example::
+
+    >>> import jax.numpy as jnp, saggs_jax as saggs
+    >>> q = jnp.ones((1, 2, 2, 4)).at[:, :, 1].set(2.0)  # 2 heads, 2 positions
+    >>> k = jnp.ones((1, 2, 1, 4)).at[:, 1].set(3.0)     # 1 KV head; key 1 is large
+    >>> saggs.max_logits(q, k, is_causal=True)           # query 1 sees key 1: 4·3·h/2
+    Array([ 6., 12.], dtype=float32)
+    >>> saggs.max_logits(q, k, mask=jnp.array([[True, False], [True, False]]))
+    Array([2., 4.], dtype=float32)
+  """
+  if q.ndim != 4 or k.ndim != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+    raise ValueError(f"max_logits takes q (batch, q_len, heads, head_dim) and k (batch, kv_len,"
+                     f" kv_heads, head_dim); got q {q.shape} and k {k.shape}.")
+  batch, q_len, heads, head_dim = q.shape
+  kv_heads, kv_len = k.shape[2], k.shape[1]
+  if heads % kv_heads:
+    raise ValueError(f"max_logits: {kv_heads} KV heads do not divide {heads} query heads.")
+  dtype = jnp.promote_types(q.dtype, jnp.float32)
+  q = jax.lax.stop_gradient(q).astype(dtype).reshape(batch, q_len, kv_heads, -1, head_dim)
+  k = jax.lax.stop_gradient(k).astype(dtype)
+  logits = jnp.einsum("bqgnd,bkgd->bgnqk", q, k).reshape(batch, heads, q_len, kv_len)
+  logits = logits * (head_dim ** -0.5 if scale is None else scale)
+  keep = jnp.ones((1, 1, q_len, kv_len), bool)
+  if is_causal:
+    keep = keep & jnp.tril(jnp.ones((q_len, kv_len), bool), kv_len - q_len)
+  if mask is not None:
+    keep = keep & jnp.broadcast_to(mask, (batch, heads, q_len, kv_len))
+  return jnp.max(jnp.where(keep, logits, -jnp.inf), axis=(0, 2, 3))
+
+
+def _heads_plan(plan: Plan, heads: Mapping[str, int]) -> Plan:
+  """``plan`` with each instance's Q members and followers grouped per query head (key
+  ``<key>@q``) and its K side turned into a +1 slot of its own (key ``<key>@k``), so that
+  one :func:`scale_tree` with power 1 applies both multipliers."""
+  slots: dict[str, tuple] = {}
+  for inst in plan.instances:
+    for name in inst.members_a + inst.followers_a + inst.members_b + inst.followers_b:
+      slot = plan.slot(name, inst.key)
+      if slot.sign > 0:
+        slot = dataclasses.replace(slot, key=f"{inst.key}@q", groups=heads[inst.key])
+      else:
+        slot = dataclasses.replace(slot, key=f"{inst.key}@k", sign=1)
+      path = plan.part(name).path
+      slots[path] = slots.get(path, ()) + (slot,)
+  return Plan((), slots, plan.shapes, plan.parts)
+
+
+def _checked_logits(plan: Plan, extra_args: dict) -> dict[str, jax.Array]:
+  """The ``max_logits`` extra argument, one entry per instance keyed by its Q member, each
+  ``stacked_shape + (heads,)``; raises a ValueError naming what is missing or wrong."""
+  wanted = {inst.a: inst for inst in plan.instances}
+  spelled = ", ".join(f"{a!r}: {i.factor_shape[:i.pair.stacked] + ('heads',)}"
+                      for a, i in wanted.items())
+  logits = extra_args.get("max_logits")
+  if logits is None:
+    raise ValueError(
+        "qk_clip needs the measured maximum logits: call update(grads, state, params,"
+        f" max_logits={{{spelled}}}), each the per-head max of q·k·scale on this step's batch"
+        " (saggs_jax.max_logits); inside saggs_jax.chain the qk_clip stage comes last.")
+  if not isinstance(logits, Mapping) or set(logits) != set(wanted):
+    got = sorted(logits) if isinstance(logits, Mapping) else type(logits).__name__
+    raise ValueError(f"qk_clip: max_logits must map each Q/K pair instance's query path to its"
+                     f" per-head max logits, {{{spelled}}}; got keys {got}.")
+  out = {}
+  for a, inst in wanted.items():
+    slot = plan.slot(a, inst.key)
+    if slot.axis is None:
+      raise ValueError(f"qk_clip: {inst.pair.label} has no group axis; declare the Q/K pair"
+                       " with axes= (the head axis of each side) and groups= the KV heads.")
+    s, stacked, groups = logits[a], inst.factor_shape[:-1], inst.factor_shape[-1]
+    start, stop = slot.tiled(plan.shapes[plan.part(a).path][slot.axis])
+    q_size = stop - start  # the query head axis, within its block for a fused leaf
+    if (jnp.ndim(s) != len(stacked) + 1 or tuple(jnp.shape(s)[:-1]) != stacked
+        or jnp.shape(s)[-1] % groups or q_size % jnp.shape(s)[-1]):
+      raise ValueError(
+          f"qk_clip: max_logits[{a!r}] has shape {jnp.shape(s)}; {inst.pair.label} wants"
+          f" {stacked} + (heads,), heads a multiple of its {groups} KV groups dividing the"
+          f" {q_size} entries of the query head axis.")
+    out[inst.key] = jnp.asarray(s, jnp.float32)
+  return out
+
+
+def _clip_factors(plan: Plan, logits: dict[str, jax.Array], tau: float, alpha: float):
+  """``(clip factors for the heads plan, gauge factors for plan)``: ``γ_h = τ / S_h`` where
+  ``S_h > τ`` (else 1, and 1 for a non-finite ``S_h``), each query head's ``γ_h·Γ^(α−1)``,
+  each KV head's ``Γ^(1−α)``, and the gauge ``Γ^(α−½)`` that moves the moments."""
+  clip, gauge = {}, {}
+  for inst in plan.instances:
+    s = logits[inst.key]
+    log_gamma = jnp.where(jnp.isfinite(s) & (s > tau), math.log(tau) - jnp.log(s), 0.0)
+    groups = inst.factor_shape[-1]
+    log_g = log_gamma.reshape(s.shape[:-1] + (groups, -1)).mean(-1)  # log Γ per KV head
+    per_head = jnp.repeat(log_g, s.shape[-1] // groups, axis=-1)
+    clip[f"{inst.key}@q"] = jnp.exp(log_gamma + (alpha - 1) * per_head)
+    clip[f"{inst.key}@k"] = jnp.exp((1 - alpha) * log_g)
+    gauge[inst.key] = jnp.exp((alpha - 0.5) * log_g)
+  return clip, gauge
+
+
+def qk_clip(pairs: Sequence[Pair], tau: float = 100.0, alpha: float = 0.5
+            ) -> SymmetryTransformation:
+  """QK-clip (MuonClip) per query head, its gauge transported like a Q/K symmetry.
+
+  ``update(updates, state, params, max_logits=...)`` takes, as an extra
+  argument, the largest logit ``S_h`` of every query head measured in the
+  forward pass that gave this step's gradient (on ``params``, see
+  :func:`max_logits`): a dict keyed by the query side of each Q/K pair
+  instance (its path, ``path[q]`` for a :class:`~saggs_jax.Block`), each of
+  shape ``stacked_shape + (heads,)`` (scanned layers first). With
+  ``γ_h = τ / S_h`` for the heads with ``S_h > τ`` (1 for the others and for a
+  non-finite ``S_h``) and ``Γ`` the geometric mean of ``γ_h`` over a KV head's
+  query heads,
+
+    W_q^h ← W_q^h·γ_h·Γ^(α−1),   W_k^g ← W_k^g·Γ^(1−α)   (biases with their kernels),
+
+  which scales the logits of head h by exactly ``γ_h`` (MHA: ``γ^α`` and
+  ``γ^(1−α)``, K2's clip). Semantics, as K2: the γ computed from ``params``
+  (where ``S_h`` was measured) multiply the parameters *after* the inner step,
+  ``p + u``; the inner step itself, its gradient and the α = 1/2 part leave
+  every moment untouched. The remaining factor ``Γ^(α−½)`` on Q and its inverse
+  on K is a Q/K symmetry: inside :func:`saggs_jax.chain` the moments of every
+  stage before this one are transported by it (``mu·Γ^(½−α)`` on Q, ...), so
+  a clip with any α is the α = 1/2 clip moved along the orbit. With lr 0 the
+  clipped heads' max logit on the measuring batch lands on ``τ`` and heads
+  whose KV group is all under ``τ`` keep their parameters bit for bit.
+
+  Composition: chain it *last*, ``saggs.chain(inner, saggs.saggs(pairs),
+  qk_clip(qk_pairs))``. SAGGS balances at the start of the next update (its
+  ``every`` schedule), before the inner step, so it chooses the gauge the clip
+  left open: with hard SAGGS and ``every=1`` the states of runs with different
+  α are equivalent after every update and identical after every balancing (the
+  trajectory of the model function does not depend on α); with ``every=k`` or
+  soft SAGGS they differ between balancings as much as the gauge steers the
+  inner optimizer. The clip itself runs on every update. In a plain
+  ``optax.chain`` it clips ``p + u`` the same way but cannot transport the
+  gauge's moments (it warns once if α ≠ 1/2).
+
+  Args:
+    pairs: the Q/K :class:`~saggs_jax.Pair` declarations (a group axis whose
+      groups are KV heads: ``presets.llama(...)[0]``, ``presets.flax_mha()[0]``,
+      ``presets.gpt2(...)[0]`` or ``discover``'s Q/K pairs); every instance
+      needs its entry in ``max_logits``.
+    tau: the logit bound τ > 0 (K2: 100).
+    alpha: the split, in [0, 1]; the product clipped does not depend on it.
+
+  Returns:
+    A :class:`~saggs_jax.SymmetryTransformation`.
+
+  References:
+    Kimi Team, *Kimi K2: Open Agentic Intelligence*, arXiv:2507.20534 (2025), MuonClip.
+
+  Example::
+
+    >>> import jax.numpy as jnp, optax, saggs_jax as saggs
+    >>> params = {"q": jnp.ones((4, 2)), "k": jnp.ones((4, 2))}  # (d, heads·head_dim), 2 heads
+    >>> tx = saggs.chain(optax.sgd(0.0), saggs.qk_clip([saggs.Pair("q", "k", axes=(1, 1))],
+    ...                                                  tau=1.0))
+    >>> state = tx.init(params)
+    >>> logits = {"q": jnp.array([4.0, 0.5])}  # head 0 over τ: γ = 1/4
+    >>> updates, state = tx.update(params, state, params, max_logits=logits)
+    >>> optax.apply_updates(params, updates)["q"][0]  # γ^½ on head 0's Q, head 1 untouched
+    Array([0.5, 1. ], dtype=float32)
+  """
+  pairs = as_pairs(pairs)
+  _check_number("tau", tau, lambda t: 0 < t < math.inf, "in (0, inf)", integer=False)
+  _check_number("alpha", alpha, lambda a: 0 <= a <= 1, "in [0, 1]", integer=False)
+  warned = []
+
+  def plan_of(params) -> Plan:
+    if params is None:
+      raise ValueError("qk_clip needs the current parameters: call update(updates, state,"
+                       " params, max_logits=...).")
+    return resolve(pairs, params)
+
+  def clip(params, updates, extra_args):
+    """Updates landing on the clipped ``params + updates``, and the gauge factors."""
+    plan = plan_of(params)
+    logits = _checked_logits(plan, extra_args)
+    heads = {inst.key: logits[inst.key].shape[-1] for inst in plan.instances}
+    factors, gauge = _clip_factors(plan, logits, tau, alpha)
+    clipped = _heads_plan(plan, heads)
+    target = scale_tree(clipped, optax.apply_updates(params, updates), factors, 1.0)
+    return _land_on(params, updates, target, clipped, factors), plan, gauge
+
+  def around(prior, grads, state, prior_states, params, degrees=None, **extra_args):
+    _checked_logits(plan_of(params), extra_args)  # fails before the inner step runs
+    updates, prior_states = prior(grads, prior_states, params)
+    updates, plan, gauge = clip(params, updates, extra_args)
+    return updates, state, transport(plan, prior_states, gauge, degrees=degrees)
+
+  def update(updates, state, params=None, **extra_args):
+    if alpha != 0.5 and not warned:
+      warned.append(True)
+      frame = _caller()
+      warnings.warn_explicit(
+          f"qk_clip(alpha={alpha}) outside saggs_jax.chain cannot transport the moments of the"
+          " optimizer before it by the gauge part of its split; use saggs_jax.chain(...).",
+          UserWarning, frame.f_code.co_filename if frame else "<unknown>",
+          frame.f_lineno if frame else 0)
+    return clip(params, updates, extra_args)[0], state
+
+  return SymmetryTransformation(lambda params: optax.EmptyState(), update, around,
+                                lambda params: resolve(pairs, params))
+
