@@ -14,8 +14,9 @@ that each device holds whole matrices, orthogonalised locally, and moved back:
 The mesh comes from the context (``jax.set_mesh``). Under an Explicit mesh the
 types name the axes that shard the parameters: those carry the batch, and the
 update gets the parameter's sharding back. Under an Auto mesh the types do not
-say, so every mesh axis carries the batch and the update is tied to the
-parameter's sharding with ``shard_alike``. Without a mesh nothing changes.
+say, so every mesh axis carries the batch, and where the update goes is the
+partitioner's choice (``out_shardings``, or the parameters it is added to).
+Without a mesh nothing changes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.shard_alike import shard_alike
 from jax.sharding import AxisType, PartitionSpec as P
 
 
@@ -45,17 +45,18 @@ def spread_axes(leaves: Sequence[jax.Array]) -> tuple[str, ...]:
                if mesh.shape[a] > 1 and (t == AxisType.Auto or (t == AxisType.Explicit and a in used)))
 
 
-def in_place(fn: Callable[[list], list], leaves: list, axes: tuple[str, ...]) -> list:
-  """``fn(leaves)``, a list of arrays shaped like ``leaves``, each returned in
-  its leaf's sharding. Under an Explicit mesh ``fn`` runs with Auto axes (its
-  reshapes and gathers are the partitioner's to place)."""
-  if not axes:
-    return fn(leaves)
+def in_place(fn: Callable[[list], list], leaves: list, like: list, axes: tuple[str, ...]) -> list:
+  """``fn(leaves)``, a list of arrays shaped like ``leaves``. Under an Explicit
+  mesh ``fn`` runs with Auto axes (its reshapes and gathers are the
+  partitioner's to place) and each array comes back in the sharding of its
+  array in ``like`` (the gradients, typed as the parameters); under an Auto
+  mesh the partitioner places them (``jit``'s ``out_shardings``, or the
+  parameters they are added to)."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.explicit_axes:
-    out_sharding = [jax.typeof(x).sharding for x in leaves]
-    return jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=out_sharding)(leaves)
-  return [shard_alike(y, x)[0] for y, x in zip(fn(leaves), leaves)]
+  if not axes or not mesh.explicit_axes:
+    return fn(leaves)
+  out_sharding = [jax.typeof(x).sharding for x in like]
+  return jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=out_sharding)(leaves)
 
 
 def locally(direction: Callable[[jax.Array], jax.Array], x: jax.Array, axes: tuple[str, ...],

@@ -243,7 +243,7 @@ def _rule(name: str, planner, direction, *, beta, nesterov, mu_dtype, joint=(), 
           out[i] = _from_matrix(piece, plans[i], leaves[i].shape).astype(dtypes[i])
       return out
 
-    out = _gather.in_place(matrices, leaves, axes)
+    out = _gather.in_place(matrices, leaves, jax.tree.leaves(updates), axes)
     return jax.tree_util.tree_unflatten(treedef, out), MomentumState(optax.tree.cast_like(mu, state.mu))
 
   return optax.GradientTransformation(init_fn, update_fn)
