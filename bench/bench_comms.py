@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from saggs_jax import equivariant as eqv
 
@@ -47,10 +48,12 @@ def collectives(hlo: str) -> list[tuple[str, int]]:
 
 def measure(tx: optax.GradientTransformation, params, shardings) -> tuple[int, float]:
   """Collectives of one jitted ``tx.update`` on sharded ``params`` (gradients
-  alike), and their output bytes over the parameters' bytes."""
+  alike), the updates sharded as the parameters, and their output bytes over
+  the parameters' bytes."""
   p = jax.device_put(params, shardings)
   state = jax.jit(tx.init)(p)
-  hlo = jax.jit(lambda g, s, p: tx.update(g, s, p)[0]).lower(p, state, p).compile().as_text()
+  step = jax.jit(lambda g, s, p: tx.update(g, s, p)[0], out_shardings=shardings)  # as the params
+  hlo = step.lower(p, state, p).compile().as_text()
   found = collectives(hlo)
   return len(found), sum(b for _, b in found) / sum(x.nbytes for x in jax.tree.leaves(params))
 

@@ -14,19 +14,21 @@ that each device holds whole matrices, orthogonalised locally, and moved back:
 The mesh comes from the context (``jax.set_mesh``). Under an Explicit mesh the
 types name the axes that shard the parameters: those carry the batch, and the
 update gets the parameter's sharding back. Under an Auto mesh the types do not
-say, so every mesh axis carries the batch, and where the update goes is the
-partitioner's choice (``out_shardings``, or the parameters it is added to).
-Without a mesh nothing changes.
+say, so every mesh axis carries the batch, and the update is tied to the
+gradient's sharding with ``shard_alike`` (a hint the partitioner may
+override). Without a mesh nothing changes.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.experimental.shard_alike import shard_alike
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 
 def _names(entry) -> tuple[str, ...]:
@@ -35,14 +37,15 @@ def _names(entry) -> tuple[str, ...]:
 
 def spread_axes(leaves: Sequence[jax.Array]) -> tuple[str, ...]:
   """The mesh axes over which the matrices of ``leaves`` are spread: under an
-  Explicit mesh those that shard a leaf, under an Auto one every axis (of size
-  > 1); none without a mesh or inside ``shard_map`` (Manual axes)."""
+  Explicit mesh those that shard a leaf, under an Auto one every axis of size
+  > 1; none without a mesh or inside ``shard_map`` (Manual axes)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return ()
   used = {a for x in leaves for entry in jax.typeof(x).sharding.spec for a in _names(entry)}
+  # An Explicit axis in a type counts even of size 1: the matmuls need it gone from the types.
   return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
-               if mesh.shape[a] > 1 and (t == AxisType.Auto or (t == AxisType.Explicit and a in used)))
+               if (t == AxisType.Auto and mesh.shape[a] > 1) or (t == AxisType.Explicit and a in used))
 
 
 def in_place(fn: Callable[[list], list], leaves: list, like: list, axes: tuple[str, ...]) -> list:
@@ -50,13 +53,18 @@ def in_place(fn: Callable[[list], list], leaves: list, like: list, axes: tuple[s
   mesh ``fn`` runs with Auto axes (its reshapes and gathers are the
   partitioner's to place) and each array comes back in the sharding of its
   array in ``like`` (the gradients, typed as the parameters); under an Auto
-  mesh the partitioner places them (``jit``'s ``out_shardings``, or the
-  parameters they are added to)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if not axes or not mesh.explicit_axes:
+  mesh each is tied to it with ``shard_alike``, which the partitioner may
+  still override (``jit``'s ``out_shardings``, or the parameters they are
+  added to, settle it)."""
+  if not axes:
     return fn(leaves)
-  out_sharding = [jax.typeof(x).sharding for x in like]
-  return jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=out_sharding)(leaves)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.explicit_axes:
+    out_sharding = [jax.typeof(x).sharding for x in like]
+    return jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=out_sharding)(leaves)
+  # A hint, not a guarantee: on the seven FSDP matrices of bench/bench_comms.py, without it the
+  # partitioner sends the update back through 8 collectives (2.0x the parameter bytes), with it 2.
+  return [shard_alike(y, x)[0] for y, x in zip(fn(leaves), like)]
 
 
 def locally(direction: Callable[[jax.Array], jax.Array], x: jax.Array, axes: tuple[str, ...],

@@ -228,7 +228,9 @@ def _rule(name: str, planner, direction, *, beta, nesterov, mu_dtype, joint=(), 
     leaves, treedef, plans, blocks = plan_tree(m)
     dtypes = [g.dtype for g in jax.tree.leaves(updates)]
     axes = _gather.spread_axes(leaves) if whole else ()
-    local = lambda x: _gather.locally(direction, x, axes, batched)  # noqa: E731
+
+    def local(x):
+      return _gather.locally(direction, x, axes, batched)
 
     def matrices(leaves):
       xs = []
