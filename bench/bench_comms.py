@@ -53,7 +53,7 @@ def measure(tx: optax.GradientTransformation, params, shardings) -> tuple[int, f
   p = jax.device_put(params, shardings)
   state = jax.jit(tx.init)(p)
   step = jax.jit(lambda g, s, p: tx.update(g, s, p)[0], out_shardings=shardings)  # as the params
-  hlo = step.lower(p, state, p).compile().as_text()
+  hlo = step.lower(p, state, p).compile().as_text() or ""
   found = collectives(hlo)
   return len(found), sum(b for _, b in found) / sum(x.nbytes for x in jax.tree.leaves(params))
 
@@ -70,7 +70,7 @@ def rules() -> dict[str, optax.GradientTransformation]:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
   parser.add_argument("--count", type=int, default=7, help="matrices (default %(default)s)")
   parser.add_argument("--size", type=int, default=256, help="their side (default %(default)s)")
   args = parser.parse_args()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +62,9 @@ def in_place(fn: Callable[[list], list], leaves: list, like: list, axes: tuple[s
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.explicit_axes:
     out_sharding = [jax.typeof(x).sharding for x in like]
-    return jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=out_sharding)(leaves)
+    auto = cast(Callable[[list], list],
+                jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=out_sharding))
+    return auto(leaves)
   # A hint, not a guarantee: on the seven FSDP matrices of bench/bench_comms.py, without it the
   # partitioner sends the update back through 8 collectives (2.0x the parameter bytes), with it 2.
   return [shard_alike(y, x)[0] for y, x in zip(fn(leaves), like)]
