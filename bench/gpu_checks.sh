@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks in one go (about 13 minutes at most): the jit-heavy tests on
+# The GPU checks in one go (about 15 minutes at most): the jit-heavy tests on
 # the GPU, then the benchmarks at GPT-2-small size. Run from the repository
 # root on a machine with a GPU and jax[cuda], flax, optax, chex,
 # orbax-checkpoint and hypothesis:
@@ -14,3 +14,4 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_saggs.py tests/t
 timeout 240 python3 bench/bench_saggs.py --size gpt2 --rounds 5 2>&1 | tee "$out/bench_saggs.txt"
 timeout 200 python3 bench/bench_equivariant.py --size gpt2 --rounds 5 2>&1 | tee "$out/bench_equivariant.txt"
 timeout 120 python3 bench/bench_gram_newton_schulz.py --m 512 --rounds 5 2>&1 | tee "$out/bench_gram.txt"
+timeout 120 python3 bench/bench_comms.py 2>&1 | tee "$out/bench_comms.txt"

@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from saggs_jax.equivariant import _linalg
+from saggs_jax.equivariant import _gather, _linalg
 from saggs_jax.equivariant.dimension_numbers import (
   Axes,
   UnitDimensionNumbers,
@@ -195,7 +195,8 @@ def _accumulate(g, mu, beta: float, ema: bool):
   return jax.tree.map(lambda g, m: beta * m + g, g, mu)
 
 
-def _rule(name: str, planner, direction, *, beta, nesterov, mu_dtype, joint=(), batched=False, ema=True):
+def _rule(name: str, planner, direction, *, beta, nesterov, mu_dtype, joint=(), batched=False, ema=True,
+          whole=False):
   """Momentum, then ``direction`` on every block of matrices ``(batch..., rows, cols)``.
 
   Leaves of one ``joint`` group are concatenated along the columns, so a unit's
@@ -203,6 +204,9 @@ def _rule(name: str, planner, direction, *, beta, nesterov, mu_dtype, joint=(), 
   must act on each matrix of the leading axes independently; with ``batched``
   the blocks of equal matrix size share one call (see :func:`_batched`), which
   is worth its copies for directions built on matmuls, not for elementwise ones.
+  With ``whole`` (iterations of matmuls on each matrix) every device computes
+  on whole matrices under a mesh, moved once in and once out (see
+  :mod:`saggs_jax.equivariant._gather`).
   """
 
   def plan_tree(tree):
@@ -232,16 +236,25 @@ def _rule(name: str, planner, direction, *, beta, nesterov, mu_dtype, joint=(), 
     m = _accumulate(updates, mu, beta, ema) if nesterov else mu
     leaves, treedef, plans, blocks = plan_tree(m)
     dtypes = [g.dtype for g in jax.tree.leaves(updates)]
-    xs = []
-    for block in blocks:
-      x = jnp.concatenate([_to_matrix(leaves[i], plans[i]) for i in block], axis=-1)
-      xs.append(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
-    results = _batched(direction, xs) if batched else [direction(x) for x in xs]
-    out = [None] * len(leaves)
-    for block, result in zip(blocks, results):
-      cols = np.cumsum([plans[i].matrix_shape[-1] for i in block])[:-1]
-      for i, piece in zip(block, jnp.split(result, cols, axis=-1)):
-        out[i] = _from_matrix(piece, plans[i], leaves[i].shape).astype(dtypes[i])
+    axes = _gather.spread_axes(leaves) if whole else ()
+
+    def local(x):
+      return _gather.locally(direction, x, axes, batched)
+
+    def matrices(leaves):
+      xs = []
+      for block in blocks:
+        x = jnp.concatenate([_to_matrix(leaves[i], plans[i]) for i in block], axis=-1)
+        xs.append(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+      results = _batched(local, xs) if batched else [local(x) for x in xs]
+      out: list = [None] * len(leaves)
+      for block, result in zip(blocks, results):
+        cols = np.cumsum([plans[i].matrix_shape[-1] for i in block])[:-1]
+        for i, piece in zip(block, jnp.split(result, cols, axis=-1)):
+          out[i] = _from_matrix(piece, plans[i], leaves[i].shape).astype(dtypes[i])
+      return out
+
+    out = _gather.in_place(matrices, leaves, jax.tree.leaves(updates), axes)
     return jax.tree_util.tree_unflatten(treedef, out), MomentumState(optax.tree.cast_like(mu, state.mu))
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -355,7 +368,7 @@ def scale_by_polar(
     return width * _linalg.newton_schulz(x, ns_coeffs, ns_steps, ns_dtype, eps, eps_form, ns_gram)
 
   return _rule("scale_by_polar", planner, direction, beta=beta, nesterov=nesterov, mu_dtype=mu_dtype,
-               batched=True, ema=ema)
+               batched=True, ema=ema, whole=True)
 
 
 def scale_by_row_norm(
@@ -436,7 +449,7 @@ def _spectral_rule(name, unit_axis, *, center, joint, beta, eps, relative_eps, a
     return p(_nuclear_scale(nu, alpha, floor) * u)
 
   return _rule(name, _unit_planner(unit_dimension_numbers(unit_axis)), direction,
-               beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint, batched=True)
+               beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint, batched=True, whole=True)
 
 
 def scale_by_right_spectral(
@@ -660,7 +673,7 @@ def scale_by_hybrid(
 
   return _rule("scale_by_hybrid", _unit_planner(dims), direction,
                beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint,
-               batched=nuclear_norm_axes == ())
+               batched=nuclear_norm_axes == (), whole=True)
 
 
 
