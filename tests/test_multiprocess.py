@@ -22,6 +22,8 @@ import time
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.heavy  # run by .ci/run (pytest -m heavy), not by default
+
 import models
 
 WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")

@@ -104,7 +104,9 @@ def hand_transport(tree, mult, degree=None):
     fields = [n for n in names if n in DEGREES]
     assert degree is not None or fields, f"no degree known for {names}"
     k = DEGREES[fields[-1]] if degree is None else degree
-    return jnp.asarray(np.asarray(x, np.float64) * mult[path] ** (-k), x.dtype)
+    moved = np.asarray(x, np.float64) * mult[path] ** (-k)
+    # A NumPy leaf (a float64 oracle) stays NumPy: JAX would truncate it to float32.
+    return moved.astype(x.dtype) if isinstance(x, np.ndarray) else jnp.asarray(moved, x.dtype)
 
   return jax.tree_util.tree_map_with_path(visit, tree)
 

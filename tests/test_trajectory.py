@@ -76,9 +76,10 @@ def canonical(params):
 
 
 def distance(a, b):
-  """Largest relative Frobenius distance over the leaves of two trees (in NumPy float64)."""
+  """Largest relative Frobenius distance over the leaves of two trees (in NumPy float64);
+  absolute for a leaf that is zero in ``b`` (a 0/0 NaN would drop out of ``max``)."""
   leaves = zip(*(map(lambda x: np.asarray(x, np.float64), jax.tree.leaves(t)) for t in (a, b)))
-  return max(np.linalg.norm(x - y) / np.linalg.norm(y) for x, y in leaves)
+  return max(np.linalg.norm(x - y) / (np.linalg.norm(y) or 1.0) for x, y in leaves)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ import tempfile
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # run by .ci/run (pytest -m heavy), not by default
+
 import zoo_oracle
 
 if importlib.util.find_spec("gemma") is None:  # not imported here: see above

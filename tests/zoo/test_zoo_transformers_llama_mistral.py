@@ -7,6 +7,8 @@ import functools
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # run by .ci/run (pytest -m heavy), not by default
+
 pytest.importorskip("transformers", reason="the zoo extra is not installed: pip install -e '.[zoo]'")
 
 import zoo_models  # noqa: E402
