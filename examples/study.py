@@ -48,11 +48,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
+import inspect
 import json
 import pathlib
 import sys
+import time
 from typing import Any, Callable, NamedTuple, Sequence
 
+import flax
 import jax
 import numpy as np
 import optax
@@ -67,10 +71,14 @@ EXPERIMENTS = ("imbalance", "resume", "balanced", "optimizers")
 IMBALANCE_ARMS = ("AdamW", "hard SAGGS", "soft SAGGS")
 RESUME_ARMS = ("control", "rescaled", "rescaled + hard SAGGS", "rescaled + soft SAGGS",
                "rescaled, canonicalized")
-OPTIMIZER_ARMS = ("adamw", "muon", "stack")
+OPTIMIZER_ARMS = ("adamw", "muon", "stack", "reference")
 # A recovery (resume) or a cost (balanced) counts as negligible below this
 # fraction of the penalty SAGGS is there to remove, measured in the same study.
 NEGLIGIBLE_FRACTION = 0.2
+# Seeds: compare_optimizers' default rates come from pilots on seeds 0-2, the
+# optimizers are tuned on seeds 100, 101, ..., and every claim is judged on
+# seeds 200, 201, ... that neither touched.
+TUNE_SEED, FIRST_SEED = 100, 200
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -78,7 +86,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
   parser.add_argument("--experiments", default=",".join(EXPERIMENTS),
                       help="comma-separated subset of %(default)s")
   parser.add_argument("--seeds", type=int, default=10,
-                      help="seeds 0..N-1 of imbalance, resume and balanced")
+                      help="evaluation seeds of imbalance, resume and balanced")
+  parser.add_argument("--first-seed", type=int, default=FIRST_SEED,
+                      help="evaluation seeds are first-seed, first-seed + 1, ...: fresh ones, "
+                           "apart from the pilot seeds 0-2 behind the defaults and the tuning "
+                           "seeds 100, 101, ...")
   parser.add_argument("--steps", type=int, default=300, help="steps of imbalance and balanced")
   parser.add_argument("--pretrain-steps", type=int, default=300, help="resume: AdamW before")
   parser.add_argument("--resume-steps", type=int, default=200, help="resume: steps after")
@@ -109,7 +121,19 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
   args.experiments = [e for e in args.experiments.split(",") if e]
   if unknown := set(args.experiments) - set(EXPERIMENTS):
     parser.error(f"unknown experiments {sorted(unknown)}; choose from {EXPERIMENTS}")
+  tuning = set(tune_seeds(args))
+  if tuning & set(eval_seeds(args, max(args.seeds, args.opt_seeds))):
+    parser.error(f"--first-seed {args.first_seed} makes evaluation seeds overlap the tuning "
+                 f"seeds {min(tuning)}-{max(tuning)}")
   return args
+
+
+def eval_seeds(args, n: int) -> range:
+  return range(args.first_seed, args.first_seed + n)
+
+
+def tune_seeds(args) -> range:
+  return range(TUNE_SEED, TUNE_SEED + args.tune_seeds)
 
 
 # ----------------------------------------------------------------------------
@@ -137,6 +161,7 @@ class Store:
   def __init__(self, path: pathlib.Path):
     self.path = path
     self.records = {}
+    self.trained = 0  # runs added by this process
     if path.exists():
       for line in path.read_text().splitlines():
         record = json.loads(line)
@@ -155,6 +180,7 @@ class Store:
     with open(self.path, "a") as f:  # one write per run: an interruption loses at most it
       f.write(json.dumps(record, sort_keys=True) + "\n")
     self.records[_key(spec.experiment, spec.arm, spec.seed, spec.config)] = record
+    self.trained += 1
     return record
 
 
@@ -183,12 +209,20 @@ class Setup(NamedTuple):
   graphdef: Any
   corpus: lm.Corpus
   pairs: list
+  code: str  # code_version(): a run recorded under another code is run again
+
+
+def make_setup(args) -> Setup:
+  config = lm.config_from_flags(args)
+  graphdef, _ = lm.init_model(config, seed=0)
+  return Setup(args, config, graphdef, lm.load_corpus(args.corpus_bytes),
+               saggs.presets.llama(num_kv_heads=config.num_kv_heads), code_version())
 
 
 def base_config(setup: Setup, **extra) -> dict:
   """What a run's result depends on, besides its experiment, arm and seed."""
   a = setup.args
-  return {"model": dataclasses.asdict(setup.config), "batch_size": a.batch_size,
+  return {"code": setup.code, "model": dataclasses.asdict(setup.config), "batch_size": a.batch_size,
           "eval_batches": a.eval_batches, "eval_every": a.eval_every,
           "corpus_bytes": a.corpus_bytes, **extra}
 
@@ -237,7 +271,7 @@ def imbalance_specs(setup: Setup, experiment: str) -> list[Spec]:
     return train(setup, params, tx, steps=a.steps, seed=seed, desc=desc)
 
   return [Spec(experiment, arm, seed, config, functools.partial(run, seed, arm))
-          for seed in range(a.seeds) for arm in IMBALANCE_ARMS]
+          for seed in eval_seeds(a, a.seeds) for arm in IMBALANCE_ARMS]
 
 
 def resume_specs(setup: Setup) -> list[Spec]:
@@ -268,7 +302,7 @@ def resume_specs(setup: Setup) -> list[Spec]:
                  opt_state=opt_state)
 
   return [Spec("resume", arm, seed, config, functools.partial(run, seed, arm))
-          for seed in range(a.seeds) for arm in RESUME_ARMS]
+          for seed in eval_seeds(a, a.seeds) for arm in RESUME_ARMS]
 
 
 def optimizer_specs(setup: Setup, rates: dict[str, float], seeds: Sequence[int]) -> list[Spec]:
@@ -298,16 +332,45 @@ def run_optimizers(setup: Setup, store: Store) -> tuple[list[dict], dict[str, fl
   """Tunes each optimizer on the tuning seeds, then runs its best rate on the others."""
   a = setup.args
   grid = lr_grid(a)
-  tune_seeds = [100 + i for i in range(a.tune_seeds)]  # disjoint from the evaluation seeds
-  tuning = [(name, lr, run_specs(store, optimizer_specs(setup, {name: lr}, tune_seeds)))
+  tuning = [(name, lr, run_specs(store, optimizer_specs(setup, {name: lr}, tune_seeds(a))))
             for name in OPTIMIZER_ARMS for lr in grid[name]]
   mean = {(name, lr): np.mean([r["val_loss"] for r in records]) for name, lr, records in tuning}
   best = {name: min(grid[name], key=lambda lr: mean[name, lr]) for name in OPTIMIZER_ARMS}
-  records = run_specs(store, optimizer_specs(setup, best, range(a.opt_seeds)))
+  records = run_specs(store, optimizer_specs(setup, best, eval_seeds(a, a.opt_seeds)))
   rows = [[name, f"{lr:g}", mean[name, lr], "*" if lr == best[name] else ""]
           for name, lr, _ in tuning]
   edges = [name for name in OPTIMIZER_ARMS if best[name] in (min(grid[name]), max(grid[name]))]
   return records, best, rows, edges
+
+
+# The code a run's numbers depend on: the library, the model and optimizers of
+# the examples, the versions below them, and the study's own run builders
+# (not its report, so a change of wording keeps the runs).
+RUN_MODULES = (saggs, lm, compare_optimizers)
+RUN_FUNCTIONS = (make_setup, base_config, saggs_config, adamw, with_stage, train,
+                 imbalance_specs, resume_specs, optimizer_specs, lr_grid, run_optimizers,
+                 eval_seeds, tune_seeds)
+
+
+def source_hash(files: Sequence[pathlib.Path], functions: Sequence[Callable] = (),
+                versions: Sequence[str] = ()) -> str:
+  """12 hex digits of the SHA-256 of the files, the functions' sources and the versions."""
+  digest = hashlib.sha256()
+  for text in ([f.read_bytes() for f in files] + [inspect.getsource(f).encode() for f in functions]
+               + [v.encode() for v in versions]):
+    digest.update(len(text).to_bytes(8, "little") + text)  # lengths: no two splits collide
+  return digest.hexdigest()[:12]
+
+
+def code_version() -> str:
+  """``source_hash`` of every ``.py`` file of ``RUN_MODULES`` (packages whole), ``RUN_FUNCTIONS``
+  and the versions of Python, JAX, Flax and Optax."""
+  files = []
+  for module in RUN_MODULES:
+    path = pathlib.Path(inspect.getfile(module))
+    files += sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
+  versions = [sys.version, jax.__version__, flax.__version__, optax.__version__, np.__version__]
+  return source_hash(files, RUN_FUNCTIONS, versions)
 
 
 # ----------------------------------------------------------------------------
@@ -499,14 +562,13 @@ def report_claims(experiment: str, arms, penalties: dict | None = None) -> list[
 
 def main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> None:
   """Runs the study; ``parser`` (default ``build_parser(__doc__)``) may change its defaults."""
+  start = time.perf_counter()
   args = parse_args(parser or build_parser(__doc__), argv)
   # Every seed's runs compile the same steps: keep the executables on disk.
   jax.config.update("jax_compilation_cache_dir", str((args.out / "jax_cache").absolute()))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  config = lm.config_from_flags(args)
-  graphdef, _ = lm.init_model(config, seed=0)
-  setup = Setup(args, config, graphdef, lm.load_corpus(args.corpus_bytes),
-                saggs.presets.llama(num_kv_heads=config.num_kv_heads))
+  setup = make_setup(args)
+  config = setup.config
   store = Store(args.out / "runs.jsonl")
   title = {e: t.format(factor=args.factor) for e, t in TITLES.items()}
   run_bytes = lambda steps: steps * args.batch_size * config.seq_len
@@ -558,7 +620,8 @@ def main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | No
   print("\nVerdicts (95% t-interval of the paired difference wholly on the claimed side of the"
         " bound: reproduced; wholly on the other side: not reproduced; else inconclusive):")
   print("\n".join(f"- {line}" for line in verdicts))
-  print(f"Plots in {args.out}", file=sys.stderr)
+  print(f"Plots in {args.out}; {store.trained} runs trained, wall time "
+        f"{(time.perf_counter() - start) / 60:.1f} min", file=sys.stderr)
 
 
 if __name__ == "__main__":
