@@ -68,7 +68,7 @@ def t_interval(values: ArrayLike, confidence: float = 0.95) -> Interval:
     raise ValueError(f"a t-interval needs at least 2 values, got {values.size}")
   mean, std = mean_std(values)
   half = t_quantile(0.5 + confidence / 2, values.size - 1) * std / np.sqrt(values.size)
-  return Interval(mean, std, mean - half, mean + half, int(values.size))
+  return Interval(mean, std, float(mean - half), float(mean + half), int(values.size))
 
 
 def verdict(interval: Interval, direction: int) -> str:
