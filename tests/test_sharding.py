@@ -23,7 +23,7 @@ TESTS = pathlib.Path(__file__).resolve().parent
 
 PRELUDE = textwrap.dedent(r"""
     import re, sys
-    sys.path[:0] = [TESTS, ROOT]
+    sys.path[:0] = [@TESTS@, @ROOT@]
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -333,7 +333,7 @@ SHARD_MAP_SCRIPT = PRELUDE + textwrap.dedent(r"""
 
 
 def run(script):
-  env_script = script.replace("TESTS", repr(str(TESTS))).replace("ROOT", repr(str(TESTS.parent)))
+  env_script = script.replace("@TESTS@", repr(str(TESTS))).replace("@ROOT@", repr(str(TESTS.parent)))
   # The LLVM optimisation level changes compile time only, not what is computed or communicated.
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}
