@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import common
-from common import lm
+from saggs_jax.testing import lm
 from saggs_jax.discovery import discover
 
 

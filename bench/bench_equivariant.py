@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 
 import common
-from common import lm
+from saggs_jax.testing import lm
 
 from saggs_jax import equivariant as eqv
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 
 import common
-from common import lm
+from saggs_jax.testing import lm
 
 import saggs_jax as saggs
 from saggs_jax import paths

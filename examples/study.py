@@ -1,6 +1,6 @@
 r"""The papers' claims, measured with enough seeds to tell signal from noise.
 
-Four experiments on the byte-level LLaMA-style LM of ``lm.py``. Within a seed
+Four experiments on the byte-level LLaMA-style LM of ``saggs_jax.testing.lm``. Within a seed
 every arm starts from the same initialisation (up to an exact symmetry
 transform) and sees the same batches, so arms are compared on their per-seed
 differences (``stats.py``: mean ± std, 95% t-interval, seeds in favour):
@@ -59,7 +59,7 @@ import optax
 from matplotlib.figure import Figure
 
 import compare_optimizers
-import lm
+from saggs_jax.testing import lm
 import saggs_jax as saggs
 import stats
 

@@ -1,4 +1,9 @@
-"""Shared infrastructure for the examples: data, a small LLaMA-style LM, training.
+"""The example LM shared by ``examples/``, ``tests/`` and ``bench/``: data, a small
+LLaMA-style LM, training.
+
+For the project's own examples, tests and benchmarks (as ``chex`` ships its test
+utilities), not a stable API. It needs ``matplotlib`` and ``tqdm`` (the
+``examples`` extra) only for plots and the progress bar.
 
 Everything here runs on a laptop CPU without downloads:
 
@@ -14,9 +19,9 @@ Everything here runs on a laptop CPU without downloads:
   with a progress bar, periodic evaluation and metric logging; a plain-text
   results table and PNG plots.
 
-Typical use from a script in this folder::
+Typical use::
 
-  import lm
+  from saggs_jax.testing import lm
   corpus = lm.load_corpus()
   graphdef, params = lm.init_model(lm.ModelConfig(), seed=0)
   params, opt_state, history = lm.train(
@@ -33,15 +38,17 @@ import os
 import pathlib
 import sysconfig
 import time
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from matplotlib.figure import Figure
-from tqdm import tqdm
+
+if TYPE_CHECKING:
+  from matplotlib.figure import Figure
 
 VOCAB_SIZE = 256  # bytes
 
@@ -410,6 +417,8 @@ def train(graphdef: nnx.GraphDef, params: nnx.State, tx: optax.GradientTransform
   log_eval(0)
   if metrics_fn:
     log_metrics(0)
+  from tqdm import tqdm  # the examples extra: importing this module does not need it
+
   bar = tqdm(range(1, steps + 1), desc=desc, disable=not progress, dynamic_ncols=True)
   for step in bar:
     batch = sample_batch(jax.random.fold_in(data_key, step), corpus.train, batch_size, seq_len)
@@ -486,6 +495,8 @@ def plot_curves(histories: Mapping[str, Mapping[str, np.ndarray]], path: str | p
   right, validation loss minus the first run's, where runs a few hundredths apart
   are told apart."""
   # Figure without pyplot renders PNGs with Agg and touches no global backend state.
+  from matplotlib.figure import Figure
+
   fig = Figure(figsize=(12, 4.5))
   ax, gap = fig.subplots(1, 2)
   reference = next(iter(histories.values()))["eval_loss"]
@@ -514,6 +525,8 @@ def plot_metric_curves(curves: Mapping[str, tuple[np.ndarray, np.ndarray]],
   ``values`` of shape (steps,) is one line; shape (steps, ...) draws one thin
   line per trailing entry (e.g. per layer and head), all in the label's color.
   """
+  from matplotlib.figure import Figure
+
   fig = Figure(figsize=(7, 4.5))
   ax = fig.subplots()
   for i, (label, (steps, values)) in enumerate(curves.items()):
