@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 
 import common
-
 from saggs_jax import equivariant as eqv
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 from unittest import mock
-from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp

@@ -39,8 +39,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from saggs_jax.testing import lm
 import saggs_jax as saggs
+from saggs_jax.testing import lm
 
 ARMS = ("control", "rescaled", "rescaled + SAGGS", "rescaled + soft SAGGS",
         "rescaled, canonicalized")

@@ -68,8 +68,8 @@ import numpy as np
 import optax
 from matplotlib.figure import Figure
 
-from saggs_jax.testing import lm
 from saggs_jax import equivariant as eqv
+from saggs_jax.testing import lm
 
 OPTIMIZERS = ("adamw", "muon", "stack", "reference")
 # Peak learning rates swept by default: for muon and stack the rate of the

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from saggs_jax.testing import lm
 import saggs_jax as saggs
 from saggs_jax.discovery import discover
+from saggs_jax.testing import lm
 
 
 def parse_args() -> argparse.Namespace:

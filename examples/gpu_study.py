@@ -27,7 +27,7 @@ a minute.
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 

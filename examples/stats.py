@@ -8,7 +8,8 @@ with the sample standard deviation (``ddof=1``).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from scipy import stats as scipy_stats

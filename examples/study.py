@@ -51,7 +51,8 @@ import functools
 import json
 import pathlib
 import sys
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -59,9 +60,9 @@ import optax
 from matplotlib.figure import Figure
 
 import compare_optimizers
-from saggs_jax.testing import lm
 import saggs_jax as saggs
 import stats
+from saggs_jax.testing import lm
 
 EXPERIMENTS = ("imbalance", "resume", "balanced", "optimizers")
 IMBALANCE_ARMS = ("AdamW", "hard SAGGS", "soft SAGGS")
@@ -431,7 +432,7 @@ def plot_differences(path: pathlib.Path, title: str, diffs: dict[str, np.ndarray
   """Per-seed paired differences (dots) and their mean with its 95% t-interval (bar)."""
   fig = Figure(figsize=(1.8 + 1.6 * len(diffs), 4.5))
   ax = fig.subplots()
-  for i, (label, d) in enumerate(diffs.items()):
+  for i, d in enumerate(diffs.values()):
     interval = stats.t_interval(d)
     ax.plot(np.full(len(d), i) + np.linspace(-0.15, 0.15, len(d)), d, "o", color=f"C{i}",
             alpha=0.5, markersize=4)

@@ -14,8 +14,14 @@ from saggs_jax.canonical import canonicalize, reparameterize
 from saggs_jax.diagnostics import check_symmetry, imbalance
 from saggs_jax.discovery import Discovery, Rejected, discover
 from saggs_jax.pairs import Block, Pair, describe
-from saggs_jax.transform import (SaggsState, SymmetryTransformation, chain, saggs,
-                                 scale_by_saggs, soft)
+from saggs_jax.transform import (
+  SaggsState,
+  SymmetryTransformation,
+  chain,
+  saggs,
+  scale_by_saggs,
+  soft,
+)
 from saggs_jax.transport import NESTED, register_transport
 
 __all__ = [

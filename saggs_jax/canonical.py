@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from saggs_jax.degrees import measure
 from saggs_jax.pairs import Pair, Plan, resolve
 from saggs_jax.transport import transport
 
-FactorSpec = Union[float, Callable[[str, tuple[int, ...]], Any]]
+FactorSpec = float | Callable[[str, tuple[int, ...]], Any]
 
 
 def apply_transform(plan: Plan, params: Any, opt_state: Any, factors: Factors,

@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +93,8 @@ def check_symmetry(apply_fn: Callable[..., Any], params: Any, pairs: Sequence[Pa
     >>> saggs.check_symmetry(g, params, [saggs.Pair("up", "down", axes=(1, 0))], jnp.ones((1, 3)))
     Traceback (most recent call last):
     ...
-    ValueError: Pair('up', 'down') is not a symmetry of the model: ... Likely cause: ... not positively homogeneous sits between 'up' and 'down' ...
+    ValueError: Pair('up', 'down') is not a symmetry of the model: ... Likely cause: ...
+    not positively homogeneous sits between 'up' and 'down' ...
   """
   plan = resolve(pairs, params)
   key = jax.random.PRNGKey(0) if key is None else key

@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable
-from typing import Any, NamedTuple, Sequence, Union
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -129,7 +129,7 @@ class Block:
     return axis, start, start + sizes[self.index]
 
 
-Spec = Union[str, Block]
+Spec = str | Block
 
 
 def _pattern(spec: Spec) -> str:

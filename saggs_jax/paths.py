@@ -22,7 +22,8 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -77,7 +78,7 @@ def arrays_with_paths(tree: Any) -> Iterator[tuple[str, Any]]:
   return ((path, leaf) for path, leaf in leaves_with_paths(tree) if is_array(leaf))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _segments(pattern: str) -> tuple[re.Pattern | None, ...]:
   """Parses a pattern into per-segment regexes; None stands for ``**``."""
   if not pattern or pattern.startswith("/") or pattern.endswith("/"):

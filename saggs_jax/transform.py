@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +22,15 @@ import numpy as np
 import optax
 
 from saggs_jax import paths
-from saggs_jax.balance import (AxisName, Factors, compute_dtype, compute_factors, leaf_multiplier,
-                               replicated, scale_tree)
+from saggs_jax.balance import (
+  AxisName,
+  Factors,
+  compute_dtype,
+  compute_factors,
+  leaf_multiplier,
+  replicated,
+  scale_tree,
+)
 from saggs_jax.degrees import measure
 from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
 from saggs_jax.transport import register_transport, transport

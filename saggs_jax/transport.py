@@ -37,7 +37,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Mapping, Union
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,7 @@ from saggs_jax.pairs import Plan
 NESTED = "nested"
 """Marks a field that holds an inner optimizer state to transport recursively."""
 
-Degree = Union[int, float, str]
+Degree = int | float | str
 Rule = Callable[[Plan, Any, Factors, str, Any], Any]
 
 AS_REGISTERED = "as registered"

@@ -14,7 +14,6 @@ Weights are drawn with NumPy; every model is tiny (d <= 32, 2 layers, 8 tokens).
 
 from __future__ import annotations
 
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,6 @@ import numpy as np
 from flax import nnx
 
 from models import random_like
-
 from saggs_jax.testing import lm
 
 # ---------------------------------------------------------------------------

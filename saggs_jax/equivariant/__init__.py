@@ -21,7 +21,13 @@ Example:
   >>> updates, state = tx.update(params, tx.init(params), params)
 """
 
-from saggs_jax.equivariant._linalg import NS_COEFFS, POLAR_EXPRESS, QUINTIC, CoefficientSet, newton_schulz
+from saggs_jax.equivariant._linalg import (
+    NS_COEFFS,
+    POLAR_EXPRESS,
+    QUINTIC,
+    CoefficientSet,
+    newton_schulz,
+)
 from saggs_jax.equivariant.rules import (
     REFERENCE,
     MomentumState,

@@ -7,12 +7,11 @@ copies. Inputs are floating arrays of at least float32; callers promote.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, Sequence, Union
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-Coeffs = Union[str, "CoefficientSet", Sequence[float], Sequence[Sequence[float]]]
 
 # Keller Jordan's Muon quintic: steep at 0, so 5 steps suffice, but it does not
 # converge; singular values settle in about [0.68, 1.2].
@@ -65,6 +64,9 @@ class CoefficientSet(NamedTuple):
 
   triples: tuple[tuple[float, float, float], ...]
   headroom: float = 1.01
+
+
+Coeffs = str | CoefficientSet | Sequence[float] | Sequence[Sequence[float]]
 
 
 NS_COEFFS = {
@@ -255,7 +257,7 @@ def spectral(
     eps: float,
     *,
     relative: bool = True,
-    method: Union[Literal["eigh"], Coeffs] = "eigh",
+    method: Literal["eigh"] | Coeffs = "eigh",
     steps: int = 5,
     gram: Gram = "smaller",
 ) -> tuple[jax.Array, jax.Array]:

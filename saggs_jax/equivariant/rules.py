@@ -19,7 +19,8 @@ least float32; updates keep the dtype of the gradients.
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal, NamedTuple, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ from saggs_jax.equivariant import _linalg
 from saggs_jax.paths import match, path_str
 from saggs_jax.transport import register_transport
 
-Axes = Union[int, Sequence[int]]
+Axes = int | Sequence[int]
 
 
 class MomentumState(NamedTuple):
@@ -247,8 +248,8 @@ def scale_by_polar(
     output_axes: Axes = -1,
     batch_axes: Axes = (),
     *,
-    num_heads: Optional[int] = None,
-    head_dim: Optional[int] = None,
+    num_heads: int | None = None,
+    head_dim: int | None = None,
     head_axis: int = -1,
     interleaved: bool = False,
     beta: float = 0.95,
@@ -260,7 +261,7 @@ def scale_by_polar(
     eps: float = 1e-7,
     eps_form: _linalg.EpsForm = "floor",
     ns_gram: bool = False,
-    mu_dtype: Optional[jnp.dtype] = None,
+    mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   r"""Muon: the polar factor of the Nesterov momentum, per matrix (and per head).
 
@@ -335,7 +336,7 @@ def scale_by_row_norm(
     beta: float = 0.95,
     eps: float = 1e-8,
     eps_form: _linalg.EpsForm = "floor",
-    mu_dtype: Optional[jnp.dtype] = None,
+    mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   r"""Row-norm: every unit vector of the momentum scaled to unit length.
 
@@ -415,10 +416,10 @@ def scale_by_right_spectral(
     eps: float = 1e-6,
     relative_eps: bool = True,
     alpha: float = 1.0,
-    inv_sqrt: Union[str, _linalg.Coeffs] = "eigh",
+    inv_sqrt: str | _linalg.Coeffs = "eigh",
     inv_sqrt_steps: int = 5,
     gram: _linalg.Gram = "smaller",
-    mu_dtype: Optional[jnp.dtype] = None,
+    mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   r"""Right (one-sided) spectral update.
 
@@ -477,10 +478,10 @@ def scale_by_left_spectral(
     eps: float = 1e-6,
     relative_eps: bool = True,
     alpha: float = 1.0,
-    inv_sqrt: Union[str, _linalg.Coeffs] = "eigh",
+    inv_sqrt: str | _linalg.Coeffs = "eigh",
     inv_sqrt_steps: int = 5,
     gram: _linalg.Gram = "smaller",
-    mu_dtype: Optional[jnp.dtype] = None,
+    mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   r"""Left spectral update, for MoE routers (units = experts).
 
@@ -528,10 +529,10 @@ def scale_by_hybrid(
     ns_dtype: jnp.dtype = jnp.bfloat16,
     ns_gram: bool = False,
     relative_eps: bool = True,
-    inv_sqrt: Union[str, _linalg.Coeffs] = "eigh",
+    inv_sqrt: str | _linalg.Coeffs = "eigh",
     inv_sqrt_steps: int = 5,
     gram: _linalg.Gram = "smaller",
-    mu_dtype: Optional[jnp.dtype] = None,
+    mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   r"""Hybrid row-norm / spectral update.
 

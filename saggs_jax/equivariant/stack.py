@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -10,17 +11,17 @@ import optax
 
 from saggs_jax.equivariant import _linalg
 from saggs_jax.equivariant.rules import (
-    REFERENCE,
-    scale_by_hybrid,
-    scale_by_left_spectral,
-    scale_by_polar,
-    scale_by_row_norm,
+  REFERENCE,
+  scale_by_hybrid,
+  scale_by_left_spectral,
+  scale_by_polar,
+  scale_by_row_norm,
 )
 from saggs_jax.paths import match, path_str
 
-Patterns = Union[str, Sequence[str]]
-Rules = Union[Mapping[Patterns, optax.GradientTransformation],
-              Sequence[tuple[Patterns, optax.GradientTransformation]]]
+Patterns = str | Sequence[str]
+Rules = (Mapping[Patterns, optax.GradientTransformation]
+         | Sequence[tuple[Patterns, optax.GradientTransformation]])
 
 
 def optimizer(
@@ -54,7 +55,7 @@ def optimizer(
 
 def layerwise(
     rules: Rules,
-    default: Optional[optax.GradientTransformation] = None,
+    default: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformation:
   """Routes every parameter to the transformation whose path pattern matches it.
 
@@ -135,27 +136,27 @@ REFERENCE_WEIGHT_DECAYS: dict[str, float] = {
 
 
 def symmetry_compatible(
-    learning_rate: Optional[optax.ScalarOrSchedule] = None,
+    learning_rate: optax.ScalarOrSchedule | None = None,
     *,
     preset: Literal["default", "reference"] = "default",
-    adamw_learning_rate: Optional[optax.ScalarOrSchedule] = None,
-    weight_decay: Optional[optax.ScalarOrSchedule] = None,
-    adamw_weight_decay: Optional[optax.ScalarOrSchedule] = None,
-    num_heads: Optional[int] = None,
-    num_kv_heads: Optional[int] = None,
-    head_dim: Optional[int] = None,
+    adamw_learning_rate: optax.ScalarOrSchedule | None = None,
+    weight_decay: optax.ScalarOrSchedule | None = None,
+    adamw_weight_decay: optax.ScalarOrSchedule | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
     tie_embeddings: bool = False,
     embedding: Literal["row_norm", "hybrid"] = "row_norm",
     lm_head: Literal["row_norm", "hybrid"] = "row_norm",
-    mlp: Optional[Literal["row_norm", "hybrid", "polar"]] = None,
+    mlp: Literal["row_norm", "hybrid", "polar"] | None = None,
     down: Literal["column", "polar"] = "column",
     router: Literal["row_norm", "left_spectral"] = "row_norm",
     stacked: bool = False,
-    patterns: Optional[Mapping[str, Patterns]] = None,
-    learning_rates: Optional[Mapping[str, optax.ScalarOrSchedule]] = None,
-    weight_decays: Optional[Mapping[str, optax.ScalarOrSchedule]] = None,
+    patterns: Mapping[str, Patterns] | None = None,
+    learning_rates: Mapping[str, optax.ScalarOrSchedule] | None = None,
+    weight_decays: Mapping[str, optax.ScalarOrSchedule] | None = None,
     beta: float = 0.95,
-    ns_coeffs: Optional[_linalg.Coeffs] = None,
+    ns_coeffs: _linalg.Coeffs | None = None,
     ns_steps: int = 5,
     ns_dtype: Any = jnp.bfloat16,
     ns_gram: bool = False,
