@@ -97,11 +97,11 @@ def check_symmetry(apply_fn: Callable[..., Any], params: Any, pairs: Sequence[Pa
     not positively homogeneous sits between 'up' and 'down' ...
   """
   plan = resolve(pairs, params)
-  key = jax.random.PRNGKey(0) if key is None else key
+  rng = jax.random.PRNGKey(0) if key is None else key
   probe = Probe(apply_fn, params, inputs, rtol=rtol, atol=atol)
   deviations = {}
   for inst in plan.instances:
-    key, sub = jax.random.split(key)
+    rng, sub = jax.random.split(rng)
     factors = jax.random.uniform(sub, inst.factor_shape, jnp.float32, low, high)
     deviations[inst.key] = probe(_only(plan, inst), factors)
     if not deviations[inst.key] <= probe.tolerance:  # NaN fails too
@@ -192,8 +192,10 @@ def _variant(plan: Plan, inst: Instance, params: Any, **changes) -> Plan | None:
 
 
 def _declared_axes(plan: Plan, inst: Instance) -> tuple[int, int] | None:
-  axes = [plan.slot(p, inst.key).axis for p in (inst.a, inst.b)]
-  return None if axes[0] is None else tuple(a - inst.pair.stacked for a in axes)
+  a, b = (plan.slot(p, inst.key).axis for p in (inst.a, inst.b))
+  if a is None or b is None:  # whole tensors
+    return None
+  return a - inst.pair.stacked, b - inst.pair.stacked
 
 
 def _diagnose(probe: Probe, plan: Plan, inst: Instance, key, c_max: float

@@ -54,7 +54,7 @@ class SaggsState(NamedTuple):
   """
 
   count: jax.Array
-  factors: Factors
+  factors: Factors | jax.Array  # a placeholder array when init sees no parameters
   residual: jax.Array
 
 
@@ -74,6 +74,9 @@ class SymmetryTransformation(optax.GradientTransformationExtraArgs):
   :func:`chain` calls it; a plain ``optax.chain`` calls ``update``, which can
   balance the parameters only.
   """
+
+  around: Callable[..., tuple]
+  resolve: Callable[..., Plan] | None
 
   def __new__(cls, init, update, around: Callable[..., tuple],
               resolve: Callable[..., Plan] | None = None):
@@ -196,7 +199,7 @@ def _check_whole_groups(plan, global_shapes) -> None:
 
 def _caller():
   """The innermost frame outside saggs_jax, optax and jax: the user's line."""
-  internal = tuple(os.path.dirname(m.__file__) for m in (optax, jax)) + (os.path.dirname(__file__),)
+  internal = tuple(os.path.dirname(m.__file__ or "") for m in (optax, jax)) + (os.path.dirname(__file__),)
   frame = sys._getframe(1)
   while frame is not None and frame.f_code.co_filename.startswith(internal):
     frame = frame.f_back
@@ -298,16 +301,16 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
       return SaggsState(count, jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32))
     return SaggsState(count, *_no_balancing(lambda p: factors_of(p, axis_name=None), params))
 
-  def start(state, params):
+  def start(state, params):  # -> the plan, the next count, and the params, checked present
     if params is None:
       raise ValueError("SAGGS needs the current parameters: call update(updates, state, params).")
     _check_global(axis_name)
     plan = resolve(pairs, params)
     _check_whole_groups(plan, global_shapes)
-    return plan, optax.safe_increment(state.count)
+    return plan, jnp.asarray(optax.safe_increment(state.count)), params
 
   def around(prior, grads, state, prior_states, params, degrees=None):
-    plan, count = start(state, params)
+    plan, count, params = start(state, params)
     factors, residual = scheduled_factors(count, params)
     balanced = scale_tree(plan, params, factors, 1.0)
     updates, prior_states = prior(scale_tree(plan, grads, factors, -1.0),
@@ -325,7 +328,7 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
           " step but cannot transport that optimizer's moments; use saggs_jax.chain(...)"
           " instead of optax.chain(...).", UserWarning,
           frame.f_code.co_filename if frame else "<unknown>", frame.f_lineno if frame else 0)
-    plan, count = start(state, params)
+    plan, count, params = start(state, params)
     stepped = optax.apply_updates(params, updates)
     factors, residual = scheduled_factors(count, stepped)
     target = scale_tree(plan, stepped, factors, 1.0)
@@ -407,7 +410,7 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
               tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)))
     if layout not in measured:
       prior = optax.GradientTransformationExtraArgs(
-          lambda p: tuple(t.init(p) for t in stages[:n]),
+          lambda params: tuple(t.init(params) for t in stages[:n]),
           lambda g, s, p=None, **extra: run(stages[:n], g, s, p, extra))
       measured[layout] = measure(prior, params, stages[n].resolve(params))
     return measured[layout]

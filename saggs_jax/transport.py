@@ -38,7 +38,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -157,8 +157,9 @@ def _moment_leaf(plan: Plan, path: str, x, factors: Factors, degree: float):
   return None
 
 
-def _degree(registered: Degree, measured: Degree) -> Degree:
-  return registered if isinstance(measured, str) else measured
+def _degree(registered: Degree, measured: Degree) -> float:
+  """The measured degree, else the registered one: a number (``NESTED`` fields reach no leaf)."""
+  return cast(float, registered if isinstance(measured, str) else measured)
 
 
 def _map_leaves(plan: Plan, state, where: str, tree, degrees, leaf_fn: Callable[..., Any]):

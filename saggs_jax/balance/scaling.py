@@ -35,6 +35,7 @@ def _multiplier(slot: Slot, shape: tuple[int, ...], factors: Factors, power: flo
     f = jnp.broadcast_to(f[..., None], f.shape + (n // slot.groups,)).reshape(f.shape[:-1] + (n,))
   f = f.reshape(slot.broadcast_shape(inner))
   if slot.block is not None:  # ones on either side of the block: a concatenation, no reshape
+    axis, start, stop = slot.block
     f = jnp.broadcast_to(f, f.shape[:axis] + (stop - start,) + f.shape[axis + 1:])
     pad = [(0, 0)] * len(shape)
     pad[axis] = (start, shape[axis] - stop)

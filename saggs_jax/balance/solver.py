@@ -96,7 +96,8 @@ def _sweep(plan: Plan, stats: Stats, dtypes: dict, u: dict, scale: float
 def _signed_sum(plan: Plan, piece: tuple, u: dict) -> jax.Array:
   """``sum_s sign_s u_s`` over the slots of ``piece``, on its statistics layout."""
   slots = plan.pieces[piece].slots
-  return sum(s.sign * along_slot(u[s.key], i, slots) for i, s in enumerate(slots))
+  return functools.reduce(jnp.add, [s.sign * along_slot(u[s.key], i, slots)
+                                    for i, s in enumerate(slots)])
 
 
 def _newton(plan: Plan, stats: Stats, u: dict, free: dict, shift: jax.Array) -> dict:
@@ -173,8 +174,8 @@ def _newton(plan: Plan, stats: Stats, u: dict, free: dict, shift: jax.Array) -> 
 
 def _onto_all(plan: Plan, e: dict, counted: list, key: str, shape) -> jax.Array:
   """``sum_p E_p`` over the counted pieces in instance ``key``, onto its groups."""
-  return sum(_onto(plan, p, e[p], key, shape, jnp.sum) for p in counted
-             if any(s.key == key for s in plan.pieces[p].slots))
+  return functools.reduce(jnp.add, [_onto(plan, p, e[p], key, shape, jnp.sum) for p in counted
+                                    if any(s.key == key for s in plan.pieces[p].slots)])
 
 
 # Overlapping pairs: the joint solve stops once a sweep moves no log-factor by more than

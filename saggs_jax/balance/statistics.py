@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import core
 
 from saggs_jax import paths
 from saggs_jax.balance._common import AxisName, compute_dtype, log_max, replicated
@@ -50,17 +51,18 @@ def _group_reduce(v: jax.Array, slot: Slot, axis_name: AxisName, op: str = "sum"
   followed by a reshape of that small vector are cheapest.
   """
   reduce, collective = {"sum": (jnp.sum, jax.lax.psum), "max": (jnp.max, jax.lax.pmax)}[op]
-  several = slot.axis is not None and not slot.per_index(v.shape[slot.axis])
-  if several and not jax.sharding.get_abstract_mesh().empty:
-    one_hot = jnp.asarray(slot.membership(v.shape[slot.axis]), v.dtype)  # (size, groups)
-    mask = one_hot.reshape((1,) * slot.axis + one_hot.shape[:1] + (1,) * (v.ndim - slot.axis - 1)
+  axis = slot.axis
+  if axis is None or slot.per_index(v.shape[axis]):
+    s = reduce(v, axis=slot.reduce_axes(v.ndim))
+  elif jax.sharding.get_abstract_mesh().empty:  # per index, then per group of that small vector
+    s = reduce(v, axis=slot.reduce_axes(v.ndim))
+    start, stop = slot.tiled(v.shape[axis])  # (within a block)
+    s = reduce(s[..., start:stop].reshape(s.shape[:-1] + (slot.groups, -1)), axis=-1)
+  else:
+    one_hot = jnp.asarray(slot.membership(v.shape[axis]), v.dtype)  # (size, groups)
+    mask = one_hot.reshape((1,) * axis + one_hot.shape[:1] + (1,) * (v.ndim - axis - 1)
                            + one_hot.shape[1:])
     s = reduce(v[..., None] * mask, axis=tuple(range(slot.stacked, v.ndim)))
-  else:
-    s = reduce(v, axis=slot.reduce_axes(v.ndim))
-    if several:  # per index, then per group of that small vector (within a block)
-      start, stop = slot.tiled(v.shape[slot.axis])
-      s = reduce(s[..., start:stop].reshape(s.shape[:-1] + (slot.groups, -1)), axis=-1)
   s = replicated(s)
   return collective(s, axis_name) if axis_name else s  # () names no axis: nothing to sum
 
@@ -251,7 +253,7 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
   safe = [lambda x, pc=pc: [v.ravel().astype(jnp.float32)
                             for v in _safe_stats(_restrict(x, pc.block), pc.slots, axis_name)]
           for pc in pieces]
-  traced = isinstance(trusted, jax.core.Tracer) or not trusted.is_fully_addressable
+  traced = isinstance(trusted, core.Tracer) or not trusted.is_fully_addressable
   recompute = _recompute_traced if traced else _recompute_eager
   log_sq, log_max = recompute(packing, safe, [leaves[pc.path] for pc in pieces], trusted,
                               log_sq, log_max)

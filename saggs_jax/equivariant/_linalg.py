@@ -8,7 +8,7 @@ copies. Inputs are floating arrays of at least float32; callers promote.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -97,13 +97,16 @@ def _schedule(coeffs: Coeffs, steps: int) -> tuple[tuple[tuple[float, float, flo
       raise ValueError(f"Unknown Newton-Schulz coefficients {coeffs!r}; expected one of {sorted(NS_COEFFS)}.")
     coeffs = NS_COEFFS[coeffs]
   if isinstance(coeffs, CoefficientSet):
-    coeffs, headroom = coeffs
+    rows, headroom = coeffs
   elif len(coeffs) == 3 and all(isinstance(c, (int, float)) for c in coeffs):
-    coeffs = (coeffs,)
-  coeffs = tuple(tuple(float(c) for c in abc) for abc in coeffs)
-  if not coeffs or any(len(abc) != 3 for abc in coeffs):
-    raise ValueError(f"Newton-Schulz coefficients must be (a, b, c) triples, got {coeffs!r}.")
-  return tuple(coeffs[min(i, len(coeffs) - 1)] for i in range(steps)), headroom
+    rows = (coeffs,)
+  else:
+    rows = coeffs
+  rows = tuple(tuple(float(c) for c in abc) for abc in cast(Sequence[Sequence[float]], rows))
+  if not rows or any(len(abc) != 3 for abc in rows):
+    raise ValueError(f"Newton-Schulz coefficients must be (a, b, c) triples, got {rows!r}.")
+  triples = cast(tuple[tuple[float, float, float], ...], rows)
+  return tuple(triples[min(i, len(triples) - 1)] for i in range(steps)), headroom
 
 
 def newton_schulz(

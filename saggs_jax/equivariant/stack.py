@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -98,7 +98,8 @@ def layerwise(
       raise ValueError(f"Parameter {path!r} matches no pattern and there is no default.")
     return "default"
 
-  transforms = {f"rule_{i}": tx for i, (_, tx) in enumerate(entries)}
+  transforms: dict[Hashable, optax.GradientTransformation] = {
+      f"rule_{i}": tx for i, (_, tx) in enumerate(entries)}
   if default is not None:
     transforms["default"] = default
   return optax.multi_transform(
@@ -328,9 +329,16 @@ def _routed(tx, roles, given, optional, stacked) -> optax.GradientTransformation
   return optax.GradientTransformationExtraArgs(init, tx.update)
 
 
-def _rates(preset, learning_rate, adamw_learning_rate, weight_decay, adamw_weight_decay,
-           learning_rates, weight_decays, tie_embeddings):
+Rate = optax.ScalarOrSchedule
+
+
+def _rates(preset: str, learning_rate: Rate | None, adamw_learning_rate: Rate | None,
+           weight_decay: Rate | None, adamw_weight_decay: Rate | None,
+           learning_rates: Mapping[str, Rate] | None, weight_decays: Mapping[str, Rate] | None,
+           tie_embeddings: bool) -> tuple[dict[str, Rate], dict[str, Rate]]:
   """Learning rate and weight decay per role (``"adamw"`` for the rest)."""
+  lrs: dict[str, Rate]
+  wds: dict[str, Rate]
   if preset == "reference":
     lrs, wds = dict(REFERENCE_LEARNING_RATES), dict(REFERENCE_WEIGHT_DECAYS)
     scope = ("query", "key_value", "output", "gate_up", "down", "experts")

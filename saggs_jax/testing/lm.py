@@ -39,7 +39,7 @@ import pathlib
 import sysconfig
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
   from matplotlib.figure import Figure
 
 VOCAB_SIZE = 256  # bytes
+T = TypeVar("T")
 
 # ----------------------------------------------------------------------------
 # Data
@@ -360,7 +361,7 @@ def make_evaluate(graphdef: nnx.GraphDef) -> Callable[[nnx.State, jax.Array], ja
   return jax.jit(evaluate)
 
 
-def donatable_copy(tree: Any) -> Any:
+def donatable_copy(tree: T) -> T:
   """Copies every leaf of ``tree`` as a strongly typed array.
 
   A copy can be donated to ``train_step`` while the original stays usable. A
@@ -410,13 +411,13 @@ def train(graphdef: nnx.GraphDef, params: nnx.State, tx: optax.GradientTransform
   def log_eval(step):
     evals.append((step, float(evaluate(params, val_batches))))
 
-  def log_metrics(step):
-    metrics.append((step, jax.tree.map(np.asarray, dict(metrics_fn(step, params, opt_state)))))
+  def log_metrics(fn: MetricsFn, step, params, opt_state):
+    metrics.append((step, jax.tree.map(np.asarray, dict(fn(step, params, opt_state)))))
 
   start = time.perf_counter()
   log_eval(0)
   if metrics_fn:
-    log_metrics(0)
+    log_metrics(metrics_fn, 0, params, opt_state)
   from tqdm import tqdm  # the examples extra: importing this module does not need it
 
   bar = tqdm(range(1, steps + 1), desc=desc, disable=not progress, dynamic_ncols=True)
@@ -427,7 +428,7 @@ def train(graphdef: nnx.GraphDef, params: nnx.State, tx: optax.GradientTransform
     if step % eval_every == 0 or step == steps:
       log_eval(step)
     if metrics_fn and step % metrics_every == 0:
-      log_metrics(step)
+      log_metrics(metrics_fn, step, params, opt_state)
     if step % log_every == 0 or step == steps:
       bar.set_postfix(loss=f"{float(loss):.4f}", val=f"{evals[-1][1]:.4f}")
   seconds = time.perf_counter() - start
