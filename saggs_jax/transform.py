@@ -256,6 +256,11 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
     A :class:`SymmetryTransformation`. Chain it last, after the inner
     optimizer, with :func:`saggs_jax.chain`.
 
+  References:
+    Bum Jun Kim, `Same Function, Different Trajectory: No Standard Optimizer Is
+    Equivariant to Transformer Reparameterization`, preprint, 2026 (SAGGS
+    and its damped variant, Soft SAGGS).
+
   Example::
 
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
@@ -343,6 +348,10 @@ def saggs(pairs: Sequence[Pair], every: int = 1, axis_name: AxisName = None
 
   Alias of :func:`scale_by_saggs` with ``strength=1``.
 
+  References:
+    Bum Jun Kim, `Same Function, Different Trajectory: No Standard Optimizer Is
+    Equivariant to Transformer Reparameterization`, preprint, 2026.
+
   Example::
 
     >>> import optax, saggs_jax as saggs
@@ -358,6 +367,11 @@ def soft(pairs: Sequence[Pair], strength: float = 0.5, every: int = 1,
 
   Alias of :func:`scale_by_saggs`. Each application multiplies the
   log-imbalance ``log(||A_g||/||B_g||)`` by ``1 - strength``.
+
+  References:
+    Bum Jun Kim, `Same Function, Different Trajectory: No Standard Optimizer Is
+    Equivariant to Transformer Reparameterization`, preprint, 2026 (Soft
+    SAGGS).
 
   Example::
 

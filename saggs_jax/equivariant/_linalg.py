@@ -161,8 +161,8 @@ def newton_schulz(
       :math:`Q \leftarrow PQ`, :math:`A \leftarrow PAP` (``m x m`` products
       only) and X is touched twice, to form :math:`A_0` and to apply Q. Per
       step that is about :math:`4m^3` flops against :math:`2m^2n + m^3`:
-      cheaper once ``n`` is a few times ``m`` (on CPU 0.4-0.6x the time at
-      ``n = 8m``, slower at ``n = m``; ``bench/bench_gram_newton_schulz.py``).
+      cheaper once ``n`` is a few times ``m`` (timings:
+      ``bench/bench_gram_newton_schulz.py``).
       Same result in exact arithmetic; rounding differs.
 
   Returns:
