@@ -36,7 +36,7 @@ def replicated(x):
 
 
 
-def log_max(dtype) -> float:
+def log_dtype_max(dtype) -> float:
   """log of the largest value a leaf of ``dtype`` may be scaled to, with a rounding margin."""
   return float(np.log(float(jnp.finfo(dtype).max)) + np.log1p(-2.0**-8))
 

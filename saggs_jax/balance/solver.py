@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from saggs_jax.balance._common import Factors, log_max
+from saggs_jax.balance._common import Factors, log_dtype_max
 from saggs_jax.balance.statistics import Stats, along_slot, stacked_axes
 from saggs_jax.pairs import Instance, Plan
 
@@ -68,7 +68,7 @@ def _bounds(plan: Plan, stats: Stats, dtypes: dict, u: dict, inst: Instance
     for name in inst.members(sign) + inst.followers(sign):
       for k in plan.pieces_of(name, inst.key):
         size = _marginal(plan, k, stats[k][1], u, inst.key, 1, jnp.max)
-        room = jnp.where(jnp.isfinite(size), log_max(dtypes[k[0]]) - size, jnp.inf)
+        room = jnp.where(jnp.isfinite(size), log_dtype_max(dtypes[k[0]]) - size, jnp.inf)
         lo, hi = (lo, jnp.minimum(hi, room)) if sign > 0 else (jnp.maximum(lo, -room), hi)
   return lo, hi
 
@@ -127,8 +127,8 @@ def _newton(plan: Plan, stats: Stats, u: dict, free: dict, shift: jax.Array) -> 
   # Vectors over all log-factors travel flat, each instance a static span.
   shapes = {i.key: i.factor_shape for i in plan.instances}
   ends = np.cumsum([int(np.prod(v)) for v in shapes.values()])
-  flat = lambda d: jnp.concatenate([jnp.ravel(d[k]) for k in shapes])  # noqa: E731
-  split = lambda v: {k: v[end - int(np.prod(sh)):end].reshape(sh)  # noqa: E731
+  flat = lambda d: jnp.concatenate([jnp.ravel(d[k]) for k in shapes])
+  split = lambda v: {k: v[end - int(np.prod(sh)):end].reshape(sh)
                      for (k, sh), end in zip(shapes.items(), ends)}
   mask = flat(free).astype(jnp.float32)
 

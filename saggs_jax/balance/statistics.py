@@ -28,7 +28,7 @@ import numpy as np
 from jax import core
 
 from saggs_jax import paths
-from saggs_jax.balance._common import AxisName, compute_dtype, log_max, replicated
+from saggs_jax.balance._common import AxisName, compute_dtype, log_dtype_max, replicated
 from saggs_jax.pairs import Plan, Slot, Span
 
 # A float32 sum of squares this small may have lost digits to underflow: such
@@ -140,7 +140,6 @@ def _restrict(x: jax.Array, block: Span | None) -> jax.Array:
   return jnp.where((index >= start) & (index < stop), x, jnp.zeros((), x.dtype))
 
 
-
 Stats = dict[tuple, tuple[jax.Array, jax.Array]]
 
 
@@ -170,12 +169,12 @@ class _Packing(NamedTuple):
 def _trusted(plan: Plan, leaves: dict[str, Any], packing: _Packing, log_sq: jax.Array
              ) -> jax.Array:
   """Where the one-pass ``log_sq`` can be kept: neither so small that it may have lost
-  digits to underflow (for a leaf whose norm is balanced), nor so large that a factor
+  digits to underflow (on a leaf whose norm the balancing minimises), nor so large that a factor
   bounded by it could overflow a dtype of its pair, nor NaN."""
   dtype_max = {}  # the smallest dtype maximum among the leaves of each instance
   for path, slots in plan.slots.items():
     for s in slots:
-      dtype_max[s.key] = min(dtype_max.get(s.key, np.inf), log_max(leaves[path].dtype))
+      dtype_max[s.key] = min(dtype_max.get(s.key, np.inf), log_dtype_max(leaves[path].dtype))
   limit = {k: min(dtype_max[s.key] for s in piece.slots) for k, piece in plan.pieces.items()}
   lowest = {k: np.log(_SMALLEST_SAFE_SUM) if k[0] in plan.counted else -np.inf
             for k in packing.shapes}
