@@ -20,7 +20,7 @@ FactorSpec = float | Callable[[str, tuple[int, ...]], Any]
 
 
 def apply_transform(plan: Plan, params: Any, opt_state: Any, factors: Factors,
-                    tx: optax.GradientTransformation | None = None):
+                    tx: optax.GradientTransformation | None = None) -> tuple[Any, Any]:
   """Rescales ``params`` by ``factors`` and transports every moment in ``opt_state``,
   by the degrees measured on ``tx`` if given, else by the registered ones."""
   degrees = None if tx is None or opt_state is None else measure(tx, params, plan)
@@ -61,7 +61,7 @@ def _factors(plan: Plan, factor: FactorSpec) -> Factors:
 
 
 def reparameterize(params: Any, opt_state: Any, pairs: Sequence[Pair], factor: FactorSpec,
-                   tx: optax.GradientTransformation | None = None):
+                   tx: optax.GradientTransformation | None = None) -> tuple[Any, Any]:
   """Applies an exact symmetry transform to the parameters and the optimizer state.
 
   Every A group is multiplied by ``c`` and its B group divided by ``c``;
@@ -105,7 +105,7 @@ def reparameterize(params: Any, opt_state: Any, pairs: Sequence[Pair], factor: F
 
 
 def canonicalize(params: Any, opt_state: Any, pairs: Sequence[Pair],
-                 tx: optax.GradientTransformation | None = None):
+                 tx: optax.GradientTransformation | None = None) -> tuple[Any, Any]:
   """Maps a training state to the canonical (norm-balanced) member of its orbit.
 
   Each group gets ``c = sqrt(||B|| / ||A||)``, after which ``||A|| = ||B||``

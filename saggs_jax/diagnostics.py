@@ -33,7 +33,7 @@ def imbalance(params: Any, pairs: Sequence[Pair]) -> dict[str, jax.Array]:
   return {k: a - b for k, (a, b) in log_norms(plan, params).items()}
 
 
-def check_symmetry(apply_fn: Callable[..., Any], params: Any, pairs: Sequence[Pair], *inputs,
+def check_symmetry(apply_fn: Callable[..., Any], params: Any, pairs: Sequence[Pair], *inputs: Any,
                    key: jax.Array | None = None, rtol: float | None = None, atol: float = 0.0,
                    low: float = 0.25, high: float = 4.0) -> dict[str, float]:
   """Checks that every declared pair is an exact symmetry of ``apply_fn``.

@@ -71,7 +71,7 @@ class Block:
   part: int | str
   sizes: tuple[int, ...] | None = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if not isinstance(self.pattern, str):
       raise ValueError(f"{self!r}: pattern must be a string.")
     if not _is_int(self.axis):
@@ -186,7 +186,7 @@ class Pair:
   follow_b: Spec | Sequence[Spec] = ()
   name: str | None = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if self.name is not None and not isinstance(self.name, str):
       raise ValueError(f"Pair({self.a!r}, {self.b!r}): name must be a string or None, got"
                        f" {self.name!r}.")

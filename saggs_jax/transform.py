@@ -14,7 +14,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,8 +78,9 @@ class SymmetryTransformation(optax.GradientTransformationExtraArgs):
   around: Callable[..., tuple]
   resolve: Callable[..., Plan] | None
 
-  def __new__(cls, init, update, around: Callable[..., tuple],
-              resolve: Callable[..., Plan] | None = None):
+  def __new__(cls, init: optax.TransformInitFn, update: optax.TransformUpdateExtraArgsFn,
+              around: Callable[..., tuple], resolve: Callable[..., Plan] | None = None
+              ) -> SymmetryTransformation:
     self = super().__new__(cls, init, update)
     self.around, self.resolve = around, resolve
     return self
@@ -98,7 +99,7 @@ def _no_balancing(fn, *args):
 ERROR_BITS = 14
 
 
-def step_limits(plan, params) -> dict[str, float]:
+def step_limits(plan: Plan, params: Any) -> dict[str, float]:
   """Per pair instance, the largest ``|log c|`` one update applies.
 
   The update lands on ``p * m`` (``m`` the product of a leaf's factors) as

@@ -8,18 +8,21 @@ sharded.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
+from jax.typing import DTypeLike
 
 from saggs_jax import paths
 from saggs_jax.balance._common import Factors, compute_dtype, is_explicit, replicated
 from saggs_jax.pairs import Plan, Slot
 
 
-def _multiplier(slot: Slot, shape: tuple[int, ...], factors: Factors, power: float, dtype):
+def _multiplier(slot: Slot, shape: tuple[int, ...], factors: Factors, power: float,
+                dtype: DTypeLike) -> jax.Array:
   """``factors ** (sign * power)`` expanded to one entry per index of the group axis, and
   with a block, to its span of the block axis, padded with ones outside it."""
   f = factors[slot.key].astype(dtype)
@@ -53,21 +56,23 @@ def _like(m: jax.Array, x: jax.Array) -> jax.Array:
                                                  for s, n in zip(spec, m.shape))))
 
 
-def leaf_multiplier(slots: list[Slot], x: jax.Array, factors: Factors, power: float,
-                    dtype) -> jax.Array:
+def leaf_multiplier(slots: Sequence[Slot], x: jax.Array, factors: Factors, power: float,
+                    dtype: DTypeLike) -> jax.Array:
   """What leaf ``x`` declared in ``slots`` is multiplied by, broadcastable to it."""
   m = functools.reduce(jnp.multiply,
                        [_multiplier(s, x.shape, factors, power, dtype) for s in slots])
   return _like(m, x)
 
 
-def scale_leaf(x, slots, factors, power):
+def scale_leaf(x: jax.Array, slots: Sequence[Slot], factors: Factors, power: float
+               ) -> jax.Array:
   """``x`` times the multiplier of ``slots`` (see :func:`scale_tree`), in at least float32."""
   dtype = compute_dtype(x.dtype)
   return (x.astype(dtype) * leaf_multiplier(slots, x, factors, power, dtype)).astype(x.dtype)
 
 
-def scale_tree(plan: Plan, tree: Any, factors: Factors, power: float, is_leaf=None) -> Any:
+def scale_tree(plan: Plan, tree: Any, factors: Factors, power: float,
+               is_leaf: Callable[[Any], bool] | None = None) -> Any:
   """Multiplies each declared leaf of a parameter-shaped ``tree`` by ``c ** (sign * power)``.
 
   ``power`` is the transport degree: +1 for parameters (A*c, B/c), -1 for
