@@ -36,8 +36,6 @@ def replicated(x: jax.Array) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, PartitionSpec())
 
 
-
 def log_dtype_max(dtype: DTypeLike) -> float:
   """log of the largest value a leaf of ``dtype`` may be scaled to, with a rounding margin."""
   return float(np.log(float(jnp.finfo(dtype).max)) + np.log1p(-2.0**-8))
-
