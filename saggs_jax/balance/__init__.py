@@ -49,8 +49,8 @@ def _dtypes(params: Any) -> dict:
 def log_norms(plan: Plan, params: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
   """Per instance: ``log`` of the group norms of sides A and B (scale-safe)."""
   stats, u = leaf_stats(plan, params), no_factors(plan)
-  return {i.key: (0.5 * side_log_sq(plan, stats, u, i, +1), 0.5 * side_log_sq(plan, stats, u, i, -1))
-          for i in plan.instances}
+  return {i.key: (0.5 * side_log_sq(plan, stats, u, i, +1),
+                  0.5 * side_log_sq(plan, stats, u, i, -1)) for i in plan.instances}
 
 
 def compute_factors(plan: Plan, params: Any, strength: float, axis_name: AxisName = None
