@@ -1,9 +1,25 @@
-"""The solver: balancing factors from the statistics of every piece.
+"""The balancing math: group norms, factors, and applying factors to any tree.
 
 For a pair instance with group norms ``||A_g||`` and ``||B_g||`` the factor is
-``c_g = (||B_g|| / ||A_g||) ** (strength / 2)``; overlapping pairs are solved jointly
-(see :func:`solve`). A factor never overflows a leaf's dtype: ``c`` is clipped so
-that ``c ||A_g||`` and ``||B_g|| / c`` (followers included) stay below the largest
+
+  c_g = (||B_g|| / ||A_g||) ** (strength / 2)
+
+strength=1 (hard SAGGS) equalises both norms at ``sqrt(||A_g|| ||B_g||)``, the
+unique minimiser of ``||c A||^2 + ||B / c||^2``; 0 < strength < 1 shrinks the
+log-imbalance ``log(||A_g|| / ||B_g||)`` by the factor ``1 - strength``. A side
+of several tensors has the norm of all of them together.
+
+When pairs overlap (one leaf in several), hard balancing minimises the total
+squared norm of all declared leaves over all factors at once, a convex problem
+in the log-factors solved by Newton steps and sweeps of the closed form above
+(see :func:`solve`), which reports how far from converged it stopped; soft
+balancing takes ``strength`` of those log-factors.
+
+This module solves for the factors; :mod:`saggs_jax.norms` takes the scale-safe
+group norms it starts from and :mod:`saggs_jax.scaling` applies the factors to
+parameters and moments. No NaN or Inf is ever produced: each module's docstring
+says how. A factor never overflows a leaf's dtype: ``c`` is clipped so that
+``c ||A_g||`` and ``||B_g|| / c`` (followers included) stay below the largest
 finite value of each leaf's dtype, which bounds every scaled entry; a tensor whose
 norm exceeds that value is bounded by its largest entry instead. This only binds
 for tensors whose norm nears that value (float16 mostly); there the factor is the
@@ -13,14 +29,24 @@ closest admissible one, or 1 if none is. A zero or non-finite norm gives ``c_g =
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from saggs_jax.balance._common import Factors, log_dtype_max
-from saggs_jax.balance.statistics import Stats, along_slot, stacked_axes
+from saggs_jax import paths
+from saggs_jax.norms import Stats, along_slot, leaf_stats, stacked_axes
+from saggs_jax.numerics import AxisName, Factors, compute_dtype, log_dtype_max, replicated
 from saggs_jax.pairs import Instance, Plan
+from saggs_jax.scaling import leaf_multiplier, scale_leaf, scale_tree
+
+# Re-exported: the library's modules import the balancing names from here.
+__all__ = [
+    "TOLERANCE", "AxisName", "Factors", "Stats", "compute_dtype", "compute_factors",
+    "leaf_multiplier", "leaf_stats", "log_norms", "replicated", "scale_leaf", "scale_tree",
+    "solve",
+]
 
 
 def _marginal(plan: Plan, piece: tuple, stats: jax.Array, u: dict, key: str, weight: int,
@@ -49,13 +75,13 @@ def _logsumexp(xs: list[jax.Array]) -> jax.Array:
   return xs[0] if len(xs) == 1 else jax.nn.logsumexp(jnp.stack(xs), axis=0)
 
 
-def side_log_sq(plan: Plan, stats: Stats, u: dict, inst: Instance, sign: int) -> jax.Array:
+def _side_log_sq(plan: Plan, stats: Stats, u: dict, inst: Instance, sign: int) -> jax.Array:
   """``log ||side||**2`` per group of ``inst``, its other pairs' log-factors ``u`` applied."""
   return _logsumexp([_marginal(plan, k, stats[k][0], u, inst.key, 2, jax.nn.logsumexp)
                      for name in inst.members(sign) for k in plan.pieces_of(name, inst.key)])
 
 
-def no_factors(plan: Plan) -> dict:
+def _no_factors(plan: Plan) -> dict:
   """Log-factors 0 (factors 1) for every instance."""
   return {i.key: jnp.zeros(i.factor_shape, jnp.float32) for i in plan.instances}
 
@@ -83,7 +109,7 @@ def _sweep(plan: Plan, stats: Stats, dtypes: dict, u: dict, scale: float
   largest finite log squared norm of a side met, which bounds every leaf's after it."""
   u, free, top = dict(u), {}, jnp.float32(-jnp.inf)
   for inst in plan.instances:
-    la, lb = (side_log_sq(plan, stats, u, inst, sign) for sign in (+1, -1))
+    la, lb = (_side_log_sq(plan, stats, u, inst, sign) for sign in (+1, -1))
     lo, hi = _bounds(plan, stats, dtypes, u, inst)
     ok = jnp.isfinite(la) & jnp.isfinite(lb) & (lo <= hi)
     best = scale * 0.25 * jnp.where(ok, lb - la, 0)
@@ -205,7 +231,7 @@ def solve(plan: Plan, stats: Stats, dtypes: dict, strength: float) -> tuple[Fact
   The residual is the largest move of a log-factor in the last sweep (half a
   ``log(||A|| / ||B||)`` that the sweep found): at most ``TOLERANCE`` when converged.
   """
-  u = no_factors(plan)
+  u = _no_factors(plan)
   if not plan.overlapping:
     return {k: jnp.exp(v) for k, v in _sweep(plan, stats, dtypes, u, strength)[0].items()
             }, jnp.float32(0.0)
@@ -226,4 +252,22 @@ def solve(plan: Plan, stats: Stats, dtypes: dict, strength: float) -> tuple[Fact
       lambda c: (c[3] > TOLERANCE) & (c[4] < MAX_ITERATIONS), body,
       (u, free, top, jnp.float32(jnp.inf), 0))
   return {k: jnp.exp(strength * v) for k, v in u.items()}, residual
+
+
+def _dtypes(params: Any) -> dict:
+  return {path: leaf.dtype for path, leaf in paths.arrays_with_paths(params)}
+
+
+def log_norms(plan: Plan, params: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
+  """Per instance: ``log`` of the group norms of sides A and B (scale-safe)."""
+  stats, u = leaf_stats(plan, params), _no_factors(plan)
+  return {i.key: (0.5 * _side_log_sq(plan, stats, u, i, +1),
+                  0.5 * _side_log_sq(plan, stats, u, i, -1)) for i in plan.instances}
+
+
+def compute_factors(plan: Plan, params: Any, strength: float, axis_name: AxisName = None
+                    ) -> tuple[Factors, jax.Array]:
+  """The balancing factors of every instance in ``plan`` for ``params``, and the joint
+  solve's residual (see :func:`solve`)."""
+  return solve(plan, leaf_stats(plan, params, axis_name), _dtypes(params), strength)
 

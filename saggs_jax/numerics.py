@@ -1,5 +1,5 @@
-"""What the three parts of balancing share: types, the compute dtype, dtype limits, and
-the replicated layout of per-group values on a mesh."""
+"""What balancing's norms, solver and scaling share: types, the compute dtype, dtype limits,
+and the replicated layout of per-group values on a mesh."""
 
 from __future__ import annotations
 

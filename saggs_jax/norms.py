@@ -28,7 +28,7 @@ import numpy as np
 from jax import core
 
 from saggs_jax import paths
-from saggs_jax.balance._common import AxisName, compute_dtype, log_dtype_max, replicated
+from saggs_jax.numerics import AxisName, compute_dtype, log_dtype_max, replicated
 from saggs_jax.pairs import Plan, Slot, Span
 
 # A float32 sum of squares this small may have lost digits to underflow: such

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
 
 from saggs_jax import paths
-from saggs_jax.balance._common import Factors, compute_dtype, is_explicit, replicated
+from saggs_jax.numerics import Factors, compute_dtype, is_explicit, replicated
 from saggs_jax.pairs import Plan, Slot
 
 
