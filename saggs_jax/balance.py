@@ -1,4 +1,4 @@
-"""The balancing math: group norms, factors, and applying factors to any tree.
+"""The balancing solve: the factors of every pair instance from its group norms.
 
 For a pair instance with group norms ``||A_g||`` and ``||B_g||`` the factor is
 

@@ -1,4 +1,4 @@
-"""Statistics: the log squared norm and log largest magnitude of every group, scale-safe.
+"""Group norms: the log squared norm and log largest magnitude of every group, scale-safe.
 
 Norms are kept as logarithms. A leaf whose float32 sums of squares overflow,
 underflow or meet a non-finite entry is recomputed in two passes: the group
