@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import argparse
 
-import jax
 import jax.numpy as jnp
 import optax
 
 import common
-from common import lm
-
 from saggs_jax import equivariant as eqv
+from saggs_jax.testing import lm
 
 
 def variants(config: lm.ModelConfig, extra: bool) -> dict[str, optax.GradientTransformation]:

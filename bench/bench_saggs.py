@@ -30,11 +30,10 @@ import jax.numpy as jnp
 import optax
 
 import common
-from common import lm
-
 import saggs_jax as saggs
 from saggs_jax import paths
 from saggs_jax.pairs import resolve
+from saggs_jax.testing import lm
 
 
 def adamw():

@@ -9,20 +9,18 @@ ratios to baselines.
 from __future__ import annotations
 
 import os
-import pathlib
 import platform
-import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 from unittest import mock
-from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-import lm  # noqa: E402
+from saggs_jax.testing import lm
 
 SIZES = {
     # d_model, layers, heads, kv heads, head_dim, mlp hidden, seq, batch

@@ -28,7 +28,6 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 import test_equivariant_reference as golden  # noqa: E402
-
 from saggs_jax import equivariant as eqv  # noqa: E402
 
 

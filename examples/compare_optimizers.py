@@ -5,7 +5,7 @@ LM Heads, SwiGLU MLPs, and MoE Routers" (2026), give every weight block an updat
 equivariant under that block's symmetry group and reports final
 validation-loss gains over AdamW of about 0.01-0.06 nats on 0.6B-3.5B
 parameter models. This script runs the comparison at toy scale: the LLaMA-style
-LM of ``lm.py`` (its default sizes: ~124k parameters) on bytes of the Python
+LM of ``saggs_jax.testing.lm`` (its default sizes: ~124k parameters) on bytes of the Python
 standard library, trained with
 
 * ``adamw``: ``optax.adamw`` on every parameter;
@@ -68,8 +68,8 @@ import numpy as np
 import optax
 from matplotlib.figure import Figure
 
-import lm
 from saggs_jax import equivariant as eqv
+from saggs_jax.testing import lm
 
 OPTIMIZERS = ("adamw", "muon", "stack", "reference")
 # Peak learning rates swept by default: for muon and stack the rate of the

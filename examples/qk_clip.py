@@ -1,7 +1,7 @@
 r"""QK-clip (MuonClip) on the example LM: max attention logits held to τ, and the loss it costs.
 
 At a high learning rate the largest pre-softmax attention logit of the small
-LLaMA-style LM of ``lm.py`` grows far past its initial scale, under AdamW and
+LLaMA-style LM of ``saggs_jax.testing.lm`` grows far past its initial scale, under AdamW and
 under the Muon-style ``saggs_jax.equivariant.symmetry_compatible`` stack alike.
 ``saggs.qk_clip`` rescales, after each step, the query rows of every head whose
 max logit on the step's batch exceeded τ (and its KV head's key rows, the
@@ -42,7 +42,6 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
-import lm
 import numpy as np
 import optax
 import stats
@@ -50,6 +49,7 @@ from tqdm import tqdm
 
 import saggs_jax as saggs
 from saggs_jax import equivariant as eqv
+from saggs_jax.testing import lm
 
 
 def parse_args(argv=None) -> argparse.Namespace:

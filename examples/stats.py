@@ -18,6 +18,7 @@ correction lowers it):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np

@@ -1,6 +1,6 @@
 r"""The papers' claims, measured over seeds, with what each test can and cannot show.
 
-Four experiments on the byte-level LLaMA-style LM of ``lm.py``. Within a seed
+Four experiments on the byte-level LLaMA-style LM of ``saggs_jax.testing.lm``. Within a seed
 every arm starts from the same initialisation (up to an exact symmetry
 transform) and sees the same batches, so arms are compared on their per-seed
 differences of the final validation loss, in nats per byte (``stats.py``:
@@ -75,16 +75,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import compare_optimizers
 import flax
 import jax
-import lm
 import numpy as np
 import optax
-import stats
 from matplotlib.figure import Figure
 
+import compare_optimizers
 import saggs_jax as saggs
+import stats
+from saggs_jax.testing import lm
 
 EXPERIMENTS = ("imbalance", "resume", "balanced", "optimizers")
 IMBALANCE_ARMS = ("AdamW", "hard SAGGS", "soft SAGGS")
@@ -622,7 +622,7 @@ def plot_differences(path: pathlib.Path, title: str, diffs: dict[str, np.ndarray
   """Per-seed paired differences (dots) and their mean with its 95% t-interval (bar)."""
   fig = Figure(figsize=(1.8 + 1.6 * len(diffs), 4.5))
   ax = fig.subplots()
-  for i, (label, d) in enumerate(diffs.items()):
+  for i, d in enumerate(diffs.values()):
     interval = stats.t_interval(d)
     ax.plot(np.full(len(d), i) + np.linspace(-0.15, 0.15, len(d)), d, "o", color=f"C{i}",
             alpha=0.5, markersize=4)

@@ -18,8 +18,14 @@ from saggs_jax.discovery import Discovery, Rejected, discover
 from saggs_jax.equivariant import MuonDimensionNumbers, UnitDimensionNumbers, muon_dimension_numbers
 from saggs_jax.pairs import Block, Pair, describe
 from saggs_jax.qk_clip import max_logits, qk_clip
-from saggs_jax.transform import (SaggsState, SymmetryTransformation, chain, saggs,
-                                 scale_by_saggs, soft)
+from saggs_jax.transform import (
+  SaggsState,
+  SymmetryTransformation,
+  chain,
+  saggs,
+  scale_by_saggs,
+  soft,
+)
 from saggs_jax.transport import NESTED, register_transport
 
 __all__ = [

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +16,11 @@ from saggs_jax.degrees import measure
 from saggs_jax.pairs import Pair, Plan, resolve
 from saggs_jax.transport import transport
 
-FactorSpec = Union[float, Callable[[str, tuple[int, ...]], Any]]
+FactorSpec = float | Callable[[str, tuple[int, ...]], Any]
 
 
 def apply_transform(plan: Plan, params: Any, opt_state: Any, factors: Factors,
-                    tx: optax.GradientTransformation | None = None):
+                    tx: optax.GradientTransformation | None = None) -> tuple[Any, Any]:
   """Rescales ``params`` by ``factors`` and transports every moment in ``opt_state``,
   by the degrees measured on ``tx`` if given, else by the registered ones."""
   degrees = None if tx is None or opt_state is None else measure(tx, params, plan)
@@ -60,7 +61,7 @@ def _factors(plan: Plan, factor: FactorSpec) -> Factors:
 
 
 def reparameterize(params: Any, opt_state: Any, pairs: Sequence[Pair], factor: FactorSpec,
-                   tx: optax.GradientTransformation | None = None):
+                   tx: optax.GradientTransformation | None = None) -> tuple[Any, Any]:
   """Applies an exact symmetry transform to the parameters and the optimizer state.
 
   Every A group is multiplied by ``c`` and its B group divided by ``c``;
@@ -104,7 +105,7 @@ def reparameterize(params: Any, opt_state: Any, pairs: Sequence[Pair], factor: F
 
 
 def canonicalize(params: Any, opt_state: Any, pairs: Sequence[Pair],
-                 tx: optax.GradientTransformation | None = None):
+                 tx: optax.GradientTransformation | None = None) -> tuple[Any, Any]:
   """Maps a training state to the canonical (norm-balanced) member of its orbit.
 
   Each group gets ``c = sqrt(||B|| / ||A||)``, after which ``||A|| = ||B||``

@@ -43,7 +43,8 @@ from __future__ import annotations
 import collections
 import functools
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +59,7 @@ Checksums = dict[str, list[int]]  # path -> two uint32 hashes
 
 
 def _is_key(x) -> bool:
-  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _is_empty(node) -> bool:
@@ -230,7 +231,7 @@ def _storable(tree: Any) -> Any:
 def _abstract(leaf) -> jax.ShapeDtypeStruct:
   """What Orbax restores ``leaf`` from: its shape, dtype and sharding (key data for keys)."""
   if not _is_key(leaf):
-    return ocp.utils.to_shape_dtype_struct(leaf)
+    return cast(jax.ShapeDtypeStruct, ocp.utils.to_shape_dtype_struct(leaf))  # an array's
   data = jax.eval_shape(jax.random.key_data, leaf)
   # Key data has trailing axes the key's sharding leaves unnamed, i.e. replicated.
   return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=getattr(leaf, "sharding", None))
@@ -363,13 +364,13 @@ def restore(manager: ocp.CheckpointManager, params: Any, opt_state: Any,
   manager.wait_until_finished()  # a save still in flight is not readable yet
   steps = manager.all_steps()
   step = manager.latest_step() if step is None else int(step)
-  if step not in steps:
+  if step is None or step not in steps:
     which = "No checkpoint" if step is None else f"No checkpoint {step}"
     held = f"it holds steps {sorted(steps)}" if steps else "it holds none"
     raise FileNotFoundError(f"{which} in {manager.directory}: {held}.")
-  canonicalize = canonicalize and pairs is not None
-  if canonicalize:
-    resolve(pairs, params)  # a bad declaration fails before anything is read
+  balanced_by = pairs if canonicalize else None  # the pairs to canonicalize with, if any
+  if balanced_by is not None:
+    resolve(balanced_by, params)  # a bad declaration fails before anything is read
   target = {"params": params, "opt_state": opt_state}
   what = f"Checkpoint {step} in {manager.directory}"
   try:
@@ -391,9 +392,9 @@ def restore(manager: ocp.CheckpointManager, params: Any, opt_state: Any,
   _verify(saved["checksums"], state, what)
   state = _unstorable(target, state)
   arrays = state["params"], state["opt_state"]
-  if canonicalize:
+  if balanced_by is not None:
     shardings, treedef = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, arrays))
-    arrays = _canonicalizer(as_pairs(pairs), treedef, tuple(shardings))(*arrays)
+    arrays = _canonicalizer(as_pairs(balanced_by), treedef, tuple(shardings))(*arrays)
   params, opt_state = _with_statics((params, opt_state), arrays)
   return params, opt_state, step
 

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import core
 
 from saggs_jax.balance import Factors, scale_tree
 from saggs_jax.pairs import Plan
@@ -86,7 +87,7 @@ def _owner(state, key_path):
   """The innermost NamedTuple or dataclass state on the way to a leaf."""
   node = owner = state
   for key in key_path:
-    if hasattr(node, "_fields") or dataclasses.is_dataclass(node):
+    if hasattr(node, "_fields") or dataclasses.is_dataclass(type(node)):
       owner = node
     if isinstance(key, jax.tree_util.GetAttrKey):
       node = getattr(node, key.name)
@@ -179,7 +180,7 @@ def _measure(tx, params, plan):
 
   rng = np.random.default_rng(0)
   verdicts = jax.jit(probe)(_like(spec, rng), [_like(spec, rng) for _ in range(STEPS)], factors)
-  if isinstance(verdicts, jax.core.Tracer):
+  if isinstance(verdicts, core.Tracer):
     # The optimizer closes over values traced outside, as when optax.inject_hyperparams
     # wraps a whole saggs.chain (its hyperparameters are then tracers in init and update).
     warnings.warn(

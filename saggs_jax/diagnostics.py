@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ def imbalance(params: Any, pairs: Sequence[Pair]) -> dict[str, jax.Array]:
   return {k: a - b for k, (a, b) in log_norms(plan, params).items()}
 
 
-def check_symmetry(apply_fn: Callable[..., Any], params: Any, pairs: Sequence[Pair], *inputs,
+def check_symmetry(apply_fn: Callable[..., Any], params: Any, pairs: Sequence[Pair], *inputs: Any,
                    key: jax.Array | None = None, rtol: float | None = None, atol: float = 0.0,
                    low: float = 0.25, high: float = 4.0) -> dict[str, float]:
   """Checks that every declared pair is an exact symmetry of ``apply_fn``.
@@ -92,14 +93,15 @@ def check_symmetry(apply_fn: Callable[..., Any], params: Any, pairs: Sequence[Pa
     >>> saggs.check_symmetry(g, params, [saggs.Pair("up", "down", axes=(1, 0))], jnp.ones((1, 3)))
     Traceback (most recent call last):
     ...
-    ValueError: Pair('up', 'down') is not a symmetry of the model: ... Likely cause: ... not positively homogeneous sits between 'up' and 'down' ...
+    ValueError: Pair('up', 'down') is not a symmetry of the model: ... Likely cause: ...
+    not positively homogeneous sits between 'up' and 'down' ...
   """
   plan = resolve(pairs, params)
-  key = jax.random.PRNGKey(0) if key is None else key
+  rng = jax.random.PRNGKey(0) if key is None else key
   probe = Probe(apply_fn, params, inputs, rtol=rtol, atol=atol)
   deviations = {}
   for inst in plan.instances:
-    key, sub = jax.random.split(key)
+    rng, sub = jax.random.split(rng)
     factors = jax.random.uniform(sub, inst.factor_shape, jnp.float32, low, high)
     deviations[inst.key] = probe(_only(plan, inst), factors)
     if not deviations[inst.key] <= probe.tolerance:  # NaN fails too
@@ -190,8 +192,10 @@ def _variant(plan: Plan, inst: Instance, params: Any, **changes) -> Plan | None:
 
 
 def _declared_axes(plan: Plan, inst: Instance) -> tuple[int, int] | None:
-  axes = [plan.slot(p, inst.key).axis for p in (inst.a, inst.b)]
-  return None if axes[0] is None else tuple(a - inst.pair.stacked for a in axes)
+  a, b = (plan.slot(p, inst.key).axis for p in (inst.a, inst.b))
+  if a is None or b is None:  # whole tensors
+    return None
+  return a - inst.pair.stacked, b - inst.pair.stacked
 
 
 def _diagnose(probe: Probe, plan: Plan, inst: Instance, key, c_max: float

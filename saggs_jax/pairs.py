@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable
-from typing import Any, NamedTuple, Sequence, Union
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple, TypeGuard
 
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +29,7 @@ def _as_tuple(x) -> tuple:
   return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
-def _is_int(x) -> bool:
+def _is_int(x) -> TypeGuard[int | np.integer]:
   """An int that is not a bool: ``True`` would silently read as 1."""
   return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -71,7 +71,7 @@ class Block:
   part: int | str
   sizes: tuple[int, ...] | None = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if not isinstance(self.pattern, str):
       raise ValueError(f"{self!r}: pattern must be a string.")
     if not _is_int(self.axis):
@@ -107,7 +107,7 @@ class Block:
 
   @property
   def index(self) -> int:
-    return self.part if _is_int(self.part) else self.names.index(self.part)
+    return int(self.part) if _is_int(self.part) else self.names.index(self.part)
 
   def span(self, where: str, path: str, shape: tuple[int, ...], stacked: int
            ) -> tuple[int, int, int]:
@@ -129,7 +129,7 @@ class Block:
     return axis, start, start + sizes[self.index]
 
 
-Spec = Union[str, Block]
+Spec = str | Block
 
 
 def _pattern(spec: Spec) -> str:
@@ -186,7 +186,7 @@ class Pair:
   follow_b: Spec | Sequence[Spec] = ()
   name: str | None = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if self.name is not None and not isinstance(self.name, str):
       raise ValueError(f"Pair({self.a!r}, {self.b!r}): name must be a string or None, got"
                        f" {self.name!r}.")
@@ -199,7 +199,7 @@ class Pair:
         object.__setattr__(self, side, value[0] if len(value) == 1 else value)
     object.__setattr__(self, "follow_a", _as_tuple(self.follow_a))
     object.__setattr__(self, "follow_b", _as_tuple(self.follow_b))
-    for p in (*self.patterns(0), *self.patterns(1), *self.follow_a, *self.follow_b):
+    for p in (*self.patterns(0), *self.patterns(1), *self.followers(0), *self.followers(1)):
       if not isinstance(p, (str, Block)):
         raise ValueError(f"{self._spelled}: patterns must be strings or Blocks, got {p!r}.")
     if self.axes is not None:
@@ -218,7 +218,7 @@ class Pair:
     object.__setattr__(self, "stacked", int(self.stacked))
     first = self.patterns(0)[0]
     n = paths.num_captures(_pattern(first))
-    for p in (*self.patterns(0)[1:], *self.patterns(1), *self.follow_a, *self.follow_b):
+    for p in (*self.patterns(0)[1:], *self.patterns(1), *self.followers(0), *self.followers(1)):
       if paths.num_captures(_pattern(p)) != n:
         raise ValueError(
             f"{self._spelled}: pattern {p!r} has a different number of wildcards than {first!r};"
@@ -228,12 +228,16 @@ class Pair:
     """The patterns (or blocks) of side a (0) or b (1)."""
     return _as_tuple((self.a, self.b)[side])
 
+  def followers(self, side: int) -> tuple[Spec, ...]:
+    """The patterns (or blocks) that follow side a (0) or b (1)."""
+    return _as_tuple((self.follow_a, self.follow_b)[side])
+
   def side_axes(self, side: int) -> tuple[int | None, ...]:
     """The group axis of each pattern of side a (0) or b (1); None: the whole tensor."""
     ax = None if self.axes is None else self.axes[side]
     if ax is None:
       return (None,) * len(self.patterns(side))
-    return (ax,) * len(self.patterns(side)) if _is_int(ax) else ax
+    return ax if isinstance(ax, tuple) else (ax,) * len(self.patterns(side))
 
   def _checked_axes(self):
     def valid(ax, n):  # an int, or one int per pattern of a side of several
@@ -246,7 +250,8 @@ class Pair:
           f"{self._spelled}: axes must be None or a pair of ints (axis_a, axis_b), got"
           f" {self.axes!r}; e.g. axes=(1, 1) groups axis 1 of both sides. On a side of several"
           " patterns the axis may also be a tuple of one int per pattern.")
-    return tuple(int(ax) if _is_int(ax) else tuple(map(int, ax)) for ax in self.axes)
+    return tuple(tuple(map(int, ax)) if isinstance(ax, (tuple, list)) else int(ax)
+                 for ax in self.axes)
 
   @property
   def label(self) -> str:
@@ -382,7 +387,7 @@ class Plan:
     pieces some slot moves. A leaf without blocks is one piece."""
     out = {}
     for path, slots in self.slots.items():
-      blocks = {s.block for s in slots} - {None}
+      blocks = {s.block for s in slots if s.block is not None}
       if not blocks:
         out[path, None] = Piece(path, None, slots)
         continue
@@ -531,8 +536,8 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]], dtypes: dict[s
       other = next(p for s in sides for p, _, f in s if caps not in f)
       raise ValueError(f"{pair._spelled}: {found[caps]!r} (matched by {'ab'[side]}) has no partner"
                        f" matching {other!r} with the same wildcard captures.")
-  follower_matches = [(+1, p, _matches(p, dtypes, pair)) for p in pair.follow_a]
-  follower_matches += [(-1, p, _matches(p, dtypes, pair)) for p in pair.follow_b]
+  follower_matches = [(+1, p, _matches(p, dtypes, pair)) for p in pair.followers(0)]
+  follower_matches += [(-1, p, _matches(p, dtypes, pair)) for p in pair.followers(1)]
   specs = pair.patterns(0) + pair.patterns(1)
   for caps in sorted(everywhere):
     resolved = []
@@ -578,9 +583,8 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]], dtypes: dict[s
       followers[sign].append(name)
     first = resolved[0].part.path
     fshape = tuple(shapes[first][:pair.stacked]) + ((groups,) if pair.axes is not None else ())
-    yield Instance(key, pair, *(tuple(m.name for m in resolved if m.sign == sign)
-                                for sign in (+1, -1)),
-                   tuple(followers[+1]), tuple(followers[-1]), fshape), members
+    names_a, names_b = (tuple(m.name for m in resolved if m.sign == sign) for sign in (+1, -1))
+    yield Instance(key, pair, names_a, names_b, tuple(followers[+1]), tuple(followers[-1]), fshape), members
 
 
 def _overlap(a: Span | None, b: Span | None) -> bool:

@@ -22,7 +22,8 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-from typing import Any, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -46,7 +47,8 @@ def path_str(key_path: tuple[Any, ...]) -> str:
   return "/".join(names)
 
 
-def leaves_with_paths(tree: Any, is_leaf=None) -> Iterator[tuple[str, Any]]:
+def leaves_with_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None
+                      ) -> Iterator[tuple[str, Any]]:
   """Yields ``(path, leaf)`` for every leaf of ``tree``, in flatten order."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
   for key_path, leaf in flat:
@@ -77,7 +79,7 @@ def arrays_with_paths(tree: Any) -> Iterator[tuple[str, Any]]:
   return ((path, leaf) for path, leaf in leaves_with_paths(tree) if is_array(leaf))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _segments(pattern: str) -> tuple[re.Pattern | None, ...]:
   """Parses a pattern into per-segment regexes; None stands for ``**``."""
   if not pattern or pattern.startswith("/") or pattern.endswith("/"):

@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +22,15 @@ import numpy as np
 import optax
 
 from saggs_jax import paths
-from saggs_jax.balance import (AxisName, Factors, compute_dtype, compute_factors, leaf_multiplier,
-                               replicated, scale_tree)
+from saggs_jax.balance import (
+  AxisName,
+  Factors,
+  compute_dtype,
+  compute_factors,
+  leaf_multiplier,
+  replicated,
+  scale_tree,
+)
 from saggs_jax.degrees import measure
 from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
 from saggs_jax.transport import register_transport, transport
@@ -56,7 +64,7 @@ class SaggsState(NamedTuple):
   """
 
   count: jax.Array
-  factors: Factors
+  factors: Factors | jax.Array  # a placeholder array when init sees no parameters
   residual: jax.Array
 
 
@@ -87,8 +95,12 @@ class SymmetryTransformation(optax.GradientTransformationExtraArgs):
     (True, True)
   """
 
-  def __new__(cls, init, update, around: Callable[..., tuple],
-              resolve: Callable[..., Plan] | None = None):
+  around: Callable[..., tuple]
+  resolve: Callable[..., Plan] | None
+
+  def __new__(cls, init: optax.TransformInitFn, update: optax.TransformUpdateExtraArgsFn,
+              around: Callable[..., tuple], resolve: Callable[..., Plan] | None = None
+              ) -> SymmetryTransformation:
     self = super().__new__(cls, init, update)
     self.around, self.resolve = around, resolve
     return self
@@ -107,7 +119,7 @@ def _no_balancing(fn, *args):
 ERROR_BITS = 14
 
 
-def step_limits(plan, params) -> dict[str, float]:
+def step_limits(plan: Plan, params: Any) -> dict[str, float]:
   """Per pair instance, the largest ``|log c|`` one update applies.
 
   The update lands on ``p * m`` (``m`` the product of a leaf's factors) as
@@ -208,7 +220,7 @@ def _check_whole_groups(plan, global_shapes) -> None:
 
 def _caller():
   """The innermost frame outside saggs_jax, optax and jax: the user's line."""
-  internal = tuple(os.path.dirname(m.__file__) for m in (optax, jax)) + (os.path.dirname(__file__),)
+  internal = tuple(os.path.dirname(m.__file__ or "") for m in (optax, jax)) + (os.path.dirname(__file__),)
   frame = sys._getframe(1)
   while frame is not None and frame.f_code.co_filename.startswith(internal):
     frame = frame.f_back
@@ -265,6 +277,11 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
     A :class:`SymmetryTransformation`. Chain it last, after the inner
     optimizer, with :func:`saggs_jax.chain`.
 
+  References:
+    Bum Jun Kim, `Same Function, Different Trajectory: No Standard Optimizer Is
+    Equivariant to Transformer Reparameterization`, preprint, 2026 (SAGGS
+    and its damped variant, Soft SAGGS).
+
   Example::
 
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
@@ -310,17 +327,17 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
       return SaggsState(count, jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32))
     return SaggsState(count, *_no_balancing(lambda p: factors_of(p, axis_name=None), params))
 
-  def start(state, params):
+  def start(state, params):  # -> the plan, the next count, and the params, checked present
     if params is None:
       raise ValueError("SAGGS needs the current parameters: call update(updates, state, params).")
     _check_global(axis_name)
     plan = resolve(pairs, params)
     _check_whole_groups(plan, global_shapes)
-    return plan, optax.safe_increment(state.count)
+    return plan, jnp.asarray(optax.safe_increment(state.count)), params
 
   def around(prior, grads, state, prior_states, params, degrees=None, **extra_args):
     del extra_args  # the stages before it receive them through prior
-    plan, count = start(state, params)
+    plan, count, params = start(state, params)
     factors, residual = scheduled_factors(count, params)
     balanced = scale_tree(plan, params, factors, 1.0)
     updates, prior_states = prior(scale_tree(plan, grads, factors, -1.0),
@@ -338,7 +355,7 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
           " step but cannot transport that optimizer's moments; use saggs_jax.chain(...)"
           " instead of optax.chain(...).", UserWarning,
           frame.f_code.co_filename if frame else "<unknown>", frame.f_lineno if frame else 0)
-    plan, count = start(state, params)
+    plan, count, params = start(state, params)
     stepped = optax.apply_updates(params, updates)
     factors, residual = scheduled_factors(count, stepped)
     target = scale_tree(plan, stepped, factors, 1.0)
@@ -352,6 +369,10 @@ def saggs(pairs: Sequence[Pair], every: int = 1, axis_name: AxisName = None
   """Hard SAGGS: equalise the norms inside each pair on updates 1, every + 1, ...
 
   Alias of :func:`scale_by_saggs` with ``strength=1``.
+
+  References:
+    Bum Jun Kim, `Same Function, Different Trajectory: No Standard Optimizer Is
+    Equivariant to Transformer Reparameterization`, preprint, 2026.
 
   Example::
 
@@ -368,6 +389,11 @@ def soft(pairs: Sequence[Pair], strength: float = 0.5, every: int = 1,
 
   Alias of :func:`scale_by_saggs`. Each application multiplies the
   log-imbalance ``log(||A_g||/||B_g||)`` by ``1 - strength``.
+
+  References:
+    Bum Jun Kim, `Same Function, Different Trajectory: No Standard Optimizer Is
+    Equivariant to Transformer Reparameterization`, preprint, 2026 (Soft
+    SAGGS).
 
   Example::
 

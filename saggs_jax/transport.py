@@ -37,7 +37,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Mapping, Union
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,7 @@ from saggs_jax.pairs import Plan
 NESTED = "nested"
 """Marks a field that holds an inner optimizer state to transport recursively."""
 
-Degree = Union[int, float, str]
+Degree = int | float | str
 Rule = Callable[[Plan, Any, Factors, str, Any], Any]
 
 AS_REGISTERED = "as registered"
@@ -156,8 +157,9 @@ def _moment_leaf(plan: Plan, path: str, x, factors: Factors, degree: float):
   return None
 
 
-def _degree(registered: Degree, measured: Degree) -> Degree:
-  return registered if isinstance(measured, str) else measured
+def _degree(registered: Degree, measured: Degree) -> float:
+  """The measured degree, else the registered one: a number (``NESTED`` fields reach no leaf)."""
+  return cast(float, registered if isinstance(measured, str) else measured)
 
 
 def _map_leaves(plan: Plan, state, where: str, tree, degrees, leaf_fn: Callable[..., Any]):

@@ -1,6 +1,6 @@
 """Small models for the tests of ``saggs.discover``, each with the symmetries it has.
 
-* the example LLaMA of ``examples/lm.py`` (flax.nnx: RMSNorm, GQA with RoPE,
+* the example LLaMA of ``saggs_jax.testing.lm`` (flax.nnx: RMSNorm, GQA with RoPE,
   SwiGLU), per layer and with its blocks stacked and run by ``nnx.scan``;
 * a GPT-2-style decoder (LayerNorm, attention with biases, GELU MLP);
 * a GeGLU MLP;
@@ -14,22 +14,17 @@ Weights are drawn with NumPy; every model is tiny (d <= 32, 2 layers, 8 tokens).
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-import lm  # noqa: E402
-
-from models import random_like  # noqa: E402
+from models import random_like
+from saggs_jax.testing import lm
 
 # ---------------------------------------------------------------------------
-# The example LLaMA (examples/lm.py), per layer and scanned.
+# The example LLaMA (saggs_jax.testing.lm), per layer and scanned.
 
 LM_CONFIG = lm.ModelConfig(d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
                            mlp_hidden=24, seq_len=8)

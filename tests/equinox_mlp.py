@@ -4,7 +4,7 @@ models hold. Its ReLU MLP has one exact symmetry per hidden channel; Equinox's
 Linear stores weights as (out, in), so the channel is axis 0 of ``up`` and axis
 1 of ``down``."""
 
-from typing import Callable
+from collections.abc import Callable
 
 import equinox as eqx
 import jax

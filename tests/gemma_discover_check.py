@@ -18,9 +18,8 @@ def main():
 
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
   import models
-  from test_discover import orbit_move
-
   import saggs_jax as saggs
+  from test_discover import orbit_move
 
   attention = gm.nn.config.AttentionType.GLOBAL
   config = gm.nn.config.TransformerConfig(

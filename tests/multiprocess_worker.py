@@ -66,7 +66,8 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
   import optax
   import orbax.checkpoint as ocp
   from jax.experimental import multihost_utils
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   import models
   import saggs_jax as saggs
@@ -185,8 +186,8 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
           loss = lambda p, b: models.llama_loss(jax.sharding.reshard(p, P()),  # noqa: E731
                                                 jax.sharding.reshard(b, P()))
         params, balanced = skipping_run(
-            loss, jax.tree.map(lambda x: global_array(x, kind_mesh), models.llama_init(0)),
-            lambda b: global_array(b, kind_mesh))
+            loss, jax.tree.map(lambda x, m=kind_mesh: global_array(x, m), models.llama_init(0)),
+            lambda b, m=kind_mesh: global_array(b, m))
         save_npz(f"every-{kind}", params, balanced=np.array(balanced))
       log(f"{kind}: {SKIPPING_STEPS} full steps, balanced {balanced}")
     if jax.process_index() == 0:

@@ -1,7 +1,8 @@
 """Blocks of a fused leaf, through every part of the library, against NumPy oracles.
 
 Two tiny models in plain JAX: GPT-2 (Hugging Face Flax names and layout: FlaxConv1D
-kernels are (out, in)) with q|k|v fused in the rows of ``c_attn`` (3d, d) and its bias, and a gemma-style one with K and V stacked on a
+kernels are (out, in)) with q|k|v fused in the rows of ``c_attn`` (3d, d) and its bias,
+and a gemma-style one with K and V stacked on a
 leading axis of ``kv_einsum/w`` (2, KV, d, hd) and gate and up on one of
 ``gating_einsum/w`` (2, d, f). The oracle is the orbit move written out by hand:
 which columns, rows or slices each factor multiplies.

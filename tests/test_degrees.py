@@ -56,7 +56,7 @@ def moved(tree, mults, k):
           for n, x in tree.items()}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _history(opt):
   opt = optax.with_extra_args_support(opt)
 

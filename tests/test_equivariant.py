@@ -200,14 +200,14 @@ def test_batch_axes_are_independent_copies():
   g = rand(12, (2, 3, 4, 6), np.float32)
   tx = eqv.scale_by_polar(batch_axes=(0, 1), beta=0.0, **EXACT_NS)
   out = np.asarray(tx.update(g, tx.init(g))[0])
-  for l in range(2):
+  for layer in range(2):
     for e in range(3):
-      close(out[l, e], np.sqrt(6 / 4) * polar(g[l, e]), rtol=1e-3)
+      close(out[layer, e], np.sqrt(6 / 4) * polar(g[layer, e]), rtol=1e-3)
   h = rand(13, (2, F, U), np.float32)
   tx = eqv.scale_by_right_spectral(eqv.UnitDimensionNumbers(-1, batch_axis=0), beta=0.0)
   out = np.asarray(tx.update(h, tx.init(h))[0])
-  for l in range(2):
-    close(out[l], right_spectral(h[l].T).T, rtol=2e-4)
+  for layer in range(2):
+    close(out[layer], right_spectral(h[layer].T).T, rtol=2e-4)
 
 
 @pytest.mark.parametrize("tx", [
@@ -597,7 +597,7 @@ def test_symmetry_compatible_stack():
       lambda *x: np.stack(x), *[t["layers"] for t in trees])}
   stacked = stack_step(True)(stack(gs), stack(ps))
   for i, single in enumerate([out, stack_step(False)(gs[1], ps[1])]):
-    chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], stacked["layers"]), single["layers"],
+    chex.assert_trees_all_close(jax.tree.map(lambda x, i=i: x[i], stacked["layers"]), single["layers"],
                                 rtol=1e-4, atol=1e-5)
 
 

@@ -225,7 +225,7 @@ def _with_outputs(out, params, toks, stacked):
 
 def _layers_of(params, stacked):
   if stacked:
-    return [jax.tree.map(lambda x: x[i], params["layers"]) for i in range(C.num_layers)]
+    return [jax.tree.map(lambda x, i=i: x[i], params["layers"]) for i in range(C.num_layers)]
   return [params["layers"][str(i)] for i in range(C.num_layers)]
 
 

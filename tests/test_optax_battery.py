@@ -15,7 +15,8 @@ whose reasons :func:`test_exclusions_are_documented_limits` checks.
 import contextlib
 import functools
 import inspect
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +77,7 @@ class Case(NamedTuple):
   factory: Callable[..., optax.GradientTransformation]
   learning_rate: float
   targets: tuple[str, ...]
-  stand_in: Optional[str]
+  stand_in: str | None
 
 
 def routed(make_rule, routes):

@@ -11,7 +11,6 @@ import saggs_jax as saggs
 from saggs_jax import paths
 from saggs_jax.pairs import resolve
 
-
 # --- match -----------------------------------------------------------------
 
 @pytest.mark.parametrize("pattern, path, captures", [

@@ -224,8 +224,9 @@ def test_example_lm_sows_logits_by_query_path_and_its_step_clips_them():
   """examples/qk_clip.py's step on a tiny lm.LM: its sown logits, keyed as the clip reads
   them, land on τ after an update with lr 0."""
   sys.path.insert(0, str(ROOT / "examples"))
-  import lm
   import qk_clip as example
+
+  from saggs_jax.testing import lm
 
   config = lm.ModelConfig(d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
                           mlp_hidden=24, seq_len=8)
@@ -273,7 +274,7 @@ def test_max_logits_matches_numpy_with_masks():
 
 FSDP_SCRIPT = textwrap.dedent(r"""
     import sys
-    sys.path[:0] = [TESTS, ROOT]
+    sys.path[:0] = [@TESTS@, @ROOT@]
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import NamedSharding, PartitionSpec as P
     import saggs_jax as saggs
@@ -302,7 +303,7 @@ FSDP_SCRIPT = textwrap.dedent(r"""
 
 
 def test_fsdp_mesh_equals_unsharded():
-  script = FSDP_SCRIPT.replace("TESTS", repr(str(ROOT / "tests"))).replace("ROOT", repr(str(ROOT)))
+  script = FSDP_SCRIPT.replace("@TESTS@", repr(str(ROOT / "tests"))).replace("@ROOT@", repr(str(ROOT)))
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}
   proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

@@ -21,9 +21,8 @@ import pytest
 import equinox_mlp
 import models
 import saggs_jax as saggs
-from saggs_jax import equivariant
 from models import assert_balanced, assert_imbalanced, leaf_dict, norms, random_like
-
+from saggs_jax import equivariant
 
 # A two-layer toy with the same kinds of symmetry as a Transformer: Q/K per KV
 # head under GQA (4 query columns per group against 2 key columns), and a ReLU
@@ -330,7 +329,7 @@ def test_every_k_balances_only_on_updates_1_k_plus_1():
     else:
       chex.assert_trees_all_equal(after, before)
       chex.assert_trees_all_equal(updates, zeros)
-      for k, f in sstate.factors.items():
+      for f in sstate.factors.values():
         np.testing.assert_array_equal(f, np.ones(f.shape, np.float32))
 
 

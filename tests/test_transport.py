@@ -64,7 +64,7 @@ def hand_state(state, degrees, touched=None):
   return jax.tree_util.tree_map_with_path(visit, state)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _update(opt):  # one compile per optimizer is much cheaper than eager steps
   return models.jit(opt.update)
 
@@ -195,7 +195,10 @@ def test_flatten_state_is_unraveled_scaled_and_raveled():
     assert_close(getattr(got, field), want, f"{field}: library transport")
 
 
-def _loss(p, target=jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)):
+_TARGET = jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)
+
+
+def _loss(p, target=_TARGET):
   """Invariant under q, b -> q c, b c and k -> k / c per column group."""
   return (jnp.sum((p["q"] @ p["k"].T - target) ** 2) + jnp.sum((p["k"] @ p["b"] - 1) ** 2)
           + jnp.sum((p["w"] - 1) ** 2))

@@ -7,12 +7,11 @@ copies. Inputs are floating arrays of at least float32; callers promote.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, Sequence, Union
+from collections.abc import Sequence
+from typing import Literal, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
-
-Coeffs = Union[str, "CoefficientSet", Sequence[float], Sequence[Sequence[float]]]
 
 # Keller Jordan's Muon quintic: steep at 0, so 5 steps suffice, but it does not
 # converge; singular values settle in about [0.68, 1.2].
@@ -67,6 +66,9 @@ class CoefficientSet(NamedTuple):
   headroom: float = 1.01
 
 
+Coeffs = str | CoefficientSet | Sequence[float] | Sequence[Sequence[float]]
+
+
 NS_COEFFS = {
     "quintic": CoefficientSet(QUINTIC),
     "polar_express": CoefficientSet(POLAR_EXPRESS),
@@ -95,13 +97,16 @@ def _schedule(coeffs: Coeffs, steps: int) -> tuple[tuple[tuple[float, float, flo
       raise ValueError(f"Unknown Newton-Schulz coefficients {coeffs!r}; expected one of {sorted(NS_COEFFS)}.")
     coeffs = NS_COEFFS[coeffs]
   if isinstance(coeffs, CoefficientSet):
-    coeffs, headroom = coeffs
+    rows, headroom = coeffs
   elif len(coeffs) == 3 and all(isinstance(c, (int, float)) for c in coeffs):
-    coeffs = (coeffs,)
-  coeffs = tuple(tuple(float(c) for c in abc) for abc in coeffs)
-  if not coeffs or any(len(abc) != 3 for abc in coeffs):
-    raise ValueError(f"Newton-Schulz coefficients must be (a, b, c) triples, got {coeffs!r}.")
-  return tuple(coeffs[min(i, len(coeffs) - 1)] for i in range(steps)), headroom
+    rows = (coeffs,)
+  else:
+    rows = coeffs
+  rows = tuple(tuple(float(c) for c in abc) for abc in cast(Sequence[Sequence[float]], rows))
+  if not rows or any(len(abc) != 3 for abc in rows):
+    raise ValueError(f"Newton-Schulz coefficients must be (a, b, c) triples, got {rows!r}.")
+  triples = cast(tuple[tuple[float, float, float], ...], rows)
+  return tuple(triples[min(i, len(triples) - 1)] for i in range(steps)), headroom
 
 
 def newton_schulz(
@@ -156,8 +161,8 @@ def newton_schulz(
       :math:`Q \leftarrow PQ`, :math:`A \leftarrow PAP` (``m x m`` products
       only) and X is touched twice, to form :math:`A_0` and to apply Q. Per
       step that is about :math:`4m^3` flops against :math:`2m^2n + m^3`:
-      cheaper once ``n`` is a few times ``m`` (on CPU 0.4-0.6x the time at
-      ``n = 8m``, slower at ``n = m``; ``bench/bench_gram_newton_schulz.py``).
+      cheaper once ``n`` is a few times ``m`` (timings:
+      ``bench/bench_gram_newton_schulz.py``).
       Same result in exact arithmetic; rounding differs.
 
   Returns:
@@ -255,7 +260,7 @@ def spectral(
     eps: float,
     *,
     relative: bool = True,
-    method: Union[Literal["eigh"], Coeffs] = "eigh",
+    method: Literal["eigh"] | Coeffs = "eigh",
     steps: int = 5,
     gram: Gram = "smaller",
 ) -> tuple[jax.Array, jax.Array]:

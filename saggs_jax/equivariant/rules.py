@@ -247,7 +247,7 @@ def _rule(name: str, planner, direction, *, beta, nesterov, mu_dtype, joint=(), 
         x = jnp.concatenate([_to_matrix(leaves[i], plans[i]) for i in block], axis=-1)
         xs.append(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
       results = _batched(local, xs) if batched else [local(x) for x in xs]
-      out: list = [None] * len(leaves)
+      out: list[jax.Array | None] = [None] * len(leaves)
       for block, result in zip(blocks, results):
         cols = np.cumsum([plans[i].matrix_shape[-1] for i in block])[:-1]
         for i, piece in zip(block, jnp.split(result, cols, axis=-1)):

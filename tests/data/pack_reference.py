@@ -35,7 +35,7 @@ def pack(src):
     out[f"{case}/meta"] = z[f"{case}/meta"]
     for t in meta["tensors"]:
       name = t["name"]
-      get = lambda s, m, a: z[f"{case}/{s}/{m}/{name}/{a}"]  # noqa: E731
+      get = lambda s, m, a, case=case, name=name: z[f"{case}/{s}/{m}/{name}/{a}"]
       grads = np.stack([get("zero", "fp32", f"grad_{k}") for k in (1, 2, 3)])
       init = get("init_wd", "fp32", "param_0")
       for s in info["scenarios"]:

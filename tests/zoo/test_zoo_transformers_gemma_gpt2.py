@@ -30,6 +30,7 @@ def test_gpt2_preset_moves_the_transformers_model_as_written_by_hand():
   """``presets.gpt2`` on FlaxGPT2LMHeadModel's own parameters (FlaxConv1D: kernels (out, in)):
   random factors move exactly the rows and columns a NumPy oracle moves, and the logits stay."""
   import numpy as np
+
   import saggs_jax as saggs
 
   zoo, hd = model("gpt2"), zoo_models.D // zoo_models.HEADS

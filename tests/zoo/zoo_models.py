@@ -9,7 +9,7 @@ own process (``gemma_worker.py``): importing ``gemma.gm`` replaces flax's
 
 import time
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -14,7 +14,8 @@ subprocess) run the same checks.
 """
 
 import fnmatch
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -149,7 +150,7 @@ def atoms(pairs, values: dict[str, np.ndarray]) -> list[Atom]:
       sides += [(sign, "m", spec, a) for spec, a in zip(specs, ax)]
       sides += [(sign, "f", spec, None) for spec in _tuple(follow)]
     instances: dict[tuple, list] = {}
-    for k, (sign, role, spec, ax) in enumerate(sides):
+    for k, (_, _, spec, _) in enumerate(sides):
       for path in values:
         caps = match(_pattern(spec), path)
         if caps is not None:

@@ -1,4 +1,9 @@
-"""Shared infrastructure for the examples: data, a small LLaMA-style LM, training.
+"""The example LM shared by ``examples/``, ``tests/`` and ``bench/``: data, a small
+LLaMA-style LM, training.
+
+For the project's own examples, tests and benchmarks (as ``chex`` ships its test
+utilities), not a stable API. It needs ``matplotlib`` and ``tqdm`` (the
+``examples`` extra) only for plots and the progress bar.
 
 Everything here runs on a laptop CPU without downloads:
 
@@ -14,9 +19,9 @@ Everything here runs on a laptop CPU without downloads:
   with a progress bar, periodic evaluation and metric logging; a plain-text
   results table and PNG plots.
 
-Typical use from a script in this folder::
+Typical use::
 
-  import lm
+  from saggs_jax.testing import lm
   corpus = lm.load_corpus()
   graphdef, params = lm.init_model(lm.ModelConfig(), seed=0)
   params, opt_state, history = lm.train(
@@ -33,19 +38,22 @@ import os
 import pathlib
 import sysconfig
 import time
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from matplotlib.figure import Figure
-from tqdm import tqdm
+
+if TYPE_CHECKING:
+  from matplotlib.figure import Figure
 
 import saggs_jax as saggs
 
 VOCAB_SIZE = 256  # bytes
+T = TypeVar("T")
 
 # ----------------------------------------------------------------------------
 # Data
@@ -379,7 +387,7 @@ def make_evaluate(graphdef: nnx.GraphDef) -> Callable[[nnx.State, jax.Array], ja
   return jax.jit(evaluate)
 
 
-def donatable_copy(tree: Any) -> Any:
+def donatable_copy(tree: T) -> T:
   """Copies every leaf of ``tree`` as a strongly typed array.
 
   A copy can be donated to ``train_step`` while the original stays usable. A
@@ -429,13 +437,15 @@ def train(graphdef: nnx.GraphDef, params: nnx.State, tx: optax.GradientTransform
   def log_eval(step):
     evals.append((step, float(evaluate(params, val_batches))))
 
-  def log_metrics(step):
-    metrics.append((step, jax.tree.map(np.asarray, dict(metrics_fn(step, params, opt_state)))))
+  def log_metrics(fn: MetricsFn, step, params, opt_state):
+    metrics.append((step, jax.tree.map(np.asarray, dict(fn(step, params, opt_state)))))
 
   start = time.perf_counter()
   log_eval(0)
   if metrics_fn:
-    log_metrics(0)
+    log_metrics(metrics_fn, 0, params, opt_state)
+  from tqdm import tqdm  # the examples extra: importing this module does not need it
+
   bar = tqdm(range(1, steps + 1), desc=desc, disable=not progress, dynamic_ncols=True)
   for step in bar:
     batch = sample_batch(jax.random.fold_in(data_key, step), corpus.train, batch_size, seq_len)
@@ -444,7 +454,7 @@ def train(graphdef: nnx.GraphDef, params: nnx.State, tx: optax.GradientTransform
     if step % eval_every == 0 or step == steps:
       log_eval(step)
     if metrics_fn and step % metrics_every == 0:
-      log_metrics(step)
+      log_metrics(metrics_fn, step, params, opt_state)
     if step % log_every == 0 or step == steps:
       bar.set_postfix(loss=f"{float(loss):.4f}", val=f"{evals[-1][1]:.4f}")
   seconds = time.perf_counter() - start
@@ -512,6 +522,8 @@ def plot_curves(histories: Mapping[str, Mapping[str, np.ndarray]], path: str | p
   right, validation loss minus the first run's, where runs a few hundredths apart
   are told apart."""
   # Figure without pyplot renders PNGs with Agg and touches no global backend state.
+  from matplotlib.figure import Figure
+
   fig = Figure(figsize=(12, 4.5))
   ax, gap = fig.subplots(1, 2)
   reference = next(iter(histories.values()))["eval_loss"]
@@ -540,6 +552,8 @@ def plot_metric_curves(curves: Mapping[str, tuple[np.ndarray, np.ndarray]],
   ``values`` of shape (steps,) is one line; shape (steps, ...) draws one thin
   line per trailing entry (e.g. per layer and head), all in the label's color.
   """
+  from matplotlib.figure import Figure
+
   fig = Figure(figsize=(7, 4.5))
   ax = fig.subplots()
   for i, (label, (steps, values)) in enumerate(curves.items()):

@@ -1,0 +1,274 @@
+"""Group norms: the log squared norm and log largest magnitude of every group, scale-safe.
+
+Norms are kept as logarithms. A leaf whose float32 sums of squares overflow,
+underflow or meet a non-finite entry is recomputed in two passes: the group
+maxima, then the squares of entries divided by the tensor's largest finite group
+maximum. A zero or non-finite norm is reported as such (``-inf``, ``+inf``), and
+a non-finite entry only affects its own group.
+
+A leaf with blocks (see :class:`saggs_jax.Block`) is cut at their boundaries
+into pieces (:attr:`saggs_jax.pairs.Plan.pieces`) whose entries move by the
+same slots; its statistics are taken per piece through a mask along the block
+axis, so a sharded block axis stays sharded.
+
+On a mesh the squared norms are summed per group where the data lives and
+combined with one all-reduce of at most one value per group; inside
+``shard_map`` ``axis_name`` names the mesh axes to sum over.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import core
+
+from saggs_jax import paths
+from saggs_jax.numerics import AxisName, compute_dtype, log_dtype_max, replicated
+from saggs_jax.pairs import Plan, Slot, Span
+
+# A float32 sum of squares this small may have lost digits to underflow: such
+# norms (and overflowing or non-finite ones) are recomputed on the safe path.
+_SMALLEST_SAFE_SUM = 1e-20
+
+
+def _group_reduce(v: jax.Array, slot: Slot, axis_name: AxisName, op: str = "sum") -> jax.Array:
+  """Sums (or, for ``v >= 0``, maxes) ``v`` over each group of ``slot``: shape
+  ``stacked_shape (+ (groups,))``, replicated.
+
+  On a mesh (``jax.set_mesh``) it is one reduction over every axis but the
+  stacked ones, whatever the layout: each device reduces its own entries per
+  group and a single all-reduce of one value per group combines them. Several
+  indices per group are then masked by a one-hot broadcast inside that
+  reduction (``groups`` multiply-adds per entry, fused, never materialised):
+  summing the other axes first would all-reduce one value per index when they
+  are sharded, and reshaping the group axis into (groups, size) would gather
+  it when its shards straddle groups. Without a mesh, per-index reductions
+  followed by a reshape of that small vector are cheapest.
+  """
+  reduce, collective = {"sum": (jnp.sum, jax.lax.psum), "max": (jnp.max, jax.lax.pmax)}[op]
+  axis = slot.axis
+  if axis is None or slot.per_index(v.shape[axis]):
+    s = reduce(v, axis=slot.reduce_axes(v.ndim))
+  elif jax.sharding.get_abstract_mesh().empty:  # per index, then per group of that small vector
+    s = reduce(v, axis=slot.reduce_axes(v.ndim))
+    start, stop = slot.tiled(v.shape[axis])  # (within a block)
+    s = reduce(s[..., start:stop].reshape(s.shape[:-1] + (slot.groups, -1)), axis=-1)
+  else:
+    one_hot = jnp.asarray(slot.membership(v.shape[axis]), v.dtype)  # (size, groups)
+    mask = one_hot.reshape((1,) * axis + one_hot.shape[:1] + (1,) * (v.ndim - axis - 1)
+                           + one_hot.shape[1:])
+    s = reduce(v[..., None] * mask, axis=tuple(range(slot.stacked, v.ndim)))
+  s = replicated(s)
+  return collective(s, axis_name) if axis_name else s  # () names no axis: nothing to sum
+
+
+def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str = "sum"
+            ) -> jax.Array:
+  """``v >= 0`` reduced per group of every slot of one leaf: the leaf's stacked axes (those
+  of its slot with the most) plus one axis per slot (of size 1 for a whole-tensor slot),
+  replicated.
+
+  With several slots (a leaf in overlapping pairs) the sum is taken per combination of
+  groups, as one contraction with each grouped axis's one-hot membership; the ``max``
+  is then bounded by the smallest of the per-slot maxima, which suffices for the
+  overflow bounds it serves.
+  """
+  stacked = stacked_axes(slots)
+  if len(slots) == 1:
+    r = _group_reduce(v, slots[0], axis_name, op)
+    return r if slots[0].axis is not None else r[..., None]
+  if op == "max":
+    return functools.reduce(jnp.minimum, [along_slot(_reduce(v, (s,), axis_name, op), i, slots)
+                                          for i, s in enumerate(slots)])
+  operands, out = [v, list(range(v.ndim))], list(range(stacked))
+  for s in slots:
+    if s.axis is None:
+      continue
+    if s.per_index(v.shape[s.axis]):
+      out.append(s.axis)
+    else:
+      operands += [jnp.asarray(s.membership(v.shape[s.axis]), v.dtype), [s.axis, v.ndim + len(out)]]
+      out.append(v.ndim + len(out))
+  r = jnp.einsum(*operands, out, precision=jax.lax.Precision.HIGHEST)
+  for i, s in enumerate(slots):
+    if s.axis is None:
+      r = jnp.expand_dims(r, stacked + i)
+  r = replicated(r)
+  return jax.lax.psum(r, axis_name) if axis_name else r
+
+
+def _fast_log_sq(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
+  """``log sum x**2`` per group from one float32 pass. Inexact or infinite when the
+  squares over- or underflow."""
+  return jnp.log(_reduce(jnp.square(x.astype(compute_dtype(x.dtype))), slots, axis_name))
+
+
+def _safe_stats(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
+  """``(log sum x**2, log max |x|)`` per group in two passes: the group maxima, then the
+  squares of entries scaled by their copy's largest finite group maximum (to the nearest
+  power of two), which cannot overflow. A non-finite group's sum is +inf and a zero
+  group's -inf: both mean "do not balance"."""
+  stacked = stacked_axes(slots)
+  dtype = compute_dtype(x.dtype)
+  x = x.astype(dtype)
+  group_max = _reduce(jnp.abs(x), slots, axis_name, "max")  # inf or NaN where an entry is
+  scale = jnp.max(jnp.where(jnp.isfinite(group_max), group_max, 0),
+                  axis=tuple(range(stacked, group_max.ndim)))
+  # Divide by 2**e, the scale's binary exponent, as two exact multiplies by normal
+  # powers of two: 1 / scale itself is subnormal near the dtype's maximum, and flushed.
+  _, e = jnp.frexp(scale)
+  e = e.reshape(e.shape + (1,) * (x.ndim - stacked))
+  x = x * jnp.ldexp(jnp.ones((), dtype), -(e // 2)) * jnp.ldexp(jnp.ones((), dtype), e // 2 - e)
+  log_scale = (e.reshape(e.shape[:stacked] + (1,) * len(slots)) * np.log(2.0)).astype(dtype)
+  sq = _reduce(jnp.square(x), slots, axis_name)
+  return jnp.where(jnp.isfinite(sq), 2 * log_scale + jnp.log(sq), jnp.inf), jnp.log(group_max)
+
+
+def _restrict(x: jax.Array, block: Span | None) -> jax.Array:
+  """``x`` with zeros outside ``block``: a mask along the block axis, which keeps every
+  axis of ``x`` (and its sharding) and fuses into the reduction that reads it."""
+  if block is None:
+    return x
+  axis, start, stop = block
+  index = jax.lax.broadcasted_iota(jnp.int32, tuple(n if i == axis else 1
+                                                    for i, n in enumerate(x.shape)), axis)
+  return jnp.where((index >= start) & (index < stop), x, jnp.zeros((), x.dtype))
+
+
+Stats = dict[tuple, tuple[jax.Array, jax.Array]]
+
+
+class _Packing(NamedTuple):
+  """The statistics of all pieces as one flat float32 vector, each piece a static span
+  (its shape: its stacked axes, then one axis per slot)."""
+
+  shapes: dict[tuple, tuple[int, ...]]
+  spans: list[tuple[int, int]]
+
+  @classmethod
+  def of(cls, plan: Plan, leaves: dict[str, Any]) -> _Packing:
+    shapes = {k: leaves[piece.path].shape[:stacked_axes(piece.slots)]
+              + tuple(1 if s.axis is None else s.groups for s in piece.slots)
+              for k, piece in plan.pieces.items()}
+    ends = np.cumsum([int(np.prod(s)) for s in shapes.values()])
+    return cls(shapes, [(int(e - np.prod(s)), int(e)) for s, e in zip(shapes.values(), ends)])
+
+  def pack(self, values: dict) -> jax.Array:
+    return jnp.concatenate([jnp.ravel(values[p]).astype(jnp.float32) for p in self.shapes])
+
+  def unpack(self, log_sq: jax.Array, log_max: jax.Array) -> Stats:
+    return {p: (log_sq[a:b].reshape(s), log_max[a:b].reshape(s))
+            for (p, s), (a, b) in zip(self.shapes.items(), self.spans)}
+
+
+def _trusted(plan: Plan, leaves: dict[str, Any], packing: _Packing, log_sq: jax.Array
+             ) -> jax.Array:
+  """Where the one-pass ``log_sq`` can be kept: neither so small that it may have lost
+  digits to underflow (on a leaf whose norm the balancing minimises), nor so large that a factor
+  bounded by it could overflow a dtype of its pair, nor NaN."""
+  dtype_max = {}  # the smallest dtype maximum among the leaves of each instance
+  for path, slots in plan.slots.items():
+    for s in slots:
+      dtype_max[s.key] = min(dtype_max.get(s.key, np.inf), log_dtype_max(leaves[path].dtype))
+  limit = {k: min(dtype_max[s.key] for s in piece.slots) for k, piece in plan.pieces.items()}
+  lowest = {k: np.log(_SMALLEST_SAFE_SUM) if k[0] in plan.counted else -np.inf
+            for k in packing.shapes}
+  return ((log_sq <= packing.pack({p: np.full(s, 2 * limit[p]) for p, s in packing.shapes.items()}))
+          & (log_sq >= packing.pack({p: np.full(s, lowest[p])
+                                     for p, s in packing.shapes.items()})))  # NaN fails
+
+
+Recompute = Callable[[jax.Array], list[jax.Array]]  # one leaf -> its piece's flat statistics
+
+
+def _recompute_traced(packing: _Packing, safe: list[Recompute], operands: list[jax.Array],
+                      trusted: jax.Array, log_sq: jax.Array, log_max: jax.Array
+                      ) -> tuple[jax.Array, jax.Array]:
+  """The untrusted pieces recomputed one at a time by a ``lax.while_loop`` over a
+  ``lax.switch`` on the piece: no iteration in the common case, and the compiled code
+  holds the safe passes of one piece, not of all."""
+  spans = packing.spans
+  leaf_of = jnp.asarray(np.repeat(np.arange(len(spans)), [b - a for a, b in spans]))
+  starts, stops = (jnp.asarray(v) for v in zip(*spans))
+  width = max(b - a for a, b in spans)
+  branches = [lambda xs, i=i: [jnp.pad(v, (0, width - v.size)) for v in safe[i](xs[i])]
+              for i in range(len(spans))]
+
+  def body(carry):  # the first piece still untrusted, recomputed and written into its span
+    bad, log_sq, log_max = carry
+    leaf = leaf_of[jnp.argmax(bad)]
+    index = jnp.arange(bad.size)
+    span = (index >= starts[leaf]) & (index < stops[leaf])
+
+    def place(v):
+      return jax.lax.dynamic_update_slice(
+          jnp.zeros(bad.size + width, jnp.float32), v, (starts[leaf],))[:bad.size]
+
+    sq, top = jax.lax.switch(leaf, branches, operands)
+    return bad & ~span, jnp.where(span, place(sq), log_sq), jnp.where(span, place(top), log_max)
+
+  _, log_sq, log_max = jax.lax.while_loop(lambda c: jnp.any(c[0]), body,
+                                          (~trusted, log_sq, log_max))
+  return log_sq, log_max
+
+
+def _recompute_eager(packing: _Packing, safe: list[Recompute], operands: list[jax.Array],
+                     trusted: jax.Array, log_sq: jax.Array, log_max: jax.Array
+                     ) -> tuple[jax.Array, jax.Array]:
+  """The untrusted pieces recomputed, known on the host: no loop is compiled."""
+  for f, x, (a, b) in zip(safe, operands, packing.spans):
+    if not np.all(np.asarray(trusted[a:b])):
+      sq, top = f(x)
+      log_sq, log_max = log_sq.at[a:b].set(sq), log_max.at[a:b].set(top)
+  return log_sq, log_max
+
+
+def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
+  """Per declared piece (a leaf, or a part of it between block boundaries) ``(log sum of
+  squares, log of the largest magnitude)`` per group of each of its slots (see
+  :func:`_reduce`), in float32.
+
+  The common case takes one float32 pass per leaf. A piece is recomputed by the
+  scale-safe passes (:func:`_safe_stats`) when one of its sums of squares overflowed,
+  underflowed or met a non-finite entry, or a norm is so large that a factor bounded
+  by it could overflow a dtype of its pair: under jit by :func:`_recompute_traced`,
+  called eagerly by :func:`_recompute_eager`.
+  """
+  if not plan.slots:  # no pairs (an empty discover result): nothing to measure
+    return {}
+  leaves = dict(paths.leaves_with_paths(params))
+  pieces = list(plan.pieces.values())
+  packing = _Packing.of(plan, leaves)
+  log_sq = packing.pack({k: _fast_log_sq(_restrict(leaves[pc.path], pc.block), pc.slots,
+                                         axis_name) for k, pc in plan.pieces.items()})
+  log_max = 0.5 * log_sq  # the norm bounds the largest entry
+  trusted = _trusted(plan, leaves, packing, log_sq)
+  # A piece is masked inside its branch: the leaf itself is the operand, never a copy.
+  safe = [lambda x, pc=pc: [v.ravel().astype(jnp.float32)
+                            for v in _safe_stats(_restrict(x, pc.block), pc.slots, axis_name)]
+          for pc in pieces]
+  traced = isinstance(trusted, core.Tracer) or not trusted.is_fully_addressable
+  recompute = _recompute_traced if traced else _recompute_eager
+  log_sq, log_max = recompute(packing, safe, [leaves[pc.path] for pc in pieces], trusted,
+                              log_sq, log_max)
+  return packing.unpack(log_sq, log_max)
+
+
+def stacked_axes(slots: Sequence[Slot]) -> int:
+  """The stacked axes kept in a leaf's statistics: a slot with fewer treats the others'
+  copies as part of its groups (a norm gain shared by stacked experts)."""
+  return max(s.stacked for s in slots)
+
+
+def along_slot(u: jax.Array, i: int, slots: Sequence[Slot]) -> jax.Array:
+  """Log-factors of one instance (``stacked_shape (+ (groups,))``) laid out on the
+  statistics of a leaf (see :func:`_reduce`) along slot ``i``."""
+  own = slots[i].stacked
+  return u.reshape(u.shape[:own] + (1,) * (stacked_axes(slots) - own + i) + (-1,)
+                   + (1,) * (len(slots) - 1 - i))
+

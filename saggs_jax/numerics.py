@@ -1,0 +1,41 @@
+"""What balancing's norms, solver and scaling share: types, the compute dtype, dtype limits,
+and the replicated layout of per-group values on a mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+from jax.typing import DTypeLike
+
+Factors = dict[str, jax.Array]
+AxisName = str | Sequence[str] | None
+
+
+def compute_dtype(dtype: DTypeLike) -> jnp.dtype:
+  """At least float32, float64 when the leaf already is."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def is_explicit(x: jax.Array) -> bool:
+  """Whether ``x`` is typed with an Explicit-mode sharding (its shardings must then agree)."""
+  return jax.typeof(x).sharding.mesh._any_axis_explicit
+
+
+def replicated(x: jax.Array) -> jax.Array:
+  """``x`` (small: one value per group) pinned replicated on the current mesh, so that XLA
+  neither shards nor gathers it; nothing to do without a mesh or inside ``shard_map``."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.manual_axes:
+    return x
+  if is_explicit(x):
+    return jax.sharding.reshard(x, PartitionSpec())
+  return jax.lax.with_sharding_constraint(x, PartitionSpec())
+
+
+def log_dtype_max(dtype: DTypeLike) -> float:
+  """log of the largest value a leaf of ``dtype`` may be scaled to, with a rounding margin."""
+  return float(np.log(float(jnp.finfo(dtype).max)) + np.log1p(-2.0**-8))
