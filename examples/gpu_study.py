@@ -51,6 +51,7 @@ import time
 from collections.abc import Sequence
 
 import jax
+
 import study
 
 GPU = {"d_model": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 12, "head_dim": 64,

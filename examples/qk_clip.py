@@ -44,10 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import stats
 from tqdm import tqdm
 
 import saggs_jax as saggs
+import stats
 from saggs_jax import equivariant as eqv
 from saggs_jax.testing import lm
 

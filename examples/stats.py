@@ -18,7 +18,6 @@ correction lowers it):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np

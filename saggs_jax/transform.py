@@ -452,7 +452,7 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
     if layout not in measured:
       first = symmetric.index(True)
       prior = optax.GradientTransformationExtraArgs(
-          lambda p: tuple(t.init(p) for t in stages[:first]),
+          lambda params: tuple(t.init(params) for t in stages[:first]),
           lambda g, s, p=None, **extra: run(stages[:first], g, s, p, extra))
       found = measure(prior, params, stages[n].resolve(params))
       measured[layout] = None if found is None else (*found, *(None,) * (n - first))

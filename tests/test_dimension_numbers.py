@@ -5,7 +5,6 @@ library's polar rule with the same coefficients gives the same trajectory."""
 
 from __future__ import annotations
 
-import discover_models as dm
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +12,7 @@ import optax
 import pytest
 from optax.contrib import MuonDimensionNumbers as MDN
 
+import discover_models as dm
 import saggs_jax as saggs
 from saggs_jax import equivariant as eqv
 

@@ -22,9 +22,9 @@ import time
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.heavy  # run by .ci/run (pytest -m heavy), not by default
-
 import models
+
+pytestmark = pytest.mark.heavy  # run by .ci/run (pytest -m heavy), not by default
 
 WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
 TIMEOUT = 300  # seconds for the whole test; a few dozen on an idle 2-core machine

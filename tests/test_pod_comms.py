@@ -156,5 +156,6 @@ def test_comms_once_per_update_and_sharded_equals_unsharded():
          "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")])}
   result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
                           timeout=900, check=False)
-  fails = "\n".join(l[:600] for l in result.stderr.splitlines() if l.startswith(("FAIL", "Traceback", "  File", "E", "V")))
+  starts = ("FAIL", "Traceback", "  File", "E", "V")
+  fails = "\n".join(line[:600] for line in result.stderr.splitlines() if line.startswith(starts))
   assert result.returncode == 0 and "POD-COMMS-OK" in result.stdout, fails or result.stderr[-4000:]

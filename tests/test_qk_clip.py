@@ -225,7 +225,6 @@ def test_example_lm_sows_logits_by_query_path_and_its_step_clips_them():
   them, land on τ after an update with lr 0."""
   sys.path.insert(0, str(ROOT / "examples"))
   import qk_clip as example
-
   from saggs_jax.testing import lm
 
   config = lm.ModelConfig(d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,

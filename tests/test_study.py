@@ -17,9 +17,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-import gpu_study  # pyright: ignore[reportMissingImports]
-import stats  # pyright: ignore[reportMissingImports]
-import study  # pyright: ignore[reportMissingImports]
+import gpu_study  # noqa: E402  # pyright: ignore[reportMissingImports]
+import stats  # noqa: E402  # pyright: ignore[reportMissingImports]
+import study  # noqa: E402  # pyright: ignore[reportMissingImports]
 
 # Published two-sided 95% quantiles t_{0.975, df} (e.g. NIST/SEMATECH e-Handbook, table 1.3.6.7.2).
 T_975 = {1: 12.706205, 3: 3.182446, 7: 2.364624, 9: 2.262157}

@@ -26,7 +26,13 @@ Example:
 
 from optax.contrib import MuonDimensionNumbers
 
-from saggs_jax.equivariant._linalg import NS_COEFFS, POLAR_EXPRESS, QUINTIC, CoefficientSet, newton_schulz
+from saggs_jax.equivariant._linalg import (
+    NS_COEFFS,
+    POLAR_EXPRESS,
+    QUINTIC,
+    CoefficientSet,
+    newton_schulz,
+)
 from saggs_jax.equivariant.dimension_numbers import UnitDimensionNumbers, muon_dimension_numbers
 from saggs_jax.equivariant.rules import (
     REFERENCE,

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
   from matplotlib.figure import Figure
 
 import saggs_jax as saggs
+from saggs_jax import paths
 
 VOCAB_SIZE = 256  # bytes
 T = TypeVar("T")
@@ -234,7 +235,7 @@ class Attention(nnx.Module):
     q, k = apply_rope(q, c.rope_theta), apply_rope(k, c.rope_theta)
     if self.sow_max_logits:  # what saggs.qk_clip reads, from the q and k of this forward pass
       self.sow(nnx.Intermediate, "max_logits", saggs.max_logits(q, k, is_causal=True),
-               reduce_fn=lambda _, new: new)  # one value per call, not a growing tuple
+               reduce_fn=lambda _, new: new)  # pyright: ignore[reportArgumentType]  # one value per call, not a growing tuple
     # Groups query heads contiguously per KV head and takes the softmax in float32.
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     return self.o_proj(out.reshape(batch, seq_len, c.num_heads * c.head_dim))
@@ -320,7 +321,7 @@ def loss_and_max_logits(params: nnx.State, graphdef: nnx.GraphDef, batch: jax.Ar
   model.set_attributes(sow_max_logits=True)
   logits, sown = nnx.capture(model, nnx.Intermediate)(batch[:, :-1])
   return _cross_entropy(logits, batch), {path.replace("/max_logits", "/q_proj/kernel"): value
-                for path, value in saggs.paths.leaves_with_paths(sown)}
+                for path, value in paths.leaves_with_paths(sown)}
 
 
 def num_params(params: Any) -> int:

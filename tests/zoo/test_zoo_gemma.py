@@ -13,9 +13,9 @@ import tempfile
 
 import pytest
 
-pytestmark = pytest.mark.heavy  # run by .ci/run (pytest -m heavy), not by default
-
 import zoo_oracle
+
+pytestmark = pytest.mark.heavy  # run by .ci/run (pytest -m heavy), not by default
 
 if importlib.util.find_spec("gemma") is None:  # not imported here: see above
   pytest.skip("the zoo extra is not installed: pip install -e '.[zoo]'", allow_module_level=True)
