@@ -24,10 +24,30 @@ from jax.sharding import PartitionSpec as P
 
 from saggs_jax import equivariant as eqv
 
-KINDS = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter",
-         "collective-broadcast", "ragged-all-to-all")
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-             "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+KINDS = (
+  "all-reduce",
+  "all-gather",
+  "all-to-all",
+  "collective-permute",
+  "reduce-scatter",
+  "collective-broadcast",
+  "ragged-all-to-all",
+)
+_ITEMSIZE = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "bf16": 2,
+  "f16": 2,
+  "s16": 2,
+  "u16": 2,
+  "f32": 4,
+  "s32": 4,
+  "u32": 4,
+  "f64": 8,
+  "s64": 8,
+  "u64": 8,
+}
 _OP = re.compile(r"\s*(?:ROOT )?%?[\w.\-]+ = (.*?) (" + "|".join(KINDS) + r")(-done)?\(")
 
 
@@ -40,8 +60,10 @@ def collectives(hlo: str) -> list[tuple[str, int]]:
   found = []
   for line in hlo.splitlines():
     if m := _OP.match(line):
-      size = sum(_ITEMSIZE[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
-                 for t, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", m.group(1)))
+      size = sum(
+        _ITEMSIZE[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
+        for t, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", m.group(1))
+      )
       found.append((m.group(2), size))
   return found
 
@@ -60,12 +82,12 @@ def measure(tx: optax.GradientTransformation, params, shardings) -> tuple[int, f
 
 def rules() -> dict[str, optax.GradientTransformation]:
   return {
-      "scale_by_polar, 5 steps": eqv.scale_by_polar(),
-      "scale_by_polar, 10 steps": eqv.scale_by_polar(ns_steps=10),
-      "scale_by_hybrid": eqv.scale_by_hybrid(0),
-      "scale_by_right_spectral": eqv.scale_by_right_spectral(0),
-      "optax.contrib.muon, 5 steps": optax.contrib.muon(0.02),
-      "adamw": optax.adamw(1e-3),
+    "scale_by_polar, 5 steps": eqv.scale_by_polar(),
+    "scale_by_polar, 10 steps": eqv.scale_by_polar(ns_steps=10),
+    "scale_by_hybrid": eqv.scale_by_hybrid(0),
+    "scale_by_right_spectral": eqv.scale_by_right_spectral(0),
+    "optax.contrib.muon, 5 steps": optax.contrib.muon(0.02),
+    "adamw": optax.adamw(1e-3),
   }
 
 
@@ -76,11 +98,15 @@ def main():
   args = parser.parse_args()
   mesh = jax.make_mesh((jax.device_count(),), ("x",), axis_types=(AxisType.Auto,))
   rng = np.random.default_rng(0)
-  params = {f"w{i}": jnp.asarray(rng.standard_normal((args.size, args.size)), jnp.float32)
-            for i in range(args.count)}
+  params = {
+    f"w{i}": jnp.asarray(rng.standard_normal((args.size, args.size)), jnp.float32)
+    for i in range(args.count)
+  }
   shardings = {k: NamedSharding(mesh, P("x", None)) for k in params}
-  print(f"{jax.device_count()} {jax.default_backend()} devices, rows sharded, {args.count} "
-        f"{args.size}x{args.size} float32 matrices; jax {jax.__version__}, optax {optax.__version__}\n")
+  print(
+    f"{jax.device_count()} {jax.default_backend()} devices, rows sharded, {args.count} "
+    f"{args.size}x{args.size} float32 matrices; jax {jax.__version__}, optax {optax.__version__}\n"
+  )
   print("| rule | collectives | collective bytes / parameter bytes |\n|---|---|---|")
   with jax.set_mesh(mesh):
     for name, tx in rules().items():

@@ -42,11 +42,20 @@ def main(argv=None):
     found = discover(forward, params, tokens)
     times.append(time.perf_counter() - start)
   print(found.report())
-  print(f"discover: {min(times):.1f} s ({config.num_layers} layers, d_model {config.d_model},"
-        f" {config.num_heads} heads; {jax.device_count()} {jax.default_backend()} device,"
-        f" check batch {args.batch}x{args.seq_len})")
-  print("command:", " ".join(["JAX_PLATFORMS=cpu python bench/bench_discover.py",
-                              *(sys.argv[1:] if argv is None else argv)]))
+  print(
+    f"discover: {min(times):.1f} s ({config.num_layers} layers, d_model {config.d_model},"
+    f" {config.num_heads} heads; {jax.device_count()} {jax.default_backend()} device,"
+    f" check batch {args.batch}x{args.seq_len})"
+  )
+  print(
+    "command:",
+    " ".join(
+      [
+        "JAX_PLATFORMS=cpu python bench/bench_discover.py",
+        *(sys.argv[1:] if argv is None else argv),
+      ]
+    ),
+  )
 
 
 if __name__ == "__main__":

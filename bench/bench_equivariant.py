@@ -41,15 +41,18 @@ from saggs_jax.testing import lm
 
 
 def variants(config: lm.ModelConfig, extra: bool) -> dict[str, optax.GradientTransformation]:
-  heads = dict(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-               head_dim=config.head_dim)
+  heads = dict(
+    num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim
+  )
   stack = lambda **kw: eqv.symmetry_compatible(  # noqa: E731
-      0.02, adamw_learning_rate=3e-3, weight_decay=0.1, adamw_weight_decay=0.1, **heads, **kw)
+    0.02, adamw_learning_rate=3e-3, weight_decay=0.1, adamw_weight_decay=0.1, **heads, **kw
+  )
   txs = {
-      "adamw": optax.adamw(3e-3, weight_decay=0.1),
-      "muon": optax.contrib.muon(0.02, adam_learning_rate=3e-3, weight_decay=0.1,
-                                 adam_weight_decay=0.1),
-      "stack": stack(),
+    "adamw": optax.adamw(3e-3, weight_decay=0.1),
+    "muon": optax.contrib.muon(
+      0.02, adam_learning_rate=3e-3, weight_decay=0.1, adam_weight_decay=0.1
+    ),
+    "stack": stack(),
   }
   if extra:
     txs["stack f32-NS"] = stack(ns_dtype=jnp.float32)
@@ -60,32 +63,57 @@ def variants(config: lm.ModelConfig, extra: bool) -> dict[str, optax.GradientTra
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--size", choices=sorted(common.SIZES), default=common.default_size())
-  parser.add_argument("--rounds", type=int, default=7, help="alternating rounds (default %(default)s)")
-  parser.add_argument("--steps", type=int, default=100,
-                      help="most steps per variant and round (default %(default)s)")
-  parser.add_argument("--round-seconds", type=float, default=1.0,
-                      help="about this long per variant and round; 0: always --steps "
-                           "(default %(default)s)")
+  parser.add_argument(
+    "--rounds", type=int, default=7, help="alternating rounds (default %(default)s)"
+  )
+  parser.add_argument(
+    "--steps", type=int, default=100, help="most steps per variant and round (default %(default)s)"
+  )
+  parser.add_argument(
+    "--round-seconds",
+    type=float,
+    default=1.0,
+    help="about this long per variant and round; 0: always --steps (default %(default)s)",
+  )
   parser.add_argument("--skip-train-step", action="store_true")
-  parser.add_argument("--extra", action="store_true",
-                      help="also time the stack with float32 and with quintic Newton-Schulz")
+  parser.add_argument(
+    "--extra",
+    action="store_true",
+    help="also time the stack with float32 and with quintic Newton-Schulz",
+  )
   args = parser.parse_args()
 
   config, graphdef, params, batch = common.setup(args.size)
   txs = variants(config, args.extra)
-  timing = dict(rounds=args.rounds, steps=args.steps, bases=("adamw", "muon"),
-                round_seconds=args.round_seconds or None)
-  common.bench("optimizer update", common.make_opt_step, txs, params, common.fake_grads(params),
-               **timing)
+  timing = dict(
+    rounds=args.rounds,
+    steps=args.steps,
+    bases=("adamw", "muon"),
+    round_seconds=args.round_seconds or None,
+  )
+  common.bench(
+    "optimizer update", common.make_opt_step, txs, params, common.fake_grads(params), **timing
+  )
   if args.skip_train_step:
     return
-  train = common.bench("full train step", lambda tx: lm.make_train_step(graphdef, tx), txs, params,
-                       common.random_tokens(batch, config.seq_len), **timing)
-  print("\nfull train step over adamw: "
-        + ", ".join(f"{name} {(t - train['adamw']) * 1e3:+.2f} ms"
-                    for name, t in train.items() if name != "adamw"))
-  print(f"stack / adamw full train step: {train['stack'] / train['adamw']:.3f}"
-        " (issue target, GPT-2-small on GPU: <= 1.10)")
+  train = common.bench(
+    "full train step",
+    lambda tx: lm.make_train_step(graphdef, tx),
+    txs,
+    params,
+    common.random_tokens(batch, config.seq_len),
+    **timing,
+  )
+  print(
+    "\nfull train step over adamw: "
+    + ", ".join(
+      f"{name} {(t - train['adamw']) * 1e3:+.2f} ms" for name, t in train.items() if name != "adamw"
+    )
+  )
+  print(
+    f"stack / adamw full train step: {train['stack'] / train['adamw']:.3f}"
+    " (issue target, GPT-2-small on GPU: <= 1.10)"
+  )
 
 
 if __name__ == "__main__":

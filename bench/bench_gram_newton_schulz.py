@@ -39,10 +39,20 @@ def main():
     shape = (4, args.m, ratio * args.m)
     params = {"w": jnp.zeros(shape, jnp.float32)}
     grads = {"w": jax.random.normal(jax.random.key(0), shape)}
-    txs = {name: eqv.scale_by_polar(batch_axes=0, ns_dtype=dtype, ns_gram=name == "gram")
-           for name in ("plain", "gram")}
-    common.bench(f"n = {ratio} m {shape}", common.make_opt_step, txs, params, grads,
-                 args.rounds, args.steps, bases=("plain",))
+    txs = {
+      name: eqv.scale_by_polar(batch_axes=0, ns_dtype=dtype, ns_gram=name == "gram")
+      for name in ("plain", "gram")
+    }
+    common.bench(
+      f"n = {ratio} m {shape}",
+      common.make_opt_step,
+      txs,
+      params,
+      grads,
+      args.rounds,
+      args.steps,
+      bases=("plain",),
+    )
 
 
 if __name__ == "__main__":

@@ -42,12 +42,12 @@ def adamw():
 
 def variants(pairs):
   return {
-      "adamw": adamw(),
-      "adamw (control)": adamw(),  # the same optimizer again: the noise floor of this run
-      "saggs every=1": saggs.chain(adamw(), saggs.saggs(pairs, every=1)),
-      "saggs every=100": saggs.chain(adamw(), saggs.saggs(pairs, every=100)),
-      "soft every=1": saggs.chain(adamw(), saggs.soft(pairs, strength=0.5, every=1)),
-      "soft every=100": saggs.chain(adamw(), saggs.soft(pairs, strength=0.5, every=100)),
+    "adamw": adamw(),
+    "adamw (control)": adamw(),  # the same optimizer again: the noise floor of this run
+    "saggs every=1": saggs.chain(adamw(), saggs.saggs(pairs, every=1)),
+    "saggs every=100": saggs.chain(adamw(), saggs.saggs(pairs, every=100)),
+    "soft every=1": saggs.chain(adamw(), saggs.soft(pairs, strength=0.5, every=1)),
+    "soft every=100": saggs.chain(adamw(), saggs.soft(pairs, strength=0.5, every=100)),
   }
 
 
@@ -61,9 +61,11 @@ def with_norm_pass(inner, pairs):
     leaves = dict(paths.leaves_with_paths(params))
     slots = resolve(pairs, params).slots
     # The log keeps XLA from merging the per-index sums into one full reduction.
-    waits = {p: 1 + 0 * jnp.log(jnp.sum(jnp.square(leaves[p]),
-                                        axis=s[0].reduce_axes(leaves[p].ndim))).sum()
-             for p, s in slots.items()}
+    waits = {
+      p: 1
+      + 0 * jnp.log(jnp.sum(jnp.square(leaves[p]), axis=s[0].reduce_axes(leaves[p].ndim))).sum()
+      for p, s in slots.items()
+    }
     updates, state = inner.update(grads, state, params)
     wait = lambda key_path, u: u * waits.get(paths.path_str(key_path), 1)  # noqa: E731
     return jax.tree_util.tree_map_with_path(wait, updates), state
@@ -76,16 +78,21 @@ def anatomy_variants(pairs, params, grads):
   with ``lax.cond`` as its skipping branch."""
   base = variants(pairs)
   no_cond = saggs.chain(adamw(), saggs.saggs(pairs, every=100))
-  txs = {"adamw": base["adamw"], "adamw (control)": base["adamw (control)"],
-         "adamw + the norm pass alone": with_norm_pass(adamw(), pairs),
-         "saggs every=1": base["saggs every=1"], "saggs every=100": base["saggs every=100"],
-         "saggs every=100 without its cond": no_cond}
+  txs = {
+    "adamw": base["adamw"],
+    "adamw (control)": base["adamw (control)"],
+    "adamw + the norm pass alone": with_norm_pass(adamw(), pairs),
+    "saggs every=1": base["saggs every=1"],
+    "saggs every=100": base["saggs every=100"],
+    "saggs every=100 without its cond": no_cond,
+  }
 
   def steps_fn(tx):
     if tx is not no_cond:
       return common.make_opt_step(tx)
     with common.skipping(opaque=True):
       return common.make_opt_step(tx).lower(params, tx.init(params), grads).compile()
+
   return txs, steps_fn
 
 
@@ -94,9 +101,13 @@ def main():
   parser.add_argument("--size", choices=sorted(common.SIZES), default=common.default_size())
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--steps", type=int, default=100)
-  parser.add_argument("--part", choices=("both", "update", "step", "anatomy"), default="both",
-                      help="time the optimizer update, the full train step, both, or where the"
-                      " update's cost comes from")
+  parser.add_argument(
+    "--part",
+    choices=("both", "update", "step", "anatomy"),
+    default="both",
+    help="time the optimizer update, the full train step, both, or where the"
+    " update's cost comes from",
+  )
   args = parser.parse_args()
   config, graphdef, params, batch = common.setup(args.size)
   pairs = saggs.presets.llama(num_kv_heads=config.num_kv_heads)
@@ -109,11 +120,25 @@ def main():
 
   if args.part != "step":
     common.bytes_accessed(common.make_opt_step, txs, params, common.fake_grads(params))
-    common.bench("optimizer update", common.make_opt_step, txs, params, common.fake_grads(params),
-                 args.rounds, args.steps)
+    common.bench(
+      "optimizer update",
+      common.make_opt_step,
+      txs,
+      params,
+      common.fake_grads(params),
+      args.rounds,
+      args.steps,
+    )
   if args.part != "update":
-    common.bench("full train step", lambda tx: lm.make_train_step(graphdef, tx), txs, params,
-                 common.random_tokens(batch, config.seq_len), args.rounds, args.steps)
+    common.bench(
+      "full train step",
+      lambda tx: lm.make_train_step(graphdef, tx),
+      txs,
+      params,
+      common.random_tokens(batch, config.seq_len),
+      args.rounds,
+      args.steps,
+    )
 
 
 if __name__ == "__main__":

@@ -23,11 +23,27 @@ import optax
 from saggs_jax.testing import lm
 
 SIZES = {
-    # d_model, layers, heads, kv heads, head_dim, mlp hidden, seq, batch
-    "cpu": dict(d_model=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
-                mlp_hidden=688, seq_len=64, batch=8),
-    "gpt2": dict(d_model=768, num_layers=12, num_heads=12, num_kv_heads=12, head_dim=64,
-                 mlp_hidden=2048, seq_len=1024, batch=16),
+  # d_model, layers, heads, kv heads, head_dim, mlp hidden, seq, batch
+  "cpu": dict(
+    d_model=256,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=32,
+    mlp_hidden=688,
+    seq_len=64,
+    batch=8,
+  ),
+  "gpt2": dict(
+    d_model=768,
+    num_layers=12,
+    num_heads=12,
+    num_kv_heads=12,
+    head_dim=64,
+    mlp_hidden=2048,
+    seq_len=1024,
+    batch=16,
+  ),
 }
 
 
@@ -43,9 +59,13 @@ def device_name() -> str:
     return jax.devices()[0].device_kind
   try:
     with open("/proc/cpuinfo") as f:
-      info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+      info = dict(
+        line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line
+      )
     info = {k.strip(): v.strip() for k, v in info.items()}
-    model = f"{info['model name']}, family {info.get('cpu family', '?')} model {info.get('model', '?')}"
+    model = (
+      f"{info['model name']}, family {info.get('cpu family', '?')} model {info.get('model', '?')}"
+    )
   except (OSError, KeyError):
     model = platform.processor() or platform.machine()
   return f"{model}, {os.cpu_count()} cores"
@@ -57,8 +77,10 @@ def setup(size: str, seed: int = 0):
   batch = sizes.pop("batch")
   config = lm.ModelConfig(**sizes)
   graphdef, params = lm.init_model(config, seed=seed)
-  print(f"backend {jax.default_backend()} ({device_name()}), size {size}:"
-        f" {lm.num_params(params) / 1e6:.1f}M params, batch {batch}x{config.seq_len}")
+  print(
+    f"backend {jax.default_backend()} ({device_name()}), size {size}:"
+    f" {lm.num_params(params) / 1e6:.1f}M params, batch {batch}x{config.seq_len}"
+  )
   return config, graphdef, params, batch
 
 
@@ -66,8 +88,9 @@ def fake_grads(params: Any, scale: float = 1e-3) -> Any:
   """Random gradients shaped like ``params`` (one key per leaf)."""
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(1), len(leaves))
-  return jax.tree.unflatten(treedef, [scale * jax.random.normal(k, x.shape, x.dtype)
-                                      for k, x in zip(keys, leaves)])
+  return jax.tree.unflatten(
+    treedef, [scale * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+  )
 
 
 def random_tokens(batch: int, seq_len: int) -> jax.Array:
@@ -77,9 +100,11 @@ def random_tokens(batch: int, seq_len: int) -> jax.Array:
 
 def make_opt_step(tx: optax.GradientTransformation):
   """The optimizer alone: ``(params, opt_state, grads) -> (params, opt_state, 0)``, jitted."""
+
   def opt_step(params, opt_state, grads):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, jnp.zeros(())
+
   return jax.jit(opt_step, donate_argnums=(0, 1))
 
 
@@ -88,15 +113,22 @@ def skipping(opaque: bool = False):
   update that ``every`` skips, without the cond. With ``opaque`` that branch's result
   passes an optimization barrier, so that XLA cannot fold the factors' ones away and
   the multiply by them is left in."""
+
   def cond(pred, true_fun, false_fun, *operands, **kwargs):
     del pred, true_fun, kwargs
     out = false_fun(*operands)
     return jax.lax.optimization_barrier(out) if opaque else out
+
   return mock.patch.object(jax.lax, "cond", cond)
 
 
-def bytes_accessed(steps_fn: Callable, txs: Mapping[str, optax.GradientTransformation],
-                   params: Any, arg: Any, base: str = "adamw") -> dict[str, float]:
+def bytes_accessed(
+  steps_fn: Callable,
+  txs: Mapping[str, optax.GradientTransformation],
+  params: Any,
+  arg: Any,
+  base: str = "adamw",
+) -> dict[str, float]:
   """Prints XLA's "bytes accessed" of each compiled ``steps_fn(tx)`` as a ratio to ``base``'s.
 
   Deterministic, unlike wall-clock time. XLA charges a ``lax.cond`` with its
@@ -107,6 +139,7 @@ def bytes_accessed(steps_fn: Callable, txs: Mapping[str, optax.GradientTransform
   second branch: an update that ``every`` skips (the same for every=1, which
   skips none).
   """
+
   def cost(tx):
     compiled = steps_fn(tx).lower(params, tx.init(params), arg).compile()
     return float(compiled.cost_analysis()["bytes accessed"])
@@ -115,11 +148,15 @@ def bytes_accessed(steps_fn: Callable, txs: Mapping[str, optax.GradientTransform
   with skipping():
     skipped = {name: cost(tx) for name, tx in txs.items()}
   width = max(map(len, txs))
-  print(f"\nXLA cost analysis of the compiled update: bytes accessed, ratio vs {base}\n"
-        f"  {'':<{width}} {'as compiled':>22}   {'an update that skips':>22}")
+  print(
+    f"\nXLA cost analysis of the compiled update: bytes accessed, ratio vs {base}\n"
+    f"  {'':<{width}} {'as compiled':>22}   {'an update that skips':>22}"
+  )
   for name in txs:
-    print(f"  {name:<{width}} {compiled[name] / 2**20:9.2f} MiB  {compiled[name] / compiled[base]:6.3f}"
-          f"   {skipped[name] / 2**20:9.2f} MiB  {skipped[name] / skipped[base]:6.3f}")
+    print(
+      f"  {name:<{width}} {compiled[name] / 2**20:9.2f} MiB  {compiled[name] / compiled[base]:6.3f}"
+      f"   {skipped[name] / 2**20:9.2f} MiB  {skipped[name] / skipped[base]:6.3f}"
+    )
   return compiled
 
 
@@ -133,9 +170,17 @@ def time_round(step, carry, arg, steps):
   return (params, opt_state), (time.perf_counter() - start) / steps
 
 
-def bench(kind: str, steps_fn: Callable, txs: Mapping[str, optax.GradientTransformation],
-          params: Any, arg: Any, rounds: int, steps: int,
-          bases: Sequence[str] = ("adamw",), round_seconds: float | None = None) -> dict[str, float]:
+def bench(
+  kind: str,
+  steps_fn: Callable,
+  txs: Mapping[str, optax.GradientTransformation],
+  params: Any,
+  arg: Any,
+  rounds: int,
+  steps: int,
+  bases: Sequence[str] = ("adamw",),
+  round_seconds: float | None = None,
+) -> dict[str, float]:
   """Times ``steps_fn(tx)`` for every ``tx`` in alternating rounds; prints the
   median seconds per step and, against each of ``bases``, the median and
   quartiles of the per-round ratios (a round's variants ran back to back, so
@@ -161,15 +206,17 @@ def bench(kind: str, steps_fn: Callable, txs: Mapping[str, optax.GradientTransfo
   for r in range(rounds):
     # Each round starts one variant later, so no variant always runs first or
     # always follows the same neighbour (both shift timings by a few percent).
-    for name in names[r % len(names):] + names[:r % len(names)]:
+    for name in names[r % len(names) :] + names[: r % len(names)]:
       carries[name], t = time_round(steppers[name], carries[name], arg, counts[name])
       times[name].append(t)
   medians = {name: float(np.median(ts)) for name, ts in times.items()}
   width = max(map(len, txs))
   same = len(set(counts.values())) == 1
-  print(f"\n{kind}: median of {rounds} alternating rounds"
-        + (f" x {steps} steps" if same else " (steps per round in brackets)")
-        + "; ratios are medians of per-round ratios [quartiles]")
+  print(
+    f"\n{kind}: median of {rounds} alternating rounds"
+    + (f" x {steps} steps" if same else " (steps per round in brackets)")
+    + "; ratios are medians of per-round ratios [quartiles]"
+  )
   for name, med in medians.items():
     ratios = []
     for base in bases:

@@ -13,10 +13,10 @@ copyright = "2026, saggs-jax contributors"
 release = version = importlib.import_module("saggs_jax").__version__
 
 extensions = [
-    "sphinx.ext.autodoc",
-    "sphinx.ext.napoleon",
-    "sphinx.ext.viewcode",
-    "myst_parser",
+  "sphinx.ext.autodoc",
+  "sphinx.ext.napoleon",
+  "sphinx.ext.viewcode",
+  "myst_parser",
 ]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 exclude_patterns = ["_build"]

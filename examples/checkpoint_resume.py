@@ -42,8 +42,13 @@ import orbax.checkpoint as ocp
 import saggs_jax as saggs
 from saggs_jax.testing import lm
 
-ARMS = ("control", "rescaled", "rescaled + SAGGS", "rescaled + soft SAGGS",
-        "rescaled, canonicalized")
+ARMS = (
+  "control",
+  "rescaled",
+  "rescaled + SAGGS",
+  "rescaled + soft SAGGS",
+  "rescaled, canonicalized",
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,8 +59,12 @@ def parse_args() -> argparse.Namespace:
   parser.add_argument("--batch-size", type=int, default=16)
   parser.add_argument("--lr", type=float, default=3e-3)
   parser.add_argument("--weight-decay", type=float, default=0.1)
-  parser.add_argument("--factor", type=float, default=8.0,
-                      help="A sides are scaled by this factor, B sides by its inverse")
+  parser.add_argument(
+    "--factor",
+    type=float,
+    default=8.0,
+    help="A sides are scaled by this factor, B sides by its inverse",
+  )
   parser.add_argument("--every", type=int, default=10, help="balance every this many updates")
   parser.add_argument("--strength", type=float, default=0.5, help="soft SAGGS strength in (0, 1]")
   parser.add_argument("--eval-every", type=int, default=25)
@@ -69,11 +78,22 @@ def save_checkpoints(args, graphdef, corpus, pairs, seed):
   _, params = lm.init_model(lm.config_from_flags(args), seed=seed)
   adamw = optax.adamw(args.lr, weight_decay=args.weight_decay)
   params, opt_state, _ = lm.train(
-      graphdef, params, adamw, corpus, steps=args.pretrain_steps, batch_size=args.batch_size,
-      seq_len=args.seq_len, seed=seed, eval_every=args.pretrain_steps, desc=f"seed {seed} pretrain")
+    graphdef,
+    params,
+    adamw,
+    corpus,
+    steps=args.pretrain_steps,
+    batch_size=args.batch_size,
+    seq_len=args.seq_len,
+    seed=seed,
+    eval_every=args.pretrain_steps,
+    desc=f"seed {seed} pretrain",
+  )
   managers = {}
-  for name, state in (("as_is", (params, opt_state)),
-                      ("rescaled", saggs.reparameterize(params, opt_state, pairs, args.factor))):
+  for name, state in (
+    ("as_is", (params, opt_state)),
+    ("rescaled", saggs.reparameterize(params, opt_state, pairs, args.factor)),
+  ):
     directory = (args.out / f"seed_{seed}" / name).absolute()
     shutil.rmtree(directory, ignore_errors=True)  # a rerun replaces the previous run's checkpoints
     managers[name] = ocp.CheckpointManager(directory)
@@ -86,10 +106,12 @@ def resume(args, arm, managers, target, pairs):
   adamw = optax.adamw(args.lr, weight_decay=args.weight_decay)
   manager = managers["as_is" if arm == "control" else "rescaled"]
   params, opt_state, _ = saggs.checkpoint.restore(
-      manager, *target, pairs=pairs, canonicalize=arm.endswith("canonicalized"))
-  stage = {"rescaled + SAGGS": saggs.saggs(pairs, every=args.every),
-           "rescaled + soft SAGGS": saggs.soft(pairs, strength=args.strength, every=args.every)
-           }.get(arm)
+    manager, *target, pairs=pairs, canonicalize=arm.endswith("canonicalized")
+  )
+  stage = {
+    "rescaled + SAGGS": saggs.saggs(pairs, every=args.every),
+    "rescaled + soft SAGGS": saggs.soft(pairs, strength=args.strength, every=args.every),
+  }.get(arm)
   if stage is None:
     return params, adamw, opt_state
   # SAGGS joins at the restart: the chain's state is (AdamW's, the new stage's). The
@@ -114,25 +136,49 @@ def report(results, out: pathlib.Path) -> None:
   rows = []
   for arm, runs in results.items():
     restart, end = (np.array([h["eval_loss"][i] for h, _ in runs]) for i in (0, -1))
-    rows.append([arm, mean_std(restart), mean_std(end), mean_std(np.exp(end)),
-                 mean_std(np.exp(end) - control_ppl), mean_std([imb for _, imb in runs], 3)])
+    rows.append(
+      [
+        arm,
+        mean_std(restart),
+        mean_std(end),
+        mean_std(np.exp(end)),
+        mean_std(np.exp(end) - control_ppl),
+        mean_std([imb for _, imb in runs], 3),
+      ]
+    )
   print()
-  lm.results_table(rows, ["run", "val loss @restart", "val loss @end", "val PPL @end",
-                          "ΔPPL vs control", "|imbalance| @end"])
-  print(f"mean ± std over {len(control_ppl)} seeds; PPL per byte; |imbalance|: mean of"
-        " |log(||A_g|| / ||B_g||)| over all pairs, layers and groups.")
+  lm.results_table(
+    rows,
+    [
+      "run",
+      "val loss @restart",
+      "val loss @end",
+      "val PPL @end",
+      "ΔPPL vs control",
+      "|imbalance| @end",
+    ],
+  )
+  print(
+    f"mean ± std over {len(control_ppl)} seeds; PPL per byte; |imbalance|: mean of"
+    " |log(||A_g|| / ||B_g||)| over all pairs, layers and groups."
+  )
   path = out / "val_loss.png"
   lm.plot_metric_curves(
-      {arm: (runs[0][0]["eval_step"], np.stack([h["eval_loss"] for h, _ in runs], -1))
-       for arm, runs in results.items()},
-      path, ylabel="validation loss (nats/byte)",
-      title="Resumed from equivalent checkpoints, one line per seed")
+    {
+      arm: (runs[0][0]["eval_step"], np.stack([h["eval_loss"] for h, _ in runs], -1))
+      for arm, runs in results.items()
+    },
+    path,
+    ylabel="validation loss (nats/byte)",
+    title="Resumed from equivalent checkpoints, one line per seed",
+  )
   print(f"\nSaved {path}")
 
 
 def mean_abs_imbalance(params, pairs) -> float:
-  return float(np.mean(np.concatenate(
-      [np.abs(np.ravel(x)) for x in saggs.imbalance(params, pairs).values()])))
+  return float(
+    np.mean(np.concatenate([np.abs(np.ravel(x)) for x in saggs.imbalance(params, pairs).values()]))
+  )
 
 
 def main():
@@ -155,9 +201,18 @@ def main():
       params, tx, opt_state = resume(args, arm, managers, target, pairs)
       # Batches after the restart differ from the pretraining ones.
       params, _, history = lm.train(
-          graphdef, params, tx, corpus, steps=args.steps, batch_size=args.batch_size,
-          seq_len=config.seq_len, seed=1_000 + seed, opt_state=opt_state,
-          eval_every=args.eval_every, desc=f"seed {seed} {arm}")
+        graphdef,
+        params,
+        tx,
+        corpus,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=config.seq_len,
+        seed=1_000 + seed,
+        opt_state=opt_state,
+        eval_every=args.eval_every,
+        desc=f"seed {seed} {arm}",
+      )
       results[arm].append((history, mean_abs_imbalance(params, pairs)))
     for manager in managers.values():
       manager.close()

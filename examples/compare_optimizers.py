@@ -77,8 +77,12 @@ OPTIMIZERS = ("adamw", "muon", "stack", "reference")
 # norm per row, so rates are ~10x AdamW's). Centred on each optimizer's best
 # rate at the default model size and 200 steps (a 4-rate pilot, seed 0; stack and
 # reference: the 3-seed sweep in the docstring).
-DEFAULT_LRS = {"adamw": (3e-3, 1e-2, 3e-2), "muon": (0.02, 0.05, 0.1), "stack": (0.02, 0.05, 0.1),
-               "reference": (0.02, 0.05, 0.1)}
+DEFAULT_LRS = {
+  "adamw": (3e-3, 1e-2, 3e-2),
+  "muon": (0.02, 0.05, 0.1),
+  "stack": (0.02, 0.05, 0.1),
+  "reference": (0.02, 0.05, 0.1),
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -86,18 +90,31 @@ def parse_args() -> argparse.Namespace:
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 (default %(default)s)")
   parser.add_argument("--batch-size", type=int, default=32)
-  parser.add_argument("--optimizers", default=",".join(OPTIMIZERS),
-                      help="comma-separated subset of %(default)s")
+  parser.add_argument(
+    "--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of %(default)s"
+  )
   for name in OPTIMIZERS:
-    parser.add_argument(f"--lrs-{name}", type=_floats, default=DEFAULT_LRS[name],
-                        help=f"comma-separated peak learning rates of {name} "
-                             f"(default {','.join(map(str, DEFAULT_LRS[name]))})")
-  parser.add_argument("--aux-lr", type=float, default=1e-2,
-                      help="AdamW rate of the parameters muon and the stack leave to Adam(W): "
-                           "norm gains (default %(default)s)")
-  parser.add_argument("--weight-decay", type=float, default=0.0,
-                      help="decoupled weight decay of every optimizer (default %(default)s: "
-                           "short runs, and lr x wd would tie the sweep to it)")
+    parser.add_argument(
+      f"--lrs-{name}",
+      type=_floats,
+      default=DEFAULT_LRS[name],
+      help=f"comma-separated peak learning rates of {name} "
+      f"(default {','.join(map(str, DEFAULT_LRS[name]))})",
+    )
+  parser.add_argument(
+    "--aux-lr",
+    type=float,
+    default=1e-2,
+    help="AdamW rate of the parameters muon and the stack leave to Adam(W): "
+    "norm gains (default %(default)s)",
+  )
+  parser.add_argument(
+    "--weight-decay",
+    type=float,
+    default=0.0,
+    help="decoupled weight decay of every optimizer (default %(default)s: "
+    "short runs, and lr x wd would tie the sweep to it)",
+  )
   parser.add_argument("--warmup", type=float, default=0.1, help="warm-up fraction of the steps")
   parser.add_argument("--eval-every", type=int, default=50)
   parser.add_argument("--eval-batches", type=int, default=16)
@@ -117,32 +134,43 @@ def _floats(text: str) -> tuple[float, ...]:
 def schedule(peak: float, args: argparse.Namespace) -> optax.Schedule:
   """Linear warm-up to ``peak``, then cosine decay to ``peak / 10`` at the last step."""
   return optax.warmup_cosine_decay_schedule(
-      0.0, peak, max(1, int(args.warmup * args.steps)), args.steps, peak / 10)
+    0.0, peak, max(1, int(args.warmup * args.steps)), args.steps, peak / 10
+  )
 
 
-def make_optimizer(name: str, lr: float, config: lm.ModelConfig,
-                   args: argparse.Namespace) -> optax.GradientTransformation:
+def make_optimizer(
+  name: str, lr: float, config: lm.ModelConfig, args: argparse.Namespace
+) -> optax.GradientTransformation:
   wd, aux = args.weight_decay, schedule(args.aux_lr, args)
   if name == "adamw":
     return optax.adamw(schedule(lr, args), weight_decay=wd)
   if name == "muon":
-    return optax.contrib.muon(schedule(lr, args), weight_decay=wd, adam_learning_rate=aux,
-                              adam_weight_decay=wd)
-  heads = dict(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+    return optax.contrib.muon(
+      schedule(lr, args), weight_decay=wd, adam_learning_rate=aux, adam_weight_decay=wd
+    )
+  heads = dict(
+    num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim
+  )
   if name == "reference":
     scale = lr / eqv.REFERENCE_LEARNING_RATES["query"]
     return eqv.symmetry_compatible_reference(
-        **heads,
-        learning_rates={r: schedule(v * scale, args) for r, v in eqv.REFERENCE_LEARNING_RATES.items()},
-        weight_decays=dict.fromkeys(eqv.REFERENCE_WEIGHT_DECAYS, wd))
+      **heads,
+      learning_rates={
+        r: schedule(v * scale, args) for r, v in eqv.REFERENCE_LEARNING_RATES.items()
+      },
+      weight_decays=dict.fromkeys(eqv.REFERENCE_WEIGHT_DECAYS, wd),
+    )
   return eqv.symmetry_compatible(
-      schedule(lr, args), adamw_learning_rate=aux, weight_decay=wd, adamw_weight_decay=wd, **heads)
+    schedule(lr, args), adamw_learning_rate=aux, weight_decay=wd, adamw_weight_decay=wd, **heads
+  )
 
 
 def mean_history(histories: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
   """The seeds' histories averaged entry by entry (their steps agree)."""
-  return {k: np.mean([h[k] for h in histories], axis=0) if "loss" in k else histories[0][k]
-          for k in ("step", "loss", "eval_step", "eval_loss")}
+  return {
+    k: np.mean([h[k] for h in histories], axis=0) if "loss" in k else histories[0][k]
+    for k in ("step", "loss", "eval_step", "eval_loss")
+  }
 
 
 # Two decimals: the seeds spread by 0.01-0.07 nats, and the third decimal moves with the CPU
@@ -159,16 +187,28 @@ def _mean_std(values: np.ndarray, fmt: str = _FLOAT) -> str:
 
 def report(args, results) -> dict:
   """Prints the tables, saves the plots and returns the summary."""
-  final = {o: {lr: np.array([h["eval_loss"][-1] for h in hs]) for lr, hs in runs.items()}
-           for o, runs in results.items()}
+  final = {
+    o: {lr: np.array([h["eval_loss"][-1] for h in hs]) for lr, hs in runs.items()}
+    for o, runs in results.items()
+  }
   best = {o: min(lrs, key=lambda lr: lrs[lr].mean()) for o, lrs in final.items()}
   rows = []
   for o, lrs in final.items():
     for lr, losses in lrs.items():
-      rows.append([o, f"{lr:g}", _mean_std(losses), "*" if lr == best[o] else "",
-                   float(losses.min()), float(losses.max())])
-  print(f"\nFinal validation loss (nats/byte) after {args.steps} steps, "
-        f"mean ± std over {args.seeds} seed(s); * = best learning rate")
+      rows.append(
+        [
+          o,
+          f"{lr:g}",
+          _mean_std(losses),
+          "*" if lr == best[o] else "",
+          float(losses.min()),
+          float(losses.max()),
+        ]
+      )
+  print(
+    f"\nFinal validation loss (nats/byte) after {args.steps} steps, "
+    f"mean ± std over {args.seeds} seed(s); * = best learning rate"
+  )
   lm.results_table(rows, ["optimizer", "lr", "val loss", "best", "min", "max"], _FLOAT)
 
   for o, lr in best.items():
@@ -176,8 +216,10 @@ def report(args, results) -> dict:
     if len(lrs) > 1 and lr in (lrs[0], lrs[-1]):
       print(f"note: {o}'s best lr {lr:g} is at the edge of its sweep; widen --lrs-{o}")
 
-  summary = {"best_lr": {o: best[o] for o in final},
-             "best_val_loss": {o: float(final[o][best[o]].mean()) for o in final}}
+  summary = {
+    "best_lr": {o: best[o] for o in final},
+    "best_val_loss": {o: float(final[o][best[o]].mean()) for o in final},
+  }
   if "adamw" in final:
     base = final["adamw"][best["adamw"]]
     rows = []
@@ -188,8 +230,10 @@ def report(args, results) -> dict:
       rows.append([o, _mean_std(diff, "+" + _FLOAT), int(np.sum(diff < 0)), len(diff)])
       summary[f"{o}_minus_adamw"] = diff.tolist()
     if rows:
-      print("\nBest settings against AdamW's best: val loss difference per seed "
-            "(negative = better than AdamW), mean ± std")
+      print(
+        "\nBest settings against AdamW's best: val loss difference per seed "
+        "(negative = better than AdamW), mean ± std"
+      )
       lm.results_table(rows, ["optimizer", "minus adamw", "seeds better", "seeds"])
 
   args.out.mkdir(parents=True, exist_ok=True)
@@ -202,24 +246,37 @@ def report(args, results) -> dict:
     ax.errorbar(xs, means, yerr=stds, fmt="o-", color=f"C{i}", capsize=3, label=o)
     ax.plot([best[o]], [lrs[best[o]].mean()], "*", color=f"C{i}", markersize=14)
   ax.set_xscale("log")
-  ax.set(xlabel="peak learning rate (muon, stack: matrix rules)",
-         ylabel="final validation loss (nats/byte)",
-         title=f"{args.steps} steps, mean ± std over {args.seeds} seed(s); * best")
+  ax.set(
+    xlabel="peak learning rate (muon, stack: matrix rules)",
+    ylabel="final validation loss (nats/byte)",
+    title=f"{args.steps} steps, mean ± std over {args.seeds} seed(s); * best",
+  )
   ax.grid(alpha=0.3)
   ax.legend()
   fig.savefig(args.out / "val_loss_vs_lr.png", dpi=120, bbox_inches="tight")
 
   curves = {f"{o} lr={best[o]:g}": mean_history(results[o][best[o]]) for o in final}
-  lm.plot_curves(curves, args.out / "best_curves.png",
-                 title=f"Best learning rate per optimizer (mean of {args.seeds} seed(s))")
+  lm.plot_curves(
+    curves,
+    args.out / "best_curves.png",
+    title=f"Best learning rate per optimizer (mean of {args.seeds} seed(s))",
+  )
   with open(args.out / "results.json", "w") as f:
-    json.dump({"args": {k: str(v) if isinstance(v, pathlib.Path) else v
-                        for k, v in vars(args).items()},
-               "final_val_loss": {o: {f"{lr:g}": v.tolist() for lr, v in lrs.items()}
-                                  for o, lrs in final.items()},
-               "summary": summary}, f, indent=1)
-  print(f"\nSaved {args.out / 'val_loss_vs_lr.png'}, {args.out / 'best_curves.png'} "
-        f"and {args.out / 'results.json'}")
+    json.dump(
+      {
+        "args": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()},
+        "final_val_loss": {
+          o: {f"{lr:g}": v.tolist() for lr, v in lrs.items()} for o, lrs in final.items()
+        },
+        "summary": summary,
+      },
+      f,
+      indent=1,
+    )
+  print(
+    f"\nSaved {args.out / 'val_loss_vs_lr.png'}, {args.out / 'best_curves.png'} "
+    f"and {args.out / 'results.json'}"
+  )
   return summary
 
 
@@ -229,20 +286,34 @@ def main():
   corpus = lm.load_corpus()
   inits = {seed: lm.init_model(config, seed=seed) for seed in range(args.seeds)}
   graphdef = inits[0][0]
-  print(f"{lm.num_params(inits[0][1]):,} parameters, {corpus.train.size:,} training bytes, "
-        f"{args.steps} steps of {args.batch_size}x{config.seq_len} bytes\n")
+  print(
+    f"{lm.num_params(inits[0][1]):,} parameters, {corpus.train.size:,} training bytes, "
+    f"{args.steps} steps of {args.batch_size}x{config.seq_len} bytes\n"
+  )
 
-  plan = [(o, lr, seed) for o in args.optimizers for lr in getattr(args, f"lrs_{o}")
-          for seed in range(args.seeds)]
+  plan = [
+    (o, lr, seed)
+    for o in args.optimizers
+    for lr in getattr(args, f"lrs_{o}")
+    for seed in range(args.seeds)
+  ]
   results = {o: {lr: [] for lr in getattr(args, f"lrs_{o}")} for o in args.optimizers}
   start = time.perf_counter()
   for i, (o, lr, seed) in enumerate(plan):
     _, params = inits[seed]
     _, _, history = lm.train(
-        graphdef, params, make_optimizer(o, lr, config, args), corpus, steps=args.steps,
-        batch_size=args.batch_size, seq_len=config.seq_len, seed=seed,
-        eval_every=args.eval_every, eval_batches=args.eval_batches,
-        desc=f"[{i + 1}/{len(plan)}] {o} lr={lr:g} seed={seed}")
+      graphdef,
+      params,
+      make_optimizer(o, lr, config, args),
+      corpus,
+      steps=args.steps,
+      batch_size=args.batch_size,
+      seq_len=config.seq_len,
+      seed=seed,
+      eval_every=args.eval_every,
+      eval_batches=args.eval_batches,
+      desc=f"[{i + 1}/{len(plan)}] {o} lr={lr:g} seed={seed}",
+    )
     results[o][lr].append(history)
   print(f"\n{len(plan)} runs in {time.perf_counter() - start:.0f} s")
   report(args, results)

@@ -55,21 +55,38 @@ def main():
   adamw = optax.adamw(args.lr, weight_decay=args.weight_decay)
   imbalanced = lm.induce_qk_imbalance(params, args.imbalance)  # same function as params
   runs = {
-      "AdamW": adamw,
-      "AdamW + SAGGS (preset)": saggs.chain(adamw, saggs.saggs(preset, every=args.every)),
-      "AdamW + SAGGS (discovered)": saggs.chain(adamw, saggs.saggs(found, every=args.every)),
+    "AdamW": adamw,
+    "AdamW + SAGGS (preset)": saggs.chain(adamw, saggs.saggs(preset, every=args.every)),
+    "AdamW + SAGGS (discovered)": saggs.chain(adamw, saggs.saggs(found, every=args.every)),
   }
   histories = {}
   for label, tx in runs.items():
     _, _, histories[label] = lm.train(
-        graphdef, imbalanced, tx, corpus, steps=args.steps, batch_size=args.batch_size,
-        seq_len=config.seq_len, seed=args.seed, eval_every=args.eval_every, desc=label)
+      graphdef,
+      imbalanced,
+      tx,
+      corpus,
+      steps=args.steps,
+      batch_size=args.batch_size,
+      seq_len=config.seq_len,
+      seed=args.seed,
+      eval_every=args.eval_every,
+      desc=label,
+    )
 
   print()
   lm.results_table(
-      [[label, float(h["eval_loss"][0]), float(h["eval_loss"][-1]),
-        float(np.exp(h["eval_loss"][-1]))] for label, h in histories.items()],
-      ["run", "val loss @0", "val loss", "val ppl"])
+    [
+      [
+        label,
+        float(h["eval_loss"][0]),
+        float(h["eval_loss"][-1]),
+        float(np.exp(h["eval_loss"][-1])),
+      ]
+      for label, h in histories.items()
+    ],
+    ["run", "val loss @0", "val loss", "val ppl"],
+  )
   png = args.out / "loss.png"
   lm.plot_curves(histories, png, title="Byte-level LM: discovered pairs against the preset")
   print(f"\nSaved {png}")

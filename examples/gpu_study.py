@@ -54,27 +54,62 @@ import jax
 
 import study
 
-GPU = {"d_model": 768, "num_layers": 12, "num_heads": 12, "num_kv_heads": 12, "head_dim": 64,
-       "mlp_hidden": 2048, "seq_len": 1024, "batch_size": 16, "steps": 300, "lr": 1e-3,
-       "warmup": 30, "eval_every": 100, "eval_batches": 8, "seeds": 4,
-       "corpus_bytes": 100_000_000, "experiments": "imbalance", "out": "runs/gpu_study"}
-TINY = {**GPU, "d_model": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "head_dim": 8,
-        "mlp_hidden": 32, "seq_len": 16, "batch_size": 4, "steps": 20, "warmup": 0, "lr": 3e-3,
-        "eval_every": 10, "eval_batches": 2, "corpus_bytes": 200_000,
-        "out": "runs/gpu_study_tiny"}
-NO_GPU = ("gpu_study.py needs a GPU, but JAX's backend is {backend!r}. Install JAX for CUDA "
-          "(pip install -U \"jax[cuda12]\") on a machine with an NVIDIA GPU, or run --tiny "
-          "for the CPU-sized check.")
+GPU = {
+  "d_model": 768,
+  "num_layers": 12,
+  "num_heads": 12,
+  "num_kv_heads": 12,
+  "head_dim": 64,
+  "mlp_hidden": 2048,
+  "seq_len": 1024,
+  "batch_size": 16,
+  "steps": 300,
+  "lr": 1e-3,
+  "warmup": 30,
+  "eval_every": 100,
+  "eval_batches": 8,
+  "seeds": 4,
+  "corpus_bytes": 100_000_000,
+  "experiments": "imbalance",
+  "out": "runs/gpu_study",
+}
+TINY = {
+  **GPU,
+  "d_model": 16,
+  "num_layers": 1,
+  "num_heads": 2,
+  "num_kv_heads": 1,
+  "head_dim": 8,
+  "mlp_hidden": 32,
+  "seq_len": 16,
+  "batch_size": 4,
+  "steps": 20,
+  "warmup": 0,
+  "lr": 3e-3,
+  "eval_every": 10,
+  "eval_batches": 2,
+  "corpus_bytes": 200_000,
+  "out": "runs/gpu_study_tiny",
+}
+NO_GPU = (
+  "gpu_study.py needs a GPU, but JAX's backend is {backend!r}. Install JAX for CUDA "
+  '(pip install -U "jax[cuda12]") on a machine with an NVIDIA GPU, or run --tiny '
+  "for the CPU-sized check."
+)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
   start = time.perf_counter()
   parser = study.build_parser(__doc__)
-  parser.add_argument("--tiny", action="store_true",
-                      help="a model of about 10k parameters, 20 steps: a CPU check")
-  parser.add_argument("--matmul-precision", default="tensorfloat32",
-                      choices=("float32", "tensorfloat32", "bfloat16"),
-                      help="jax_default_matmul_precision (default %(default)s)")
+  parser.add_argument(
+    "--tiny", action="store_true", help="a model of about 10k parameters, 20 steps: a CPU check"
+  )
+  parser.add_argument(
+    "--matmul-precision",
+    default="tensorfloat32",
+    choices=("float32", "tensorfloat32", "bfloat16"),
+    help="jax_default_matmul_precision (default %(default)s)",
+  )
   known = parser.parse_known_args(argv)[0]
   if not known.tiny and jax.default_backend() != "gpu":
     sys.exit(NO_GPU.format(backend=jax.default_backend()))
@@ -82,16 +117,26 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.set_defaults(**(TINY if known.tiny else GPU))  # flags given still win
   args = study.parse_args(parser, argv)
   device = jax.devices()[0]
-  print(f"backend: {jax.default_backend()} ({device.device_kind}), matmul precision "
-        f"{known.matmul_precision}", file=sys.stderr)
+  print(
+    f"backend: {jax.default_backend()} ({device.device_kind}), matmul precision "
+    f"{known.matmul_precision}",
+    file=sys.stderr,
+  )
   verdicts = study.main(argv, parser)
   config = study.lm.config_from_flags(args)
   _, params = study.lm.init_model(config, seed=0)
-  result = {"backend": jax.default_backend(), "device": device.device_kind,
-            "matmul_precision": known.matmul_precision, "jax": jax.__version__,
-            "params": study.lm.num_params(params), "steps": args.steps, "seeds": args.seeds,
-            "train_bytes_per_run": args.steps * args.batch_size * config.seq_len,
-            "wall_s": round(time.perf_counter() - start, 1), "verdicts": verdicts}
+  result = {
+    "backend": jax.default_backend(),
+    "device": device.device_kind,
+    "matmul_precision": known.matmul_precision,
+    "jax": jax.__version__,
+    "params": study.lm.num_params(params),
+    "steps": args.steps,
+    "seeds": args.seeds,
+    "train_bytes_per_run": args.steps * args.batch_size * config.seq_len,
+    "wall_s": round(time.perf_counter() - start, 1),
+    "verdicts": verdicts,
+  }
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
   print(json.dumps(result))

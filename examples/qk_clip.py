@@ -60,8 +60,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--saggs", action="store_true", help="add the clip+SAGGS arm")
   parser.add_argument("--tau", type=float, default=8.0, help="the logit bound τ")
   parser.add_argument("--adamw-lr", type=float, default=1e-2)
-  parser.add_argument("--stack-lr", type=float, default=0.05,
-                      help="learning rate of the stack's matrix rules (its AdamW part: --adamw-lr)")
+  parser.add_argument(
+    "--stack-lr",
+    type=float,
+    default=0.05,
+    help="learning rate of the stack's matrix rules (its AdamW part: --adamw-lr)",
+  )
   parser.add_argument("--weight-decay", type=float, default=0.0)
   parser.add_argument("--eval-batches", type=int, default=8)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/qk_clip"))
@@ -71,10 +75,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def optimizers(args, config: lm.ModelConfig) -> dict[str, optax.GradientTransformation]:
   return {
-      "AdamW": optax.adamw(args.adamw_lr, weight_decay=args.weight_decay),
-      "Muon stack": eqv.symmetry_compatible(
-          args.stack_lr, adamw_learning_rate=args.adamw_lr, weight_decay=args.weight_decay,
-          num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim),
+    "AdamW": optax.adamw(args.adamw_lr, weight_decay=args.weight_decay),
+    "Muon stack": eqv.symmetry_compatible(
+      args.stack_lr,
+      adamw_learning_rate=args.adamw_lr,
+      weight_decay=args.weight_decay,
+      num_heads=config.num_heads,
+      num_kv_heads=config.num_kv_heads,
+      head_dim=config.head_dim,
+    ),
   }
 
 
@@ -93,7 +102,8 @@ def make_step(graphdef, tx):
 
   def step(params, state, batch):
     (loss, logits), grads = jax.value_and_grad(lm.loss_and_max_logits, has_aux=True)(
-        params, graphdef, batch)
+      params, graphdef, batch
+    )
     updates, state = tx.update(grads, state, params, max_logits=logits)
     top = jnp.max(jnp.stack(list(logits.values())))
     return optax.apply_updates(params, updates), state, loss, top
@@ -108,8 +118,9 @@ def train(graphdef, params, step, tx, corpus, args, seed, bar):
   data_key, eval_key = jax.random.split(jax.random.key(seed))
   tops = []
   for s in range(1, args.steps + 1):
-    batch = lm.sample_batch(jax.random.fold_in(data_key, s), corpus.train, args.batch_size,
-                            args.seq_len)
+    batch = lm.sample_batch(
+      jax.random.fold_in(data_key, s), corpus.train, args.batch_size, args.seq_len
+    )
     params, state, _, top = step(params, state, batch)
     tops.append(top)  # stays on device until the end of the run
     bar.update()
@@ -132,8 +143,9 @@ def run(args, corpus, progress: bool = True):
         tx = with_arm(opt, arm, config, args.tau)
         step = make_step(graphdef, tx)  # one compilation per optimizer and arm
         bar.set_description(f"{name} / {arm}")
-        runs = [train(graphdef, inits[s], step, tx, corpus, args, s, bar)
-                for s in range(args.seeds)]
+        runs = [
+          train(graphdef, inits[s], step, tx, corpus, args, s, bar) for s in range(args.seeds)
+        ]
         results[name][arm] = (np.stack([t for t, _ in runs]), np.array([v for _, v in runs]))
   return results
 
@@ -149,18 +161,40 @@ def report(args, results) -> str:
       else:
         ci = stats.t_interval(list(stats.paired_differences(vals, base)))
         diff = f"{ci.mean:+.4f} [{ci.low:+.4f}, {ci.high:+.4f}]"
-      rows.append((name, arm, float(tops.max(axis=1).mean()), float(tops[:, -1].mean()),
-                   f"{mean:.4f} ± {std:.4f}", diff))
+      rows.append(
+        (
+          name,
+          arm,
+          float(tops.max(axis=1).mean()),
+          float(tops[:, -1].mean()),
+          f"{mean:.4f} ± {std:.4f}",
+          diff,
+        )
+      )
   table = lm.results_table(
-      rows, ["optimizer", "arm", "peak max logit", "final max logit", "val loss",
-             "Δ val loss vs none (95% CI)"], floatfmt=".2f")
+    rows,
+    [
+      "optimizer",
+      "arm",
+      "peak max logit",
+      "final max logit",
+      "val loss",
+      "Δ val loss vs none (95% CI)",
+    ],
+    floatfmt=".2f",
+  )
   steps = np.arange(1, args.steps + 1)
   args.out.mkdir(parents=True, exist_ok=True)
   lm.plot_metric_curves(
-      {f"{name} / {arm}": (steps, tops.mean(axis=0))
-       for name, arms in results.items() for arm, (tops, _) in arms.items()},
-      args.out / "max_logit.png", ylabel=f"max attention logit (τ = {args.tau:g})",
-      title=f"max logit on the training batch, mean of {args.seeds} seeds")
+    {
+      f"{name} / {arm}": (steps, tops.mean(axis=0))
+      for name, arms in results.items()
+      for arm, (tops, _) in arms.items()
+    },
+    args.out / "max_logit.png",
+    ylabel=f"max attention logit (τ = {args.tau:g})",
+    title=f"max logit on the training batch, mean of {args.seeds} seeds",
+  )
   return table
 
 
@@ -168,8 +202,10 @@ def main():
   args = parse_args()
   corpus = lm.load_corpus()
   results = run(args, corpus)
-  print(f"{args.seeds} seeds, {args.steps} steps, τ = {args.tau:g}, AdamW lr {args.adamw_lr:g},"
-        f" stack lr {args.stack_lr:g}")
+  print(
+    f"{args.seeds} seeds, {args.steps} steps, τ = {args.tau:g}, AdamW lr {args.adamw_lr:g},"
+    f" stack lr {args.stack_lr:g}"
+  )
   report(args, results)
   print(f"plot: {args.out / 'max_logit.png'}")
 

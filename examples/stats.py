@@ -51,8 +51,10 @@ def paired_differences(arm: ArrayLike, control: ArrayLike) -> np.ndarray:
   """``arm[i] - control[i]`` per seed; both sequences are ordered by the same seeds."""
   arm, control = np.asarray(arm, np.float64), np.asarray(control, np.float64)
   if arm.shape != control.shape or arm.ndim != 1:
-    raise ValueError(f"paired values need two 1-D sequences of one length, got shapes "
-                     f"{arm.shape} and {control.shape}")
+    raise ValueError(
+      f"paired values need two 1-D sequences of one length, got shapes "
+      f"{arm.shape} and {control.shape}"
+    )
   return arm - control
 
 

@@ -88,8 +88,13 @@ from saggs_jax.testing import lm
 
 EXPERIMENTS = ("imbalance", "resume", "balanced", "optimizers")
 IMBALANCE_ARMS = ("AdamW", "hard SAGGS", "soft SAGGS")
-RESUME_ARMS = ("control", "rescaled", "rescaled + hard SAGGS", "rescaled + soft SAGGS",
-               "rescaled, canonicalized")
+RESUME_ARMS = (
+  "control",
+  "rescaled",
+  "rescaled + hard SAGGS",
+  "rescaled + soft SAGGS",
+  "rescaled, canonicalized",
+)
 OPTIMIZER_ARMS = ("adamw", "muon", "stack", "reference")
 # A recovery (resume) or a cost (balanced) counts as negligible below this
 # fraction of the penalty SAGGS is there to remove, measured in the same study.
@@ -102,14 +107,20 @@ TUNE_SEED, FIRST_SEED = 100, 200
 
 def build_parser(description: str | None) -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=(description or "").split("\n")[0])
-  parser.add_argument("--experiments", default=",".join(EXPERIMENTS),
-                      help="comma-separated subset of %(default)s")
-  parser.add_argument("--seeds", type=int, default=4,
-                      help="evaluation seeds of imbalance, resume and balanced")
-  parser.add_argument("--first-seed", type=int, default=FIRST_SEED,
-                      help="evaluation seeds are first-seed, first-seed + 1, ...: fresh ones, "
-                           "apart from the pilot seeds 0-2 behind the defaults and the tuning "
-                           "seeds 100, 101, ...")
+  parser.add_argument(
+    "--experiments", default=",".join(EXPERIMENTS), help="comma-separated subset of %(default)s"
+  )
+  parser.add_argument(
+    "--seeds", type=int, default=4, help="evaluation seeds of imbalance, resume and balanced"
+  )
+  parser.add_argument(
+    "--first-seed",
+    type=int,
+    default=FIRST_SEED,
+    help="evaluation seeds are first-seed, first-seed + 1, ...: fresh ones, "
+    "apart from the pilot seeds 0-2 behind the defaults and the tuning "
+    "seeds 100, 101, ...",
+  )
   parser.add_argument("--steps", type=int, default=300, help="steps of imbalance and balanced")
   parser.add_argument("--pretrain-steps", type=int, default=300, help="resume: AdamW before")
   parser.add_argument("--resume-steps", type=int, default=200, help="resume: steps after")
@@ -117,16 +128,23 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
   parser.add_argument("--lr", type=float, default=3e-3, help="AdamW rate (all but optimizers)")
   parser.add_argument("--warmup", type=int, default=0, help="linear warm-up steps of that rate")
   parser.add_argument("--weight-decay", type=float, default=0.1)
-  parser.add_argument("--factor", type=float, default=8.0,
-                      help="A sides are scaled by this factor, B sides by its inverse")
+  parser.add_argument(
+    "--factor",
+    type=float,
+    default=8.0,
+    help="A sides are scaled by this factor, B sides by its inverse",
+  )
   parser.add_argument("--every", type=int, default=10, help="balance every this many updates")
   parser.add_argument("--strength", type=float, default=0.5, help="soft SAGGS strength")
   parser.add_argument("--opt-steps", type=int, default=200, help="steps of optimizers")
   parser.add_argument("--tune-seeds", type=int, default=1, help="optimizers: seeds per rate")
   parser.add_argument("--opt-seeds", type=int, default=4, help="optimizers: seeds at the best")
-  parser.add_argument("--lr-multipliers", type=compare_optimizers._floats,
-                      default=(0.25, 0.5, 1.0, 2.0),
-                      help="optimizers: rates swept, times each optimizer's default rate")
+  parser.add_argument(
+    "--lr-multipliers",
+    type=compare_optimizers._floats,
+    default=(0.25, 0.5, 1.0, 2.0),
+    help="optimizers: rates swept, times each optimizer's default rate",
+  )
   parser.add_argument("--eval-every", type=int, default=25)
   parser.add_argument("--eval-batches", type=int, default=16)
   parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
@@ -142,8 +160,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
     parser.error(f"unknown experiments {sorted(unknown)}; choose from {EXPERIMENTS}")
   tuning = set(tune_seeds(args))
   if tuning & set(eval_seeds(args, max(args.seeds, args.opt_seeds))):
-    parser.error(f"--first-seed {args.first_seed} makes evaluation seeds overlap the tuning "
-                 f"seeds {min(tuning)}-{max(tuning)}")
+    parser.error(
+      f"--first-seed {args.first_seed} makes evaluation seeds overlap the tuning "
+      f"seeds {min(tuning)}-{max(tuning)}"
+    )
   return args
 
 
@@ -184,17 +204,23 @@ class Store:
     if path.exists():
       for line in path.read_text().splitlines():
         record = json.loads(line)
-        self.records[_key(record["experiment"], record["arm"], record["seed"],
-                          record["config"])] = record
+        self.records[
+          _key(record["experiment"], record["arm"], record["seed"], record["config"])
+        ] = record
 
   def get(self, spec: Spec) -> dict | None:
     return self.records.get(_key(spec.experiment, spec.arm, spec.seed, spec.config))
 
   def add(self, spec: Spec, history: dict) -> dict:
-    record = {"experiment": spec.experiment, "arm": spec.arm, "seed": spec.seed,
-              "config": spec.config, "val_loss": float(history["eval_loss"][-1]),
-              "eval_step": history["eval_step"].tolist(),
-              "eval_loss": history["eval_loss"].tolist()}
+    record = {
+      "experiment": spec.experiment,
+      "arm": spec.arm,
+      "seed": spec.seed,
+      "config": spec.config,
+      "val_loss": float(history["eval_loss"][-1]),
+      "eval_step": history["eval_step"].tolist(),
+      "eval_loss": history["eval_loss"].tolist(),
+    }
     self.path.parent.mkdir(parents=True, exist_ok=True)
     with open(self.path, "a") as f:  # one write per run: an interruption loses at most it
       f.write(json.dumps(record, sort_keys=True) + "\n")
@@ -207,13 +233,15 @@ def run_specs(store: Store, specs: Sequence[Spec]) -> list[dict]:
   """Runs the specs not in ``store`` yet, recording each as it ends; all their records."""
   pending = [spec for spec in specs if store.get(spec) is None]
   if len(pending) < len(specs):
-    print(f"{len(specs) - len(pending)} of {len(specs)} runs already in {store.path}: skipped",
-          file=sys.stderr)
+    print(
+      f"{len(specs) - len(pending)} of {len(specs)} runs already in {store.path}: skipped",
+      file=sys.stderr,
+    )
   for i, spec in enumerate(pending):
-    store.add(spec, spec.train(f"[{i + 1}/{len(pending)}] {spec.experiment} {spec.arm} "
-                               f"seed {spec.seed}"))
-  return [store.records[_key(spec.experiment, spec.arm, spec.seed, spec.config)]
-          for spec in specs]
+    store.add(
+      spec, spec.train(f"[{i + 1}/{len(pending)}] {spec.experiment} {spec.arm} seed {spec.seed}")
+    )
+  return [store.records[_key(spec.experiment, spec.arm, spec.seed, spec.config)] for spec in specs]
 
 
 # ----------------------------------------------------------------------------
@@ -235,23 +263,44 @@ class Setup(NamedTuple):
 def make_setup(args) -> Setup:
   config = lm.config_from_flags(args)
   graphdef, _ = lm.init_model(config, seed=0)
-  return Setup(args, config, graphdef, lm.load_corpus(args.corpus_bytes),
-               saggs.presets.llama(num_kv_heads=config.num_kv_heads), code_version())
+  return Setup(
+    args,
+    config,
+    graphdef,
+    lm.load_corpus(args.corpus_bytes),
+    saggs.presets.llama(num_kv_heads=config.num_kv_heads),
+    code_version(),
+  )
 
 
 def base_config(setup: Setup, **extra) -> dict:
   """What a run's result depends on, besides its experiment, arm and seed."""
   a = setup.args
-  return {"code": setup.code, "model": dataclasses.asdict(setup.config), "batch_size": a.batch_size,
-          "eval_batches": a.eval_batches, "eval_every": a.eval_every,
-          "corpus_bytes": a.corpus_bytes, **extra}
+  return {
+    "code": setup.code,
+    "model": dataclasses.asdict(setup.config),
+    "batch_size": a.batch_size,
+    "eval_batches": a.eval_batches,
+    "eval_every": a.eval_every,
+    "corpus_bytes": a.corpus_bytes,
+    **extra,
+  }
 
 
 def saggs_config(setup: Setup, **extra) -> dict:
   a = setup.args
-  return base_config(setup, **{"lr": a.lr, "warmup": a.warmup, "weight_decay": a.weight_decay,
-                               "factor": a.factor, "every": a.every, "strength": a.strength,
-                               **extra})
+  return base_config(
+    setup,
+    **{
+      "lr": a.lr,
+      "warmup": a.warmup,
+      "weight_decay": a.weight_decay,
+      "factor": a.factor,
+      "every": a.every,
+      "strength": a.strength,
+      **extra,
+    },
+  )
 
 
 def adamw(args) -> optax.GradientTransformation:
@@ -271,9 +320,19 @@ def with_stage(arm: str, args, pairs) -> optax.GradientTransformation | None:
 def train(setup: Setup, params, tx, *, steps: int, seed: int, desc: str, opt_state=None):
   a = setup.args
   _, _, history = lm.train(
-      setup.graphdef, params, tx, setup.corpus, steps=steps, batch_size=a.batch_size,
-      seq_len=setup.config.seq_len, seed=seed, opt_state=opt_state, eval_every=a.eval_every,
-      eval_batches=a.eval_batches, desc=desc)
+    setup.graphdef,
+    params,
+    tx,
+    setup.corpus,
+    steps=steps,
+    batch_size=a.batch_size,
+    seq_len=setup.config.seq_len,
+    seed=seed,
+    opt_state=opt_state,
+    eval_every=a.eval_every,
+    eval_batches=a.eval_batches,
+    desc=desc,
+  )
   return history
 
 
@@ -290,8 +349,11 @@ def imbalance_specs(setup: Setup, experiment: str) -> list[Spec]:
     tx = adamw(a) if stage is None else saggs.chain(adamw(a), stage)
     return train(setup, params, tx, steps=a.steps, seed=seed, desc=desc)
 
-  return [Spec(experiment, arm, seed, config, functools.partial(run, seed, arm))
-          for seed in eval_seeds(a, a.seeds) for arm in IMBALANCE_ARMS]
+  return [
+    Spec(experiment, arm, seed, config, functools.partial(run, seed, arm))
+    for seed in eval_seeds(a, a.seeds)
+    for arm in IMBALANCE_ARMS
+  ]
 
 
 def resume_specs(setup: Setup) -> list[Spec]:
@@ -303,9 +365,18 @@ def resume_specs(setup: Setup) -> list[Spec]:
   def pretrained(seed):
     _, params = lm.init_model(setup.config, seed=seed)
     params, opt_state, _ = lm.train(
-        setup.graphdef, params, adamw(a), setup.corpus, steps=a.pretrain_steps,
-        batch_size=a.batch_size, seq_len=setup.config.seq_len, seed=seed,
-        eval_every=a.pretrain_steps, eval_batches=a.eval_batches, desc=f"seed {seed} pretrain")
+      setup.graphdef,
+      params,
+      adamw(a),
+      setup.corpus,
+      steps=a.pretrain_steps,
+      batch_size=a.batch_size,
+      seq_len=setup.config.seq_len,
+      seed=seed,
+      eval_every=a.pretrain_steps,
+      eval_batches=a.eval_batches,
+      desc=f"seed {seed} pretrain",
+    )
     return params, opt_state
 
   def run(seed, arm, desc):
@@ -318,11 +389,15 @@ def resume_specs(setup: Setup) -> list[Spec]:
     if stage is not None:  # SAGGS joins at the restart
       tx, opt_state = saggs.chain(tx, stage), (opt_state, stage.init(params))
     # Batches after the restart differ from the pretraining ones.
-    return train(setup, params, tx, steps=a.resume_steps, seed=1_000 + seed, desc=desc,
-                 opt_state=opt_state)
+    return train(
+      setup, params, tx, steps=a.resume_steps, seed=1_000 + seed, desc=desc, opt_state=opt_state
+    )
 
-  return [Spec("resume", arm, seed, config, functools.partial(run, seed, arm))
-          for seed in eval_seeds(a, a.seeds) for arm in RESUME_ARMS]
+  return [
+    Spec("resume", arm, seed, config, functools.partial(run, seed, arm))
+    for seed in eval_seeds(a, a.seeds)
+    for arm in RESUME_ARMS
+  ]
 
 
 def optimizer_specs(setup: Setup, rates: dict[str, float], seeds: Sequence[int]) -> list[Spec]:
@@ -336,29 +411,42 @@ def optimizer_specs(setup: Setup, rates: dict[str, float], seeds: Sequence[int])
     tx = compare_optimizers.make_optimizer(name, lr, setup.config, opt_args)
     return train(setup, params, tx, steps=a.opt_steps, seed=seed, desc=desc)
 
-  return [Spec("optimizers", name, seed,
-               base_config(setup, lr=rates[name], **vars(opt_args)),
-               functools.partial(run, seed, name, rates[name]))
-          for seed in seeds for name in rates]
+  return [
+    Spec(
+      "optimizers",
+      name,
+      seed,
+      base_config(setup, lr=rates[name], **vars(opt_args)),
+      functools.partial(run, seed, name, rates[name]),
+    )
+    for seed in seeds
+    for name in rates
+  ]
 
 
 def lr_grid(args) -> dict[str, list[float]]:
   """Each optimizer's rates: the multipliers times its default (``compare_optimizers``)."""
-  return {name: [m * compare_optimizers.DEFAULT_LRS[name][1] for m in args.lr_multipliers]
-          for name in OPTIMIZER_ARMS}
+  return {
+    name: [m * compare_optimizers.DEFAULT_LRS[name][1] for m in args.lr_multipliers]
+    for name in OPTIMIZER_ARMS
+  }
 
 
 def run_optimizers(setup: Setup, store: Store) -> tuple[list[dict], dict[str, float], list, list]:
   """Tunes each optimizer on the tuning seeds, then runs its best rate on the others."""
   a = setup.args
   grid = lr_grid(a)
-  tuning = [(name, lr, run_specs(store, optimizer_specs(setup, {name: lr}, tune_seeds(a))))
-            for name in OPTIMIZER_ARMS for lr in grid[name]]
+  tuning = [
+    (name, lr, run_specs(store, optimizer_specs(setup, {name: lr}, tune_seeds(a))))
+    for name in OPTIMIZER_ARMS
+    for lr in grid[name]
+  ]
   mean = {(name, lr): np.mean([r["val_loss"] for r in records]) for name, lr, records in tuning}
   best = {name: min(grid[name], key=lambda lr: mean[name, lr]) for name in OPTIMIZER_ARMS}
   records = run_specs(store, optimizer_specs(setup, best, eval_seeds(a, a.opt_seeds)))
-  rows = [[name, f"{lr:g}", mean[name, lr], "*" if lr == best[name] else ""]
-          for name, lr, _ in tuning]
+  rows = [
+    [name, f"{lr:g}", mean[name, lr], "*" if lr == best[name] else ""] for name, lr, _ in tuning
+  ]
   edges = [name for name in OPTIMIZER_ARMS if best[name] in (min(grid[name]), max(grid[name]))]
   return records, best, rows, edges
 
@@ -367,9 +455,21 @@ def run_optimizers(setup: Setup, store: Store) -> tuple[list[dict], dict[str, fl
 # the examples, the versions below them, and the study's own run builders
 # (not its report, so a change of wording keeps the runs).
 RUN_MODULES = (saggs, lm, compare_optimizers)
-RUN_FUNCTIONS = (make_setup, base_config, saggs_config, adamw, with_stage, train,
-                 imbalance_specs, resume_specs, optimizer_specs, lr_grid, run_optimizers,
-                 eval_seeds, tune_seeds)
+RUN_FUNCTIONS = (
+  make_setup,
+  base_config,
+  saggs_config,
+  adamw,
+  with_stage,
+  train,
+  imbalance_specs,
+  resume_specs,
+  optimizer_specs,
+  lr_grid,
+  run_optimizers,
+  eval_seeds,
+  tune_seeds,
+)
 
 
 # This file as imported: ``inspect.getsource`` reads the file when called, so an
@@ -381,15 +481,19 @@ def function_source(function: Callable) -> str:
   """The source of ``function``, from ``_SOURCE`` for this module's functions."""
   if function.__module__ != __name__:
     return inspect.getsource(function)
-  return "".join(inspect.getblock(_SOURCE[function.__code__.co_firstlineno - 1:]))
+  return "".join(inspect.getblock(_SOURCE[function.__code__.co_firstlineno - 1 :]))
 
 
-def source_hash(files: Sequence[pathlib.Path], functions: Sequence[Callable] = (),
-                versions: Sequence[str] = ()) -> str:
+def source_hash(
+  files: Sequence[pathlib.Path], functions: Sequence[Callable] = (), versions: Sequence[str] = ()
+) -> str:
   """12 hex digits of the SHA-256 of the files, the functions' sources and the versions."""
   digest = hashlib.sha256()
-  for text in ([f.read_bytes() for f in files] + [function_source(f).encode() for f in functions]
-               + [v.encode() for v in versions]):
+  for text in (
+    [f.read_bytes() for f in files]
+    + [function_source(f).encode() for f in functions]
+    + [v.encode() for v in versions]
+  ):
     digest.update(len(text).to_bytes(8, "little") + text)  # lengths: no two splits collide
   return digest.hexdigest()[:12]
 
@@ -442,33 +546,93 @@ class Claim(NamedTuple):
 KIM = "Kim 2026, abstract"
 LAU_SU = "Lau & Su 2026, abstract"
 CLAIMS = (
-    Claim("imbalance", "hard SAGGS", "AdamW", "direction", -1,
-          "hard SAGGS lowers the loss under scale imbalance",
-          f"-0.374 ± 0.026 PPL, 101M params, WikiText-103 ({KIM})"),
-    Claim("imbalance", "soft SAGGS", "AdamW", "direction", -1,
-          "soft SAGGS lowers the loss under scale imbalance",
-          f"-0.780 ± 0.040 PPL, 31M params ({KIM})"),
-    Claim("balanced", "hard SAGGS", "AdamW", "equivalence", 0,
-          "hard SAGGS costs nothing on a balanced model"),
-    Claim("balanced", "soft SAGGS", "AdamW", "equivalence", 0,
-          "soft SAGGS costs nothing on a balanced model"),
-    Claim("resume", "rescaled", "control", "direction", 1,
-          "resuming a rescaled checkpoint raises the loss",
-          f"+3.78 ± 0.42 PPL, 123.8M params ({KIM})"),
-    Claim("resume", "rescaled + hard SAGGS", "control", "equivalence", 0,
-          "hard SAGGS recovers the rescaled restart",
-          f"within 0.02 PPL of the control, 123.8M params ({KIM})"),
-    Claim("resume", "rescaled + soft SAGGS", "control", "equivalence", 0,
-          "soft SAGGS recovers the rescaled restart",
-          f"within 0.02 PPL of the control, 123.8M params ({KIM})"),
-    Claim("resume", "rescaled, canonicalized", "control", "equivalence", 0,
-          "a canonicalised restore recovers the rescaled restart"),
-    Claim("optimizers", "stack", "adamw", "direction", -1,
-          "this library's symmetry-compatible stack lowers the loss against AdamW",
-          f"lower final validation loss than AdamW, no figure ({LAU_SU})"),
-    Claim("optimizers", "reference", "adamw", "direction", -1,
-          "Lau & Su's stack (preset='reference') lowers the loss against AdamW",
-          f"lower final validation loss than AdamW, no figure ({LAU_SU})"),
+  Claim(
+    "imbalance",
+    "hard SAGGS",
+    "AdamW",
+    "direction",
+    -1,
+    "hard SAGGS lowers the loss under scale imbalance",
+    f"-0.374 ± 0.026 PPL, 101M params, WikiText-103 ({KIM})",
+  ),
+  Claim(
+    "imbalance",
+    "soft SAGGS",
+    "AdamW",
+    "direction",
+    -1,
+    "soft SAGGS lowers the loss under scale imbalance",
+    f"-0.780 ± 0.040 PPL, 31M params ({KIM})",
+  ),
+  Claim(
+    "balanced",
+    "hard SAGGS",
+    "AdamW",
+    "equivalence",
+    0,
+    "hard SAGGS costs nothing on a balanced model",
+  ),
+  Claim(
+    "balanced",
+    "soft SAGGS",
+    "AdamW",
+    "equivalence",
+    0,
+    "soft SAGGS costs nothing on a balanced model",
+  ),
+  Claim(
+    "resume",
+    "rescaled",
+    "control",
+    "direction",
+    1,
+    "resuming a rescaled checkpoint raises the loss",
+    f"+3.78 ± 0.42 PPL, 123.8M params ({KIM})",
+  ),
+  Claim(
+    "resume",
+    "rescaled + hard SAGGS",
+    "control",
+    "equivalence",
+    0,
+    "hard SAGGS recovers the rescaled restart",
+    f"within 0.02 PPL of the control, 123.8M params ({KIM})",
+  ),
+  Claim(
+    "resume",
+    "rescaled + soft SAGGS",
+    "control",
+    "equivalence",
+    0,
+    "soft SAGGS recovers the rescaled restart",
+    f"within 0.02 PPL of the control, 123.8M params ({KIM})",
+  ),
+  Claim(
+    "resume",
+    "rescaled, canonicalized",
+    "control",
+    "equivalence",
+    0,
+    "a canonicalised restore recovers the rescaled restart",
+  ),
+  Claim(
+    "optimizers",
+    "stack",
+    "adamw",
+    "direction",
+    -1,
+    "this library's symmetry-compatible stack lowers the loss against AdamW",
+    f"lower final validation loss than AdamW, no figure ({LAU_SU})",
+  ),
+  Claim(
+    "optimizers",
+    "reference",
+    "adamw",
+    "direction",
+    -1,
+    "Lau & Su's stack (preset='reference') lowers the loss against AdamW",
+    f"lower final validation loss than AdamW, no figure ({LAU_SU})",
+  ),
 )
 # The equivalence margin in nats per byte (a 1% change of perplexity), fixed
 # before the evaluation seeds ran. For scale, on earlier seeds the imbalance
@@ -518,20 +682,29 @@ def experiment_table(arms: dict[str, list[dict]], control: str) -> list[list]:
       continue
     diffs = differences(arms, arm, control)
     interval = stats.t_interval(diffs)
-    rows.append(row + [_pm(interval.mean, interval.std, "+.4f"),
-                       f"[{interval.low:+.4f}, {interval.high:+.4f}]", _relative(diffs),
-                       f"{int(np.sum(diffs < 0))}/{interval.n}"])
+    rows.append(
+      row
+      + [
+        _pm(interval.mean, interval.std, "+.4f"),
+        f"[{interval.low:+.4f}, {interval.high:+.4f}]",
+        _relative(diffs),
+        f"{int(np.sum(diffs < 0))}/{interval.n}",
+      ]
+    )
   return rows
 
 
 def print_experiment(title: str, scale: str, arms: dict[str, list[dict]], control: str) -> None:
   print(f"\n{title}\n{scale}")
-  lm.results_table(experiment_table(arms, control),
-                   ["arm", "val loss", "val PPL", f"Δ vs {control}", "95% CI", "ΔPPL/PPL",
-                    "seeds favour arm"])
-  print(f"mean ± std over seeds (sample std); per byte; Δ: val loss (nats) paired per seed, "
-        f"95% t-interval; ΔPPL/PPL: mean of exp(Δ) - 1; 'seeds favour arm': seeds where the "
-        f"arm's val loss is below {control}'s.")
+  lm.results_table(
+    experiment_table(arms, control),
+    ["arm", "val loss", "val PPL", f"Δ vs {control}", "95% CI", "ΔPPL/PPL", "seeds favour arm"],
+  )
+  print(
+    f"mean ± std over seeds (sample std); per byte; Δ: val loss (nats) paired per seed, "
+    f"95% t-interval; ΔPPL/PPL: mean of exp(Δ) - 1; 'seeds favour arm': seeds where the "
+    f"arm's val loss is below {control}'s."
+  )
 
 
 def decide(claim: Claim, diffs: np.ndarray, alpha: float = ALPHA) -> tuple[stats.Interval, str]:
@@ -550,12 +723,15 @@ class Judged(NamedTuple):
   penalty: tuple[np.ndarray, str] | None = None  # (per-seed penalties, name)
 
 
-def judged_claims(experiment: str, arms: dict[str, list[dict]],
-                  penalties: dict | None = None) -> list[Judged]:
+def judged_claims(
+  experiment: str, arms: dict[str, list[dict]], penalties: dict | None = None
+) -> list[Judged]:
   """The experiment's claims on ``arms``; ``penalties[arm]`` as in ``Judged``."""
-  return [Judged(claim, differences(arms, claim.arm, claim.control),
-                 (penalties or {}).get(claim.arm))
-          for claim in CLAIMS if claim.experiment == experiment and claim.arm in arms]
+  return [
+    Judged(claim, differences(arms, claim.arm, claim.control), (penalties or {}).get(claim.arm))
+    for claim in CLAIMS
+    if claim.experiment == experiment and claim.arm in arms
+  ]
 
 
 def _share(high: float, penalty: tuple[np.ndarray, str] | None) -> str:
@@ -564,8 +740,10 @@ def _share(high: float, penalty: tuple[np.ndarray, str] | None) -> str:
     return "no penalty measured"
   values, name = penalty
   interval = stats.t_interval(values)
-  return (f"upper end {100 * high / interval.mean:+.0f}% of {name} ({interval.mean:+.4f}, "
-          f"95% CI [{interval.low:+.4f}, {interval.high:+.4f}])")
+  return (
+    f"upper end {100 * high / interval.mean:+.0f}% of {name} ({interval.mean:+.4f}, "
+    f"95% CI [{interval.low:+.4f}, {interval.high:+.4f}])"
+  )
 
 
 def verdict_row(judged: Judged, alpha: float = ALPHA) -> list[str]:
@@ -579,56 +757,84 @@ def verdict_row(judged: Judged, alpha: float = ALPHA) -> list[str]:
   else:
     test = "Δ < 0" if claim.direction < 0 else "Δ > 0"
   paper = f"{claim.paper}; {NOT_COMPARABLE}" if "PPL" in claim.paper else claim.paper or "-"
-  return [f"{claim.text} ({claim.arm} - {claim.control})", test, here, _relative(diffs),
-          paper, outcome]
+  return [
+    f"{claim.text} ({claim.arm} - {claim.control})",
+    test,
+    here,
+    _relative(diffs),
+    paper,
+    outcome,
+  ]
 
 
 def bonferroni(judged: Sequence[Judged], alpha: float = ALPHA) -> str:
   """Which verdicts change when each of the claims is tested at ``alpha / len(judged)``."""
   level = alpha / len(judged)
-  changed = [f"{j.claim.text}: {decide(j.claim, j.diffs, alpha)[1]} -> "
-             f"{decide(j.claim, j.diffs, level)[1]}"
-             for j in judged if decide(j.claim, j.diffs, alpha)[1] != decide(j.claim, j.diffs, level)[1]]
+  changed = [
+    f"{j.claim.text}: {decide(j.claim, j.diffs, alpha)[1]} -> {decide(j.claim, j.diffs, level)[1]}"
+    for j in judged
+    if decide(j.claim, j.diffs, alpha)[1] != decide(j.claim, j.diffs, level)[1]
+  ]
   head = f"Bonferroni over the {len(judged)} claims (each at α = {level:.4f})"
-  return f"{head}: changes {len(changed)} verdict(s): " + "; ".join(changed) if changed else (
-      f"{head}: changes no verdict.")
+  return (
+    f"{head}: changes {len(changed)} verdict(s): " + "; ".join(changed)
+    if changed
+    else (f"{head}: changes no verdict.")
+  )
 
 
 def print_verdicts(judged: Sequence[Judged]) -> None:
   if not judged:
     return
-  print(f"\nVerdicts. Δ = arm - control, final val loss in nats/byte, paired per seed. "
-        f"Direction claims: the {1 - ALPHA:.0%} t-interval wholly on the claimed side of 0: "
-        f"{stats.REPRODUCED}; wholly on the other side: {stats.NOT_REPRODUCED}; else "
-        f"{stats.INCONCLUSIVE}. Equivalence claims (TOST): the {1 - 2 * ALPHA:.0%} t-interval "
-        f"inside ±{MARGIN:g} nats (a margin fixed in advance, ~{100 * np.expm1(MARGIN):.0f}% "
-        f"of PPL): {stats.EQUIVALENT}; wholly outside: {stats.NOT_EQUIVALENT}; else "
-        f"{stats.INCONCLUSIVE}. The papers' figures are quoted from their abstracts.")
-  lm.results_table([verdict_row(j) for j in judged],
-                   ["claim", "test", "here: Δ [interval]", "ΔPPL/PPL", "paper's figure",
-                    "verdict"])
+  print(
+    f"\nVerdicts. Δ = arm - control, final val loss in nats/byte, paired per seed. "
+    f"Direction claims: the {1 - ALPHA:.0%} t-interval wholly on the claimed side of 0: "
+    f"{stats.REPRODUCED}; wholly on the other side: {stats.NOT_REPRODUCED}; else "
+    f"{stats.INCONCLUSIVE}. Equivalence claims (TOST): the {1 - 2 * ALPHA:.0%} t-interval "
+    f"inside ±{MARGIN:g} nats (a margin fixed in advance, ~{100 * np.expm1(MARGIN):.0f}% "
+    f"of PPL): {stats.EQUIVALENT}; wholly outside: {stats.NOT_EQUIVALENT}; else "
+    f"{stats.INCONCLUSIVE}. The papers' figures are quoted from their abstracts."
+  )
+  lm.results_table(
+    [verdict_row(j) for j in judged],
+    ["claim", "test", "here: Δ [interval]", "ΔPPL/PPL", "paper's figure", "verdict"],
+  )
   print(bonferroni(judged))
 
 
 def scale_text(setup: Setup, steps: str, tokens: int, seeds: int) -> str:
   _, params = lm.init_model(setup.config, seed=0)
-  return (f"{lm.num_params(params):,} parameters, {steps} of {setup.args.batch_size}x"
-          f"{setup.config.seq_len} bytes ({tokens:,} training bytes per run), {seeds} seeds "
-          f"({setup.args.first_seed}-{setup.args.first_seed + seeds - 1})")
+  return (
+    f"{lm.num_params(params):,} parameters, {steps} of {setup.args.batch_size}x"
+    f"{setup.config.seq_len} bytes ({tokens:,} training bytes per run), {seeds} seeds "
+    f"({setup.args.first_seed}-{setup.args.first_seed + seeds - 1})"
+  )
 
 
-def plot_differences(path: pathlib.Path, title: str, diffs: dict[str, np.ndarray],
-                     unit: str) -> None:
+def plot_differences(
+  path: pathlib.Path, title: str, diffs: dict[str, np.ndarray], unit: str
+) -> None:
   """Per-seed paired differences (dots) and their mean with its 95% t-interval (bar)."""
   fig = Figure(figsize=(1.8 + 1.6 * len(diffs), 4.5))
   ax = fig.subplots()
   for i, d in enumerate(diffs.values()):
     interval = stats.t_interval(d)
-    ax.plot(np.full(len(d), i) + np.linspace(-0.15, 0.15, len(d)), d, "o", color=f"C{i}",
-            alpha=0.5, markersize=4)
-    ax.errorbar([i + 0.3], [interval.mean], yerr=[[interval.mean - interval.low],
-                                                  [interval.high - interval.mean]],
-                fmt="s", color=f"C{i}", capsize=4)
+    ax.plot(
+      np.full(len(d), i) + np.linspace(-0.15, 0.15, len(d)),
+      d,
+      "o",
+      color=f"C{i}",
+      alpha=0.5,
+      markersize=4,
+    )
+    ax.errorbar(
+      [i + 0.3],
+      [interval.mean],
+      yerr=[[interval.mean - interval.low], [interval.high - interval.mean]],
+      fmt="s",
+      color=f"C{i}",
+      capsize=4,
+    )
   ax.axhline(0, color="black", linewidth=0.8)
   ax.set_xticks(range(len(diffs)), list(diffs), rotation=15, fontsize="small")
   ax.set(ylabel=unit, title=f"{title}\n(dots: seeds; square and bar: mean, 95% t-interval)")
@@ -637,8 +843,9 @@ def plot_differences(path: pathlib.Path, title: str, diffs: dict[str, np.ndarray
   fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
-def plot_curves(path: pathlib.Path, title: str, arms: dict[str, list[dict]], control: str,
-                from_init: bool) -> None:
+def plot_curves(
+  path: pathlib.Path, title: str, arms: dict[str, list[dict]], control: str, from_init: bool
+) -> None:
   """Left: validation loss per arm; right: arm minus control, paired per seed.
 
   Lines are means over seeds, bands ± 1 sample std. Runs ``from_init`` start
@@ -656,8 +863,11 @@ def plot_curves(path: pathlib.Path, title: str, arms: dict[str, list[dict]], con
       axis.fill_between(steps[first:], mean - std, mean + std, color=f"C{i}", alpha=0.2)
   band = f"mean over {len(control_losses)} seeds, band ± 1 sample std"
   ax.set(xlabel="step", ylabel="validation loss (nats/byte)", title=f"{title}\n({band})")
-  gap.set(xlabel="step", ylabel=f"val loss - {control} val loss (nats/byte)",
-          title=f"Paired difference to {control}\n({band})")
+  gap.set(
+    xlabel="step",
+    ylabel=f"val loss - {control} val loss (nats/byte)",
+    title=f"Paired difference to {control}\n({band})",
+  )
   for axis in (ax, gap):
     axis.grid(alpha=0.3)
     axis.legend(fontsize="small")
@@ -666,18 +876,22 @@ def plot_curves(path: pathlib.Path, title: str, arms: dict[str, list[dict]], con
 
 
 def plot_experiment(out: pathlib.Path, experiment: str, title: str, arms, control):
-  plot_differences(out / f"{experiment}_differences.png", f"{title}: arm - {control}",
-                   {arm: differences(arms, arm, control) for arm in arms if arm != control},
-                   "Δ val loss (nats/byte)")
-  plot_curves(out / f"{experiment}_curves.png", title, arms, control,
-              from_init=experiment != "resume")
+  plot_differences(
+    out / f"{experiment}_differences.png",
+    f"{title}: arm - {control}",
+    {arm: differences(arms, arm, control) for arm in arms if arm != control},
+    "Δ val loss (nats/byte)",
+  )
+  plot_curves(
+    out / f"{experiment}_curves.png", title, arms, control, from_init=experiment != "resume"
+  )
 
 
 TITLES = {
-    "imbalance": "Induced imbalance: Q/K, V/O, up/down scaled by {factor:g} and 1/{factor:g}",
-    "resume": "Resume from a checkpoint rescaled by {factor:g} and 1/{factor:g}",
-    "balanced": "Balanced initialisation",
-    "optimizers": "Optimizers at their best learning rates",
+  "imbalance": "Induced imbalance: Q/K, V/O, up/down scaled by {factor:g} and 1/{factor:g}",
+  "resume": "Resume from a checkpoint rescaled by {factor:g} and 1/{factor:g}",
+  "balanced": "Balanced initialisation",
+  "optimizers": "Optimizers at their best learning rates",
 }
 
 
@@ -686,17 +900,28 @@ def summary(judged: Sequence[Judged]) -> list[dict]:
   rows = []
   for claim, diffs, _ in judged:
     interval, outcome = decide(claim, diffs)
-    rows.append({"experiment": claim.experiment, "claim": claim.text, "arm": claim.arm,
-                 "control": claim.control, "test": claim.test,
-                 "margin": MARGIN if claim.test == "equivalence" else None,
-                 "delta_nats": interval.mean, "low": interval.low, "high": interval.high,
-                 "level": 1 - 2 * ALPHA if claim.test == "equivalence" else 1 - ALPHA,
-                 "seeds": interval.n, "verdict": outcome})
+    rows.append(
+      {
+        "experiment": claim.experiment,
+        "claim": claim.text,
+        "arm": claim.arm,
+        "control": claim.control,
+        "test": claim.test,
+        "margin": MARGIN if claim.test == "equivalence" else None,
+        "delta_nats": interval.mean,
+        "low": interval.low,
+        "high": interval.high,
+        "level": 1 - 2 * ALPHA if claim.test == "equivalence" else 1 - ALPHA,
+        "seeds": interval.n,
+        "verdict": outcome,
+      }
+    )
   return rows
 
 
-def main(argv: Sequence[str] | None = None,
-         parser: argparse.ArgumentParser | None = None) -> list[dict]:
+def main(
+  argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> list[dict]:
   """Runs the study and returns its ``summary``; ``parser`` (default ``build_parser(__doc__)``)
   may change its defaults."""
   start = time.perf_counter()
@@ -714,26 +939,43 @@ def main(argv: Sequence[str] | None = None,
   for experiment in ("imbalance", "balanced"):
     if experiment in args.experiments:
       results[experiment] = arms = by_arm(run_specs(store, imbalance_specs(setup, experiment)))
-      print_experiment(title[experiment], scale_text(
-          setup, f"{args.steps} steps", run_bytes(args.steps), args.seeds), arms, "AdamW")
+      print_experiment(
+        title[experiment],
+        scale_text(setup, f"{args.steps} steps", run_bytes(args.steps), args.seeds),
+        arms,
+        "AdamW",
+      )
       plot_experiment(args.out, experiment, title[experiment], arms, "AdamW")
   if "imbalance" in results:
     judged += judged_claims("imbalance", results["imbalance"])
   if "balanced" in results:
     penalties = {}
     if "imbalance" in results:  # paired: same seeds, batches and function
-      penalty = differences({"imbalanced": results["imbalance"]["AdamW"],
-                             "balanced": results["balanced"]["AdamW"]}, "imbalanced", "balanced")
+      penalty = differences(
+        {"imbalanced": results["imbalance"]["AdamW"], "balanced": results["balanced"]["AdamW"]},
+        "imbalanced",
+        "balanced",
+      )
       penalties = dict.fromkeys(IMBALANCE_ARMS[1:], (penalty, "AdamW's imbalance penalty"))
-      print(f"AdamW's imbalance penalty (imbalanced - balanced init): "
-            f"{_pm(*stats.mean_std(penalty), '+.4f')} nats/byte")
+      print(
+        f"AdamW's imbalance penalty (imbalanced - balanced init): "
+        f"{_pm(*stats.mean_std(penalty), '+.4f')} nats/byte"
+      )
     judged += judged_claims("balanced", results["balanced"], penalties)
 
   if "resume" in args.experiments:
     arms = by_arm(run_specs(store, resume_specs(setup)))
-    print_experiment(title["resume"], scale_text(
-        setup, f"{args.pretrain_steps} + {args.resume_steps} steps",
-        run_bytes(args.pretrain_steps + args.resume_steps), args.seeds), arms, "control")
+    print_experiment(
+      title["resume"],
+      scale_text(
+        setup,
+        f"{args.pretrain_steps} + {args.resume_steps} steps",
+        run_bytes(args.pretrain_steps + args.resume_steps),
+        args.seeds,
+      ),
+      arms,
+      "control",
+    )
     plot_experiment(args.out, "resume", title["resume"], arms, "control")
     penalty = (differences(arms, "rescaled", "control"), "the rescale penalty")
     judged += judged_claims("resume", arms, dict.fromkeys(RESUME_ARMS[2:], penalty))
@@ -741,21 +983,29 @@ def main(argv: Sequence[str] | None = None,
   if "optimizers" in args.experiments:
     records, best, tuning_rows, edges = run_optimizers(setup, store)
     arms = by_arm(records)
-    print(f"\nLearning-rate sweep: final validation loss (nats/byte) after {args.opt_steps} "
-          f"steps, mean over tuning seeds {', '.join(map(str, tune_seeds(args)))}; * = best")
+    print(
+      f"\nLearning-rate sweep: final validation loss (nats/byte) after {args.opt_steps} "
+      f"steps, mean over tuning seeds {', '.join(map(str, tune_seeds(args)))}; * = best"
+    )
     lm.results_table(tuning_rows, ["optimizer", "lr", "val loss", "best"])
     if edges:
       print(f"note: the best rate of {', '.join(edges)} is at the edge of the grid")
     rates = ", ".join(f"{name} {lr:g}" for name, lr in best.items())
-    print_experiment(f"{title['optimizers']}: {rates}",
-                     scale_text(setup, f"{args.opt_steps} steps", run_bytes(args.opt_steps),
-                                args.opt_seeds), arms, "adamw")
+    print_experiment(
+      f"{title['optimizers']}: {rates}",
+      scale_text(setup, f"{args.opt_steps} steps", run_bytes(args.opt_steps), args.opt_seeds),
+      arms,
+      "adamw",
+    )
     plot_experiment(args.out, "optimizers", title["optimizers"], arms, "adamw")
     judged += judged_claims("optimizers", arms)
 
   print_verdicts(judged)
-  print(f"Plots in {args.out}; {store.trained} runs trained, wall time "
-        f"{(time.perf_counter() - start) / 60:.1f} min", file=sys.stderr)
+  print(
+    f"Plots in {args.out}; {store.trained} runs trained, wall time "
+    f"{(time.perf_counter() - start) / 60:.1f} min",
+    file=sys.stderr,
+  )
   return summary(judged)
 
 

@@ -58,11 +58,13 @@ def make_runs(args, params, pairs):
   # Same function as `params`; only the optimizer sees the difference.
   imbalanced = lm.induce_qk_imbalance(params, args.imbalance)
   return {
-      "AdamW (balanced)": (params, adamw),
-      "AdamW": (imbalanced, adamw),
-      "AdamW + SAGGS": (imbalanced, saggs.chain(adamw, saggs.saggs(pairs, every=args.every))),
-      "AdamW + soft SAGGS": (imbalanced, saggs.chain(
-          adamw, saggs.soft(pairs, strength=args.strength, every=args.every))),
+    "AdamW (balanced)": (params, adamw),
+    "AdamW": (imbalanced, adamw),
+    "AdamW + SAGGS": (imbalanced, saggs.chain(adamw, saggs.saggs(pairs, every=args.every))),
+    "AdamW + soft SAGGS": (
+      imbalanced,
+      saggs.chain(adamw, saggs.soft(pairs, strength=args.strength, every=args.every)),
+    ),
   }
 
 
@@ -71,8 +73,7 @@ def make_metrics_fn(pairs) -> lm.MetricsFn:
 
   @jax.jit
   def metrics(params):
-    return {pair.name: jnp.stack(list(saggs.imbalance(params, [pair]).values()))
-            for pair in pairs}
+    return {pair.name: jnp.stack(list(saggs.imbalance(params, [pair]).values())) for pair in pairs}
 
   return lambda step, params, opt_state: metrics(params)
 
@@ -86,8 +87,9 @@ def report(histories, pairs, out: pathlib.Path) -> None:
   for label, h in histories.items():
     final_loss = float(h["eval_loss"][-1])
     imbalances = [float(np.abs(h[pair.name][-1]).mean()) for pair in pairs]
-    rows.append([label, float(h["eval_loss"][0]), final_loss, float(np.exp(final_loss)),
-                 *imbalances])
+    rows.append(
+      [label, float(h["eval_loss"][0]), final_loss, float(np.exp(final_loss)), *imbalances]
+    )
   print()
   # Two decimals: one seed, and the third decimal of a run from an imbalanced start moves with
   # the CPU model that XLA compiles for (1.8517, 1.8583 and 1.8696 for plain AdamW on three).
@@ -100,12 +102,17 @@ def report(histories, pairs, out: pathlib.Path) -> None:
   # The runs differ by a few hundredths of a nat: too little to see on the loss scale.
   baseline = histories["AdamW"]["eval_loss"]
   lm.plot_metric_curves(
-      {label: (h["eval_step"], h["eval_loss"] - baseline) for label, h in histories.items()},
-      gap_png, ylabel="val loss - AdamW val loss (nats/byte)",
-      title="Validation loss relative to AdamW on the imbalanced model")
+    {label: (h["eval_step"], h["eval_loss"] - baseline) for label, h in histories.items()},
+    gap_png,
+    ylabel="val loss - AdamW val loss (nats/byte)",
+    title="Validation loss relative to AdamW on the imbalanced model",
+  )
   lm.plot_metric_curves(
-      {label: (h["metric_step"], h[qk]) for label, h in histories.items()}, imbalance_png,
-      ylabel="log(||Q_g|| / ||K_g||)", title="Q/K imbalance, one line per layer and KV head")
+    {label: (h["metric_step"], h[qk]) for label, h in histories.items()},
+    imbalance_png,
+    ylabel="log(||Q_g|| / ||K_g||)",
+    title="Q/K imbalance, one line per layer and KV head",
+  )
   print(f"\nSaved {loss_png}, {gap_png} and {imbalance_png}")
 
 
@@ -122,9 +129,18 @@ def main():
   histories = {}
   for label, (init, tx) in make_runs(args, params, pairs).items():
     _, _, histories[label] = lm.train(
-        graphdef, init, tx, corpus, steps=args.steps, batch_size=args.batch_size,
-        seq_len=config.seq_len, seed=args.seed, eval_every=args.eval_every,
-        metrics_fn=metrics_fn, desc=label)
+      graphdef,
+      init,
+      tx,
+      corpus,
+      steps=args.steps,
+      batch_size=args.batch_size,
+      seq_len=config.seq_len,
+      seed=args.seed,
+      eval_every=args.eval_every,
+      metrics_fn=metrics_fn,
+      desc=label,
+    )
   report(histories, pairs, args.out)
 
 

@@ -43,14 +43,25 @@ from saggs_jax.scaling import leaf_multiplier, scale_leaf, scale_tree
 
 # Re-exported: the library's modules import the balancing names from here.
 __all__ = [
-    "TOLERANCE", "AxisName", "Factors", "Stats", "compute_dtype", "compute_factors",
-    "leaf_multiplier", "leaf_stats", "log_norms", "replicated", "scale_leaf", "scale_tree",
-    "solve",
+  "TOLERANCE",
+  "AxisName",
+  "Factors",
+  "Stats",
+  "compute_dtype",
+  "compute_factors",
+  "leaf_multiplier",
+  "leaf_stats",
+  "log_norms",
+  "replicated",
+  "scale_leaf",
+  "scale_tree",
+  "solve",
 ]
 
 
-def _marginal(plan: Plan, piece: tuple, stats: jax.Array, u: dict, key: str, weight: int,
-              reduce) -> jax.Array:
+def _marginal(
+  plan: Plan, piece: tuple, stats: jax.Array, u: dict, key: str, weight: int, reduce
+) -> jax.Array:
   """``stats`` of ``piece`` with the log-factors ``weight * sign * u`` of its other slots
   applied, reduced to the groups of instance ``key``."""
   slots = plan.pieces[piece].slots
@@ -60,8 +71,9 @@ def _marginal(plan: Plan, piece: tuple, stats: jax.Array, u: dict, key: str, wei
   return _onto(plan, piece, stats, key, u[key].shape, reduce)
 
 
-def _onto(plan: Plan, piece: tuple, x: jax.Array, key: str, shape: tuple[int, ...], reduce
-          ) -> jax.Array:
+def _onto(
+  plan: Plan, piece: tuple, x: jax.Array, key: str, shape: tuple[int, ...], reduce
+) -> jax.Array:
   """``x``, on the statistics layout of ``piece``, reduced to the groups of instance ``key``
   (of factor shape ``shape``)."""
   slots = plan.pieces[piece].slots
@@ -77,8 +89,13 @@ def _logsumexp(xs: list[jax.Array]) -> jax.Array:
 
 def _side_log_sq(plan: Plan, stats: Stats, u: dict, inst: Instance, sign: int) -> jax.Array:
   """``log ||side||**2`` per group of ``inst``, its other pairs' log-factors ``u`` applied."""
-  return _logsumexp([_marginal(plan, k, stats[k][0], u, inst.key, 2, jax.nn.logsumexp)
-                     for name in inst.members(sign) for k in plan.pieces_of(name, inst.key)])
+  return _logsumexp(
+    [
+      _marginal(plan, k, stats[k][0], u, inst.key, 2, jax.nn.logsumexp)
+      for name in inst.members(sign)
+      for k in plan.pieces_of(name, inst.key)
+    ]
+  )
 
 
 def _no_factors(plan: Plan) -> dict:
@@ -86,8 +103,9 @@ def _no_factors(plan: Plan) -> dict:
   return {i.key: jnp.zeros(i.factor_shape, jnp.float32) for i in plan.instances}
 
 
-def _bounds(plan: Plan, stats: Stats, dtypes: dict, u: dict, inst: Instance
-            ) -> tuple[jax.Array, jax.Array]:
+def _bounds(
+  plan: Plan, stats: Stats, dtypes: dict, u: dict, inst: Instance
+) -> tuple[jax.Array, jax.Array]:
   """``lo <= log c <= hi`` keeping every scaled entry of ``inst`` within its dtype."""
   lo, hi = jnp.full(inst.factor_shape, -jnp.inf), jnp.full(inst.factor_shape, jnp.inf)
   for sign in (+1, -1):
@@ -99,8 +117,9 @@ def _bounds(plan: Plan, stats: Stats, dtypes: dict, u: dict, inst: Instance
   return lo, hi
 
 
-def _sweep(plan: Plan, stats: Stats, dtypes: dict, u: dict, scale: float
-           ) -> tuple[dict, dict, jax.Array]:
+def _sweep(
+  plan: Plan, stats: Stats, dtypes: dict, u: dict, scale: float
+) -> tuple[dict, dict, jax.Array]:
   """One pass over the instances, each set to its best factor given the others: the
   minimiser of ``||c A||^2 + ||B / c||^2`` with the others' factors applied, times
   ``scale`` in log space and clipped to the dtype bounds; 1 (log 0) where a side's norm
@@ -122,8 +141,9 @@ def _sweep(plan: Plan, stats: Stats, dtypes: dict, u: dict, scale: float
 def _signed_sum(plan: Plan, piece: tuple, u: dict) -> jax.Array:
   """``sum_s sign_s u_s`` over the slots of ``piece``, on its statistics layout."""
   slots = plan.pieces[piece].slots
-  return functools.reduce(jnp.add, [s.sign * along_slot(u[s.key], i, slots)
-                                    for i, s in enumerate(slots)])
+  return functools.reduce(
+    jnp.add, [s.sign * along_slot(u[s.key], i, slots) for i, s in enumerate(slots)]
+  )
 
 
 def _newton(plan: Plan, stats: Stats, u: dict, free: dict, shift: jax.Array) -> dict:
@@ -144,8 +164,13 @@ def _newton(plan: Plan, stats: Stats, u: dict, free: dict, shift: jax.Array) -> 
   number of leaves): groups more than ~1e38 below it underflow to no step here and are
   left to the sweeps.
   """
-  members = {k for i in plan.instances for sign in (+1, -1) for name in i.members(sign)
-             for k in plan.pieces_of(name, i.key)}
+  members = {
+    k
+    for i in plan.instances
+    for sign in (+1, -1)
+    for name in i.members(sign)
+    for k in plan.pieces_of(name, i.key)
+  }
   counted = [k for k in plan.pieces if k in members]
   log_e = {p: stats[p][0] + 2 * _signed_sum(plan, p, u) - shift for p in counted}
   # A non-finite combination freezes (not free) every group it touches: drop it from f.
@@ -154,8 +179,9 @@ def _newton(plan: Plan, stats: Stats, u: dict, free: dict, shift: jax.Array) -> 
   shapes = {i.key: i.factor_shape for i in plan.instances}
   ends = np.cumsum([int(np.prod(v)) for v in shapes.values()])
   flat = lambda d: jnp.concatenate([jnp.ravel(d[k]) for k in shapes])
-  split = lambda v: {k: v[end - int(np.prod(sh)):end].reshape(sh)
-                     for (k, sh), end in zip(shapes.items(), ends)}
+  split = lambda v: {
+    k: v[end - int(np.prod(sh)) : end].reshape(sh) for (k, sh), end in zip(shapes.items(), ends)
+  }
   mask = flat(free).astype(jnp.float32)
 
   def per_instance(weighted):  # sum_p sign * E_p * weighted(p), onto every instance
@@ -183,16 +209,21 @@ def _newton(plan: Plan, stats: Stats, u: dict, free: dict, shift: jax.Array) -> 
 
   z = -inverse * grad
   rz0 = -grad @ z
-  du, *_ = jax.lax.while_loop(lambda c: (c[3] > CG_TOLERANCE**2 * rz0) & (c[4] < MAX_CG), cg,
-                              (jnp.zeros_like(grad), -grad, z, rz0, 0))
+  du, *_ = jax.lax.while_loop(
+    lambda c: (c[3] > CG_TOLERANCE**2 * rz0) & (c[4] < MAX_CG),
+    cg,
+    (jnp.zeros_like(grad), -grad, z, rz0, 0),
+  )
   slope = grad @ du
   du = split(du)
   change = {p: 2 * _signed_sum(plan, p, du) for p in counted}
 
   # Backtracking without a loop: the Armijo test at every step 2**-k at once.
   steps = 2.0 ** -jnp.arange(LINE_SEARCH_STEPS, dtype=jnp.float32)
-  decrease = sum(jnp.sum(e[p][..., None] * jnp.expm1(steps * change[p][..., None]),
-                         axis=tuple(range(e[p].ndim))) for p in counted)
+  decrease = sum(
+    jnp.sum(e[p][..., None] * jnp.expm1(steps * change[p][..., None]), axis=tuple(range(e[p].ndim)))
+    for p in counted
+  )
   passed = (decrease <= 1e-4 * steps * slope) & (slope < 0)
   t = jnp.where(jnp.any(passed), steps[jnp.argmax(passed)], 0.0)
   return {k: u[k] + t * du[k] for k in u}
@@ -200,8 +231,14 @@ def _newton(plan: Plan, stats: Stats, u: dict, free: dict, shift: jax.Array) -> 
 
 def _onto_all(plan: Plan, e: dict, counted: list, key: str, shape) -> jax.Array:
   """``sum_p E_p`` over the counted pieces in instance ``key``, onto its groups."""
-  return functools.reduce(jnp.add, [_onto(plan, p, e[p], key, shape, jnp.sum) for p in counted
-                                    if any(s.key == key for s in plan.pieces[p].slots)])
+  return functools.reduce(
+    jnp.add,
+    [
+      _onto(plan, p, e[p], key, shape, jnp.sum)
+      for p in counted
+      if any(s.key == key for s in plan.pieces[p].slots)
+    ],
+  )
 
 
 # Overlapping pairs: the joint solve stops once a sweep moves no log-factor by more than
@@ -233,8 +270,9 @@ def solve(plan: Plan, stats: Stats, dtypes: dict, strength: float) -> tuple[Fact
   """
   u = _no_factors(plan)
   if not plan.overlapping:
-    return {k: jnp.exp(v) for k, v in _sweep(plan, stats, dtypes, u, strength)[0].items()
-            }, jnp.float32(0.0)
+    return {
+      k: jnp.exp(v) for k, v in _sweep(plan, stats, dtypes, u, strength)[0].items()
+    }, jnp.float32(0.0)
 
   def moved(a, b):
     return functools.reduce(jnp.maximum, [jnp.max(jnp.abs(a[k] - b[k]), initial=0.0) for k in a])
@@ -246,11 +284,14 @@ def solve(plan: Plan, stats: Stats, dtypes: dict, strength: float) -> tuple[Fact
     return new, free, shift, moved(new, stepped), n + 1
 
   free = jax.tree.map(lambda v: jnp.ones(v.shape, bool), u)  # the sweep clips after
-  top = functools.reduce(jnp.maximum, [jnp.max(jnp.where(jnp.isfinite(v), v, -jnp.inf))
-                                       for v, _ in stats.values()])
+  top = functools.reduce(
+    jnp.maximum, [jnp.max(jnp.where(jnp.isfinite(v), v, -jnp.inf)) for v, _ in stats.values()]
+  )
   u, _, _, residual, _ = jax.lax.while_loop(
-      lambda c: (c[3] > TOLERANCE) & (c[4] < MAX_ITERATIONS), body,
-      (u, free, top, jnp.float32(jnp.inf), 0))
+    lambda c: (c[3] > TOLERANCE) & (c[4] < MAX_ITERATIONS),
+    body,
+    (u, free, top, jnp.float32(jnp.inf), 0),
+  )
   return {k: jnp.exp(strength * v) for k, v in u.items()}, residual
 
 
@@ -261,13 +302,15 @@ def _dtypes(params: Any) -> dict:
 def log_norms(plan: Plan, params: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
   """Per instance: ``log`` of the group norms of sides A and B (scale-safe)."""
   stats, u = leaf_stats(plan, params), _no_factors(plan)
-  return {i.key: (0.5 * _side_log_sq(plan, stats, u, i, +1),
-                  0.5 * _side_log_sq(plan, stats, u, i, -1)) for i in plan.instances}
+  return {
+    i.key: (0.5 * _side_log_sq(plan, stats, u, i, +1), 0.5 * _side_log_sq(plan, stats, u, i, -1))
+    for i in plan.instances
+  }
 
 
-def compute_factors(plan: Plan, params: Any, strength: float, axis_name: AxisName = None
-                    ) -> tuple[Factors, jax.Array]:
+def compute_factors(
+  plan: Plan, params: Any, strength: float, axis_name: AxisName = None
+) -> tuple[Factors, jax.Array]:
   """The balancing factors of every instance in ``plan`` for ``params``, and the joint
   solve's residual (see :func:`solve`)."""
   return solve(plan, leaf_stats(plan, params, axis_name), _dtypes(params), strength)
-

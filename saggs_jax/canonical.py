@@ -19,13 +19,19 @@ from saggs_jax.transport import transport
 FactorSpec = float | Callable[[str, tuple[int, ...]], Any]
 
 
-def apply_transform(plan: Plan, params: Any, opt_state: Any, factors: Factors,
-                    tx: optax.GradientTransformation | None = None) -> tuple[Any, Any]:
+def apply_transform(
+  plan: Plan,
+  params: Any,
+  opt_state: Any,
+  factors: Factors,
+  tx: optax.GradientTransformation | None = None,
+) -> tuple[Any, Any]:
   """Rescales ``params`` by ``factors`` and transports every moment in ``opt_state``,
   by the degrees measured on ``tx`` if given, else by the registered ones."""
   degrees = None if tx is None or opt_state is None else measure(tx, params, plan)
-  return scale_tree(plan, params, factors, 1.0), transport(plan, opt_state, factors,
-                                                           degrees=degrees)
+  return scale_tree(plan, params, factors, 1.0), transport(
+    plan, opt_state, factors, degrees=degrees
+  )
 
 
 def _is_concrete(x) -> bool:
@@ -46,22 +52,30 @@ def _factors(plan: Plan, factor: FactorSpec) -> Factors:
     except (TypeError, ValueError):
       f = None
     if f is None or isinstance(given, (str, bytes)):  # NumPy would parse "2"
-      raise ValueError(f"{where} must be numbers broadcastable to shape {inst.factor_shape}"
-                       f" (stacked_shape + (groups,)), got {given!r}.")
+      raise ValueError(
+        f"{where} must be numbers broadcastable to shape {inst.factor_shape}"
+        f" (stacked_shape + (groups,)), got {given!r}."
+      )
     ok = jnp.isfinite(f) & (f > 0)
     if _is_concrete(ok):
       if not np.all(ok):
         bad = np.unique(np.asarray(f)[~np.asarray(ok)])
-        raise ValueError(f"{where} must be positive and finite in float32, got"
-                         f" {', '.join(map(str, bad[:4]))}.")
+        raise ValueError(
+          f"{where} must be positive and finite in float32, got {', '.join(map(str, bad[:4]))}."
+        )
     else:  # traced: checking would sync with the host; a bad factor leaves its group alone
       f = jnp.where(ok, f, 1.0)
     out[inst.key] = f
   return out
 
 
-def reparameterize(params: Any, opt_state: Any, pairs: Sequence[Pair], factor: FactorSpec,
-                   tx: optax.GradientTransformation | None = None) -> tuple[Any, Any]:
+def reparameterize(
+  params: Any,
+  opt_state: Any,
+  pairs: Sequence[Pair],
+  factor: FactorSpec,
+  tx: optax.GradientTransformation | None = None,
+) -> tuple[Any, Any]:
   """Applies an exact symmetry transform to the parameters and the optimizer state.
 
   Every A group is multiplied by ``c`` and its B group divided by ``c``;
@@ -104,8 +118,9 @@ def reparameterize(params: Any, opt_state: Any, pairs: Sequence[Pair], factor: F
   return apply_transform(plan, params, opt_state, _factors(plan, factor), tx)
 
 
-def canonicalize(params: Any, opt_state: Any, pairs: Sequence[Pair],
-                 tx: optax.GradientTransformation | None = None) -> tuple[Any, Any]:
+def canonicalize(
+  params: Any, opt_state: Any, pairs: Sequence[Pair], tx: optax.GradientTransformation | None = None
+) -> tuple[Any, Any]:
   """Maps a training state to the canonical (norm-balanced) member of its orbit.
 
   Each group gets ``c = sqrt(||B|| / ||A||)``, after which ``||A|| = ||B||``
@@ -139,6 +154,9 @@ def canonicalize(params: Any, opt_state: Any, pairs: Sequence[Pair],
 def _warn_unconverged(residual) -> None:
   if float(residual) > TOLERANCE:
     warnings.warn(
-        f"canonicalize: the joint balancing of overlapping pairs stopped at its iteration cap,"
-        f" a log-factor still moving by {float(residual):.3g} (tolerance {TOLERANCE:g}); the"
-        " state is not exactly canonical.", RuntimeWarning, stacklevel=3)
+      f"canonicalize: the joint balancing of overlapping pairs stopped at its iteration cap,"
+      f" a log-factor still moving by {float(residual):.3g} (tolerance {TOLERANCE:g}); the"
+      " state is not exactly canonical.",
+      RuntimeWarning,
+      stacklevel=3,
+    )

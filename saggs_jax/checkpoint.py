@@ -115,9 +115,10 @@ def check_layout(saved: Layout, target: Any, what: str = "The checkpoint") -> No
   if differing:
     first = differing[0]
     raise ValueError(
-        f"{what} does not fit the target at {first!r}: {saved.get(first, 'nothing')} there, the"
-        f" target {expected.get(first, 'nothing')}. Was it saved with other pairs, another"
-        " optimizer chain or other dtypes? Nothing was restored.")
+      f"{what} does not fit the target at {first!r}: {saved.get(first, 'nothing')} there, the"
+      f" target {expected.get(first, 'nothing')}. Was it saved with other pairs, another"
+      " optimizer chain or other dtypes? Nothing was restored."
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -168,8 +169,9 @@ def _positions(shape: tuple[int, ...]) -> jax.Array:
 def _checksum(x: jax.Array) -> jax.Array:
   words = _words(x)
   positions = _positions(words.shape)
-  return jnp.stack([jnp.sum(_mix(words ^ _mix(positions + jnp.uint32(seed))), dtype=jnp.uint32)
-                    for seed in _SEEDS])
+  return jnp.stack(
+    [jnp.sum(_mix(words ^ _mix(positions + jnp.uint32(seed))), dtype=jnp.uint32) for seed in _SEEDS]
+  )
 
 
 _checksum_all = jax.jit(lambda leaves: {path: _checksum(x) for path, x in leaves.items()})
@@ -210,8 +212,9 @@ def _verify(saved: Checksums, restored: Any, what: str) -> None:
   if corrupted:
     others = f" (and {len(corrupted) - 1} more arrays)" if len(corrupted) > 1 else ""
     raise ValueError(
-        f"{what} is corrupted: the array at {corrupted[0]!r}{others} does not match the checksum"
-        " saved with it. Nothing was restored; restore another step.")
+      f"{what} is corrupted: the array at {corrupted[0]!r}{others} does not match the checksum"
+      " saved with it. Nothing was restored; restore another step."
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -239,8 +242,10 @@ def _abstract(leaf) -> jax.ShapeDtypeStruct:
 
 def _unstorable(target: Any, restored: Any) -> Any:
   return jax.tree.map(
-      lambda t, x: jax.random.wrap_key_data(x, impl=jax.random.key_impl(t)) if _is_key(t) else x,
-      target, restored)
+    lambda t, x: jax.random.wrap_key_data(x, impl=jax.random.key_impl(t)) if _is_key(t) else x,
+    target,
+    restored,
+  )
 
 
 def _with_statics(target: Any, arrays: Any) -> Any:
@@ -264,17 +269,20 @@ def _check_not_nnx_objects(params: Any, opt_state: Any) -> None:
   nnx = sys.modules.get("flax.nnx")  # no nnx object exists unless flax.nnx was imported
   if nnx is None:
     return
-  fix = (" Save nnx.state(model, nnx.Param) and optimizer.opt_state; after restore, put them"
-         " back with nnx.update(model, params) and optimizer.opt_state = opt_state.")
+  fix = (
+    " Save nnx.state(model, nnx.Param) and optimizer.opt_state; after restore, put them"
+    " back with nnx.update(model, params) and optimizer.opt_state = opt_state."
+  )
   objects = tuple(getattr(nnx, n) for n in ("Pytree", "Object") if hasattr(nnx, n))  # by version
   for name, value in (("params", params), ("opt_state", opt_state)):
     if isinstance(value, objects):
       raise TypeError(f"{name} is an nnx {type(value).__name__} object, not its state.{fix}")
     if isinstance(value, nnx.State) and "opt_state" in value:
       raise TypeError(
-          f"{name} is nnx.state(optimizer): the whole nnx.Optimizer state (keys"
-          f" {sorted(map(str, value.keys()))}), whose optax states have become plain"
-          f" mappings that no optimizer can update.{fix}")
+        f"{name} is nnx.state(optimizer): the whole nnx.Optimizer state (keys"
+        f" {sorted(map(str, value.keys()))}), whose optax states have become plain"
+        f" mappings that no optimizer can update.{fix}"
+      )
 
 
 def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any) -> bool:
@@ -310,14 +318,24 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
   _check_step(step)
   _check_not_nnx_objects(params, opt_state)
   state = {"params": params, "opt_state": opt_state}
-  return manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(_storable(state)), layout=ocp.args.JsonSave(layout(state)),
-      checksums=ocp.args.JsonSave(checksums(state))))
+  return manager.save(
+    step,
+    args=ocp.args.Composite(
+      state=ocp.args.StandardSave(_storable(state)),
+      layout=ocp.args.JsonSave(layout(state)),
+      checksums=ocp.args.JsonSave(checksums(state)),
+    ),
+  )
 
 
-def restore(manager: ocp.CheckpointManager, params: Any, opt_state: Any,
-            pairs: Sequence[Pair] | None = None, step: int | None = None,
-            canonicalize: bool = True) -> tuple[Any, Any, int]:
+def restore(
+  manager: ocp.CheckpointManager,
+  params: Any,
+  opt_state: Any,
+  pairs: Sequence[Pair] | None = None,
+  step: int | None = None,
+  canonicalize: bool = True,
+) -> tuple[Any, Any, int]:
   """Restores a checkpoint written by :func:`save`, in the structure of the target.
 
   Args:
@@ -374,21 +392,26 @@ def restore(manager: ocp.CheckpointManager, params: Any, opt_state: Any,
   target = {"params": params, "opt_state": opt_state}
   what = f"Checkpoint {step} in {manager.directory}"
   try:
-    saved = manager.restore(step, args=ocp.args.Composite(
-        layout=ocp.args.JsonRestore(), checksums=ocp.args.JsonRestore()))
+    saved = manager.restore(
+      step, args=ocp.args.Composite(layout=ocp.args.JsonRestore(), checksums=ocp.args.JsonRestore())
+    )
   except Exception as e:  # a plain Orbax checkpoint: KeyError, ValueError, ... from Orbax
     raise ValueError(
-        f"{what} was not written by saggs_jax.checkpoint.save: it has no readable 'layout' and"
-        f" 'checksums' items (Orbax: {str(e).splitlines()[0]}). Restore it with Orbax directly,"
-        " or save with saggs_jax.checkpoint.save. Nothing was restored.") from e
+      f"{what} was not written by saggs_jax.checkpoint.save: it has no readable 'layout' and"
+      f" 'checksums' items (Orbax: {str(e).splitlines()[0]}). Restore it with Orbax directly,"
+      " or save with saggs_jax.checkpoint.save. Nothing was restored."
+    ) from e
   check_layout(saved["layout"], target, what)
   abstract = jax.tree.map(lambda x: _abstract(x) if paths.is_array(x) else None, target)
   try:
-    state = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract)))["state"]
+    state = manager.restore(
+      step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+    )["state"]
   except Exception as e:  # Orbax raises whatever TensorStore met (DATA_LOSS, zstd errors, ...)
-    raise ValueError(f"{what} could not be read: {str(e).splitlines()[0]}. Nothing was"
-                     " restored; restore another step.") from e
+    raise ValueError(
+      f"{what} could not be read: {str(e).splitlines()[0]}. Nothing was"
+      " restored; restore another step."
+    ) from e
   _verify(saved["checksums"], state, what)
   state = _unstorable(target, state)
   arrays = state["params"], state["opt_state"]
@@ -402,5 +425,7 @@ def restore(manager: ocp.CheckpointManager, params: Any, opt_state: Any,
 @functools.lru_cache(maxsize=16)
 def _canonicalizer(pairs: tuple[Pair, ...], treedef, shardings: tuple):
   """``canonicalize`` as one compiled program whose outputs keep the target's shardings."""
-  return jax.jit(lambda p, s: canonical.canonicalize(p, s, pairs),
-                 out_shardings=jax.tree.unflatten(treedef, shardings))
+  return jax.jit(
+    lambda p, s: canonical.canonicalize(p, s, pairs),
+    out_shardings=jax.tree.unflatten(treedef, shardings),
+  )

@@ -153,13 +153,15 @@ def _measure(tx, params, plan):
     both = lambda a, b: jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)  # noqa: E731
     try:  # one vmapped history compiles the update once for both
       states = jax.vmap(history)(
-          both(params, scale_tree(plan, params, factors, 1.0)),
-          [both(g, scale_tree(plan, g, factors, -1.0)) for g in grads])
+        both(params, scale_tree(plan, params, factors, 1.0)),
+        [both(g, scale_tree(plan, g, factors, -1.0)) for g in grads],
+      )
     except Exception as e:  # e.g. an update that needs more than the gradients and a value
       raise TypeError(
-          f"Cannot transport {type(start).__name__} at opt_state: its degrees are measured on a"
-          " probe history (gradients laid out like the parameters, extra argument value=1),"
-          f" on which the optimizer fails: {type(e).__name__}: {e}") from e
+        f"Cannot transport {type(start).__name__} at opt_state: its degrees are measured on a"
+        " probe history (gradients laid out like the parameters, extra argument value=1),"
+        f" on which the optimizer fails: {type(e).__name__}: {e}"
+      ) from e
     state, moved = (jax.tree.map(lambda x, i=i: x[i], states) for i in (0, 1))
     registered = transport(plan, state, factors)
     ones = jax.tree.map(jnp.ones_like, state)
@@ -173,8 +175,9 @@ def _measure(tx, params, plan):
         verdicts.append(jnp.ones(1 + len(CANDIDATES), bool))
         continue
       k = powers.reshape((-1,) + (1,) * s.ndim)
-      wanted = jnp.concatenate([r[None].astype(jnp.float32),
-                                s.astype(jnp.float32) * m.astype(jnp.float32) ** k])
+      wanted = jnp.concatenate(
+        [r[None].astype(jnp.float32), s.astype(jnp.float32) * m.astype(jnp.float32) ** k]
+      )
       verdicts.append(_close(wanted, t, s.dtype))
     return jnp.stack(verdicts) if verdicts else jnp.zeros((0, 1 + len(CANDIDATES)), bool)
 
@@ -184,12 +187,14 @@ def _measure(tx, params, plan):
     # The optimizer closes over values traced outside, as when optax.inject_hyperparams
     # wraps a whole saggs.chain (its hyperparameters are then tracers in init and update).
     warnings.warn(
-        "saggs_jax could not measure the transport degrees of this optimizer: it depends on"
-        " values traced outside it (a saggs.chain built inside optax.inject_hyperparams?), so"
-        " its states move by their registered degrees, which are wrong for adamax's nu or a"
-        " trace after a normaliser. Put inject_hyperparams inside the chain:"
-        " saggs.chain(optax.inject_hyperparams(optax.adamw)(...), saggs.saggs(pairs)).",
-        UserWarning, stacklevel=4)
+      "saggs_jax could not measure the transport degrees of this optimizer: it depends on"
+      " values traced outside it (a saggs.chain built inside optax.inject_hyperparams?), so"
+      " its states move by their registered degrees, which are wrong for adamax's nu or a"
+      " trace after a normaliser. Put inject_hyperparams inside the chain:"
+      " saggs.chain(optax.inject_hyperparams(optax.adamw)(...), saggs.saggs(pairs)).",
+      UserWarning,
+      stacklevel=4,
+    )
     return None
   verdicts = np.asarray(verdicts)
   degrees = []
@@ -201,12 +206,13 @@ def _measure(tx, params, plan):
     else:
       owner = _owner(found["state"], key_path)
       raise TypeError(
-          f"Cannot transport {type(owner).__name__} at opt_state{jax.tree_util.keystr(key_path)}:"
-          " after an equivalent history (parameters T_c p, gradients g / c on side A and g * c"
-          " on side B) this leaf is not the transported one for any degree in"
-          f" {sorted(CANDIDATES)}, so a stage before it does not commute with the rescaling"
-          " (clipping by a global or block norm when it clips, a trust ratio or norm over a"
-          " leaf whose groups move apart, weight decay added before a moment or a normaliser)."
-          " Drop or move that stage, or declare the pairs with one group per tensor"
-          " (axes=None) when a per-tensor norm is the cause.")
+        f"Cannot transport {type(owner).__name__} at opt_state{jax.tree_util.keystr(key_path)}:"
+        " after an equivalent history (parameters T_c p, gradients g / c on side A and g * c"
+        " on side B) this leaf is not the transported one for any degree in"
+        f" {sorted(CANDIDATES)}, so a stage before it does not commute with the rescaling"
+        " (clipping by a global or block norm when it clips, a trust ratio or norm over a"
+        " leaf whose groups move apart, weight decay added before a moment or a normaliser)."
+        " Drop or move that stage, or declare the pairs with one group per tensor"
+        " (axes=None) when a per-tensor norm is the cause."
+      )
   return found["treedef"].unflatten(degrees)

@@ -33,9 +33,17 @@ def imbalance(params: Any, pairs: Sequence[Pair]) -> dict[str, jax.Array]:
   return {k: a - b for k, (a, b) in log_norms(plan, params).items()}
 
 
-def check_symmetry(apply_fn: Callable[..., Any], params: Any, pairs: Sequence[Pair], *inputs: Any,
-                   key: jax.Array | None = None, rtol: float | None = None, atol: float = 0.0,
-                   low: float = 0.25, high: float = 4.0) -> dict[str, float]:
+def check_symmetry(
+  apply_fn: Callable[..., Any],
+  params: Any,
+  pairs: Sequence[Pair],
+  *inputs: Any,
+  key: jax.Array | None = None,
+  rtol: float | None = None,
+  atol: float = 0.0,
+  low: float = 0.25,
+  high: float = 4.0,
+) -> dict[str, float]:
   """Checks that every declared pair is an exact symmetry of ``apply_fn``.
 
   Each pair instance in turn gets random factors in ``[low, high]`` (the
@@ -107,10 +115,11 @@ def check_symmetry(apply_fn: Callable[..., Any], params: Any, pairs: Sequence[Pa
     if not deviations[inst.key] <= probe.tolerance:  # NaN fails too
       measured, cause = _diagnose(probe, plan, inst, sub, max(high, 1 / low))
       raise ValueError(
-          f"{inst.pair.label} is not a symmetry of the model: rescaling {_side(inst.members_a)} by"
-          f" c and {_side(inst.members_b)} by 1/c (c in [{low}, {high}]) changed the output by"
-          f" {deviations[inst.key]:.3g} relative to its largest entry (tolerance"
-          f" {probe.tolerance:.3g}). Measured: {'; '.join(measured)}. Likely cause: {cause}")
+        f"{inst.pair.label} is not a symmetry of the model: rescaling {_side(inst.members_a)} by"
+        f" c and {_side(inst.members_b)} by 1/c (c in [{low}, {high}]) changed the output by"
+        f" {deviations[inst.key]:.3g} relative to its largest entry (tolerance"
+        f" {probe.tolerance:.3g}). Measured: {'; '.join(measured)}. Likely cause: {cause}"
+      )
   return deviations
 
 
@@ -132,21 +141,27 @@ class Probe:
 
     def fn(p):
       with jax.default_matmul_precision("highest"):
-        return [o.astype(jnp.float32) for o in jax.tree.leaves(jitted(p))
-                if jnp.issubdtype(o.dtype, jnp.floating)]
+        return [
+          o.astype(jnp.float32)
+          for o in jax.tree.leaves(jitted(p))
+          if jnp.issubdtype(o.dtype, jnp.floating)
+        ]
 
     self.fn, self.params, self.reference = fn, params, fn(params)
     if rtol is None:
       dtypes = [x.dtype for x in jax.tree.leaves((params, jax.eval_shape(jitted, params)))]
       bits = min(jnp.finfo(d).bits for d in dtypes if jnp.issubdtype(d, jnp.floating))
       rtol = 3e-2 if bits <= 16 else 1e-4
-    self.scale = max(max(float(jnp.max(jnp.abs(r))) for r in self.reference),
-                     np.finfo(np.float32).tiny)
+    self.scale = max(
+      max(float(jnp.max(jnp.abs(r))) for r in self.reference), np.finfo(np.float32).tiny
+    )
     self.tolerance = atol / self.scale + rtol
 
   def deviation(self, params) -> float:
-    return max(float(jnp.max(jnp.abs(o - r))) for o, r in zip(self.fn(params), self.reference)
-               ) / self.scale
+    return (
+      max(float(jnp.max(jnp.abs(o - r))) for o, r in zip(self.fn(params), self.reference))
+      / self.scale
+    )
 
   def __call__(self, plan: Plan, factors) -> float:
     """The deviation when ``plan`` (one instance) is scaled by ``factors`` (broadcast)."""
@@ -166,8 +181,10 @@ def _side(members: tuple[str, ...]) -> str:
 
 def _only(plan: Plan, inst: Instance, sign: int | None = None) -> Plan:
   """``plan`` reduced to ``inst``, and to one side of it (+1: A, -1: B) if ``sign``."""
-  slots = {path: tuple(s for s in found if s.key == inst.key and sign in (None, s.sign))
-           for path, found in plan.slots.items()}
+  slots = {
+    path: tuple(s for s in found if s.key == inst.key and sign in (None, s.sign))
+    for path, found in plan.slots.items()
+  }
   return Plan((inst,), {p: s for p, s in slots.items() if s}, plan.shapes, plan.parts)
 
 
@@ -179,12 +196,18 @@ def _variant(plan: Plan, inst: Instance, params: Any, **changes) -> Plan | None:
   def specs(names):  # each member alone: its path, or a Block on its path
     return tuple(plan.part(n).spec if isinstance(n, str) else n for n in names)
 
-  fields = {"axes": pair.axes, "groups": pair.groups, "follow_a": inst.followers_a,
-            "follow_b": inst.followers_b, **changes}
+  fields = {
+    "axes": pair.axes,
+    "groups": pair.groups,
+    "follow_a": inst.followers_a,
+    "follow_b": inst.followers_b,
+    **changes,
+  }
   fields["follow_a"], fields["follow_b"] = specs(fields["follow_a"]), specs(fields["follow_b"])
   try:
-    other = resolve([Pair(specs(inst.members_a), specs(inst.members_b), stacked=pair.stacked,
-                          **fields)], params)
+    other = resolve(
+      [Pair(specs(inst.members_a), specs(inst.members_b), stacked=pair.stacked, **fields)], params
+    )
   except ValueError:
     return None
   match = [i for i in other.instances if i.key == inst.key]
@@ -198,8 +221,7 @@ def _declared_axes(plan: Plan, inst: Instance) -> tuple[int, int] | None:
   return a - inst.pair.stacked, b - inst.pair.stacked
 
 
-def _diagnose(probe: Probe, plan: Plan, inst: Instance, key, c_max: float
-              ) -> tuple[list[str], str]:
+def _diagnose(probe: Probe, plan: Plan, inst: Instance, key, c_max: float) -> tuple[list[str], str]:
   """What further rescalings of ``inst`` show, and the cause they point to."""
   a, b, label = _side(inst.members_a), _side(inst.members_b), inst.pair.label
   measured = []
@@ -209,48 +231,59 @@ def _diagnose(probe: Probe, plan: Plan, inst: Instance, key, c_max: float
   near, far = (probe(_only(plan, inst), jnp.exp(t * u)) for t in (np.log(1.05), np.log(c_max)))
   measured.append(f"{near:.2g} with c within 5% of 1 and {far:.2g} with c up to {c_max:g}")
   if far < 3 * near:
-    return measured, ("the deviation hardly depends on c, so it is rounding noise of the model's"
-                      " arithmetic rather than a broken symmetry: pass a larger rtol.")
+    return measured, (
+      "the deviation hardly depends on c, so it is rounding noise of the model's"
+      " arithmetic rather than a broken symmetry: pass a larger rtol."
+    )
 
   # 2. Sides: scaling one side alone by a common factor is invisible after a normalization.
-  alone = {side: probe(_only(plan, inst, sign), 2.0 ** sign) for side, sign in ((a, 1), (b, -1))}
+  alone = {side: probe(_only(plan, inst, sign), 2.0**sign) for side, sign in ((a, 1), (b, -1))}
   invariant = [side for side, d in alone.items() if d <= probe.tolerance]
   uniform = probe(_only(plan, inst), 2.0)
-  measured.append(f"{a} alone x2: {alone[a]:.2g}, {b} alone /2: {alone[b]:.2g},"
-                  f" both with one common factor: {uniform:.2g}")
+  measured.append(
+    f"{a} alone x2: {alone[a]:.2g}, {b} alone /2: {alone[b]:.2g},"
+    f" both with one common factor: {uniform:.2g}"
+  )
   if len(invariant) == 2:
     return measured, (
-        f"{a} and {b} are each scale-invariant: a normalization follows each (QK-norm, say),"
-        f" and it mixes the groups, so per-group factors change its output"
-        f"{'' if uniform <= probe.tolerance else ' (and even one common factor does)'}. With"
-        " one factor per tensor the pair is a symmetry, but balancing it is moot since neither"
-        " norm reaches the output: drop the pair.")
+      f"{a} and {b} are each scale-invariant: a normalization follows each (QK-norm, say),"
+      f" and it mixes the groups, so per-group factors change its output"
+      f"{'' if uniform <= probe.tolerance else ' (and even one common factor does)'}. With"
+      " one factor per tensor the pair is a symmetry, but balancing it is moot since neither"
+      " norm reaches the output: drop the pair."
+    )
   if invariant:
     other = b if invariant[0] == a else a
     return measured, (
-        f"{invariant[0]} is scale-invariant on its own: a normalization follows it (a norm"
-        f" between {a} and {b}), so nothing compensates the factor on {other}. This pair"
-        " is no symmetry: drop it.")
+      f"{invariant[0]} is scale-invariant on its own: a normalization follows it (a norm"
+      f" between {a} and {b}), so nothing compensates the factor on {other}. This pair"
+      " is no symmetry: drop it."
+    )
 
   # 3. Groups, one at a time.
   shape = inst.factor_shape
   if shape and shape[-1] > 1:
     probed = sorted(set(np.linspace(0, shape[-1] - 1, min(shape[-1], 8)).round().astype(int)))
-    bad = [int(g) for g in probed
-           if not probe.exact(_only(plan, inst), jnp.ones(shape[-1]).at[g].set(2.0))]
+    bad = [
+      int(g)
+      for g in probed
+      if not probe.exact(_only(plan, inst), jnp.ones(shape[-1]).at[g].set(2.0))
+    ]
     which = "none" if not bad else "all" if len(bad) == len(probed) else str(bad)
-    measured.append(f"groups deviating when rescaled alone: {which} of {len(probed)} probed"
-                    f" ({shape[-1]} in all)")
+    measured.append(
+      f"groups deviating when rescaled alone: {which} of {len(probed)} probed ({shape[-1]} in all)"
+    )
 
   # 4. Other declarations of the same two tensors.
   fix = _exact_variant(probe, plan, inst)
   if fix:
     return measured, fix
   return measured, (
-      f"the deviation grows with c and no other group axis, grouping or follower is exact, so"
-      f" a function that is not positively homogeneous sits between {a} and {b} (an"
-      f" activation such as GELU, or a gate's SiLU, applied to the output of {a}): {label} is"
-      " no symmetry: drop it.")
+    f"the deviation grows with c and no other group axis, grouping or follower is exact, so"
+    f" a function that is not positively homogeneous sits between {a} and {b} (an"
+    f" activation such as GELU, or a gate's SiLU, applied to the output of {a}): {label} is"
+    " no symmetry: drop it."
+  )
 
 
 def _divisors(n: int) -> list[int]:
@@ -274,21 +307,30 @@ def _exact_variant(probe: Probe, plan: Plan, inst: Instance) -> str | None:
   two_tensors = len(inst.members_a) == len(inst.members_b) == 1
   for axes in itertools.product(range(ndim[0]), range(ndim[1])) if two_tensors else ():
     if axes != declared and exact(_variant(plan, inst, params, axes=axes)):
-      return (f"the group axes: with axes={axes} (declared: {declared}) the pair is exact;"
-              " the axes name the dimension that indexes the groups on each side.")
+      return (
+        f"the group axes: with axes={axes} (declared: {declared}) the pair is exact;"
+        " the axes name the dimension that indexes the groups on each side."
+      )
   if declared is not None:
     for groups in _divisors(inst.factor_shape[-1])[:8]:
       if exact(_variant(plan, inst, params, groups=groups)):
         if groups == 1:
-          return ("the grouping: only one factor for the whole tensor (axes=None) is exact, so"
-                  " the groups are not independent.")
-        return (f"the grouping: with groups={groups} (declared: {inst.factor_shape[-1]} groups)"
-                " the pair is exact; under GQA, groups is the number of KV heads.")
+          return (
+            "the grouping: only one factor for the whole tensor (axes=None) is exact, so"
+            " the groups are not independent."
+          )
+        return (
+          f"the grouping: with groups={groups} (declared: {inst.factor_shape[-1]} groups)"
+          " the pair is exact; under GQA, groups is the number of KV heads."
+        )
   declared_paths = set(plan.slots)
-  own = {plan.part(n).spec for n in inst.members_a + inst.members_b + inst.followers_a
-         + inst.followers_b}
-  for side, kernel, field, followers in (("a", a, "follow_a", inst.followers_a),
-                                         ("b", b, "follow_b", inst.followers_b)):
+  own = {
+    plan.part(n).spec for n in inst.members_a + inst.members_b + inst.followers_a + inst.followers_b
+  }
+  for side, kernel, field, followers in (
+    ("a", a, "follow_a", inst.followers_a),
+    ("b", b, "follow_b", inst.followers_b),
+  ):
     path_k, _, spec_k = plan.part(kernel)
     for path in plan.shapes:
       if path.rpartition("/")[0] != path_k.rpartition("/")[0]:
@@ -301,12 +343,17 @@ def _exact_variant(probe: Probe, plan: Plan, inst: Instance) -> str | None:
       else:
         continue
       if candidate not in own and exact(
-          _variant(plan, inst, params, **{field: followers + (candidate,)})):
-        return (f"a follower left out: with {candidate!r} in {field} the pair is exact (a bias"
-                f" moves with the kernel on side {side}).")
+        _variant(plan, inst, params, **{field: followers + (candidate,)})
+      ):
+        return (
+          f"a follower left out: with {candidate!r} in {field} the pair is exact (a bias"
+          f" moves with the kernel on side {side})."
+        )
     for path in followers:
       rest = tuple(f for f in followers if f != path)
       if exact(_variant(plan, inst, params, **{field: rest})):
-        return (f"a follower too many: without {path!r} in {field} the pair is exact, so it"
-                " must not move.")
+        return (
+          f"a follower too many: without {path!r} in {field} the pair is exact, so it"
+          " must not move."
+        )
   return None

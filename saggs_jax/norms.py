@@ -60,15 +60,15 @@ def _group_reduce(v: jax.Array, slot: Slot, axis_name: AxisName, op: str = "sum"
     s = reduce(s[..., start:stop].reshape(s.shape[:-1] + (slot.groups, -1)), axis=-1)
   else:
     one_hot = jnp.asarray(slot.membership(v.shape[axis]), v.dtype)  # (size, groups)
-    mask = one_hot.reshape((1,) * axis + one_hot.shape[:1] + (1,) * (v.ndim - axis - 1)
-                           + one_hot.shape[1:])
+    mask = one_hot.reshape(
+      (1,) * axis + one_hot.shape[:1] + (1,) * (v.ndim - axis - 1) + one_hot.shape[1:]
+    )
     s = reduce(v[..., None] * mask, axis=tuple(range(slot.stacked, v.ndim)))
   s = replicated(s)
   return collective(s, axis_name) if axis_name else s  # () names no axis: nothing to sum
 
 
-def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str = "sum"
-            ) -> jax.Array:
+def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str = "sum") -> jax.Array:
   """``v >= 0`` reduced per group of every slot of one leaf: the leaf's stacked axes (those
   of its slot with the most) plus one axis per slot (of size 1 for a whole-tensor slot),
   replicated.
@@ -83,8 +83,10 @@ def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str = 
     r = _group_reduce(v, slots[0], axis_name, op)
     return r if slots[0].axis is not None else r[..., None]
   if op == "max":
-    return functools.reduce(jnp.minimum, [along_slot(_reduce(v, (s,), axis_name, op), i, slots)
-                                          for i, s in enumerate(slots)])
+    return functools.reduce(
+      jnp.minimum,
+      [along_slot(_reduce(v, (s,), axis_name, op), i, slots) for i, s in enumerate(slots)],
+    )
   operands, out = [v, list(range(v.ndim))], list(range(stacked))
   for s in slots:
     if s.axis is None:
@@ -117,8 +119,9 @@ def _safe_stats(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
   dtype = compute_dtype(x.dtype)
   x = x.astype(dtype)
   group_max = _reduce(jnp.abs(x), slots, axis_name, "max")  # inf or NaN where an entry is
-  scale = jnp.max(jnp.where(jnp.isfinite(group_max), group_max, 0),
-                  axis=tuple(range(stacked, group_max.ndim)))
+  scale = jnp.max(
+    jnp.where(jnp.isfinite(group_max), group_max, 0), axis=tuple(range(stacked, group_max.ndim))
+  )
   # Divide by 2**e, the scale's binary exponent, as two exact multiplies by normal
   # powers of two: 1 / scale itself is subnormal near the dtype's maximum, and flushed.
   _, e = jnp.frexp(scale)
@@ -135,8 +138,9 @@ def _restrict(x: jax.Array, block: Span | None) -> jax.Array:
   if block is None:
     return x
   axis, start, stop = block
-  index = jax.lax.broadcasted_iota(jnp.int32, tuple(n if i == axis else 1
-                                                    for i, n in enumerate(x.shape)), axis)
+  index = jax.lax.broadcasted_iota(
+    jnp.int32, tuple(n if i == axis else 1 for i, n in enumerate(x.shape)), axis
+  )
   return jnp.where((index >= start) & (index < stop), x, jnp.zeros((), x.dtype))
 
 
@@ -152,9 +156,11 @@ class _Packing(NamedTuple):
 
   @classmethod
   def of(cls, plan: Plan, leaves: dict[str, Any]) -> _Packing:
-    shapes = {k: leaves[piece.path].shape[:stacked_axes(piece.slots)]
-              + tuple(1 if s.axis is None else s.groups for s in piece.slots)
-              for k, piece in plan.pieces.items()}
+    shapes = {
+      k: leaves[piece.path].shape[: stacked_axes(piece.slots)]
+      + tuple(1 if s.axis is None else s.groups for s in piece.slots)
+      for k, piece in plan.pieces.items()
+    }
     ends = np.cumsum([int(np.prod(s)) for s in shapes.values()])
     return cls(shapes, [(int(e - np.prod(s)), int(e)) for s, e in zip(shapes.values(), ends)])
 
@@ -162,12 +168,13 @@ class _Packing(NamedTuple):
     return jnp.concatenate([jnp.ravel(values[p]).astype(jnp.float32) for p in self.shapes])
 
   def unpack(self, log_sq: jax.Array, log_max: jax.Array) -> Stats:
-    return {p: (log_sq[a:b].reshape(s), log_max[a:b].reshape(s))
-            for (p, s), (a, b) in zip(self.shapes.items(), self.spans)}
+    return {
+      p: (log_sq[a:b].reshape(s), log_max[a:b].reshape(s))
+      for (p, s), (a, b) in zip(self.shapes.items(), self.spans)
+    }
 
 
-def _trusted(plan: Plan, leaves: dict[str, Any], packing: _Packing, log_sq: jax.Array
-             ) -> jax.Array:
+def _trusted(plan: Plan, leaves: dict[str, Any], packing: _Packing, log_sq: jax.Array) -> jax.Array:
   """Where the one-pass ``log_sq`` can be kept: neither so small that it may have lost
   digits to underflow (on a leaf whose norm the balancing minimises), nor so large that a factor
   bounded by it could overflow a dtype of its pair, nor NaN."""
@@ -176,19 +183,27 @@ def _trusted(plan: Plan, leaves: dict[str, Any], packing: _Packing, log_sq: jax.
     for s in slots:
       dtype_max[s.key] = min(dtype_max.get(s.key, np.inf), log_dtype_max(leaves[path].dtype))
   limit = {k: min(dtype_max[s.key] for s in piece.slots) for k, piece in plan.pieces.items()}
-  lowest = {k: np.log(_SMALLEST_SAFE_SUM) if k[0] in plan.counted else -np.inf
-            for k in packing.shapes}
-  return ((log_sq <= packing.pack({p: np.full(s, 2 * limit[p]) for p, s in packing.shapes.items()}))
-          & (log_sq >= packing.pack({p: np.full(s, lowest[p])
-                                     for p, s in packing.shapes.items()})))  # NaN fails
+  lowest = {
+    k: np.log(_SMALLEST_SAFE_SUM) if k[0] in plan.counted else -np.inf for k in packing.shapes
+  }
+  return (
+    log_sq <= packing.pack({p: np.full(s, 2 * limit[p]) for p, s in packing.shapes.items()})
+  ) & (
+    log_sq >= packing.pack({p: np.full(s, lowest[p]) for p, s in packing.shapes.items()})
+  )  # NaN fails
 
 
 Recompute = Callable[[jax.Array], list[jax.Array]]  # one leaf -> its piece's flat statistics
 
 
-def _recompute_traced(packing: _Packing, safe: list[Recompute], operands: list[jax.Array],
-                      trusted: jax.Array, log_sq: jax.Array, log_max: jax.Array
-                      ) -> tuple[jax.Array, jax.Array]:
+def _recompute_traced(
+  packing: _Packing,
+  safe: list[Recompute],
+  operands: list[jax.Array],
+  trusted: jax.Array,
+  log_sq: jax.Array,
+  log_max: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
   """The untrusted pieces recomputed one at a time by a ``lax.while_loop`` over a
   ``lax.switch`` on the piece: no iteration in the common case, and the compiled code
   holds the safe passes of one piece, not of all."""
@@ -196,8 +211,10 @@ def _recompute_traced(packing: _Packing, safe: list[Recompute], operands: list[j
   leaf_of = jnp.asarray(np.repeat(np.arange(len(spans)), [b - a for a, b in spans]))
   starts, stops = (jnp.asarray(v) for v in zip(*spans))
   width = max(b - a for a, b in spans)
-  branches = [lambda xs, i=i: [jnp.pad(v, (0, width - v.size)) for v in safe[i](xs[i])]
-              for i in range(len(spans))]
+  branches = [
+    lambda xs, i=i: [jnp.pad(v, (0, width - v.size)) for v in safe[i](xs[i])]
+    for i in range(len(spans))
+  ]
 
   def body(carry):  # the first piece still untrusted, recomputed and written into its span
     bad, log_sq, log_max = carry
@@ -207,19 +224,26 @@ def _recompute_traced(packing: _Packing, safe: list[Recompute], operands: list[j
 
     def place(v):
       return jax.lax.dynamic_update_slice(
-          jnp.zeros(bad.size + width, jnp.float32), v, (starts[leaf],))[:bad.size]
+        jnp.zeros(bad.size + width, jnp.float32), v, (starts[leaf],)
+      )[: bad.size]
 
     sq, top = jax.lax.switch(leaf, branches, operands)
     return bad & ~span, jnp.where(span, place(sq), log_sq), jnp.where(span, place(top), log_max)
 
-  _, log_sq, log_max = jax.lax.while_loop(lambda c: jnp.any(c[0]), body,
-                                          (~trusted, log_sq, log_max))
+  _, log_sq, log_max = jax.lax.while_loop(
+    lambda c: jnp.any(c[0]), body, (~trusted, log_sq, log_max)
+  )
   return log_sq, log_max
 
 
-def _recompute_eager(packing: _Packing, safe: list[Recompute], operands: list[jax.Array],
-                     trusted: jax.Array, log_sq: jax.Array, log_max: jax.Array
-                     ) -> tuple[jax.Array, jax.Array]:
+def _recompute_eager(
+  packing: _Packing,
+  safe: list[Recompute],
+  operands: list[jax.Array],
+  trusted: jax.Array,
+  log_sq: jax.Array,
+  log_max: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
   """The untrusted pieces recomputed, known on the host: no loop is compiled."""
   for f, x, (a, b) in zip(safe, operands, packing.spans):
     if not np.all(np.asarray(trusted[a:b])):
@@ -244,18 +268,27 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
   leaves = dict(paths.leaves_with_paths(params))
   pieces = list(plan.pieces.values())
   packing = _Packing.of(plan, leaves)
-  log_sq = packing.pack({k: _fast_log_sq(_restrict(leaves[pc.path], pc.block), pc.slots,
-                                         axis_name) for k, pc in plan.pieces.items()})
+  log_sq = packing.pack(
+    {
+      k: _fast_log_sq(_restrict(leaves[pc.path], pc.block), pc.slots, axis_name)
+      for k, pc in plan.pieces.items()
+    }
+  )
   log_max = 0.5 * log_sq  # the norm bounds the largest entry
   trusted = _trusted(plan, leaves, packing, log_sq)
   # A piece is masked inside its branch: the leaf itself is the operand, never a copy.
-  safe = [lambda x, pc=pc: [v.ravel().astype(jnp.float32)
-                            for v in _safe_stats(_restrict(x, pc.block), pc.slots, axis_name)]
-          for pc in pieces]
+  safe = [
+    lambda x, pc=pc: [
+      v.ravel().astype(jnp.float32)
+      for v in _safe_stats(_restrict(x, pc.block), pc.slots, axis_name)
+    ]
+    for pc in pieces
+  ]
   traced = isinstance(trusted, core.Tracer) or not trusted.is_fully_addressable
   recompute = _recompute_traced if traced else _recompute_eager
-  log_sq, log_max = recompute(packing, safe, [leaves[pc.path] for pc in pieces], trusted,
-                              log_sq, log_max)
+  log_sq, log_max = recompute(
+    packing, safe, [leaves[pc.path] for pc in pieces], trusted, log_sq, log_max
+  )
   return packing.unpack(log_sq, log_max)
 
 
@@ -269,6 +302,6 @@ def along_slot(u: jax.Array, i: int, slots: Sequence[Slot]) -> jax.Array:
   """Log-factors of one instance (``stacked_shape (+ (groups,))``) laid out on the
   statistics of a leaf (see :func:`_reduce`) along slot ``i``."""
   own = slots[i].stacked
-  return u.reshape(u.shape[:own] + (1,) * (stacked_axes(slots) - own + i) + (-1,)
-                   + (1,) * (len(slots) - 1 - i))
-
+  return u.reshape(
+    u.shape[:own] + (1,) * (stacked_axes(slots) - own + i) + (-1,) + (1,) * (len(slots) - 1 - i)
+  )

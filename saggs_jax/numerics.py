@@ -38,4 +38,4 @@ def replicated(x: jax.Array) -> jax.Array:
 
 def log_dtype_max(dtype: DTypeLike) -> float:
   """log of the largest value a leaf of ``dtype`` may be scaled to, with a rounding margin."""
-  return float(np.log(float(jnp.finfo(dtype).max)) + np.log1p(-2.0**-8))
+  return float(np.log(float(jnp.finfo(dtype).max)) + np.log1p(-(2.0**-8)))

@@ -78,27 +78,38 @@ class Block:
       raise ValueError(f"{self!r}: axis must be an int.")
     if isinstance(self.parts, (list, tuple)):
       object.__setattr__(self, "parts", tuple(self.parts))
-      if (len(self.parts) < 1 or not all(isinstance(n, str) and n for n in self.parts)
-          or len(set(self.parts)) != len(self.parts)):
+      if (
+        len(self.parts) < 1
+        or not all(isinstance(n, str) and n for n in self.parts)
+        or len(set(self.parts)) != len(self.parts)
+      ):
         raise ValueError(f"{self!r}: parts must be distinct non-empty names, or their number.")
     elif not (_is_int(self.parts) and self.parts >= 1):
       raise ValueError(f"{self!r}: parts must be a positive int or a tuple of names.")
     n = len(self.names)
-    if not ((_is_int(self.part) and 0 <= self.part < n)
-            or (isinstance(self.parts, tuple) and self.part in self.parts)):
+    if not (
+      (_is_int(self.part) and 0 <= self.part < n)
+      or (isinstance(self.parts, tuple) and self.part in self.parts)
+    ):
       named = f"one of {self.parts} or " if isinstance(self.parts, tuple) else ""
       raise ValueError(f"{self!r}: part must be {named}an index below {n}.")
     if self.sizes is not None:
-      object.__setattr__(self, "sizes", tuple(self.sizes) if isinstance(self.sizes, (list, tuple))
-                         else self.sizes)
-      if not (isinstance(self.sizes, tuple) and len(self.sizes) == n
-              and all(_is_int(s) and s > 0 for s in self.sizes)):
+      object.__setattr__(
+        self, "sizes", tuple(self.sizes) if isinstance(self.sizes, (list, tuple)) else self.sizes
+      )
+      if not (
+        isinstance(self.sizes, tuple)
+        and len(self.sizes) == n
+        and all(_is_int(s) and s > 0 for s in self.sizes)
+      ):
         raise ValueError(f"{self!r}: sizes must be {n} positive ints, one per part.")
 
   def __repr__(self) -> str:  # valid Python, so that a Discovery's repr runs
     sizes = "" if self.sizes is None else f", sizes={self.sizes!r}"
-    return (f"Block({self.pattern!r}, axis={self.axis!r}, parts={self.parts!r},"
-            f" part={self.part!r}{sizes})")
+    return (
+      f"Block({self.pattern!r}, axis={self.axis!r}, parts={self.parts!r},"
+      f" part={self.part!r}{sizes})"
+    )
 
   @property
   def names(self) -> tuple[str, ...]:
@@ -109,23 +120,30 @@ class Block:
   def index(self) -> int:
     return int(self.part) if _is_int(self.part) else self.names.index(self.part)
 
-  def span(self, where: str, path: str, shape: tuple[int, ...], stacked: int
-           ) -> tuple[int, int, int]:
+  def span(
+    self, where: str, path: str, shape: tuple[int, ...], stacked: int
+  ) -> tuple[int, int, int]:
     """``(absolute axis, start, stop)`` of the block in the leaf at ``path``."""
     per_copy = len(shape) - stacked
     if not -per_copy <= self.axis < per_copy:
-      raise ValueError(f"{where}: {self!r} axis {self.axis} is out of range for {path!r} with"
-                       f" shape {shape} ({per_copy} axes after stacked={stacked}).")
+      raise ValueError(
+        f"{where}: {self!r} axis {self.axis} is out of range for {path!r} with"
+        f" shape {shape} ({per_copy} axes after stacked={stacked})."
+      )
     axis = stacked + self.axis % per_copy
     size, n = shape[axis], len(self.names)
     if self.sizes is None and size % n:
-      raise ValueError(f"{where}: {self!r} cannot split axis {axis} of size {size} of {path!r}"
-                       f" with shape {shape} into {n} equal parts; pass sizes=.")
+      raise ValueError(
+        f"{where}: {self!r} cannot split axis {axis} of size {size} of {path!r}"
+        f" with shape {shape} into {n} equal parts; pass sizes=."
+      )
     sizes = self.sizes or (size // n,) * n
     if sum(sizes) != size:
-      raise ValueError(f"{where}: {self!r} sizes sum to {sum(sizes)}, but axis {axis} of"
-                       f" {path!r} with shape {shape} has size {size}.")
-    start = sum(sizes[:self.index])
+      raise ValueError(
+        f"{where}: {self!r} sizes sum to {sum(sizes)}, but axis {axis} of"
+        f" {path!r} with shape {shape} has size {size}."
+      )
+    start = sum(sizes[: self.index])
     return axis, start, start + sizes[self.index]
 
 
@@ -188,8 +206,9 @@ class Pair:
 
   def __post_init__(self) -> None:
     if self.name is not None and not isinstance(self.name, str):
-      raise ValueError(f"Pair({self.a!r}, {self.b!r}): name must be a string or None, got"
-                       f" {self.name!r}.")
+      raise ValueError(
+        f"Pair({self.a!r}, {self.b!r}): name must be a string or None, got {self.name!r}."
+      )
     for side in ("a", "b"):  # one pattern stays a str, so reprs of plain pairs are unchanged
       value = getattr(self, side)
       if not isinstance(value, str):
@@ -209,20 +228,24 @@ class Pair:
         raise ValueError(f"{self._spelled}: groups must be a positive int, got {self.groups!r}.")
       if self.axes is None:
         raise ValueError(
-            f"{self._spelled}: groups={self.groups!r} needs a group axis to split; pass"
-            " axes=(axis_a, axis_b), or drop groups for one group per whole tensor.")
+          f"{self._spelled}: groups={self.groups!r} needs a group axis to split; pass"
+          " axes=(axis_a, axis_b), or drop groups for one group per whole tensor."
+        )
       object.__setattr__(self, "groups", int(self.groups))
     if not _is_int(self.stacked) or self.stacked < 0:
-      raise ValueError(f"{self._spelled}: stacked must be an int >= 0 (the number of leading copy"
-                       f" axes), got {self.stacked!r}.")
+      raise ValueError(
+        f"{self._spelled}: stacked must be an int >= 0 (the number of leading copy"
+        f" axes), got {self.stacked!r}."
+      )
     object.__setattr__(self, "stacked", int(self.stacked))
     first = self.patterns(0)[0]
     n = paths.num_captures(_pattern(first))
     for p in (*self.patterns(0)[1:], *self.patterns(1), *self.followers(0), *self.followers(1)):
       if paths.num_captures(_pattern(p)) != n:
         raise ValueError(
-            f"{self._spelled}: pattern {p!r} has a different number of wildcards than {first!r};"
-            " matches are paired by their wildcard captures.")
+          f"{self._spelled}: pattern {p!r} has a different number of wildcards than {first!r};"
+          " matches are paired by their wildcard captures."
+        )
 
   def patterns(self, side: int) -> tuple[Spec, ...]:
     """The patterns (or blocks) of side a (0) or b (1)."""
@@ -241,17 +264,23 @@ class Pair:
 
   def _checked_axes(self):
     def valid(ax, n):  # an int, or one int per pattern of a side of several
-      return _is_int(ax) or (isinstance(ax, (tuple, list)) and len(ax) == n > 1
-                             and all(map(_is_int, ax)))
+      return _is_int(ax) or (
+        isinstance(ax, (tuple, list)) and len(ax) == n > 1 and all(map(_is_int, ax))
+      )
 
-    if not (isinstance(self.axes, (tuple, list)) and len(self.axes) == 2 and all(
-        valid(ax, len(self.patterns(side))) for side, ax in enumerate(self.axes))):
+    if not (
+      isinstance(self.axes, (tuple, list))
+      and len(self.axes) == 2
+      and all(valid(ax, len(self.patterns(side))) for side, ax in enumerate(self.axes))
+    ):
       raise ValueError(
-          f"{self._spelled}: axes must be None or a pair of ints (axis_a, axis_b), got"
-          f" {self.axes!r}; e.g. axes=(1, 1) groups axis 1 of both sides. On a side of several"
-          " patterns the axis may also be a tuple of one int per pattern.")
-    return tuple(tuple(map(int, ax)) if isinstance(ax, (tuple, list)) else int(ax)
-                 for ax in self.axes)
+        f"{self._spelled}: axes must be None or a pair of ints (axis_a, axis_b), got"
+        f" {self.axes!r}; e.g. axes=(1, 1) groups axis 1 of both sides. On a side of several"
+        " patterns the axis may also be a tuple of one int per pattern."
+      )
+    return tuple(
+      tuple(map(int, ax)) if isinstance(ax, (tuple, list)) else int(ax) for ax in self.axes
+    )
 
   @property
   def label(self) -> str:
@@ -310,8 +339,9 @@ class Slot:
     outside the tiled range belong to none."""
     start, stop = self.tiled(size)
     index = np.arange(size) - start
-    group = np.where((index >= 0) & (index < stop - start),
-                     index // ((stop - start) // self.groups), -1)
+    group = np.where(
+      (index >= 0) & (index < stop - start), index // ((stop - start) // self.groups), -1
+    )
     return np.equal.outer(group, np.arange(self.groups))
 
 
@@ -395,8 +425,9 @@ class Plan:
       size = self.shapes[path][axis]
       cuts = sorted({0, size}.union(*(b[1:] for b in blocks)))
       for start, stop in zip(cuts, cuts[1:]):
-        mine = tuple(s for s in slots
-                     if s.block is None or s.block[1] <= start < stop <= s.block[2])
+        mine = tuple(
+          s for s in slots if s.block is None or s.block[1] <= start < stop <= s.block[2]
+        )
         if mine:
           block = None if (start, stop) == (0, size) else (axis, start, stop)
           out[path, block] = Piece(path, block, mine)
@@ -447,14 +478,16 @@ def _matches(spec: Spec, dtypes: dict[str, Any], pair: Pair) -> dict[tuple, str]
       continue
     if caps in found:
       raise ValueError(
-          f"{pair._spelled}: pattern {spec!r} matches both {found[caps]!r} and {path!r} with"
-          " the same wildcard captures, so their partners are ambiguous. Make the pattern more"
-          " specific.")
+        f"{pair._spelled}: pattern {spec!r} matches both {found[caps]!r} and {path!r} with"
+        " the same wildcard captures, so their partners are ambiguous. Make the pattern more"
+        " specific."
+      )
     if not jnp.issubdtype(dtypes[path], jnp.floating):
       raise ValueError(
-          f"{pair._spelled}: pattern {spec!r} matches {path!r} of dtype {dtypes[path]}; only"
-          " floating-point leaves can be rescaled (an integer would be truncated). Narrow the"
-          " pattern or store the leaf as floats.")
+        f"{pair._spelled}: pattern {spec!r} matches {path!r} of dtype {dtypes[path]}; only"
+        " floating-point leaves can be rescaled (an integer would be truncated). Narrow the"
+        " pattern or store the leaf as floats."
+      )
     found[caps] = path
   if not found:
     near = paths.nearest(pattern, dtypes)
@@ -463,8 +496,9 @@ def _matches(spec: Spec, dtypes: dict[str, Any], pair: Pair) -> dict[tuple, str]
   return found
 
 
-def _part(pair: Pair, spec: Spec, path: str, shape: tuple[int, ...]
-          ) -> tuple[str, Part, tuple[int, ...]]:
+def _part(
+  pair: Pair, spec: Spec, path: str, shape: tuple[int, ...]
+) -> tuple[str, Part, tuple[int, ...]]:
   """``(name, part, shape in the block's coordinates)`` of the leaf at ``path`` as ``spec``
   declares it."""
   if not isinstance(spec, Block):
@@ -472,21 +506,26 @@ def _part(pair: Pair, spec: Spec, path: str, shape: tuple[int, ...]
   block = spec.span(pair._spelled, path, shape, pair.stacked)
   axis, start, stop = block
   name = f"{path}[{spec.names[spec.index]}]"
-  return (name, Part(path, block, dataclasses.replace(spec, pattern=path)),
-          shape[:axis] + (stop - start,) + shape[axis + 1:])
+  return (
+    name,
+    Part(path, block, dataclasses.replace(spec, pattern=path)),
+    shape[:axis] + (stop - start,) + shape[axis + 1 :],
+  )
 
 
 def _group_axis(pair: Pair, ax: int | None, path: str, shape: tuple[int, ...]) -> int | None:
   if len(shape) < pair.stacked:
     raise ValueError(
-        f"{pair._spelled}: {path!r} has shape {shape}, fewer than stacked={pair.stacked} axes.")
+      f"{pair._spelled}: {path!r} has shape {shape}, fewer than stacked={pair.stacked} axes."
+    )
   if ax is None:
     return None
   per_copy = len(shape) - pair.stacked
   if not -per_copy <= ax < per_copy:
     raise ValueError(
-        f"{pair._spelled}: group axis {ax} is out of range for {path!r} with shape {shape}"
-        f" ({per_copy} axes after stacked={pair.stacked}).")
+      f"{pair._spelled}: group axis {ax} is out of range for {path!r} with shape {shape}"
+      f" ({per_copy} axes after stacked={pair.stacked})."
+    )
   return pair.stacked + ax % per_copy
 
 
@@ -501,17 +540,20 @@ def follower_axis(kernel_ndim: int, kernel_axis: int, ndim: int, stacked: int) -
 
 
 def _follower_slot(pair, key, sign, kernel, kernel_shape, kernel_axis, groups, name, shape, block):
-  if tuple(shape[:pair.stacked]) != tuple(kernel_shape[:pair.stacked]):
-    raise ValueError(f"{pair._spelled}: follower {name!r} {shape} does not share the stacked"
-                     f" axes of {kernel!r} {kernel_shape}.")
+  if tuple(shape[: pair.stacked]) != tuple(kernel_shape[: pair.stacked]):
+    raise ValueError(
+      f"{pair._spelled}: follower {name!r} {shape} does not share the stacked"
+      f" axes of {kernel!r} {kernel_shape}."
+    )
   axis = None
   if kernel_axis is not None:
     axis = follower_axis(len(kernel_shape), kernel_axis, len(shape), pair.stacked)
     if axis < pair.stacked or shape[axis] != kernel_shape[kernel_axis]:
       raise ValueError(
-          f"{pair._spelled}: follower {name!r} with shape {shape} has no axis matching group axis"
-          f" {kernel_axis} of {kernel!r} {kernel_shape}; a follower is a bias of that axis's"
-          " size, or shares its kernel's trailing axes.")
+        f"{pair._spelled}: follower {name!r} with shape {shape} has no axis matching group axis"
+        f" {kernel_axis} of {kernel!r} {kernel_shape}; a follower is a bias of that axis's"
+        " size, or shares its kernel's trailing axes."
+      )
   return Slot(key, sign, axis, groups, pair.stacked, block)
 
 
@@ -526,16 +568,22 @@ class _Member(NamedTuple):
 def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, Any]):
   """Yields each instance of ``pair`` with ``(name, part, slot, role)`` for each member and
   follower."""
-  sides = [[(spec, ax, _matches(spec, dtypes, pair))
-            for spec, ax in zip(pair.patterns(side), pair.side_axes(side))]
-           for side in (0, 1)]
+  sides = [
+    [
+      (spec, ax, _matches(spec, dtypes, pair))
+      for spec, ax in zip(pair.patterns(side), pair.side_axes(side))
+    ]
+    for side in (0, 1)
+  ]
   matched = [(side, found) for side in (0, 1) for _, _, found in sides[side]]
   everywhere = set.intersection(*(set(found) for _, found in matched))
   for side, found in matched:
     for caps in sorted(set(found) - everywhere):
       other = next(p for s in sides for p, _, f in s if caps not in f)
-      raise ValueError(f"{pair._spelled}: {found[caps]!r} (matched by {'ab'[side]}) has no partner"
-                       f" matching {other!r} with the same wildcard captures.")
+      raise ValueError(
+        f"{pair._spelled}: {found[caps]!r} (matched by {'ab'[side]}) has no partner"
+        f" matching {other!r} with the same wildcard captures."
+      )
   follower_matches = [(+1, p, _matches(p, dtypes, pair)) for p in pair.followers(0)]
   follower_matches += [(-1, p, _matches(p, dtypes, pair)) for p in pair.followers(1)]
   specs = pair.patterns(0) + pair.patterns(1)
@@ -545,10 +593,14 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]], dtypes: dict[s
       for spec, ax, found in side:
         path = found[caps]
         name, part, shape = _part(pair, spec, path, shapes[path])
-        if resolved and shapes[path][:pair.stacked] != shapes[resolved[0].part.path][:pair.stacked]:
+        if (
+          resolved and shapes[path][: pair.stacked] != shapes[resolved[0].part.path][: pair.stacked]
+        ):
           first = resolved[0].part.path
-          raise ValueError(f"{pair._spelled}: stacked axes differ between {first!r}"
-                           f" {shapes[first]} and {path!r} {shapes[path]}.")
+          raise ValueError(
+            f"{pair._spelled}: stacked axes differ between {first!r}"
+            f" {shapes[first]} and {path!r} {shapes[path]}."
+          )
         resolved.append(_Member(name, part, shape, _group_axis(pair, ax, name, shape), sign))
     key = "|".join("+".join(m.name for m in resolved if m.sign == sign) for sign in (+1, -1))
     if pair.axes is None:
@@ -557,34 +609,51 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]], dtypes: dict[s
       sizes = {m.shape[m.axis] for m in resolved}
       if pair.groups is None and len(sizes) > 1:
         listed = ", ".join(f"{m.name!r} {m.shape}" for m in resolved)
-        raise ValueError(f"{pair._spelled}: group axes differ in size ({listed}); pass groups="
-                         " to split all into the same number of blocks.")
+        raise ValueError(
+          f"{pair._spelled}: group axes differ in size ({listed}); pass groups="
+          " to split all into the same number of blocks."
+        )
       groups = pair.groups or sizes.pop()
       for m in resolved:
         if m.shape[m.axis] % groups:
-          raise ValueError(f"{pair._spelled}: {groups} groups do not divide axis of size"
-                           f" {m.shape[m.axis]} of {m.name!r} with shape {m.shape}.")
+          raise ValueError(
+            f"{pair._spelled}: {groups} groups do not divide axis of size"
+            f" {m.shape[m.axis]} of {m.name!r} with shape {m.shape}."
+          )
     multi = len(resolved) > 2
-    members = [(m.name, m.part, Slot(key, m.sign, m.axis, groups, pair.stacked, m.part.block),
-                f"side {'a' if m.sign > 0 else 'b'}" + (f" (pattern {spec!r})" if multi else ""))
-               for m, spec in zip(resolved, specs)]
+    members = [
+      (
+        m.name,
+        m.part,
+        Slot(key, m.sign, m.axis, groups, pair.stacked, m.part.block),
+        f"side {'a' if m.sign > 0 else 'b'}" + (f" (pattern {spec!r})" if multi else ""),
+      )
+      for m, spec in zip(resolved, specs)
+    ]
     followers = {+1: [], -1: []}
     for sign, spec, found in follower_matches:
       if caps not in found:
-        raise ValueError(f"{pair._spelled}: follower pattern {spec!r} has no match with the"
-                         f" captures of {resolved[0].name!r}.")
+        raise ValueError(
+          f"{pair._spelled}: follower pattern {spec!r} has no match with the"
+          f" captures of {resolved[0].name!r}."
+        )
       path = found[caps]
       name, part, shape = _part(pair, spec, path, shapes[path])
       kernel = next(m for m in resolved if m.sign == sign)
-      slot = _follower_slot(pair, key, sign, kernel.name, kernel.shape, kernel.axis, groups,
-                            name, shape, part.block)
-      members.append((name, part, slot, f"a follower of side {'a' if sign > 0 else 'b'}"
-                      f" (pattern {spec!r})"))
+      slot = _follower_slot(
+        pair, key, sign, kernel.name, kernel.shape, kernel.axis, groups, name, shape, part.block
+      )
+      members.append(
+        (name, part, slot, f"a follower of side {'a' if sign > 0 else 'b'} (pattern {spec!r})")
+      )
       followers[sign].append(name)
     first = resolved[0].part.path
-    fshape = tuple(shapes[first][:pair.stacked]) + ((groups,) if pair.axes is not None else ())
+    fshape = tuple(shapes[first][: pair.stacked]) + ((groups,) if pair.axes is not None else ())
     names_a, names_b = (tuple(m.name for m in resolved if m.sign == sign) for sign in (+1, -1))
-    yield Instance(key, pair, names_a, names_b, tuple(followers[+1]), tuple(followers[-1]), fshape), members
+    yield (
+      Instance(key, pair, names_a, names_b, tuple(followers[+1]), tuple(followers[-1]), fshape),
+      members,
+    )
 
 
 def _overlap(a: Span | None, b: Span | None) -> bool:
@@ -604,36 +673,48 @@ def _claim(inst: Instance, members, declared: dict, roles: dict, parts: dict) ->
   every = frozenset(inst.members_a + inst.members_b)
   if every in declared:
     raise ValueError(
-        f"{declared[every].pair._spelled} and {inst.pair._spelled} both pair {inst.a!r} with"
-        f" {inst.b!r}, so its factors would be applied twice. Declare each pair once.")
+      f"{declared[every].pair._spelled} and {inst.pair._spelled} both pair {inst.a!r} with"
+      f" {inst.b!r}, so its factors would be applied twice. Declare each pair once."
+    )
   declared[every] = inst
   for name, part, slot, role in members:
     if parts.setdefault(name, part).block != part.block:
-      raise ValueError(f"{inst.pair._spelled}: {name!r} names two blocks of {part.path!r},"
-                       f" {parts[name].spec!r} and {part.spec!r}; name their parts apart.")
+      raise ValueError(
+        f"{inst.pair._spelled}: {name!r} names two blocks of {part.path!r},"
+        f" {parts[name].spec!r} and {part.spec!r}; name their parts apart."
+      )
     for first_role, first, first_slot in roles.get(part.path, ()):
       if slot.block and first_slot.block and slot.block[0] != first_slot.block[0]:
         raise ValueError(
-            f"{part.path!r} is split along axis {first_slot.block[0]} as {first_role} of"
-            f" {first.pair._spelled} and along axis {slot.block[0]} as {role} of"
-            f" {inst.pair._spelled}; the blocks of one leaf must split one axis.")
+          f"{part.path!r} is split along axis {first_slot.block[0]} as {first_role} of"
+          f" {first.pair._spelled} and along axis {slot.block[0]} as {role} of"
+          f" {inst.pair._spelled}; the blocks of one leaf must split one axis."
+        )
       if not _overlap(slot.block, first_slot.block):
         continue  # disjoint blocks of one leaf move independently
       if first.key == inst.key:
         raise ValueError(
-            f"{inst.pair._spelled}: {part.path!r} is both {first_role} and {role} of the pair of"
-            f" {inst.a!r} and {inst.b!r}, and the two overlap; a leaf moves with one side of a"
-            " pair only, unless disjoint blocks of it are declared. Remove it from one of the"
-            " patterns.")
-      clash = next((f"axis {ax}" for ax, other in ((slot.axis, first_slot), (first_slot.axis, slot))
-                    if ax is not None and (ax == other.axis or ax < other.stacked)), None)
+          f"{inst.pair._spelled}: {part.path!r} is both {first_role} and {role} of the pair of"
+          f" {inst.a!r} and {inst.b!r}, and the two overlap; a leaf moves with one side of a"
+          " pair only, unless disjoint blocks of it are declared. Remove it from one of the"
+          " patterns."
+        )
+      clash = next(
+        (
+          f"axis {ax}"
+          for ax, other in ((slot.axis, first_slot), (first_slot.axis, slot))
+          if ax is not None and (ax == other.axis or ax < other.stacked)
+        ),
+        None,
+      )
       if clash:
         raise ValueError(
-            f"{part.path!r} is {first_role} of {first.pair._spelled} (pairing {first.a!r} with"
-            f" {first.b!r}) and {role} of {inst.pair._spelled} (pairing {inst.a!r} with"
-            f" {inst.b!r}), both grouping or stacking its {clash}. Overlapping symmetries are"
-            " balanced jointly when each groups a different axis of a shared leaf, outside the"
-            " other's stacked axes.")
+          f"{part.path!r} is {first_role} of {first.pair._spelled} (pairing {first.a!r} with"
+          f" {first.b!r}) and {role} of {inst.pair._spelled} (pairing {inst.a!r} with"
+          f" {inst.b!r}), both grouping or stacking its {clash}. Overlapping symmetries are"
+          " balanced jointly when each groups a different axis of a shared leaf, outside the"
+          " other's stacked axes."
+        )
     roles.setdefault(part.path, []).append((role, inst, slot))
 
 
@@ -649,7 +730,6 @@ def _resolve_cached(pairs: tuple[Pair, ...], leaf_specs: tuple) -> Plan:
       for _, part, slot, _ in members:
         slots[part.path] = slots.get(part.path, ()) + (slot,)
   return Plan(tuple(instances), slots, shapes, parts)
-
 
 
 def resolve(pairs: Sequence[Pair], tree: Any) -> Plan:
@@ -668,8 +748,9 @@ def as_pairs(pairs: Pair | Iterable[Pair]) -> tuple[Pair, ...]:
   if isinstance(pairs, Pair):
     return (pairs,)
   if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Iterable):
-    raise TypeError(f"Expected a saggs_jax.Pair or a sequence of them, got {type(pairs).__name__}:"
-                    f" {pairs!r}")
+    raise TypeError(
+      f"Expected a saggs_jax.Pair or a sequence of them, got {type(pairs).__name__}: {pairs!r}"
+    )
   for p in pairs:
     if not isinstance(p, Pair):
       raise TypeError(f"Expected saggs_jax.Pair, got {type(p).__name__}: {p!r}")
@@ -694,24 +775,34 @@ def describe(pairs: Sequence[Pair], params: Any) -> str:
   blocks = any(part.block for part in plan.parts.values())  # a column only when some are
   rows = [("pair", "side", "path", "shape") + (("block",) * blocks + ("group axis", "factors"))]
   for inst in plan.instances:
-    for side, name in ([("a", n) for n in inst.members_a] + [("b", n) for n in inst.members_b]
-                       + [("a+", n) for n in inst.followers_a]
-                       + [("b+", n) for n in inst.followers_b]):
+    for side, name in (
+      [("a", n) for n in inst.members_a]
+      + [("b", n) for n in inst.members_b]
+      + [("a+", n) for n in inst.followers_a]
+      + [("b+", n) for n in inst.followers_b]
+    ):
       slot, (path, block, _) = plan.slot(name, inst.key), plan.part(name)
       axis = "whole" if slot.axis is None else str(slot.axis)
       where = (f"axis {block[0]} [{block[1]}:{block[2]}]" if block else "all",) * blocks
-      rows.append((inst.pair.label, side, name, str(plan.shapes[path])) + where
-                  + (axis, str(inst.factor_shape)))
+      rows.append(
+        (inst.pair.label, side, name, str(plan.shapes[path]))
+        + where
+        + (axis, str(inst.factor_shape))
+      )
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
   lines.insert(1, "  ".join("-" * w for w in widths))
   n_instances = len(plan.instances)
   n_factors = sum(math.prod(i.factor_shape) for i in plan.instances)
-  lines.append(f"{n_instances} pair instance{'s' * (n_instances != 1)},"
-               f" {n_factors} factor{'s' * (n_factors != 1)} in all.")
+  lines.append(
+    f"{n_instances} pair instance{'s' * (n_instances != 1)},"
+    f" {n_factors} factor{'s' * (n_factors != 1)} in all."
+  )
   shared = list(dict.fromkeys(p.path for p in plan.pieces.values() if len(p.slots) > 1))
   if shared:
     lines.append(f"In several pairs, so balanced jointly: {', '.join(shared)}.")
   # What saggs_jax.discover found to be no symmetry, and why.
-  lines += [f"Rejected: {r.a!r} against {r.b!r}: {r.reason}" for r in getattr(pairs, "rejected", ())]
+  lines += [
+    f"Rejected: {r.a!r} against {r.b!r}: {r.reason}" for r in getattr(pairs, "rejected", ())
+  ]
   return "\n".join(lines)

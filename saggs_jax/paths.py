@@ -47,8 +47,9 @@ def path_str(key_path: tuple[Any, ...]) -> str:
   return "/".join(names)
 
 
-def leaves_with_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None
-                      ) -> Iterator[tuple[str, Any]]:
+def leaves_with_paths(
+  tree: Any, is_leaf: Callable[[Any], bool] | None = None
+) -> Iterator[tuple[str, Any]]:
   """Yields ``(path, leaf)`` for every leaf of ``tree``, in flatten order."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
   for key_path, leaf in flat:

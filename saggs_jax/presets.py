@@ -44,15 +44,28 @@ def flax_mha(*, bias: bool = True, stacked: int = 0, prefix: str | None = None) 
     >>> import saggs_jax as saggs
     >>> pairs = saggs.presets.flax_mha()
   """
+
   def p(name):
     return _join(prefix, name)
 
   return [
-      Pair(p("query/kernel"), p("key/kernel"), axes=(1, 1), stacked=stacked,
-           follow_a=(p("query/bias"),) if bias else (), follow_b=(p("key/bias"),) if bias else (),
-           name="attention Q/K"),
-      Pair(p("value/kernel"), p("out/kernel"), axes=(1, 0), stacked=stacked,
-           follow_a=(p("value/bias"),) if bias else (), name="attention V/O"),
+    Pair(
+      p("query/kernel"),
+      p("key/kernel"),
+      axes=(1, 1),
+      stacked=stacked,
+      follow_a=(p("query/bias"),) if bias else (),
+      follow_b=(p("key/bias"),) if bias else (),
+      name="attention Q/K",
+    ),
+    Pair(
+      p("value/kernel"),
+      p("out/kernel"),
+      axes=(1, 0),
+      stacked=stacked,
+      follow_a=(p("value/bias"),) if bias else (),
+      name="attention V/O",
+    ),
   ]
 
 
@@ -60,9 +73,20 @@ linen_mha = flax_mha
 nnx_mha = flax_mha
 
 
-def llama(num_kv_heads: int, *, mlp: bool = True, bias: bool = False, stacked: int = 0,
-          prefix: str | None = None, q: str = "q_proj", k: str = "k_proj", v: str = "v_proj",
-          o: str = "o_proj", up: str = "up_proj", down: str = "down_proj") -> list[Pair]:
+def llama(
+  num_kv_heads: int,
+  *,
+  mlp: bool = True,
+  bias: bool = False,
+  stacked: int = 0,
+  prefix: str | None = None,
+  q: str = "q_proj",
+  k: str = "k_proj",
+  v: str = "v_proj",
+  o: str = "o_proj",
+  up: str = "up_proj",
+  down: str = "down_proj",
+) -> list[Pair]:
   """Q/K and V/O per KV head (GQA) and SwiGLU up/down per channel, LLaMA naming.
 
   Kernels are Flax Dense (in, out): q (d, H*hd), k and v (d, KVH*hd),
@@ -85,6 +109,7 @@ def llama(num_kv_heads: int, *, mlp: bool = True, bias: bool = False, stacked: i
     >>> import saggs_jax as saggs
     >>> pairs = saggs.presets.llama(num_kv_heads=2)
   """
+
   def p(module, leaf="kernel"):
     return _join(prefix, f"{module}/{leaf}")
 
@@ -92,18 +117,34 @@ def llama(num_kv_heads: int, *, mlp: bool = True, bias: bool = False, stacked: i
     return tuple(p(m, "bias") for m in modules) if bias else ()
 
   pairs = [
-      Pair(p(q), p(k), axes=(1, 1), groups=num_kv_heads, stacked=stacked,
-           follow_a=biases(q), follow_b=biases(k), name="attention Q/K"),
-      Pair(p(v), p(o), axes=(1, 0), groups=num_kv_heads, stacked=stacked,
-           follow_a=biases(v), name="attention V/O"),
+    Pair(
+      p(q),
+      p(k),
+      axes=(1, 1),
+      groups=num_kv_heads,
+      stacked=stacked,
+      follow_a=biases(q),
+      follow_b=biases(k),
+      name="attention Q/K",
+    ),
+    Pair(
+      p(v),
+      p(o),
+      axes=(1, 0),
+      groups=num_kv_heads,
+      stacked=stacked,
+      follow_a=biases(v),
+      name="attention V/O",
+    ),
   ]
   if mlp:
     pairs.append(Pair(p(up), p(down), axes=(1, 0), stacked=stacked, name="SwiGLU up/down"))
   return pairs
 
 
-def gpt2(num_heads: int, *, norms: bool = True, stacked: int = 0,
-         prefix: str | None = None) -> list[Pair]:
+def gpt2(
+  num_heads: int, *, norms: bool = True, stacked: int = 0, prefix: str | None = None
+) -> list[Pair]:
   """Q/K and V/O per head in GPT-2's fused attention, and each LayerNorm against the input
   columns that read it (Hugging Face Flax names and layout).
 
@@ -130,6 +171,7 @@ def gpt2(num_heads: int, *, norms: bool = True, stacked: int = 0,
     >>> pairs[0].a
     Block('attn/c_attn/kernel', axis=0, parts=('q', 'k', 'v'), part='q')
   """
+
   def p(name):
     return _join(prefix, name)
 
@@ -137,18 +179,44 @@ def gpt2(num_heads: int, *, norms: bool = True, stacked: int = 0,
     return Block(p(f"attn/c_attn/{leaf}"), axis=0, parts=("q", "k", "v"), part=part)
 
   pairs = [
-      Pair(qkv("kernel", "q"), qkv("kernel", "k"), axes=(0, 0), groups=num_heads,
-           stacked=stacked, follow_a=qkv("bias", "q"), follow_b=qkv("bias", "k"),
-           name="attention Q/K"),
-      Pair(qkv("kernel", "v"), p("attn/c_proj/kernel"), axes=(0, 1), groups=num_heads,
-           stacked=stacked, follow_a=qkv("bias", "v"), name="attention V/O"),
+    Pair(
+      qkv("kernel", "q"),
+      qkv("kernel", "k"),
+      axes=(0, 0),
+      groups=num_heads,
+      stacked=stacked,
+      follow_a=qkv("bias", "q"),
+      follow_b=qkv("bias", "k"),
+      name="attention Q/K",
+    ),
+    Pair(
+      qkv("kernel", "v"),
+      p("attn/c_proj/kernel"),
+      axes=(0, 1),
+      groups=num_heads,
+      stacked=stacked,
+      follow_a=qkv("bias", "v"),
+      name="attention V/O",
+    ),
   ]
   if norms:
     pairs += [
-        Pair(p("ln_1/scale"), p("attn/c_attn/kernel"), axes=(0, 1), stacked=stacked,
-             follow_a=p("ln_1/bias"), name="LayerNorm ln_1"),
-        Pair(p("ln_2/scale"), p("mlp/c_fc/kernel"), axes=(0, 1), stacked=stacked,
-             follow_a=p("ln_2/bias"), name="LayerNorm ln_2"),
+      Pair(
+        p("ln_1/scale"),
+        p("attn/c_attn/kernel"),
+        axes=(0, 1),
+        stacked=stacked,
+        follow_a=p("ln_1/bias"),
+        name="LayerNorm ln_1",
+      ),
+      Pair(
+        p("ln_2/scale"),
+        p("mlp/c_fc/kernel"),
+        axes=(0, 1),
+        stacked=stacked,
+        follow_a=p("ln_2/bias"),
+        name="LayerNorm ln_2",
+      ),
     ]
   return pairs
 
@@ -156,20 +224,38 @@ def gpt2(num_heads: int, *, norms: bool = True, stacked: int = 0,
 # The hidden matrices of each layout for Muon; negative axes, so that the
 # leading axes of scanned layers are batched too.
 _MUON_LAYOUTS: dict[str, dict[tuple[str, ...], MuonDimensionNumbers]] = {
-    # Dense (in, out) kernels.
-    "llama": {("q_proj/kernel", "k_proj/kernel", "v_proj/kernel", "o_proj/kernel",
-               "gate_proj/kernel", "up_proj/kernel", "down_proj/kernel"): MuonDimensionNumbers(-2, -1)},
-    # (d, H, hd) query/key/value and (H, hd, d) output kernels: one matrix per head.
-    "flax_mha": {("query/kernel", "key/kernel", "value/kernel"): MuonDimensionNumbers(-3, -1),
-                 ("out/kernel",): MuonDimensionNumbers(-2, -1)},
-    # FlaxConv1D (out, in) kernels; c_attn's q, k and v blocks form one matrix.
-    "gpt2": {("attn/c_attn/kernel", "attn/c_proj/kernel", "mlp/c_fc/kernel",
-              "mlp/c_proj/kernel"): MuonDimensionNumbers(-1, -2)},
+  # Dense (in, out) kernels.
+  "llama": {
+    (
+      "q_proj/kernel",
+      "k_proj/kernel",
+      "v_proj/kernel",
+      "o_proj/kernel",
+      "gate_proj/kernel",
+      "up_proj/kernel",
+      "down_proj/kernel",
+    ): MuonDimensionNumbers(-2, -1)
+  },
+  # (d, H, hd) query/key/value and (H, hd, d) output kernels: one matrix per head.
+  "flax_mha": {
+    ("query/kernel", "key/kernel", "value/kernel"): MuonDimensionNumbers(-3, -1),
+    ("out/kernel",): MuonDimensionNumbers(-2, -1),
+  },
+  # FlaxConv1D (out, in) kernels; c_attn's q, k and v blocks form one matrix.
+  "gpt2": {
+    (
+      "attn/c_attn/kernel",
+      "attn/c_proj/kernel",
+      "mlp/c_fc/kernel",
+      "mlp/c_proj/kernel",
+    ): MuonDimensionNumbers(-1, -2)
+  },
 }
 
 
-def muon_dimension_numbers(params: Any, layout: Literal["llama", "flax_mha", "gpt2"], *,
-                           prefix: str | None = None) -> Any:
+def muon_dimension_numbers(
+  params: Any, layout: Literal["llama", "flax_mha", "gpt2"], *, prefix: str | None = None
+) -> Any:
   """The ``muon_weight_dimension_numbers`` tree of ``optax.contrib.muon`` for a preset layout.
 
   The hidden matrices of :func:`llama` (q/k/v/o and the SwiGLU kernels),
@@ -192,5 +278,7 @@ def muon_dimension_numbers(params: Any, layout: Literal["llama", "flax_mha", "gp
   """
   if layout not in _MUON_LAYOUTS:
     raise ValueError(f"Unknown layout {layout!r}; expected one of {sorted(_MUON_LAYOUTS)}.")
-  return _from_patterns(params, {tuple(_join(prefix, p) for p in pats): dims
-                                 for pats, dims in _MUON_LAYOUTS[layout].items()})
+  return _from_patterns(
+    params,
+    {tuple(_join(prefix, p) for p in pats): dims for pats, dims in _MUON_LAYOUTS[layout].items()},
+  )

@@ -41,8 +41,14 @@ from saggs_jax.transform import SymmetryTransformation, _caller, _check_number, 
 from saggs_jax.transport import transport
 
 
-def max_logits(q: jax.Array, k: jax.Array, *, scale: float | None = None,
-               mask: jax.Array | None = None, is_causal: bool = False) -> jax.Array:
+def max_logits(
+  q: jax.Array,
+  k: jax.Array,
+  *,
+  scale: float | None = None,
+  mask: jax.Array | None = None,
+  is_causal: bool = False,
+) -> jax.Array:
   """The largest pre-softmax logit ``q·k·scale`` of each query head, over batch and positions.
 
   Takes ``q`` (batch, q_len, heads, head_dim) and ``k`` (batch, kv_len,
@@ -78,8 +84,10 @@ def max_logits(q: jax.Array, k: jax.Array, *, scale: float | None = None,
     Array([2., 4.], dtype=float32)
   """
   if q.ndim != 4 or k.ndim != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-    raise ValueError(f"max_logits takes q (batch, q_len, heads, head_dim) and k (batch, kv_len,"
-                     f" kv_heads, head_dim); got q {q.shape} and k {k.shape}.")
+    raise ValueError(
+      f"max_logits takes q (batch, q_len, heads, head_dim) and k (batch, kv_len,"
+      f" kv_heads, head_dim); got q {q.shape} and k {k.shape}."
+    )
   batch, q_len, heads, head_dim = q.shape
   kv_heads, kv_len = k.shape[2], k.shape[1]
   if heads % kv_heads:
@@ -88,7 +96,7 @@ def max_logits(q: jax.Array, k: jax.Array, *, scale: float | None = None,
   q = jax.lax.stop_gradient(q).astype(dtype).reshape(batch, q_len, kv_heads, -1, head_dim)
   k = jax.lax.stop_gradient(k).astype(dtype)
   logits = jnp.einsum("bqgnd,bkgd->bgnqk", q, k).reshape(batch, heads, q_len, kv_len)
-  logits = logits * (head_dim ** -0.5 if scale is None else scale)
+  logits = logits * (head_dim**-0.5 if scale is None else scale)
   keep = jnp.ones((1, 1, q_len, kv_len), bool)
   if is_causal:
     keep = keep & jnp.tril(jnp.ones((q_len, kv_len), bool), kv_len - q_len)
@@ -118,33 +126,44 @@ def _checked_logits(plan: Plan, extra_args: dict) -> dict[str, jax.Array]:
   """The ``max_logits`` extra argument, one entry per instance keyed by its Q member, each
   ``stacked_shape + (heads,)``; raises a ValueError naming what is missing or wrong."""
   wanted = {inst.a: inst for inst in plan.instances}
-  spelled = ", ".join(f"{a!r}: {i.factor_shape[:i.pair.stacked] + ('heads',)}"
-                      for a, i in wanted.items())
+  spelled = ", ".join(
+    f"{a!r}: {i.factor_shape[: i.pair.stacked] + ('heads',)}" for a, i in wanted.items()
+  )
   logits = extra_args.get("max_logits")
   if logits is None:
     raise ValueError(
-        "qk_clip needs the measured maximum logits: call update(grads, state, params,"
-        f" max_logits={{{spelled}}}), each the per-head max of q·k·scale on this step's batch"
-        " (saggs_jax.max_logits); inside saggs_jax.chain the qk_clip stage comes last.")
+      "qk_clip needs the measured maximum logits: call update(grads, state, params,"
+      f" max_logits={{{spelled}}}), each the per-head max of q·k·scale on this step's batch"
+      " (saggs_jax.max_logits); inside saggs_jax.chain the qk_clip stage comes last."
+    )
   if not isinstance(logits, Mapping) or set(logits) != set(wanted):
     got = sorted(logits) if isinstance(logits, Mapping) else type(logits).__name__
-    raise ValueError(f"qk_clip: max_logits must map each Q/K pair instance's query path to its"
-                     f" per-head max logits, {{{spelled}}}; got keys {got}.")
+    raise ValueError(
+      f"qk_clip: max_logits must map each Q/K pair instance's query path to its"
+      f" per-head max logits, {{{spelled}}}; got keys {got}."
+    )
   out = {}
   for a, inst in wanted.items():
     slot = plan.slot(a, inst.key)
     if slot.axis is None:
-      raise ValueError(f"qk_clip: {inst.pair.label} has no group axis; declare the Q/K pair"
-                       " with axes= (the head axis of each side) and groups= the KV heads.")
+      raise ValueError(
+        f"qk_clip: {inst.pair.label} has no group axis; declare the Q/K pair"
+        " with axes= (the head axis of each side) and groups= the KV heads."
+      )
     s, stacked, groups = logits[a], inst.factor_shape[:-1], inst.factor_shape[-1]
     start, stop = slot.tiled(plan.shapes[plan.part(a).path][slot.axis])
     q_size = stop - start  # the query head axis, within its block for a fused leaf
-    if (jnp.ndim(s) != len(stacked) + 1 or tuple(jnp.shape(s)[:-1]) != stacked
-        or jnp.shape(s)[-1] % groups or q_size % jnp.shape(s)[-1]):
+    if (
+      jnp.ndim(s) != len(stacked) + 1
+      or tuple(jnp.shape(s)[:-1]) != stacked
+      or jnp.shape(s)[-1] % groups
+      or q_size % jnp.shape(s)[-1]
+    ):
       raise ValueError(
-          f"qk_clip: max_logits[{a!r}] has shape {jnp.shape(s)}; {inst.pair.label} wants"
-          f" {stacked} + (heads,), heads a multiple of its {groups} KV groups dividing the"
-          f" {q_size} entries of the query head axis.")
+        f"qk_clip: max_logits[{a!r}] has shape {jnp.shape(s)}; {inst.pair.label} wants"
+        f" {stacked} + (heads,), heads a multiple of its {groups} KV groups dividing the"
+        f" {q_size} entries of the query head axis."
+      )
     out[inst.key] = jnp.asarray(s, jnp.float32)
   return out
 
@@ -166,8 +185,9 @@ def _clip_factors(plan: Plan, logits: dict[str, jax.Array], tau: float, alpha: f
   return clip, gauge
 
 
-def qk_clip(pairs: Sequence[Pair], tau: float = 100.0, alpha: float = 0.5
-            ) -> SymmetryTransformation:
+def qk_clip(
+  pairs: Sequence[Pair], tau: float = 100.0, alpha: float = 0.5
+) -> SymmetryTransformation:
   """QK-clip (MuonClip) per query head, its gauge transported like a Q/K symmetry.
 
   ``update(updates, state, params, max_logits=...)`` takes, as an extra
@@ -237,8 +257,9 @@ def qk_clip(pairs: Sequence[Pair], tau: float = 100.0, alpha: float = 0.5
 
   def plan_of(params) -> Plan:
     if params is None:
-      raise ValueError("qk_clip needs the current parameters: call update(updates, state,"
-                       " params, max_logits=...).")
+      raise ValueError(
+        "qk_clip needs the current parameters: call update(updates, state, params, max_logits=...)."
+      )
     return resolve(pairs, params)
 
   def clip(params, updates, extra_args):
@@ -262,12 +283,14 @@ def qk_clip(pairs: Sequence[Pair], tau: float = 100.0, alpha: float = 0.5
       warned.append(True)
       frame = _caller()
       warnings.warn_explicit(
-          f"qk_clip(alpha={alpha}) outside saggs_jax.chain cannot transport the moments of the"
-          " optimizer before it by the gauge part of its split; use saggs_jax.chain(...).",
-          UserWarning, frame.f_code.co_filename if frame else "<unknown>",
-          frame.f_lineno if frame else 0)
+        f"qk_clip(alpha={alpha}) outside saggs_jax.chain cannot transport the moments of the"
+        " optimizer before it by the gauge part of its split; use saggs_jax.chain(...).",
+        UserWarning,
+        frame.f_code.co_filename if frame else "<unknown>",
+        frame.f_lineno if frame else 0,
+      )
     return clip(params, updates, extra_args)[0], state
 
-  return SymmetryTransformation(lambda params: optax.EmptyState(), update, around,
-                                lambda params: resolve(pairs, params))
-
+  return SymmetryTransformation(
+    lambda params: optax.EmptyState(), update, around, lambda params: resolve(pairs, params)
+  )

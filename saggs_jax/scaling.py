@@ -21,8 +21,9 @@ from saggs_jax.numerics import Factors, compute_dtype, is_explicit, replicated
 from saggs_jax.pairs import Plan, Slot
 
 
-def _multiplier(slot: Slot, shape: tuple[int, ...], factors: Factors, power: float,
-                dtype: DTypeLike) -> jax.Array:
+def _multiplier(
+  slot: Slot, shape: tuple[int, ...], factors: Factors, power: float, dtype: DTypeLike
+) -> jax.Array:
   """``factors ** (sign * power)`` expanded to one entry per index of the group axis, and
   with a block, to its span of the block axis, padded with ones outside it."""
   f = factors[slot.key].astype(dtype)
@@ -32,14 +33,14 @@ def _multiplier(slot: Slot, shape: tuple[int, ...], factors: Factors, power: flo
   inner = shape  # the shape of what the factors tile: the block
   if slot.block is not None:
     axis, start, stop = slot.block
-    inner = shape[:axis] + (stop - start,) + shape[axis + 1:]
+    inner = shape[:axis] + (stop - start,) + shape[axis + 1 :]
   if slot.axis is not None:  # (..., groups) -> (..., size): each factor over its group
     n = inner[slot.axis]
     f = jnp.broadcast_to(f[..., None], f.shape + (n // slot.groups,)).reshape(f.shape[:-1] + (n,))
   f = f.reshape(slot.broadcast_shape(inner))
   if slot.block is not None:  # ones on either side of the block: a concatenation, no reshape
     axis, start, stop = slot.block
-    f = jnp.broadcast_to(f, f.shape[:axis] + (stop - start,) + f.shape[axis + 1:])
+    f = jnp.broadcast_to(f, f.shape[:axis] + (stop - start,) + f.shape[axis + 1 :])
     pad = [(0, 0)] * len(shape)
     pad[axis] = (start, shape[axis] - stop)
     f = jnp.pad(f, pad, constant_values=1)
@@ -52,27 +53,34 @@ def _like(m: jax.Array, x: jax.Array) -> jax.Array:
   if not is_explicit(x):
     return replicated(m)
   spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
-  return jax.sharding.reshard(m, PartitionSpec(*(s if n > 1 else None
-                                                 for s, n in zip(spec, m.shape))))
+  return jax.sharding.reshard(
+    m, PartitionSpec(*(s if n > 1 else None for s, n in zip(spec, m.shape)))
+  )
 
 
-def leaf_multiplier(slots: Sequence[Slot], x: jax.Array, factors: Factors, power: float,
-                    dtype: DTypeLike) -> jax.Array:
+def leaf_multiplier(
+  slots: Sequence[Slot], x: jax.Array, factors: Factors, power: float, dtype: DTypeLike
+) -> jax.Array:
   """What leaf ``x`` declared in ``slots`` is multiplied by, broadcastable to it."""
-  m = functools.reduce(jnp.multiply,
-                       [_multiplier(s, x.shape, factors, power, dtype) for s in slots])
+  m = functools.reduce(
+    jnp.multiply, [_multiplier(s, x.shape, factors, power, dtype) for s in slots]
+  )
   return _like(m, x)
 
 
-def scale_leaf(x: jax.Array, slots: Sequence[Slot], factors: Factors, power: float
-               ) -> jax.Array:
+def scale_leaf(x: jax.Array, slots: Sequence[Slot], factors: Factors, power: float) -> jax.Array:
   """``x`` times the multiplier of ``slots`` (see :func:`scale_tree`), in at least float32."""
   dtype = compute_dtype(x.dtype)
   return (x.astype(dtype) * leaf_multiplier(slots, x, factors, power, dtype)).astype(x.dtype)
 
 
-def scale_tree(plan: Plan, tree: Any, factors: Factors, power: float,
-               is_leaf: Callable[[Any], bool] | None = None) -> Any:
+def scale_tree(
+  plan: Plan,
+  tree: Any,
+  factors: Factors,
+  power: float,
+  is_leaf: Callable[[Any], bool] | None = None,
+) -> Any:
   """Multiplies each declared leaf of a parameter-shaped ``tree`` by ``c ** (sign * power)``.
 
   ``power`` is the transport degree: +1 for parameters (A*c, B/c), -1 for
@@ -85,10 +93,12 @@ def scale_tree(plan: Plan, tree: Any, factors: Factors, power: float,
 
   def visit(key_path, x):
     slots = plan.slots.get(paths.path_str(key_path))
-    if slots is None or not hasattr(x, "shape") or tuple(x.shape) != plan.shapes[
-        paths.path_str(key_path)]:
+    if (
+      slots is None
+      or not hasattr(x, "shape")
+      or tuple(x.shape) != plan.shapes[paths.path_str(key_path)]
+    ):
       return x
     return scale_leaf(x, slots, factors, power)
 
   return jax.tree_util.tree_map_with_path(visit, tree, is_leaf=is_leaf)
-

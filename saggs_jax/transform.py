@@ -98,9 +98,13 @@ class SymmetryTransformation(optax.GradientTransformationExtraArgs):
   around: Callable[..., tuple]
   resolve: Callable[..., Plan] | None
 
-  def __new__(cls, init: optax.TransformInitFn, update: optax.TransformUpdateExtraArgsFn,
-              around: Callable[..., tuple], resolve: Callable[..., Plan] | None = None
-              ) -> SymmetryTransformation:
+  def __new__(
+    cls,
+    init: optax.TransformInitFn,
+    update: optax.TransformUpdateExtraArgsFn,
+    around: Callable[..., tuple],
+    resolve: Callable[..., Plan] | None = None,
+  ) -> SymmetryTransformation:
     self = super().__new__(cls, init, update)
     self.around, self.resolve = around, resolve
     return self
@@ -138,19 +142,24 @@ def step_limits(plan: Plan, params: Any) -> dict[str, float]:
 
   def bits(name, key):  # k for the leaf's dtype, shared by the factors of each entry
     b = jnp.finfo(dtypes[plan.part(name).path]).nmant + 1
-    return max(1, b - ERROR_BITS) / max(len(plan.pieces[k].slots)
-                                        for k in plan.pieces_of(name, key))
+    return max(1, b - ERROR_BITS) / max(
+      len(plan.pieces[k].slots) for k in plan.pieces_of(name, key)
+    )
 
-  return {i.key: float(np.log(2.0)) * min(bits(n, i.key) for n in i.members_a + i.members_b
-                                          + i.followers_a + i.followers_b)
-          for i in plan.instances}
+  return {
+    i.key: float(np.log(2.0))
+    * min(bits(n, i.key) for n in i.members_a + i.members_b + i.followers_a + i.followers_b)
+    for i in plan.instances
+  }
 
 
 def _within_step(plan, params, factors):
   """``factors`` clipped to :func:`step_limits`."""
   limits = step_limits(plan, params)
-  return {k: jnp.clip(f, np.exp(-limits[k]), np.exp(limits[k])).astype(f.dtype)
-          for k, f in factors.items()}
+  return {
+    k: jnp.clip(f, np.exp(-limits[k]), np.exp(limits[k])).astype(f.dtype)
+    for k, f in factors.items()
+  }
 
 
 def _land_on(params, updates, target, plan, factors):
@@ -175,15 +184,20 @@ def _land_on(params, updates, target, plan, factors):
 def _check_number(name, value, ok, interval, integer):
   kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
   if isinstance(value, bool) or not isinstance(value, kinds) or not ok(value):
-    raise ValueError(f"{name} must be {'an int' if integer else 'a number'} {interval},"
-                     f" got {value!r}.")
+    raise ValueError(
+      f"{name} must be {'an int' if integer else 'a number'} {interval}, got {value!r}."
+    )
 
 
 def _check_axis_name(axis_name) -> None:
-  if not (axis_name is None or isinstance(axis_name, str) or (
-      isinstance(axis_name, (tuple, list)) and all(isinstance(a, str) for a in axis_name))):
-    raise ValueError(f"axis_name must be None, a mesh axis name or a tuple of them, got"
-                     f" {axis_name!r}.")
+  if not (
+    axis_name is None
+    or isinstance(axis_name, str)
+    or (isinstance(axis_name, (tuple, list)) and all(isinstance(a, str) for a in axis_name))
+  ):
+    raise ValueError(
+      f"axis_name must be None, a mesh axis name or a tuple of them, got {axis_name!r}."
+    )
 
 
 def _check_global(axis_name) -> None:
@@ -191,10 +205,11 @@ def _check_global(axis_name) -> None:
   manual = jax.sharding.get_abstract_mesh().manual_axes
   if manual and axis_name is None:
     raise ValueError(
-        f"SAGGS is traced inside shard_map (manual mesh axes {manual}), where each device sees"
-        " only its shard and would balance it on its own. Pass axis_name= the mesh axes that"
-        " split the parameters' groups (FSDP or data axes; the norms are summed over them), or"
-        " axis_name=() if every shard holds whole groups.")
+      f"SAGGS is traced inside shard_map (manual mesh axes {manual}), where each device sees"
+      " only its shard and would balance it on its own. Pass axis_name= the mesh axes that"
+      " split the parameters' groups (FSDP or data axes; the norms are summed over them), or"
+      " axis_name=() if every shard holds whole groups."
+    )
 
 
 def _check_whole_groups(plan, global_shapes) -> None:
@@ -212,23 +227,27 @@ def _check_whole_groups(plan, global_shapes) -> None:
       local, whole = plan.shapes[path], global_shapes.get(path)
       if axis is not None and whole is not None and local[axis] != whole[axis]:
         raise ValueError(
-            f"{inst.pair!r} declares groups={inst.pair.groups} along axis {axis} of {path!r},"
-            f" which shard_map splits over devices (shape {whole} holds {local} per device):"
-            " each device would balance its slices as groups of their own. Keep that axis"
-            " whole on every device, or balance outside shard_map (jit on a mesh).")
+          f"{inst.pair!r} declares groups={inst.pair.groups} along axis {axis} of {path!r},"
+          f" which shard_map splits over devices (shape {whole} holds {local} per device):"
+          " each device would balance its slices as groups of their own. Keep that axis"
+          " whole on every device, or balance outside shard_map (jit on a mesh)."
+        )
 
 
 def _caller():
   """The innermost frame outside saggs_jax, optax and jax: the user's line."""
-  internal = tuple(os.path.dirname(m.__file__ or "") for m in (optax, jax)) + (os.path.dirname(__file__),)
+  internal = tuple(os.path.dirname(m.__file__ or "") for m in (optax, jax)) + (
+    os.path.dirname(__file__),
+  )
   frame = sys._getframe(1)
   while frame is not None and frame.f_code.co_filename.startswith(internal):
     frame = frame.f_back
   return frame
 
 
-def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
-                   axis_name: AxisName = None) -> SymmetryTransformation:
+def scale_by_saggs(
+  pairs: Sequence[Pair], strength: float = 1.0, every: int = 1, axis_name: AxisName = None
+) -> SymmetryTransformation:
   """Balances the Frobenius norms inside every declared symmetry pair.
 
   On updates ``1, every + 1, 2 * every + 1, ...`` (the first update is number
@@ -313,8 +332,9 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
     does not balance."""
     if every == 1:
       return step_factors(params)
-    factors = jax.lax.cond((count - 1) % every == 0, step_factors,
-                           lambda p: _no_balancing(factors_of, p), params)
+    factors = jax.lax.cond(
+      (count - 1) % every == 0, step_factors, lambda p: _no_balancing(factors_of, p), params
+    )
     return jax.tree.map(replicated, factors)  # else XLA may shard them, then gather each update
 
   def init(params):  # may run outside shard_map: no axis to sum over
@@ -340,8 +360,11 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
     plan, count, params = start(state, params)
     factors, residual = scheduled_factors(count, params)
     balanced = scale_tree(plan, params, factors, 1.0)
-    updates, prior_states = prior(scale_tree(plan, grads, factors, -1.0),
-                                  transport(plan, prior_states, factors, degrees=degrees), balanced)
+    updates, prior_states = prior(
+      scale_tree(plan, grads, factors, -1.0),
+      transport(plan, prior_states, factors, degrees=degrees),
+      balanced,
+    )
     updates = _land_on(params, updates, optax.apply_updates(balanced, updates), plan, factors)
     return updates, SaggsState(count, factors, residual), prior_states
 
@@ -351,10 +374,13 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
       warned.append(True)
       frame = _caller()
       warnings.warn_explicit(
-          "A SAGGS stage outside saggs_jax.chain balances the parameters after the optimizer's"
-          " step but cannot transport that optimizer's moments; use saggs_jax.chain(...)"
-          " instead of optax.chain(...).", UserWarning,
-          frame.f_code.co_filename if frame else "<unknown>", frame.f_lineno if frame else 0)
+        "A SAGGS stage outside saggs_jax.chain balances the parameters after the optimizer's"
+        " step but cannot transport that optimizer's moments; use saggs_jax.chain(...)"
+        " instead of optax.chain(...).",
+        UserWarning,
+        frame.f_code.co_filename if frame else "<unknown>",
+        frame.f_lineno if frame else 0,
+      )
     plan, count, params = start(state, params)
     stepped = optax.apply_updates(params, updates)
     factors, residual = scheduled_factors(count, stepped)
@@ -364,8 +390,9 @@ def scale_by_saggs(pairs: Sequence[Pair], strength: float = 1.0, every: int = 1,
   return SymmetryTransformation(init, update, around, lambda params: resolve(pairs, params))
 
 
-def saggs(pairs: Sequence[Pair], every: int = 1, axis_name: AxisName = None
-          ) -> SymmetryTransformation:
+def saggs(
+  pairs: Sequence[Pair], every: int = 1, axis_name: AxisName = None
+) -> SymmetryTransformation:
   """Hard SAGGS: equalise the norms inside each pair on updates 1, every + 1, ...
 
   Alias of :func:`scale_by_saggs` with ``strength=1``.
@@ -383,8 +410,9 @@ def saggs(pairs: Sequence[Pair], every: int = 1, axis_name: AxisName = None
   return scale_by_saggs(pairs, strength=1.0, every=every, axis_name=axis_name)
 
 
-def soft(pairs: Sequence[Pair], strength: float = 0.5, every: int = 1,
-         axis_name: AxisName = None) -> SymmetryTransformation:
+def soft(
+  pairs: Sequence[Pair], strength: float = 0.5, every: int = 1, axis_name: AxisName = None
+) -> SymmetryTransformation:
   """Soft SAGGS: move ``strength`` of the way (in log-norm) towards balance.
 
   Alias of :func:`scale_by_saggs`. Each application multiplies the
@@ -423,18 +451,21 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
     >>> pairs = [saggs.Pair("attn/v_proj/kernel", "attn/o_proj/kernel", axes=(1, 0), groups=4)]
     >>> tx = saggs.chain(optax.adamw(3e-4), saggs.soft(pairs, strength=0.5))
   """
-  stages = [t if isinstance(t, SymmetryTransformation) else optax.with_extra_args_support(t)
-            for t in transforms]
+  stages = [
+    t if isinstance(t, SymmetryTransformation) else optax.with_extra_args_support(t)
+    for t in transforms
+  ]
   symmetric = [isinstance(t, SymmetryTransformation) for t in stages]
   if any(symmetric):
     first = symmetric.index(True)
     if first == 0 or not all(symmetric[first:]):
       raise ValueError(
-          f"saggs_jax.chain: the symmetry stage at position {first} must come after the optimizer"
-          " it balances, and only symmetry stages may follow it (their updates land on the"
-          " balanced parameters, which a later stage would change); stages are"
-          f" {['symmetry' if s else 'optimizer' for s in symmetric]}. Write"
-          " saggs_jax.chain(optax.adamw(...), saggs_jax.saggs(pairs)).")
+        f"saggs_jax.chain: the symmetry stage at position {first} must come after the optimizer"
+        " it balances, and only symmetry stages may follow it (their updates land on the"
+        " balanced parameters, which a later stage would change); stages are"
+        f" {['symmetry' if s else 'optimizer' for s in symmetric]}. Write"
+        " saggs_jax.chain(optax.adamw(...), saggs_jax.saggs(pairs))."
+      )
 
   measured = {}
 
@@ -447,13 +478,17 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
     arguments (a qk_clip's logits)."""
     if stages[n].resolve is None:
       return None
-    layout = (n, jax.tree.structure(params),
-              tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)))
+    layout = (
+      n,
+      jax.tree.structure(params),
+      tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)),
+    )
     if layout not in measured:
       first = symmetric.index(True)
       prior = optax.GradientTransformationExtraArgs(
-          lambda params: tuple(t.init(params) for t in stages[:first]),
-          lambda g, s, p=None, **extra: run(stages[:first], g, s, p, extra))
+        lambda params: tuple(t.init(params) for t in stages[:first]),
+        lambda g, s, p=None, **extra: run(stages[:first], g, s, p, extra),
+      )
       found = measure(prior, params, stages[n].resolve(params))
       measured[layout] = None if found is None else (*found, *(None,) * (n - first))
     return measured[layout]
@@ -471,8 +506,14 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
     # The last symmetry stage runs everything before it, balancing its inputs.
     prior = lambda g, s, p: run(stages[:-1], g, s, p, extra_args)  # noqa: E731
     updates, state, prior_states = stages[-1].around(
-        prior, grads, states[-1], tuple(states[:-1]), params,
-        degrees=degrees(len(stages) - 1, params) if params is not None else None, **extra_args)
+      prior,
+      grads,
+      states[-1],
+      tuple(states[:-1]),
+      params,
+      degrees=degrees(len(stages) - 1, params) if params is not None else None,
+      **extra_args,
+    )
     return updates, (*prior_states, state)
 
   def update(updates, state, params=None, **extra_args):

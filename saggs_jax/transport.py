@@ -61,9 +61,10 @@ AS_REGISTERED = "as registered"
 _RULES: dict[type, Rule] = {}
 
 _LAYOUT_FIX = (
-    "Initialise the optimizer on the parameters that the SAGGS stage sees; a state of your own"
-    " must keep each moment in a tree laid out like them (one field per moment), registered"
-    " with saggs_jax.register_transport(Type, {'field': degree, ...}).")
+  "Initialise the optimizer on the parameters that the SAGGS stage sees; a state of your own"
+  " must keep each moment in a tree laid out like them (one field per moment), registered"
+  " with saggs_jax.register_transport(Type, {'field': degree, ...})."
+)
 
 
 def register_transport(state_type: type, fields: Mapping[str, Degree]) -> None:
@@ -92,12 +93,15 @@ def register_transport(state_type: type, fields: Mapping[str, Degree]) -> None:
   known = getattr(state_type, "_fields", None) or [f.name for f in dataclasses.fields(state_type)]
   unknown = set(fields) - set(known)
   if unknown:
-    raise ValueError(f"{state_type.__name__} has no fields {sorted(unknown)};"
-                     f" it has {list(known)}.")
+    raise ValueError(
+      f"{state_type.__name__} has no fields {sorted(unknown)}; it has {list(known)}."
+    )
   for field, degree in fields.items():
     if degree != NESTED and (isinstance(degree, bool) or not isinstance(degree, (int, float))):
-      raise ValueError(f"{state_type.__name__}.{field}: degree must be a number or"
-                       f" saggs_jax.NESTED, got {degree!r}.")
+      raise ValueError(
+        f"{state_type.__name__}.{field}: degree must be a number or"
+        f" saggs_jax.NESTED, got {degree!r}."
+      )
   _RULES[state_type] = functools.partial(_transport_fields, dict(fields))
 
 
@@ -128,15 +132,18 @@ def _scale(plan: Plan, path: str, x, factors: Factors, power: float, drop: int |
 
 def _is_raveled(plan: Plan, x) -> bool:
   """Whether ``x`` is a vector of every parameter raveled and concatenated (``optax.flatten``)."""
-  return (len(plan.shapes) > 1 and np.ndim(x) == 1
-          and np.size(x) == sum(math.prod(s) for s in plan.shapes.values()))
+  return (
+    len(plan.shapes) > 1
+    and np.ndim(x) == 1
+    and np.size(x) == sum(math.prod(s) for s in plan.shapes.values())
+  )
 
 
 def _scale_raveled(plan: Plan, x, factors: Factors, power: float):
   """Unravels in tree order (the order ``plan.shapes`` keeps), scales, ravels again."""
   pieces, start = [], 0
   for path, shape in plan.shapes.items():
-    piece = x[start:start + math.prod(shape)]
+    piece = x[start : start + math.prod(shape)]
     if path in plan.slots:
       piece = _scale(plan, path, piece.reshape(shape), factors, power).reshape(-1)
     pieces.append(piece)
@@ -173,8 +180,10 @@ def _map_leaves(plan: Plan, state, where: str, tree, degrees, leaf_fn: Callable[
       if path in plan.shapes:
         why = f"the parameter {path!r} has shape {plan.shapes[path]}, this leaf {_shape(x)}"
       else:
-        why = (f"no parameter has the path {path!r}, and this leaf, shape {_shape(x)}, is not the"
-               " raveled vector of all parameters")
+        why = (
+          f"no parameter has the path {path!r}, and this leaf, shape {_shape(x)}, is not the"
+          " raveled vector of all parameters"
+        )
       raise _refusal(state, f"{where}[{path!r}]", f"{why}, so it has no exact transport.")
     return out
 
@@ -187,8 +196,9 @@ def _field(degrees, name: str):
   return None if degrees is None else getattr(degrees, name)
 
 
-def _transport_fields(fields: dict[str, Degree], plan: Plan, state, factors: Factors, where: str,
-                      degrees=None):
+def _transport_fields(
+  fields: dict[str, Degree], plan: Plan, state, factors: Factors, where: str, degrees=None
+):
   changes = {}
   for field, degree in fields.items():
     value, sub = getattr(state, field), f"{where}.{field}"
@@ -196,8 +206,13 @@ def _transport_fields(fields: dict[str, Degree], plan: Plan, state, factors: Fac
       changes[field] = transport(plan, value, factors, sub, _field(degrees, field))
     else:
       changes[field] = _map_leaves(
-          plan, state, sub, value, _field(degrees, field),
-          lambda p, x, m, d=degree: _moment_leaf(plan, p, x, factors, _degree(d, m)))
+        plan,
+        state,
+        sub,
+        value,
+        _field(degrees, field),
+        lambda p, x, m, d=degree: _moment_leaf(plan, p, x, factors, _degree(d, m)),
+      )
   return _replace(state, **changes)
 
 
@@ -213,9 +228,15 @@ def _varying(plan: Plan, path: str, axes: tuple[int, ...]):
   shape = plan.shapes[path]
   for slot in plan.slots[path]:
     for a in axes:
-      why = ("stacked copies" if a < slot.stacked
-             else "groups" if a == slot.axis and slot.groups > 1
-             else "a block" if slot.block is not None and a == slot.block[0] else None)
+      why = (
+        "stacked copies"
+        if a < slot.stacked
+        else "groups"
+        if a == slot.axis and slot.groups > 1
+        else "a block"
+        if slot.block is not None and a == slot.block[0]
+        else None
+      )
       if shape[a] > 1 and why:
         return a, slot, why
   return None
@@ -255,29 +276,40 @@ def _transport_factored(plan: Plan, state, factors: Factors, where: str, degrees
       if not factored(path):  # a stand-in, or a parameter no pair declares
         return x if _shape(x) == (1,) or path in plan.shapes and path not in plan.slots else None
       shape, axes = plan.shapes[path], _factored_axes(plan.shapes[path])
-      if _shape(x) != shape[:axes[which]] + shape[axes[which] + 1:]:
+      if _shape(x) != shape[: axes[which]] + shape[axes[which] + 1 :]:
         return None
       hit = _varying(plan, path, axes)
       if hit is not None:
         axis, slot, why = hit
-        regroup = ("" if why != "groups" else "Declare the pair with one group per tensor"
-                   " (axes=None) or a group axis other than the two largest, or keep")
+        regroup = (
+          ""
+          if why != "groups"
+          else "Declare the pair with one group per tensor"
+          " (axes=None) or a group axis other than the two largest, or keep"
+        )
         raise _refusal(
-            state, f"{where}.{field}[{path!r}]",
-            f"Adafactor keeps only means of g**2 over axes {axes[0]} and {axes[1]} of {path!r}"
-            f" {shape}, and the factors of {slot.key!r} change along axis {axis} ({why}), so"
-            " the transported means are not determined by the stored ones.",
-            f"{regroup or 'Keep'} this moment unfactored: optax.adafactor(..., factored=False)"
-            f" or min_dim_size_to_factor > {shape[axes[1]]}.")
+          state,
+          f"{where}.{field}[{path!r}]",
+          f"Adafactor keeps only means of g**2 over axes {axes[0]} and {axes[1]} of {path!r}"
+          f" {shape}, and the factors of {slot.key!r} change along axis {axis} ({why}), so"
+          " the transported means are not determined by the stored ones.",
+          f"{regroup or 'Keep'} this moment unfactored: optax.adafactor(..., factored=False)"
+          f" or min_dim_size_to_factor > {shape[axes[1]]}.",
+        )
       return _scale(plan, path, x, factors, -_degree(2, measured), drop=axes[which])
+
     return leaf
 
   def field(name, leaf_fn):
-    return _map_leaves(plan, state, f"{where}.{name}", getattr(state, name),
-                       _field(degrees, name), leaf_fn)
+    return _map_leaves(
+      plan, state, f"{where}.{name}", getattr(state, name), _field(degrees, name), leaf_fn
+    )
 
-  return state._replace(v=field("v", v_leaf), v_row=field("v_row", stat_leaf("v_row", 0)),
-                        v_col=field("v_col", stat_leaf("v_col", 1)))
+  return state._replace(
+    v=field("v", v_leaf),
+    v_row=field("v_row", stat_leaf("v_row", 0)),
+    v_col=field("v_col", stat_leaf("v_col", 1)),
+  )
 
 
 def _subplan(plan: Plan, prefix: str) -> Plan:
@@ -301,37 +333,42 @@ def _transport_lookahead(plan: Plan, state, factors: Factors, where: str, degree
   for path in sorted(set(fast.slots) | set(slow.slots)):
     if fast.slots.get(path) != slow.slots.get(path):
       raise _refusal(
-          state, where,
-          f"the slow weight 'slow/{path}' does not move by the same factors as the fast weight"
-          f" 'fast/{path}', and each synchronisation mixes the two.",
-          "Declare the pairs on the fast weights with the slow ones as followers, e.g."
-          " Pair('fast/q', 'fast/k', follow_a='slow/q', follow_b='slow/k').")
-  return state._replace(fast_state=transport(fast, state.fast_state, factors,
-                                             f"{where}.fast_state", _field(degrees, "fast_state")))
+        state,
+        where,
+        f"the slow weight 'slow/{path}' does not move by the same factors as the fast weight"
+        f" 'fast/{path}', and each synchronisation mixes the two.",
+        "Declare the pairs on the fast weights with the slow ones as followers, e.g."
+        " Pair('fast/q', 'fast/k', follow_a='slow/q', follow_b='slow/k').",
+      )
+  return state._replace(
+    fast_state=transport(
+      fast, state.fast_state, factors, f"{where}.fast_state", _field(degrees, "fast_state")
+    )
+  )
 
 
 for _type, _fields in [
-    (optax.ScaleByAdamState, {"mu": 1, "nu": 2}),
-    (optax.ScaleByAmsgradState, {"mu": 1, "nu": 2, "nu_max": 2}),
-    (optax.ScaleByBeliefState, {"mu": 1, "nu": 2}),
-    (optax.ScaleByRStdDevState, {"mu": 1, "nu": 2}),
-    (optax.ScaleByRmsState, {"nu": 2}),
-    (optax.ScaleByRssState, {"sum_of_squares": 2}),
-    (optax.ScaleByLionState, {"mu": 1}),
-    (optax.TraceState, {"trace": 1}),
-    (optax.ScaleByAdanState, {"m": 1, "v": 1, "n": 2, "g": 1}),
-    (optax.ScaleByAdaDeltaState, {"e_g": 2, "e_x": -2}),  # e_x: EMA of squared updates
-    (optax.contrib.MuonState, {"mu": 1}),
-    (optax.contrib.ScaleByAdemamixState, {"m1": 1, "m2": 1, "nu": 2}),
-    (optax.contrib.ScaleBySimplifiedAdEMAMixState, {"m": 1, "n": 2}),
-    (optax.MultiStepsState, {"inner_opt_state": NESTED, "acc_grads": 1}),
-    (optax.MaskedState, {"inner_state": NESTED}),
-    (optax.PartitionState, {"inner_states": NESTED}),
-    (optax.InjectHyperparamsState, {"inner_state": NESTED}),
-    (optax.InjectStatefulHyperparamsState, {"inner_state": NESTED}),
-    (optax.ApplyIfFiniteState, {"inner_state": NESTED}),
-    (optax.ConditionallyMaskState, {"inner_state": NESTED}),
-    (optax.ConditionallyTransformState, {"inner_state": NESTED}),
+  (optax.ScaleByAdamState, {"mu": 1, "nu": 2}),
+  (optax.ScaleByAmsgradState, {"mu": 1, "nu": 2, "nu_max": 2}),
+  (optax.ScaleByBeliefState, {"mu": 1, "nu": 2}),
+  (optax.ScaleByRStdDevState, {"mu": 1, "nu": 2}),
+  (optax.ScaleByRmsState, {"nu": 2}),
+  (optax.ScaleByRssState, {"sum_of_squares": 2}),
+  (optax.ScaleByLionState, {"mu": 1}),
+  (optax.TraceState, {"trace": 1}),
+  (optax.ScaleByAdanState, {"m": 1, "v": 1, "n": 2, "g": 1}),
+  (optax.ScaleByAdaDeltaState, {"e_g": 2, "e_x": -2}),  # e_x: EMA of squared updates
+  (optax.contrib.MuonState, {"mu": 1}),
+  (optax.contrib.ScaleByAdemamixState, {"m1": 1, "m2": 1, "nu": 2}),
+  (optax.contrib.ScaleBySimplifiedAdEMAMixState, {"m": 1, "n": 2}),
+  (optax.MultiStepsState, {"inner_opt_state": NESTED, "acc_grads": 1}),
+  (optax.MaskedState, {"inner_state": NESTED}),
+  (optax.PartitionState, {"inner_states": NESTED}),
+  (optax.InjectHyperparamsState, {"inner_state": NESTED}),
+  (optax.InjectStatefulHyperparamsState, {"inner_state": NESTED}),
+  (optax.ApplyIfFiniteState, {"inner_state": NESTED}),
+  (optax.ConditionallyMaskState, {"inner_state": NESTED}),
+  (optax.ConditionallyTransformState, {"inner_state": NESTED}),
 ]:
   register_transport(_type, _fields)
 _RULES[optax.FactoredState] = _transport_factored
@@ -349,8 +386,11 @@ def _image_path(plan: Plan, tree: Any, is_leaf=None) -> str | None:
     if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.inexact):
       continue
     segs = path.split("/")
-    if (_shape(x) in shapes or _is_raveled(plan, x)
-        or any("/".join(segs[i:]) in plan.slots for i in range(len(segs)))):
+    if (
+      _shape(x) in shapes
+      or _is_raveled(plan, x)
+      or any("/".join(segs[i:]) in plan.slots for i in range(len(segs)))
+    ):
       return path
   return None
 
@@ -359,8 +399,9 @@ def _is_plain_container(s) -> bool:
   return isinstance(s, (list, dict)) or (isinstance(s, tuple) and not hasattr(s, "_fields"))
 
 
-def transport(plan: Plan, state: Any, factors: Factors, where: str = "opt_state",
-              degrees: Any = None) -> Any:
+def transport(
+  plan: Plan, state: Any, factors: Factors, where: str = "opt_state", degrees: Any = None
+) -> Any:
   """Transports every registered moment inside ``state`` by ``factors`` (see the module doc).
 
   ``degrees``, if given, is a tree laid out like ``state`` whose leaves give the
@@ -373,26 +414,34 @@ def transport(plan: Plan, state: Any, factors: Factors, where: str = "opt_state"
     # Moments kept directly in a plain container have no rule to say their degree.
     hit = _image_path(plan, state, is_leaf=lambda x: not _is_plain_container(x))
     if hit is not None:
-      raise TypeError(f"Cannot transport the plain container at {where}: it holds an array that"
-                      f" looks like an image of a declared parameter (at {hit!r}) with no state"
-                      " type to say its degree. Wrap such arrays in a NamedTuple state and"
-                      " register it with saggs_jax.register_transport.")
+      raise TypeError(
+        f"Cannot transport the plain container at {where}: it holds an array that"
+        f" looks like an image of a declared parameter (at {hit!r}) with no state"
+        " type to say its degree. Wrap such arrays in a NamedTuple state and"
+        " register it with saggs_jax.register_transport."
+      )
     items = state.items() if isinstance(state, dict) else enumerate(state)
-    new = {k: transport(plan, v, factors, f"{where}[{k!r}]", None if degrees is None else degrees[k])
-           for k, v in items}
+    new = {
+      k: transport(plan, v, factors, f"{where}[{k!r}]", None if degrees is None else degrees[k])
+      for k, v in items
+    }
     return new if isinstance(state, dict) else type(state)(new[i] for i in range(len(state)))
   hit = _image_path(plan, state)
   if hit is not None:
     name = type(state).__name__
     # nnx.state(optimizer) turns optax's NamedTuple states into plain mappings.
-    hint = (" An nnx.state(optimizer) has lost the optax state types: pass"
-            " optimizer.opt_state instead." if isinstance(state, Mapping) else "")
+    hint = (
+      " An nnx.state(optimizer) has lost the optax state types: pass optimizer.opt_state instead."
+      if isinstance(state, Mapping)
+      else ""
+    )
     raise TypeError(
-        f"Cannot transport {name} at {where}: it holds an array that looks like an image of a"
-        f" declared parameter (at {hit!r}: its path, its shape or all parameters raveled) and"
-        f" saggs_jax has no rule for {name}. Register one with"
-        f" saggs_jax.register_transport({name}, {{'field': degree, ...}}), degree being 1 for"
-        " gradient moments, 2 for squared gradients, -1 for parameter-like state and"
-        f" saggs_jax.NESTED for inner optimizer states; {{}} if no field changes under the"
-        f" rescaling.{hint}")
+      f"Cannot transport {name} at {where}: it holds an array that looks like an image of a"
+      f" declared parameter (at {hit!r}: its path, its shape or all parameters raveled) and"
+      f" saggs_jax has no rule for {name}. Register one with"
+      f" saggs_jax.register_transport({name}, {{'field': degree, ...}}), degree being 1 for"
+      " gradient moments, 2 for squared gradients, -1 for parameter-like state and"
+      f" saggs_jax.NESTED for inner optimizer states; {{}} if no field changes under the"
+      f" rescaling.{hint}"
+    )
   return state

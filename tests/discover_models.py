@@ -26,8 +26,9 @@ from saggs_jax.testing import lm
 # ---------------------------------------------------------------------------
 # The example LLaMA (saggs_jax.testing.lm), per layer and scanned.
 
-LM_CONFIG = lm.ModelConfig(d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
-                           mlp_hidden=24, seq_len=8)
+LM_CONFIG = lm.ModelConfig(
+  d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, mlp_hidden=24, seq_len=8
+)
 
 
 class ScannedLM(nnx.Module):
@@ -55,8 +56,11 @@ class ScannedLM(nnx.Module):
 
 def nnx_lm(scanned: bool, seed: int = 0):
   """``(forward, params)``: a pure forward of the example LLaMA and random params (nnx.State)."""
-  make = (lambda: ScannedLM(LM_CONFIG, rngs=nnx.Rngs(0))) if scanned else (
-      lambda: lm.LM(LM_CONFIG, rngs=nnx.Rngs(0)))
+  make = (
+    (lambda: ScannedLM(LM_CONFIG, rngs=nnx.Rngs(0)))
+    if scanned
+    else (lambda: lm.LM(LM_CONFIG, rngs=nnx.Rngs(0)))
+  )
   graphdef, state = nnx.split(nnx.eval_shape(make), nnx.Param)
   params = random_like(state, seed, scale=0.5)
 
@@ -78,12 +82,14 @@ D, H, HD, F, V = 16, 2, 8, 32, 16
 
 def _draw(rng, tree):
   """Normal float32 leaves for a tree of shapes; gains around 1."""
+
   def leaf(path, shape):
     name = jax.tree_util.keystr(path)
     base = 1.0 if "scale" in name else 0.0
-    return jnp.asarray(base + rng.standard_normal(shape) / np.sqrt(shape[0] if
-                                                                    "kernel" in name else 4),
-                       jnp.float32)
+    return jnp.asarray(
+      base + rng.standard_normal(shape) / np.sqrt(shape[0] if "kernel" in name else 4), jnp.float32
+    )
+
   return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
@@ -98,15 +104,25 @@ def _dense(x, p):
 
 
 def gpt2_init(seed: int = 0, layers: int = 2):
-  shapes = {"wte": {"embedding": (V, D)}, "wpe": {"embedding": (8, D)},
-            "ln_f": {"scale": (D,), "bias": (D,)}, "lm_head": {"kernel": (D, V)}}
+  shapes = {
+    "wte": {"embedding": (V, D)},
+    "wpe": {"embedding": (8, D)},
+    "ln_f": {"scale": (D,), "bias": (D,)},
+    "lm_head": {"kernel": (D, V)},
+  }
   for i in range(layers):
     dense = lambda a, b: {"kernel": (a, b), "bias": (b,)}  # noqa: E731
     shapes[f"h_{i}"] = {
-        "ln_1": {"scale": (D,), "bias": (D,)}, "ln_2": {"scale": (D,), "bias": (D,)},
-        "attn": {"q": dense(D, H * HD), "k": dense(D, H * HD), "v": dense(D, H * HD),
-                 "proj": dense(H * HD, D)},
-        "mlp": {"fc": dense(D, F), "proj": dense(F, D)}}
+      "ln_1": {"scale": (D,), "bias": (D,)},
+      "ln_2": {"scale": (D,), "bias": (D,)},
+      "attn": {
+        "q": dense(D, H * HD),
+        "k": dense(D, H * HD),
+        "v": dense(D, H * HD),
+        "proj": dense(H * HD, D),
+      },
+      "mlp": {"fc": dense(D, F), "proj": dense(F, D)},
+    }
   return _draw(np.random.default_rng(seed), shapes)
 
 
@@ -121,12 +137,11 @@ def _gpt2_attention(x, p):
 
 def gpt2_forward(params, tokens):
   """GPT-2 layout: LayerNorm, attention with biases, GELU MLP, pre-norm; untied head."""
-  x = params["wte"]["embedding"][tokens] + params["wpe"]["embedding"][:tokens.shape[1]]
+  x = params["wte"]["embedding"][tokens] + params["wpe"]["embedding"][: tokens.shape[1]]
   for i in range(sum(k.startswith("h_") for k in params)):
     p = params[f"h_{i}"]
     x = x + _gpt2_attention(_layer_norm(x, p["ln_1"]), p["attn"])
-    x = x + _dense(jax.nn.gelu(_dense(_layer_norm(x, p["ln_2"]), p["mlp"]["fc"])),
-                   p["mlp"]["proj"])
+    x = x + _dense(jax.nn.gelu(_dense(_layer_norm(x, p["ln_2"]), p["mlp"]["fc"])), p["mlp"]["proj"])
   return _dense(_layer_norm(x, params["ln_f"]), params["lm_head"])
 
 
@@ -138,9 +153,14 @@ E = 4  # experts
 
 
 def moe_init(seed: int = 0):
-  return _draw(np.random.default_rng(seed), {
-      "norm": {"scale": (D,)}, "router": {"kernel": (D, E)},
-      "experts": {"w_up": (E, D, F), "w_down": (E, F, D)}})
+  return _draw(
+    np.random.default_rng(seed),
+    {
+      "norm": {"scale": (D,)},
+      "router": {"kernel": (D, E)},
+      "experts": {"w_up": (E, D, F), "w_down": (E, F, D)},
+    },
+  )
 
 
 def moe_forward(params, x):
@@ -158,10 +178,15 @@ def inputs(seed: int = 0):
 
 
 def tied_init(seed: int = 0):
-  return _draw(np.random.default_rng(seed), {
-      "embed": {"embedding": (V, D)}, "mlp_norm": {"scale": (D,)},
+  return _draw(
+    np.random.default_rng(seed),
+    {
+      "embed": {"embedding": (V, D)},
+      "mlp_norm": {"scale": (D,)},
       "mlp": {"up": {"kernel": (D, F)}, "down": {"kernel": (F, D)}},
-      "final_norm": {"scale": (D,)}})
+      "final_norm": {"scale": (D,)},
+    },
+  )
 
 
 def _rms_norm(x, p):
@@ -178,8 +203,10 @@ def tied_forward(params, tokens):
 
 
 def geglu_init(seed: int = 0):
-  return _draw(np.random.default_rng(seed), {
-      "gate": {"kernel": (D, F)}, "up": {"kernel": (D, F)}, "down": {"kernel": (F, D)}})
+  return _draw(
+    np.random.default_rng(seed),
+    {"gate": {"kernel": (D, F)}, "up": {"kernel": (D, F)}, "down": {"kernel": (F, D)}},
+  )
 
 
 def geglu_forward(params, x):
@@ -189,19 +216,24 @@ def geglu_forward(params, x):
 
 
 def norm_between_init(seed: int = 0):
-  return _draw(np.random.default_rng(seed), {
-      "up": {"kernel": (D, F), "bias": (F,)}, "norm": {"scale": (F,), "bias": (F,)},
-      "down": {"kernel": (F, D)}})
+  return _draw(
+    np.random.default_rng(seed),
+    {
+      "up": {"kernel": (D, F), "bias": (F,)},
+      "norm": {"scale": (F,), "bias": (F,)},
+      "down": {"kernel": (F, D)},
+    },
+  )
 
 
 def norm_between_forward(params, x):
   """``down(relu(LayerNorm(up(x))))``: up is scale-invariant, its gain pairs with down."""
-  return _dense(jax.nn.relu(_layer_norm(_dense(x, params["up"]), params["norm"])),
-                params["down"])
+  return _dense(jax.nn.relu(_layer_norm(_dense(x, params["up"]), params["norm"])), params["down"])
 
 
 # ---------------------------------------------------------------------------
 # Flax attention alone, Linen and NNX, biases included: exactly presets.flax_mha().
+
 
 def linen_mha():
   """``(forward, params, x)`` of a bare ``nn.MultiHeadDotProductAttention``."""
@@ -213,8 +245,13 @@ def linen_mha():
 
 def nnx_mha():
   """``(forward, params, x)`` of a bare ``nnx.MultiHeadAttention``."""
-  make = lambda: nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8,  # noqa: E731
-                                        decode=False, rngs=nnx.Rngs(0))
+  make = lambda: nnx.MultiHeadAttention(
+    num_heads=2,
+    in_features=8,
+    qkv_features=8,  # noqa: E731
+    decode=False,
+    rngs=nnx.Rngs(0),
+  )
   graphdef, state = nnx.split(nnx.eval_shape(make), nnx.Param)
 
   def forward(params, x):
@@ -227,6 +264,7 @@ def blind_to_reasons(monkeypatch) -> None:
   """Makes discover's jaxpr reading forget what a factor passed through, so that only the
   numerical confirmation can refute a candidate (the tests of that check)."""
   from saggs_jax.discovery import candidates
+
   follow = candidates.propagation.follow
 
   def blind(*args):

@@ -23,13 +23,23 @@ def main():
 
   attention = gm.nn.config.AttentionType.GLOBAL
   config = gm.nn.config.TransformerConfig(
-      num_embed=32, embed_dim=16, hidden_dim=24, num_heads=4, head_dim=4, num_kv_heads=2,
-      final_logit_softcap=None, use_post_attn_norm=False, use_post_ffw_norm=False,
-      attention_types=(attention, attention), transpose_gating_einsum=True)
+    num_embed=32,
+    embed_dim=16,
+    hidden_dim=24,
+    num_heads=4,
+    head_dim=4,
+    num_kv_heads=2,
+    final_logit_softcap=None,
+    use_post_attn_norm=False,
+    use_post_ffw_norm=False,
+    attention_types=(attention, attention),
+    transpose_gating_einsum=True,
+  )
   model = gm.nn.Transformer(config=config, dtype=jnp.float32)
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, 32, (2, 8)), jnp.int32)
-  params = models.random_like(jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens), 0,
-                              scale=0.5)
+  params = models.random_like(
+    jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens), 0, scale=0.5
+  )
 
   def forward(params, tokens):
     return model.apply(params, tokens).logits

@@ -82,10 +82,10 @@ def linen_init(seed: int = 0):
 
 
 class NnxAttn(nnx.Module):
-
   def __init__(self, rngs: nnx.Rngs):
-    self.attn = nnx.MultiHeadAttention(num_heads=MHA_HEADS, in_features=MHA_D,
-                                       qkv_features=MHA_QKV, decode=False, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(
+      num_heads=MHA_HEADS, in_features=MHA_D, qkv_features=MHA_QKV, decode=False, rngs=rngs
+    )
     self.head = nnx.Linear(MHA_D, 3, rngs=rngs)
 
   def __call__(self, x):
@@ -125,6 +125,7 @@ nnx_apply = jit(nnx_forward)
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Sizes and layout; a static argument of the jitted forward pass (hashable)."""
+
   vocab: int = 16
   d_model: int = 16
   num_layers: int = 2
@@ -148,8 +149,12 @@ def llama_pairs(c: Config = CONFIG) -> list[saggs.Pair]:
 def stack_layers(params):
   """Per-layer params (``layers/<i>/...``) -> stacked params (``layers/...``), same values."""
   layers = params["layers"]
-  return {**params, "layers": jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)),
-                                           *(layers[str(i)] for i in range(len(layers))))}
+  return {
+    **params,
+    "layers": jax.tree.map(
+      lambda *xs: jnp.asarray(np.stack(xs)), *(layers[str(i)] for i in range(len(layers)))
+    ),
+  }
 
 
 def _dense(rng, d_in, d_out):
@@ -170,18 +175,31 @@ def llama_init(seed: int = 0, c: Config = CONFIG) -> dict:
 
   def layer():
     d, q_dim, kv_dim = c.d_model, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    attn = {"q_proj": dense(d, q_dim), "k_proj": dense(d, kv_dim), "v_proj": dense(d, kv_dim),
-            "o_proj": dense(q_dim, d)}
+    attn = {
+      "q_proj": dense(d, q_dim),
+      "k_proj": dense(d, kv_dim),
+      "v_proj": dense(d, kv_dim),
+      "o_proj": dense(q_dim, d),
+    }
     if c.qk_norm:
       attn.update(q_norm=norm(q_dim), k_norm=norm(kv_dim))
-    return {"attn_norm": norm(d), "attn": attn, "mlp_norm": norm(d),
-            "mlp": {"gate_proj": dense(d, c.mlp_hidden), "up_proj": dense(d, c.mlp_hidden),
-                    "down_proj": dense(c.mlp_hidden, d)}}
+    return {
+      "attn_norm": norm(d),
+      "attn": attn,
+      "mlp_norm": norm(d),
+      "mlp": {
+        "gate_proj": dense(d, c.mlp_hidden),
+        "up_proj": dense(d, c.mlp_hidden),
+        "down_proj": dense(c.mlp_hidden, d),
+      },
+    }
 
-  params = {"embed": {"embedding": rng.standard_normal((c.vocab, c.d_model))},
-            "layers": {str(i): layer() for i in range(c.num_layers)},
-            "final_norm": norm(c.d_model),
-            "lm_head": dense(c.d_model, c.vocab)}
+  params = {
+    "embed": {"embedding": rng.standard_normal((c.vocab, c.d_model))},
+    "layers": {str(i): layer() for i in range(c.num_layers)},
+    "final_norm": norm(c.d_model),
+    "lm_head": dense(c.d_model, c.vocab),
+  }
   params = stack_layers(params) if c.stacked else params
   return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
 
@@ -248,12 +266,14 @@ def llama_loss(params: dict, batch: jax.Array, c: Config = CONFIG) -> jax.Array:
 
 def tokens(seed: int = 0, batch: int = 2, seq_len: int = 8, c: Config = CONFIG) -> jax.Array:
   """Random int32 tokens (batch, seq_len)."""
-  return jnp.asarray(np.random.default_rng(200 + seed).integers(0, c.vocab, (batch, seq_len)),
-                     jnp.int32)
+  return jnp.asarray(
+    np.random.default_rng(200 + seed).integers(0, c.vocab, (batch, seq_len)), jnp.int32
+  )
 
 
-def batches(seed: int, num: int, c: Config = CONFIG, batch_size: int = 8, seq_len: int = 8
-            ) -> jax.Array:
+def batches(
+  seed: int, num: int, c: Config = CONFIG, batch_size: int = 8, seq_len: int = 8
+) -> jax.Array:
   """(num, batch_size, seq_len + 1) int32 windows of strided counting modulo vocab.
 
   A learnable, deterministic task: each sequence counts up from a random start
@@ -267,6 +287,7 @@ def batches(seed: int, num: int, c: Config = CONFIG, batch_size: int = 8, seq_le
 
 # ---------------------------------------------------------------------------
 # A GELU MLP: up/down is *not* an exact symmetry.
+
 
 def gelu_mlp_init(seed: int = 0, c: Config = CONFIG):
   rng = np.random.default_rng(seed)
@@ -282,6 +303,7 @@ def gelu_mlp_forward(params, x):
 # ---------------------------------------------------------------------------
 # Paths, norms and output comparisons, computed independently of the library
 # where they check it.
+
 
 def leaf_dict(tree):
   """``{path: leaf}`` with the library's path convention (MaskedNode leaves vanish)."""
@@ -320,6 +342,7 @@ def assert_same_function(apply_fn, p0, p1, *inputs):
 # Orbit moves and optimizer steps. Library calls run eagerly on purpose: eager
 # JAX compiles each primitive once per shape and dtype and shares it across
 # every test, while a jitted program would compile again for each new optimizer.
+
 
 def random_factors(seed: int = 0, low: float = 0.1, high: float = 10.0):
   """A ``factor`` callable for ``saggs.reparameterize``: log-uniform factors in

@@ -54,13 +54,19 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
 
   if num_processes > 1:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"localhost:{port}",
-                               num_processes=num_processes, process_id=process_id,
-                               initialization_timeout=60, heartbeat_timeout_seconds=30)
+    jax.distributed.initialize(
+      coordinator_address=f"localhost:{port}",
+      num_processes=num_processes,
+      process_id=process_id,
+      initialization_timeout=60,
+      heartbeat_timeout_seconds=30,
+    )
   jax.config.update("jax_default_matmul_precision", "highest")
   assert jax.device_count() == 8, jax.devices()
-  log(f"{role}: process {jax.process_index()} of {jax.process_count()}, "
-      f"{jax.local_device_count()} local devices")
+  log(
+    f"{role}: process {jax.process_index()} of {jax.process_count()}, "
+    f"{jax.local_device_count()} local devices"
+  )
 
   import numpy as np
   import optax
@@ -74,8 +80,9 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
 
   directory = pathlib.Path(directory)
   pairs = models.llama_pairs()
-  tx = saggs.chain(optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY),
-                   saggs.saggs(pairs, every=EVERY))
+  tx = saggs.chain(
+    optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY), saggs.saggs(pairs, every=EVERY)
+  )
   batches = np.asarray(models.batches(0, BEFORE + AFTER))
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
   # Tiny programs run a few times: spend little compile time on them.
@@ -104,8 +111,9 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
   # Output shardings are explicit: tx.init's outputs do not depend on its
   # inputs and would otherwise land on one device of one process.
   params_shardings = jax.tree.map(lambda x: sharding(x.shape), models.llama_init(0))
-  state_shardings = jax.tree.map(lambda x: sharding(x.shape),
-                                 jax.eval_shape(tx.init, models.llama_init(0)))
+  state_shardings = jax.tree.map(
+    lambda x: sharding(x.shape), jax.eval_shape(tx.init, models.llama_init(0))
+  )
   init = jit(tx.init, out_shardings=state_shardings)
   train_step = jit(step, out_shardings=(params_shardings, state_shardings))
 
@@ -123,8 +131,10 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
   def skipping_run(loss, params, batch_of):
     """SKIPPING_STEPS jitted full steps of ``every=SKIPPING_EVERY`` SAGGS from an eager
     init: the final params and, per update, whether it balanced (some factor is not 1)."""
-    tx = saggs.chain(optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY),
-                     saggs.saggs(pairs, every=SKIPPING_EVERY))
+    tx = saggs.chain(
+      optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY),
+      saggs.saggs(pairs, every=SKIPPING_EVERY),
+    )
 
     traces = []
 
@@ -151,10 +161,17 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
     params, state = train(params, init(params), 0, BEFORE)
     # The checksums of sharded arrays are those of their gathered values.
     assert saggs.checkpoint.checksums((params, state)) == saggs.checkpoint.checksums(
-        host((params, state)))
+      host((params, state))
+    )
     moved = jit(lambda p, s: saggs.reparameterize(p, s, pairs, rescale))(params, state)
-    assert not np.allclose(*host((moved[0]["layers"]["0"]["mlp"]["up_proj"]["kernel"],
-                                  params["layers"]["0"]["mlp"]["up_proj"]["kernel"])))
+    assert not np.allclose(
+      *host(
+        (
+          moved[0]["layers"]["0"]["mlp"]["up_proj"]["kernel"],
+          params["layers"]["0"]["mlp"]["up_proj"]["kernel"],
+        )
+      )
+    )
     for variant, state_to_save in (("plain", (params, state)), ("rescaled", moved)):
       manager = ocp.CheckpointManager(directory / variant)
       assert saggs.checkpoint.save(manager, BEFORE, *state_to_save)
@@ -183,11 +200,15 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
         if kind == "Auto":  # GSPMD shards the batch and the gradient's collectives
           loss = models.llama_loss
         else:  # FSDP spelled out: gather the params, every device runs the whole batch
-          loss = lambda p, b: models.llama_loss(jax.sharding.reshard(p, P()),  # noqa: E731
-                                                jax.sharding.reshard(b, P()))
+          loss = lambda p, b: models.llama_loss(
+            jax.sharding.reshard(p, P()),  # noqa: E731
+            jax.sharding.reshard(b, P()),
+          )
         params, balanced = skipping_run(
-            loss, jax.tree.map(lambda x, m=kind_mesh: global_array(x, m), models.llama_init(0)),
-            lambda b, m=kind_mesh: global_array(b, m))
+          loss,
+          jax.tree.map(lambda x, m=kind_mesh: global_array(x, m), models.llama_init(0)),
+          lambda b, m=kind_mesh: global_array(b, m),
+        )
         save_npz(f"every-{kind}", params, balanced=np.array(balanced))
       log(f"{kind}: {SKIPPING_STEPS} full steps, balanced {balanced}")
     if jax.process_index() == 0:

@@ -37,14 +37,25 @@ def gpt2_init(seed=0):
     return {"scale": 1 + w(D, scale=0.3), "bias": w(D, scale=0.3)}
 
   layer = lambda: {  # noqa: E731
-      "ln_1": ln(),
-      "attn": {"c_attn": {"kernel": w(3 * D, D), "bias": w(3 * D)},  # (out, in)
-               "c_proj": {"kernel": w(D, D), "bias": w(D)}},
-      "ln_2": ln(),
-      "mlp": {"c_fc": {"kernel": w(4 * D, D), "bias": w(4 * D)},
-              "c_proj": {"kernel": w(D, 4 * D), "bias": w(D)}}}
-  return {"transformer": {"wte": w(VOCAB, D), "wpe": w(T, D), "ln_f": ln(),
-                          "h": {str(i): layer() for i in range(LAYERS)}}}
+    "ln_1": ln(),
+    "attn": {
+      "c_attn": {"kernel": w(3 * D, D), "bias": w(3 * D)},  # (out, in)
+      "c_proj": {"kernel": w(D, D), "bias": w(D)},
+    },
+    "ln_2": ln(),
+    "mlp": {
+      "c_fc": {"kernel": w(4 * D, D), "bias": w(4 * D)},
+      "c_proj": {"kernel": w(D, 4 * D), "bias": w(D)},
+    },
+  }
+  return {
+    "transformer": {
+      "wte": w(VOCAB, D),
+      "wpe": w(T, D),
+      "ln_f": ln(),
+      "h": {str(i): layer() for i in range(LAYERS)},
+    }
+  }
 
 
 def _layer_norm(x, p):
@@ -55,7 +66,7 @@ def _layer_norm(x, p):
 
 def gpt2_forward(params, ids):
   t = params["transformer"]
-  x = t["wte"][ids] + t["wpe"][:ids.shape[-1]]
+  x = t["wte"][ids] + t["wpe"][: ids.shape[-1]]
   causal = jnp.tril(jnp.ones((ids.shape[-1],) * 2, bool))
   for i in range(LAYERS):
     p = t["h"][str(i)]
@@ -79,8 +90,12 @@ gpt2_logits = jax.jit(gpt2_forward)
 def gpt2_instance(layer, which):
   """The name the library gives pair instance ``which`` of ``layer`` (its first member)."""
   base = f"transformer/h/{layer}"
-  return {"qk": f"{base}/attn/c_attn/kernel[q]", "vo": f"{base}/attn/c_attn/kernel[v]",
-          "ln_1": f"{base}/ln_1/scale", "ln_2": f"{base}/ln_2/scale"}[which]
+  return {
+    "qk": f"{base}/attn/c_attn/kernel[q]",
+    "vo": f"{base}/attn/c_attn/kernel[v]",
+    "ln_1": f"{base}/ln_1/scale",
+    "ln_2": f"{base}/ln_2/scale",
+  }[which]
 
 
 def gpt2_move(tree, factors, power):
@@ -89,8 +104,10 @@ def gpt2_move(tree, factors, power):
   out = jax.tree.map(lambda x: np.array(x, np.float64), tree)
   for i in range(LAYERS):
     p = out["transformer"]["h"][str(i)]
-    qk, vo, ln1, ln2 = (np.asarray(factors[gpt2_instance(i, w)], np.float64) ** power
-                        for w in ("qk", "vo", "ln_1", "ln_2"))
+    qk, vo, ln1, ln2 = (
+      np.asarray(factors[gpt2_instance(i, w)], np.float64) ** power
+      for w in ("qk", "vo", "ln_1", "ln_2")
+    )
     rows = np.concatenate([np.repeat(qk, HD), 1 / np.repeat(qk, HD), np.repeat(vo, HD)])
     p["attn"]["c_attn"]["kernel"] *= rows[:, None] / ln1[None, :]  # outputs by heads, inputs
     p["attn"]["c_attn"]["bias"] *= rows
@@ -115,12 +132,16 @@ def gpt2_norms(params):
     p = jax.tree.map(lambda x: np.asarray(x, np.float64), params["transformer"]["h"][str(i)])
     w = p["attn"]["c_attn"]["kernel"]  # (3D, D): q, k, v rows
     heads = lambda m: np.sqrt((m.reshape(HEADS, HD, -1) ** 2).sum((1, 2)))  # noqa: E731
-    out[gpt2_instance(i, "qk")] = heads(w[:D]), heads(w[D:2 * D])
-    out[gpt2_instance(i, "vo")] = (heads(w[2 * D:]),
-                                   heads(p["attn"]["c_proj"]["kernel"].T))  # input columns
+    out[gpt2_instance(i, "qk")] = heads(w[:D]), heads(w[D : 2 * D])
+    out[gpt2_instance(i, "vo")] = (
+      heads(w[2 * D :]),
+      heads(p["attn"]["c_proj"]["kernel"].T),
+    )  # input columns
     out[gpt2_instance(i, "ln_1")] = np.abs(p["ln_1"]["scale"]), np.sqrt((w**2).sum(0))
-    out[gpt2_instance(i, "ln_2")] = (np.abs(p["ln_2"]["scale"]),
-                                     np.sqrt((p["mlp"]["c_fc"]["kernel"] ** 2).sum(0)))
+    out[gpt2_instance(i, "ln_2")] = (
+      np.abs(p["ln_2"]["scale"]),
+      np.sqrt((p["mlp"]["c_fc"]["kernel"] ** 2).sum(0)),
+    )
   return out
 
 
@@ -130,8 +151,10 @@ def imbalanced_gpt2(seed=0):
   for i in range(LAYERS):
     p = params["transformer"]["h"][str(i)]["attn"]
     scale = jnp.concatenate([jnp.full(D, 8.0), jnp.full(D, 1 / 8), jnp.full(D, 8.0)])
-    p["c_attn"] = {"kernel": p["c_attn"]["kernel"] * scale[:, None],
-                   "bias": p["c_attn"]["bias"] * scale}
+    p["c_attn"] = {
+      "kernel": p["c_attn"]["kernel"] * scale[:, None],
+      "bias": p["c_attn"]["bias"] * scale,
+    }
     p["c_proj"] = dict(p["c_proj"], kernel=p["c_proj"]["kernel"] / 8)
   return params
 
@@ -149,8 +172,9 @@ def test_reparameterize_moves_blocks_by_hand_and_keeps_the_function():
   params = gpt2_init(0)
   factor, drawn = random_factors(1)
   moved, _ = saggs.reparameterize(params, None, GPT2_PAIRS, factor)
-  assert set(drawn) == {gpt2_instance(i, w) for i in range(LAYERS)
-                        for w in ("qk", "vo", "ln_1", "ln_2")}
+  assert set(drawn) == {
+    gpt2_instance(i, w) for i in range(LAYERS) for w in ("qk", "vo", "ln_1", "ln_2")
+  }
   assert_tree_close(moved, gpt2_move(params, drawn, 1), rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(gpt2_logits(moved, IDS), gpt2_logits(params, IDS), atol=2e-5)
 
@@ -195,8 +219,9 @@ def test_blocks_whose_squares_overflow_float32_are_balanced():
   params = gpt2_init(0)
   for i in range(LAYERS):
     p = params["transformer"]["h"][str(i)]["attn"]["c_attn"]
-    p["kernel"] = p["kernel"] * jnp.concatenate([jnp.full(D, 1e20), jnp.full(D, 1e-20),
-                                                 jnp.ones(D)])[:, None]
+    p["kernel"] = (
+      p["kernel"] * jnp.concatenate([jnp.full(D, 1e20), jnp.full(D, 1e-20), jnp.ones(D)])[:, None]
+    )
   balanced = _canonical(params)
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(balanced))
   for key, (a, b) in gpt2_norms(balanced).items():
@@ -225,12 +250,14 @@ def test_imbalance_and_describe_show_blocks():
   assert f"{qk}[q]|{qk}[k]" in got
   text = saggs.describe(GPT2_PAIRS, params)
   rows = [line.split() for line in text.splitlines()]
-  for row in (f"attention Q/K a {qk}[q] (24, 8) axis 0 [0:8] 0 (2,)",
-              f"attention Q/K b {qk}[k] (24, 8) axis 0 [8:16] 0 (2,)",
-              f"attention V/O a {qk}[v] (24, 8) axis 0 [16:24] 0 (2,)",
-              "attention V/O b transformer/h/0/attn/c_proj/kernel (8, 8) all 1 (2,)",
-              "attention Q/K a+ transformer/h/0/attn/c_attn/bias[q] (24,) axis 0 [0:8] 0 (2,)",
-              f"LayerNorm ln_1 b {qk} (24, 8) all 1 (8,)"):
+  for row in (
+    f"attention Q/K a {qk}[q] (24, 8) axis 0 [0:8] 0 (2,)",
+    f"attention Q/K b {qk}[k] (24, 8) axis 0 [8:16] 0 (2,)",
+    f"attention V/O a {qk}[v] (24, 8) axis 0 [16:24] 0 (2,)",
+    "attention V/O b transformer/h/0/attn/c_proj/kernel (8, 8) all 1 (2,)",
+    "attention Q/K a+ transformer/h/0/attn/c_attn/bias[q] (24,) axis 0 [0:8] 0 (2,)",
+    f"LayerNorm ln_1 b {qk} (24, 8) all 1 (8,)",
+  ):
     assert row.split() in rows, text
   assert f"In several pairs, so balanced jointly: {qk}, transformer/h/1" in text
 
@@ -239,23 +266,36 @@ def test_check_symmetry_accepts_the_blocks_and_rejects_q_against_v():
   deviations = saggs.check_symmetry(gpt2_forward, gpt2_init(0), GPT2_PAIRS, IDS)
   assert len(deviations) == 4 * LAYERS
   qkv = dict(axis=0, parts=("q", "k", "v"))
-  wrong = saggs.Pair(saggs.Block("attn/c_attn/kernel", part="q", **qkv),
-                     saggs.Block("attn/c_attn/kernel", part="v", **qkv),
-                     axes=(0, 0), groups=HEADS, name="Q against V")
-  with pytest.raises(ValueError, match=r"Q against V is not a symmetry of the model: rescaling"
-                     r" 'transformer/h/0/attn/c_attn/kernel\[q\]' by c and"
-                     r" 'transformer/h/0/attn/c_attn/kernel\[v\]' by 1/c"):
+  wrong = saggs.Pair(
+    saggs.Block("attn/c_attn/kernel", part="q", **qkv),
+    saggs.Block("attn/c_attn/kernel", part="v", **qkv),
+    axes=(0, 0),
+    groups=HEADS,
+    name="Q against V",
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"Q against V is not a symmetry of the model: rescaling"
+    r" 'transformer/h/0/attn/c_attn/kernel\[q\]' by c and"
+    r" 'transformer/h/0/attn/c_attn/kernel\[v\]' by 1/c",
+  ):
     saggs.check_symmetry(gpt2_forward, gpt2_init(0), [wrong], IDS)
 
 
 def test_a_bias_left_out_of_a_block_pair_is_named():
   qkv = dict(axis=0, parts=("q", "k", "v"))
-  no_bias = saggs.Pair(saggs.Block("attn/c_attn/kernel", part="q", **qkv),
-                       saggs.Block("attn/c_attn/kernel", part="k", **qkv),
-                       axes=(0, 0), groups=HEADS, follow_b=saggs.Block("attn/c_attn/bias",
-                                                                        part="k", **qkv))
-  with pytest.raises(ValueError, match=r"a follower left out: with Block\('transformer/h/0/attn/"
-                     r"c_attn/bias', axis=0, parts=\('q', 'k', 'v'\), part='q'\) in follow_a"):
+  no_bias = saggs.Pair(
+    saggs.Block("attn/c_attn/kernel", part="q", **qkv),
+    saggs.Block("attn/c_attn/kernel", part="k", **qkv),
+    axes=(0, 0),
+    groups=HEADS,
+    follow_b=saggs.Block("attn/c_attn/bias", part="k", **qkv),
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"a follower left out: with Block\('transformer/h/0/attn/"
+    r"c_attn/bias', axis=0, parts=\('q', 'k', 'v'\), part='q'\) in follow_a",
+  ):
     saggs.check_symmetry(gpt2_forward, gpt2_init(0), [no_bias], IDS)
 
 
@@ -283,14 +323,26 @@ def test_checkpoint_round_trip_and_the_layout_names_blocks(manager):
   got = saggs.checkpoint.restore(manager, *target, canonicalize=False)
   chex.assert_trees_all_equal(got[:2], (params, state))
   got = saggs.checkpoint.restore(manager, *target, pairs=GPT2_PAIRS)[:2]
-  chex.assert_trees_all_close(got, saggs.canonicalize(params, state, GPT2_PAIRS),
-                              rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(
+    got, saggs.canonicalize(params, state, GPT2_PAIRS), rtol=1e-5, atol=1e-6
+  )
   # The same leaves paired otherwise (K against Q) is another layout: refused by name.
-  swapped = [saggs.Pair(GPT2_PAIRS[0].b, GPT2_PAIRS[0].a, axes=(0, 0), groups=HEADS,
-                        follow_a=GPT2_PAIRS[0].follow_b, follow_b=GPT2_PAIRS[0].follow_a),
-             *GPT2_PAIRS[1:]]
-  with pytest.raises(ValueError, match=rf"does not fit the target at"
-                     rf" 'opt_state/1/factors/{qk}\[k\]\|{qk}\[q\]': nothing there"):
+  swapped = [
+    saggs.Pair(
+      GPT2_PAIRS[0].b,
+      GPT2_PAIRS[0].a,
+      axes=(0, 0),
+      groups=HEADS,
+      follow_a=GPT2_PAIRS[0].follow_b,
+      follow_b=GPT2_PAIRS[0].follow_a,
+    ),
+    *GPT2_PAIRS[1:],
+  ]
+  with pytest.raises(
+    ValueError,
+    match=rf"does not fit the target at"
+    rf" 'opt_state/1/factors/{qk}\[k\]\|{qk}\[q\]': nothing there",
+  ):
     saggs.checkpoint.restore(manager, params, _chain_state(swapped, params), pairs=swapped)
 
 
@@ -298,8 +350,11 @@ def test_gpt2_preset_is_exact_on_flax_gpt2_names():
   params = gpt2_init(2)
   plan = saggs.pairs.resolve(GPT2_PAIRS, params)
   assert [i.pair.name for i in plan.instances] == (
-      ["attention Q/K"] * LAYERS + ["attention V/O"] * LAYERS
-      + ["LayerNorm ln_1"] * LAYERS + ["LayerNorm ln_2"] * LAYERS)
+    ["attention Q/K"] * LAYERS
+    + ["attention V/O"] * LAYERS
+    + ["LayerNorm ln_1"] * LAYERS
+    + ["LayerNorm ln_2"] * LAYERS
+  )
   assert plan.overlapping  # c_attn's rows and its column blocks are balanced jointly
   no_norms = saggs.presets.gpt2(num_heads=HEADS, norms=False)
   assert len(saggs.check_symmetry(gpt2_forward, params, no_norms, IDS)) == 2 * LAYERS
@@ -312,23 +367,43 @@ N, KV, GD, GH, F = 4, 2, 6, 3, 10
 KV_BLOCK = dict(axis=0, parts=("k", "v"))
 GATE_UP = dict(axis=0, parts=("gate", "up"))
 GEMMA_PAIRS = [
-    saggs.Pair("attn/q_einsum/w", saggs.Block("attn/kv_einsum/w", part="k", **KV_BLOCK),
-               axes=(0, 1), groups=KV, name="Q/K"),
-    saggs.Pair(saggs.Block("attn/kv_einsum/w", part="v", **KV_BLOCK), "attn/attn_vec_einsum/w",
-               axes=(1, 0), groups=KV, name="V/O"),
-    saggs.Pair(saggs.Block("mlp/gating_einsum/w", part="up", **GATE_UP), "mlp/linear/w",
-               axes=(2, 0), name="up/down"),
+  saggs.Pair(
+    "attn/q_einsum/w",
+    saggs.Block("attn/kv_einsum/w", part="k", **KV_BLOCK),
+    axes=(0, 1),
+    groups=KV,
+    name="Q/K",
+  ),
+  saggs.Pair(
+    saggs.Block("attn/kv_einsum/w", part="v", **KV_BLOCK),
+    "attn/attn_vec_einsum/w",
+    axes=(1, 0),
+    groups=KV,
+    name="V/O",
+  ),
+  saggs.Pair(
+    saggs.Block("mlp/gating_einsum/w", part="up", **GATE_UP),
+    "mlp/linear/w",
+    axes=(2, 0),
+    name="up/down",
+  ),
 ]
 
 
 def gemma_init(seed=0):
   rng = np.random.default_rng(seed)
   w = lambda *s: jnp.asarray(0.5 * rng.standard_normal(s), jnp.float32)  # noqa: E731
-  return {f"layer_{i}": {"attn": {"q_einsum": {"w": w(N, GD, GH)},
-                                  "kv_einsum": {"w": w(2, KV, GD, GH)},
-                                  "attn_vec_einsum": {"w": w(N, GH, GD)}},
-                         "mlp": {"gating_einsum": {"w": w(2, GD, F)}, "linear": {"w": w(F, GD)}}}
-          for i in range(2)}
+  return {
+    f"layer_{i}": {
+      "attn": {
+        "q_einsum": {"w": w(N, GD, GH)},
+        "kv_einsum": {"w": w(2, KV, GD, GH)},
+        "attn_vec_einsum": {"w": w(N, GH, GD)},
+      },
+      "mlp": {"gating_einsum": {"w": w(2, GD, F)}, "linear": {"w": w(F, GD)}},
+    }
+    for i in range(2)
+  }
 
 
 def gemma_forward(params, x):
@@ -385,8 +460,10 @@ def test_gemma_stacked_kv_and_gate_up_blocks():
     for a, b in ((q, kv[0]), (kv[1], o), (up, down)):
       np.testing.assert_allclose(a, b, rtol=1e-4)
   # The gate block is untouched by any factor.
-  np.testing.assert_array_equal(moved["layer_0"]["mlp"]["gating_einsum"]["w"][0],
-                                params["layer_0"]["mlp"]["gating_einsum"]["w"][0])
+  np.testing.assert_array_equal(
+    moved["layer_0"]["mlp"]["gating_einsum"]["w"][0],
+    params["layer_0"]["mlp"]["gating_einsum"]["w"][0],
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -403,13 +480,16 @@ def test_block_repr_is_python_and_unequal_sizes_resolve():
   assert plan.slot("attn/qkv/kernel[v]", plan.instances[0].key).block == (1, 12, 16)
 
 
-@pytest.mark.parametrize("block, msg", [
+@pytest.mark.parametrize(
+  "block, msg",
+  [
     (dict(part="x"), r"part must be one of \('q', 'k', 'v'\)"),
     (dict(part=3), r"part must be one of .* or an index below 3"),
     (dict(parts=3, part="q"), r"parts=3, part='q'\): part must be an index below 3"),
     (dict(parts=("q", "q"), part="q"), "parts must be distinct"),
     (dict(sizes=(8, 8)), "sizes must be 3 positive ints"),
-])
+  ],
+)
 def test_malformed_block(block, msg):
   kwargs = dict(pattern="c_attn/kernel", axis=-1, parts=("q", "k", "v"), part="q") | block
   with pytest.raises(ValueError, match=r"Block\('c_attn/kernel', .*" + msg):
@@ -420,23 +500,38 @@ def _block(part, **kw):
   return saggs.Block("c_attn/kernel", **(dict(axis=-1, parts=("q", "k", "v"), part=part) | kw))
 
 
-@pytest.mark.parametrize("pairs, msg", [
-    ([saggs.Pair(_block("q", sizes=(4, 4, 4)), _block("k", sizes=(4, 4, 4)))],
-     r"Block\('c_attn/kernel'.*sizes=\(4, 4, 4\)\) sizes sum to 12, but axis 1 of 'c_attn/kernel'"
-     r" with shape \(8, 24\) has size 24"),
-    ([saggs.Pair(_block(0, parts=5), _block(1, parts=5))],
-     r"cannot split axis 1 of size 24 of 'c_attn/kernel' with shape \(8, 24\) into 5 equal"),
-    ([saggs.Pair(_block("q", axis=2), _block("k", axis=2))],
-     r"axis 2 is out of range for 'c_attn/kernel' with shape \(8, 24\)"),
-    ([saggs.Pair(_block("q"), _block("q"))],
-     r"'c_attn/kernel' is both side a and side b of the pair of 'c_attn/kernel\[q\]' and"
-     r" 'c_attn/kernel\[q\]', and the two overlap"),
+@pytest.mark.parametrize(
+  "pairs, msg",
+  [
+    (
+      [saggs.Pair(_block("q", sizes=(4, 4, 4)), _block("k", sizes=(4, 4, 4)))],
+      r"Block\('c_attn/kernel'.*sizes=\(4, 4, 4\)\) sizes sum to 12, but axis 1 of 'c_attn/kernel'"
+      r" with shape \(8, 24\) has size 24",
+    ),
+    (
+      [saggs.Pair(_block(0, parts=5), _block(1, parts=5))],
+      r"cannot split axis 1 of size 24 of 'c_attn/kernel' with shape \(8, 24\) into 5 equal",
+    ),
+    (
+      [saggs.Pair(_block("q", axis=2), _block("k", axis=2))],
+      r"axis 2 is out of range for 'c_attn/kernel' with shape \(8, 24\)",
+    ),
+    (
+      [saggs.Pair(_block("q"), _block("q"))],
+      r"'c_attn/kernel' is both side a and side b of the pair of 'c_attn/kernel\[q\]' and"
+      r" 'c_attn/kernel\[q\]', and the two overlap",
+    ),
     ([saggs.Pair(_block("q"), "c_attn/kernel", axes=(0, 0))], r"is both side a and side b"),
-    ([saggs.Pair(_block("q"), _block("k")), saggs.Pair(_block(0, axis=0, parts=2), "w")],
-     r"'c_attn/kernel' is split along axis 1 as side a of .* and along axis 0 as side a of"),
-    ([saggs.Pair(_block("q"), "w", axes=(1, 1), groups=3)],
-     r"3 groups do not divide axis of size 8 of 'c_attn/kernel\[q\]' with shape \(8, 8\)"),
-])
+    (
+      [saggs.Pair(_block("q"), _block("k")), saggs.Pair(_block(0, axis=0, parts=2), "w")],
+      r"'c_attn/kernel' is split along axis 1 as side a of .* and along axis 0 as side a of",
+    ),
+    (
+      [saggs.Pair(_block("q"), "w", axes=(1, 1), groups=3)],
+      r"3 groups do not divide axis of size 8 of 'c_attn/kernel\[q\]' with shape \(8, 8\)",
+    ),
+  ],
+)
 def test_bad_blocks_name_pattern_path_and_shape(pairs, msg):
   params = {"c_attn": {"kernel": jnp.ones((8, 24))}, "w": jnp.ones((8, 8))}
   with pytest.raises(ValueError, match=msg):
@@ -445,10 +540,17 @@ def test_bad_blocks_name_pattern_path_and_shape(pairs, msg):
 
 def test_adafactor_refuses_a_block_edge_along_a_factored_axis():
   qkv = dict(axis=0, parts=("q", "k", "v"))
-  pairs = [saggs.Pair(saggs.Block("attn/c_attn/kernel", part="q", **qkv),
-                      saggs.Block("attn/c_attn/kernel", part="k", **qkv))]
+  pairs = [
+    saggs.Pair(
+      saggs.Block("attn/c_attn/kernel", part="q", **qkv),
+      saggs.Block("attn/c_attn/kernel", part="k", **qkv),
+    )
+  ]
   params = gpt2_init(0)
   state = optax.adafactor(1e-2, min_dim_size_to_factor=4).init(params)
-  with pytest.raises(TypeError, match=r"c_attn/kernel' \(24, 8\), and the factors of .* change"
-                     r" along axis 0 \(a block\), .* Keep this moment unfactored"):
+  with pytest.raises(
+    TypeError,
+    match=r"c_attn/kernel' \(24, 8\), and the factors of .* change"
+    r" along axis 0 \(a block\), .* Keep this moment unfactored",
+  ):
     saggs.reparameterize(params, state, pairs, 2.0)

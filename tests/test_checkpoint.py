@@ -71,14 +71,23 @@ def llama_moves(c=models.CONFIG):
   for i in range(c.num_layers):
     q, v = f"layers/{i}/attn/q_proj/kernel", f"layers/{i}/attn/v_proj/kernel"
     up = f"layers/{i}/mlp/up_proj/kernel"
-    moves.update({q: (q, 1, +1), f"layers/{i}/attn/k_proj/kernel": (q, 1, -1),
-                  v: (v, 1, +1), f"layers/{i}/attn/o_proj/kernel": (v, 0, -1),
-                  up: (up, 1, +1), f"layers/{i}/mlp/down_proj/kernel": (up, 0, -1)})
+    moves.update(
+      {
+        q: (q, 1, +1),
+        f"layers/{i}/attn/k_proj/kernel": (q, 1, -1),
+        v: (v, 1, +1),
+        f"layers/{i}/attn/o_proj/kernel": (v, 0, -1),
+        up: (up, 1, +1),
+        f"layers/{i}/mlp/down_proj/kernel": (up, 0, -1),
+      }
+    )
   return moves
 
 
-MLP_MOVES = {"up_proj/kernel": ("up_proj/kernel", 1, +1),
-             "down_proj/kernel": ("up_proj/kernel", 0, -1)}
+MLP_MOVES = {
+  "up_proj/kernel": ("up_proj/kernel", 1, +1),
+  "down_proj/kernel": ("up_proj/kernel", 0, -1),
+}
 
 
 def numpy_move(tree, moves, factors, degree):
@@ -113,22 +122,27 @@ def draw_factors(moves, params, seed):
   def groups(a_path, axis):
     return models.CONFIG.num_kv_heads if "/attn/" in a_path else leaves[a_path].shape[axis]
 
-  return {a: np.exp(rng.uniform(-np.log(8), np.log(8), groups(a, axis))).astype(np.float32)
-          for a, axis, _ in sorted(set(moves.values()))}
+  return {
+    a: np.exp(rng.uniform(-np.log(8), np.log(8), groups(a, axis))).astype(np.float32)
+    for a, axis, _ in sorted(set(moves.values()))
+  }
 
 
 def _attn_or_mlp(tree):
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: "adam" if "attn" in jax.tree_util.keystr(path) else "sgd", tree)
+    lambda path, _: "adam" if "attn" in jax.tree_util.keystr(path) else "sgd", tree
+  )
 
 
 LAYOUTS = {
-    "partition": lambda: optax.partition(
-        {"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-2, momentum=0.9)}, _attn_or_mlp),
-    "masked": lambda: optax.masked(optax.adam(1e-2), lambda p: jax.tree.map(
-        lambda label: label == "adam", _attn_or_mlp(p))),
-    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2),
-    "multisteps": lambda: optax.MultiSteps(optax.lion(1e-3), every_k_schedule=2),
+  "partition": lambda: optax.partition(
+    {"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-2, momentum=0.9)}, _attn_or_mlp
+  ),
+  "masked": lambda: optax.masked(
+    optax.adam(1e-2), lambda p: jax.tree.map(lambda label: label == "adam", _attn_or_mlp(p))
+  ),
+  "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2),
+  "multisteps": lambda: optax.MultiSteps(optax.lion(1e-3), every_k_schedule=2),
 }
 
 
@@ -140,8 +154,7 @@ def test_reparameterize_transports_every_layout(layout):
   factors = draw_factors(moves, params, 0)
   grads = [models.random_like(params, 1), models.random_like(params, 2)]
   state = accumulate(params, grads)
-  moved_params, moved_state = saggs.reparameterize(params, state, PAIRS,
-                                                   lambda a, _: factors[a])
+  moved_params, moved_state = saggs.reparameterize(params, state, PAIRS, lambda a, _: factors[a])
   chex.assert_trees_all_close(moved_params, numpy_move(params, moves, factors, 1), **EXACT)
   moved_grads = [numpy_move(g, moves, factors, -1) for g in grads]
   chex.assert_trees_all_close(moved_state, accumulate(moved_params, moved_grads), **CLOSE)
@@ -152,9 +165,10 @@ def test_reparameterize_transports_every_layout(layout):
 # The moment fields of the SAGGS chains below and their gradient degrees.
 DEGREES = {"mu": -1, "nu": -2, "acc_grads": -1}
 SAGGS_CHAINS = {
-    "adamw": lambda: saggs.chain(optax.adamw(1e-2), saggs.saggs(PAIRS)),
-    "multisteps lion": lambda: optax.MultiSteps(
-        saggs.chain(optax.lion(1e-3), saggs.soft(PAIRS)), every_k_schedule=2),
+  "adamw": lambda: saggs.chain(optax.adamw(1e-2), saggs.saggs(PAIRS)),
+  "multisteps lion": lambda: optax.MultiSteps(
+    saggs.chain(optax.lion(1e-3), saggs.soft(PAIRS)), every_k_schedule=2
+  ),
 }
 
 
@@ -203,8 +217,9 @@ def test_reparameterize_nnx_optimizer_state():
   params, grads = nnx_params(model), models.random_like(nnx_params(model), 3)
   factors = draw_factors(MLP_MOVES, params, 1)
   optimizer.update(model, grads)
-  moved_params, moved_state = saggs.reparameterize(params, optimizer.opt_state, NNX_PAIRS,
-                                                   lambda a, _: factors[a])
+  moved_params, moved_state = saggs.reparameterize(
+    params, optimizer.opt_state, NNX_PAIRS, lambda a, _: factors[a]
+  )
   chex.assert_trees_all_close(moved_params, numpy_move(params, MLP_MOVES, factors, 1), **EXACT)
 
   moved_model = NnxMLP()
@@ -229,20 +244,30 @@ def _qk():
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e39
-@pytest.mark.parametrize("factor, got", [
-    (float("inf"), "got inf."), (0.0, "got 0.0."), (-2.0, "got -2.0."), (1e39, "got inf."),
+@pytest.mark.parametrize(
+  "factor, got",
+  [
+    (float("inf"), "got inf."),
+    (0.0, "got 0.0."),
+    (-2.0, "got -2.0."),
+    (1e39, "got inf."),
     (lambda path, shape: np.array([1.0, np.nan, -1.0]), "got -1.0, nan."),
-])
+  ],
+)
 def test_reparameterize_refuses_factors_not_positive_and_finite(factor, got):
-  with pytest.raises(ValueError, match=re.escape(
-      "The factors of QK on 'q|k' must be positive and finite in float32, " + got)):
+  with pytest.raises(
+    ValueError,
+    match=re.escape("The factors of QK on 'q|k' must be positive and finite in float32, " + got),
+  ):
     saggs.reparameterize(_qk(), None, QK, factor)
 
 
 @pytest.mark.parametrize("factor", ["2", lambda path, shape: np.ones(4)])
 def test_reparameterize_refuses_factors_of_another_shape_or_type(factor):
-  with pytest.raises(ValueError, match=re.escape(
-      "The factors of QK on 'q|k' must be numbers broadcastable to shape (3,)")):
+  with pytest.raises(
+    ValueError,
+    match=re.escape("The factors of QK on 'q|k' must be numbers broadcastable to shape (3,)"),
+  ):
     saggs.reparameterize(_qk(), None, QK, factor)
 
 
@@ -276,9 +301,14 @@ def test_canonicalize_is_idempotent_and_orbit_invariant(stacked):
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
-@given(stacked=st.integers(0, 1), groups=st.integers(1, 3), group_size=st.integers(1, 2),
-       axes=st.tuples(st.integers(0, 1), st.integers(0, 1)),
-       widths=st.tuples(st.integers(1, 2), st.integers(1, 2)), seed=st.integers(0, 2**16))
+@given(
+  stacked=st.integers(0, 1),
+  groups=st.integers(1, 3),
+  group_size=st.integers(1, 2),
+  axes=st.tuples(st.integers(0, 1), st.integers(0, 1)),
+  widths=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+  seed=st.integers(0, 2**16),
+)
 def test_orbit_properties_over_layouts(stacked, groups, group_size, axes, widths, seed):
   # A (per copy 2-D) is scaled along `axes[0]`, B along `axes[1]`, in `groups`
   # contiguous blocks; "c" is in no pair.
@@ -291,10 +321,16 @@ def test_orbit_properties_over_layouts(stacked, groups, group_size, axes, widths
   def normal(shape):
     return rng.normal(size=shape).astype(np.float32)
 
-  params = {"a": normal(shape(axes[0], widths[0])), "b": normal(shape(axes[1], widths[1])),
-            "c": normal((3,))}
-  state = optax.ScaleByAdamState(np.int32(5), jax.tree.map(lambda x: normal(x.shape), params),
-                                 jax.tree.map(lambda x: normal(x.shape) ** 2, params))
+  params = {
+    "a": normal(shape(axes[0], widths[0])),
+    "b": normal(shape(axes[1], widths[1])),
+    "c": normal((3,)),
+  }
+  state = optax.ScaleByAdamState(
+    np.int32(5),
+    jax.tree.map(lambda x: normal(x.shape), params),
+    jax.tree.map(lambda x: normal(x.shape) ** 2, params),
+  )
   pairs = [saggs.Pair("a", "b", axes=axes, groups=groups, stacked=stacked)]
   factor = np.exp(rng.uniform(-np.log(8), np.log(8), lead + (groups,))).astype(np.float32)
   moved_params, moved_state = saggs.reparameterize(params, state, pairs, lambda *_: factor)
@@ -307,14 +343,16 @@ def test_orbit_properties_over_layouts(stacked, groups, group_size, axes, widths
     np.testing.assert_allclose(moved_params[name], params[name] * mult, rtol=1e-6)
   np.testing.assert_array_equal(moved_params["c"], params["c"])
   # p * mu and p**2 * nu are invariant along the orbit (degrees +1, -1, -2).
-  for p, mu, nu, p2, mu2, nu2 in zip(*map(jax.tree.leaves, (
-      params, state.mu, state.nu, moved_params, moved_state.mu, moved_state.nu))):
+  for p, mu, nu, p2, mu2, nu2 in zip(
+    *map(
+      jax.tree.leaves, (params, state.mu, state.nu, moved_params, moved_state.mu, moved_state.nu)
+    )
+  ):
     np.testing.assert_allclose(p2 * mu2, p * mu, rtol=1e-5)
     np.testing.assert_allclose(p2**2 * nu2, p**2 * nu, rtol=1e-5)
 
   canon = saggs.canonicalize(params, state, pairs)
-  chex.assert_trees_all_close(saggs.canonicalize(moved_params, moved_state, pairs), canon,
-                              **EXACT)
+  chex.assert_trees_all_close(saggs.canonicalize(moved_params, moved_state, pairs), canon, **EXACT)
   chex.assert_trees_all_close(saggs.canonicalize(*canon, pairs), canon, **EXACT)
   for x in saggs.imbalance(canon[0], pairs).values():
     np.testing.assert_allclose(x, 0.0, atol=1e-5)
@@ -371,7 +409,8 @@ def test_round_trip_nnx_model_and_optimizer(manager):
 
   other_optimizer = nnx.Optimizer(other, tx(), wrt=nnx.Param)
   params, opt_state, _ = saggs.checkpoint.restore(
-      manager, nnx.state(other, nnx.Param), other_optimizer.opt_state, canonicalize=False)
+    manager, nnx.state(other, nnx.Param), other_optimizer.opt_state, canonicalize=False
+  )
   nnx.update(other, params)
   other_optimizer.opt_state = opt_state
 
@@ -383,8 +422,11 @@ def test_round_trip_nnx_model_and_optimizer(manager):
 
 
 def _fingerprint(directory):
-  return {str(p): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-          for p in sorted(directory.rglob("*")) if p.is_file()}
+  return {
+    str(p): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+    for p in sorted(directory.rglob("*"))
+    if p.is_file()
+  }
 
 
 def _adam_state(tx):
@@ -396,25 +438,42 @@ def _bf16(tree):
 
 
 MISMATCHES = {
-    # checkpoint state, target state, where they differ: path, checkpoint entry, target entry
-    "other pairs": (
-        chain_state, lambda: chain_state(PAIRS[:1]),
-        ("opt_state/1/factors/layers/0/attn/v_proj/kernel|layers/0/attn/o_proj/kernel",
-         "float32[2]", "nothing")),
-    "another chain": (lambda: _adam_state(optax.adamw(1e-2)), chain_state,
-                      ("opt_state/0/0/count", "nothing", "int32[]")),
-    "other shapes": (chain_state, lambda: chain_state(params=params_of(models.Config(mlp_hidden=8))),
-                     ("opt_state/0/0/mu/layers/0/mlp/down_proj/kernel", "float32[24, 16]",
-                      "float32[8, 16]")),
-    "other dtypes": (lambda: (_bf16(params_of()), chain_state()[1]), chain_state,
-                     ("params/embed/embedding", "bfloat16[16, 16]", "float32[16, 16]")),
-    # Same leaves, different empty states: only the layout's empty nodes tell them apart.
-    "adam into adamw": (lambda: _adam_state(optax.adam(1e-2)),
-                        lambda: _adam_state(optax.adamw(1e-2)),
-                        ("opt_state/2", "nothing", "EmptyState()")),
-    "adamw into adam": (lambda: _adam_state(optax.adamw(1e-2)),
-                        lambda: _adam_state(optax.adam(1e-2)),
-                        ("opt_state/2", "EmptyState()", "nothing")),
+  # checkpoint state, target state, where they differ: path, checkpoint entry, target entry
+  "other pairs": (
+    chain_state,
+    lambda: chain_state(PAIRS[:1]),
+    (
+      "opt_state/1/factors/layers/0/attn/v_proj/kernel|layers/0/attn/o_proj/kernel",
+      "float32[2]",
+      "nothing",
+    ),
+  ),
+  "another chain": (
+    lambda: _adam_state(optax.adamw(1e-2)),
+    chain_state,
+    ("opt_state/0/0/count", "nothing", "int32[]"),
+  ),
+  "other shapes": (
+    chain_state,
+    lambda: chain_state(params=params_of(models.Config(mlp_hidden=8))),
+    ("opt_state/0/0/mu/layers/0/mlp/down_proj/kernel", "float32[24, 16]", "float32[8, 16]"),
+  ),
+  "other dtypes": (
+    lambda: (_bf16(params_of()), chain_state()[1]),
+    chain_state,
+    ("params/embed/embedding", "bfloat16[16, 16]", "float32[16, 16]"),
+  ),
+  # Same leaves, different empty states: only the layout's empty nodes tell them apart.
+  "adam into adamw": (
+    lambda: _adam_state(optax.adam(1e-2)),
+    lambda: _adam_state(optax.adamw(1e-2)),
+    ("opt_state/2", "nothing", "EmptyState()"),
+  ),
+  "adamw into adam": (
+    lambda: _adam_state(optax.adamw(1e-2)),
+    lambda: _adam_state(optax.adam(1e-2)),
+    ("opt_state/2", "EmptyState()", "nothing"),
+  ),
 }
 
 
@@ -434,7 +493,8 @@ def test_mismatched_checkpoint_fails_and_touches_nothing(manager, tmp_path, case
   chex.assert_trees_all_equal(target, snapshot)
   # The checkpoint is intact: it restores into a target of its own layout.
   chex.assert_trees_all_equal(
-      saggs.checkpoint.restore(manager, *saved, canonicalize=False)[:2], saved)
+    saggs.checkpoint.restore(manager, *saved, canonicalize=False)[:2], saved
+  )
 
 
 def test_restore_without_checkpoint_fails(manager):
@@ -485,9 +545,15 @@ def test_a_checkpoint_not_written_by_save_is_named(manager, tmp_path):
     plain.save(1, args=ocp.args.StandardSave({"params": params, "opt_state": None}))
     plain.wait_until_finished()
     for step, mngr in ((1, plain), (2, manager)):
-      with pytest.raises(ValueError, match=re.escape(f"Checkpoint {step} in ") + ".*" + re.escape(
+      with pytest.raises(
+        ValueError,
+        match=re.escape(f"Checkpoint {step} in ")
+        + ".*"
+        + re.escape(
           " was not written by saggs_jax.checkpoint.save: it has no readable 'layout' and"
-          " 'checksums' items")):
+          " 'checksums' items"
+        ),
+      ):
         saggs.checkpoint.restore(mngr, params, None, step=step)
 
 
@@ -500,28 +566,36 @@ def test_static_leaves_are_taken_from_the_target(manager):
   state = models.random_like(tx.init(eqx.filter(saved, eqx.is_inexact_array)), 1)
   layout = saggs.checkpoint.layout({"params": saved, "opt_state": state})
   assert {p: v for p, v in layout.items() if p.startswith("params/")} == {
-      "params/model/up/weight": "float32[4, 3]", "params/model/up/bias": "None",
-      "params/model/down/weight": "float32[2, 4]", "params/model/down/bias": "float32[2]",
-      "params/model/dropout/p": "static", "params/model/dropout/inference": "static",
-      "params/model/activation": "static", "params/model/hidden": "static",
-      "params/rate": "static"}
+    "params/model/up/weight": "float32[4, 3]",
+    "params/model/up/bias": "None",
+    "params/model/down/weight": "float32[2, 4]",
+    "params/model/down/bias": "float32[2]",
+    "params/model/dropout/p": "static",
+    "params/model/dropout/inference": "static",
+    "params/model/activation": "static",
+    "params/model/hidden": "static",
+    "params/rate": "static",
+  }
   saggs.checkpoint.save(manager, 1, saved, state)
 
   target = {"model": equinox_mlp.MLP(seed=1, inference=False), "rate": 0.5}
   got, got_state, _ = saggs.checkpoint.restore(manager, target, state, canonicalize=False)
   assert got["rate"] == 0.5 and not got["model"].dropout.inference
   assert type(got["model"]) is equinox_mlp.MLP and got["model"].activation is jax.nn.relu
-  chex.assert_trees_all_equal(eqx.filter((got, got_state), eqx.is_array),
-                              eqx.filter((saved, state), eqx.is_array))
+  chex.assert_trees_all_equal(
+    eqx.filter((got, got_state), eqx.is_array), eqx.filter((saved, state), eqx.is_array)
+  )
   # With pairs: the canonical form of the saved arrays, the target's static leaves.
   got, got_state, _ = saggs.checkpoint.restore(manager, target, state, pairs)
   expected = saggs.canonicalize(saved, state, pairs)
-  chex.assert_trees_all_close(eqx.filter((got, got_state), eqx.is_array),
-                              eqx.filter(expected, eqx.is_array), **EXACT)
+  chex.assert_trees_all_close(
+    eqx.filter((got, got_state), eqx.is_array), eqx.filter(expected, eqx.is_array), **EXACT
+  )
   assert got["rate"] == 0.5 and not got["model"].dropout.inference
   # An array where the target holds a static leaf is another layout.
-  with pytest.raises(ValueError, match=re.escape("at 'params/rate': static there, the target"
-                                                 " float32[]")):
+  with pytest.raises(
+    ValueError, match=re.escape("at 'params/rate': static there, the target float32[]")
+  ):
     saggs.checkpoint.restore(manager, {**target, "rate": jnp.float32(0.5)}, state)
 
 
@@ -531,27 +605,33 @@ def _is_key(x):
 
 def _bits(tree):
   """NumPy copies of every leaf, typed PRNG keys as their key data: comparable bit for bit."""
-  return jax.tree.map(
-      lambda x: np.array(jax.random.key_data(x) if _is_key(x) else x), tree)
+  return jax.tree.map(lambda x: np.array(jax.random.key_data(x) if _is_key(x) else x), tree)
 
 
-KEYS = {"fry": jax.random.key(7), "split": jax.random.split(jax.random.key(1), 3),
-        "rbg": jax.random.key(2, impl="rbg")}
+KEYS = {
+  "fry": jax.random.key(7),
+  "split": jax.random.split(jax.random.key(1), 3),
+  "rbg": jax.random.key(2, impl="rbg"),
+}
 
 
 def test_typed_prng_keys_round_trip(manager):
   params = params_of()
   saggs.checkpoint.save(manager, 1, params, KEYS)
-  target = {"fry": jax.random.key(0), "split": jax.random.split(jax.random.key(0), 3),
-            "rbg": jax.random.key(0, impl="rbg")}
+  target = {
+    "fry": jax.random.key(0),
+    "split": jax.random.split(jax.random.key(0), 3),
+    "rbg": jax.random.key(0, impl="rbg"),
+  }
   got = saggs.checkpoint.restore(manager, params, target, canonicalize=False)[1]
   for name, key in KEYS.items():
     assert got[name].dtype == key.dtype, name
   chex.assert_trees_all_equal(_bits(got), _bits(KEYS))
   np.testing.assert_array_equal(jax.random.bits(got["rbg"]), jax.random.bits(KEYS["rbg"]))
   # Another implementation's key is another layout.
-  with pytest.raises(ValueError, match=re.escape("at 'opt_state/rbg': key<rbg>[] there, the"
-                                                 " target key<fry>[]")):
+  with pytest.raises(
+    ValueError, match=re.escape("at 'opt_state/rbg': key<rbg>[] there, the target key<fry>[]")
+  ):
     saggs.checkpoint.restore(manager, params, {**target, "rbg": jax.random.key(0)})
 
 
@@ -580,8 +660,10 @@ def numpy_checksum(x):
 
   positions = np.arange(words.size, dtype=np.uint32)
   with np.errstate(over="ignore"):
-    return [int(np.sum(fmix32(words ^ fmix32(positions + np.uint32(seed))), dtype=np.uint64)
-                % 2**32) for seed in (0x9E3779B9, 0x7F4A7C15)]
+    return [
+      int(np.sum(fmix32(words ^ fmix32(positions + np.uint32(seed))), dtype=np.uint64) % 2**32)
+      for seed in (0x9E3779B9, 0x7F4A7C15)
+    ]
 
 
 def hash_inputs():
@@ -590,12 +672,18 @@ def hash_inputs():
   def normal(shape, dtype):
     return jnp.asarray(rng.standard_normal(shape), dtype)
 
-  return {"f32": normal((3, 5), jnp.float32), "bf16": normal((4, 2, 2), jnp.bfloat16),
-          "f16": normal((6,), jnp.float16), "i8": jnp.asarray(rng.integers(-128, 128, 7), jnp.int8),
-          "u32": jnp.uint32(4_000_000_001), "bool": jnp.asarray([True, False, True]),
-          "c64": jnp.asarray(rng.standard_normal((2, 3)) + 1j * rng.standard_normal((2, 3)),
-                             jnp.complex64),
-          "key": jax.random.split(jax.random.key(3), 4)}
+  return {
+    "f32": normal((3, 5), jnp.float32),
+    "bf16": normal((4, 2, 2), jnp.bfloat16),
+    "f16": normal((6,), jnp.float16),
+    "i8": jnp.asarray(rng.integers(-128, 128, 7), jnp.int8),
+    "u32": jnp.uint32(4_000_000_001),
+    "bool": jnp.asarray([True, False, True]),
+    "c64": jnp.asarray(
+      rng.standard_normal((2, 3)) + 1j * rng.standard_normal((2, 3)), jnp.complex64
+    ),
+    "key": jax.random.split(jax.random.key(3), 4),
+  }
 
 
 def test_checksums_match_a_numpy_oracle():
@@ -623,8 +711,10 @@ def corruptible_state():
   nodes (smaller ones are inlined there, under the nodes' own CRC), a typed key
   array among them."""
   rng = np.random.default_rng(11)
-  params = {"w": jnp.asarray(rng.standard_normal((24, 32)), jnp.float32),
-            "emb": jnp.asarray(rng.standard_normal((40, 32)), jnp.bfloat16)}
+  params = {
+    "w": jnp.asarray(rng.standard_normal((24, 32)), jnp.float32),
+    "emb": jnp.asarray(rng.standard_normal((40, 32)), jnp.bfloat16),
+  }
   mu = models.random_like(params, 12)
   nu = models.random_like(params, 13, positive=True)
   keys = jax.random.split(jax.random.key(5), 256)
@@ -632,8 +722,11 @@ def corruptible_state():
 
 
 def _contents(directory):
-  return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
-          for p in sorted(directory.rglob("*")) if p.is_file()}
+  return {
+    str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+    for p in sorted(directory.rglob("*"))
+    if p.is_file()
+  }
 
 
 def _flip(path, pos):
@@ -673,8 +766,11 @@ def test_corrupted_data_files_never_restore_silently(manager, tmp_path):
   assert _contents(tmp_path) == files  # a failed restore writes nothing
   # Every flip undone, the checkpoint restores bit for bit.
   chex.assert_trees_all_equal(
-      _bits(saggs.checkpoint.restore(manager, *target, canonicalize=False)[:2]), _bits(saved))
+    _bits(saggs.checkpoint.restore(manager, *target, canonicalize=False)[:2]), _bits(saved)
+  )
   # Flips hit every array stored outside the B-tree nodes (all but the inlined
   # count), and each is named by its checksum.
-  arrays = {p for p, _ in saggs.paths.leaves_with_paths({"params": saved[0], "opt_state": saved[1]})}
+  arrays = {
+    p for p, _ in saggs.paths.leaves_with_paths({"params": saved[0], "opt_state": saved[1]})
+  }
   assert set(named) - {"(unreadable)"} == arrays - {"opt_state/0/count"}, named

@@ -20,7 +20,6 @@ PAIRS = [saggs.Pair("up/kernel", "down/kernel", axes=(1, 0))]
 
 
 class MLP(nnx.Module):
-
   def __init__(self, seed=0):
     rngs = nnx.Rngs(seed)
     self.up = nnx.Linear(3, 4, use_bias=False, rngs=rngs)
@@ -56,15 +55,25 @@ def kernels(model):
   return [np.asarray(model.up.kernel[...]), np.asarray(model.down.kernel[...])]
 
 
-@pytest.mark.parametrize("wrong, match", [
-    (lambda model, optimizer: (nnx.state(model, nnx.Param), nnx.state(optimizer)),
-     r"opt_state is nnx.state\(optimizer\).*keys \['opt_state', 'step'\]"),
-    (lambda model, optimizer: (nnx.state(optimizer), optimizer.opt_state),
-     r"params is nnx.state\(optimizer\)"),
+@pytest.mark.parametrize(
+  "wrong, match",
+  [
+    (
+      lambda model, optimizer: (nnx.state(model, nnx.Param), nnx.state(optimizer)),
+      r"opt_state is nnx.state\(optimizer\).*keys \['opt_state', 'step'\]",
+    ),
+    (
+      lambda model, optimizer: (nnx.state(optimizer), optimizer.opt_state),
+      r"params is nnx.state\(optimizer\)",
+    ),
     (lambda model, optimizer: (model, optimizer.opt_state), "params is an nnx MLP object"),
-    (lambda model, optimizer: (nnx.state(model, nnx.Param), optimizer),
-     "opt_state is an nnx Optimizer object"),
-], ids=["state_of_optimizer", "state_of_optimizer_as_params", "module", "optimizer"])
+    (
+      lambda model, optimizer: (nnx.state(model, nnx.Param), optimizer),
+      "opt_state is an nnx Optimizer object",
+    ),
+  ],
+  ids=["state_of_optimizer", "state_of_optimizer_as_params", "module", "optimizer"],
+)
 def test_nnx_objects_fail_at_save_and_write_nothing(manager, wrong, match):
   model, optimizer = make()
   with pytest.raises(TypeError, match=match) as info:
@@ -85,7 +94,8 @@ def test_nnx_restore_recipe_continues_the_run(manager):
 
   other, other_optimizer = make(seed=1)  # another model only lends the structure
   params, opt_state, step = saggs.checkpoint.restore(
-      manager, nnx.state(other, nnx.Param), other_optimizer.opt_state, canonicalize=False)
+    manager, nnx.state(other, nnx.Param), other_optimizer.opt_state, canonicalize=False
+  )
   with pytest.raises(AttributeError):  # opt_state is optax's tuple, not an nnx graph node
     nnx.update(other_optimizer.opt_state, opt_state)
   nnx.update(other, params)

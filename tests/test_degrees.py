@@ -26,14 +26,18 @@ import pytest
 import saggs_jax as saggs
 
 rng = np.random.default_rng(0)
-PARAMS = {n: jnp.asarray(rng.standard_normal(s), jnp.float32)
-          for n, s in {"q": (3, 4), "k": (5, 4), "b": (4,), "w": (3,)}.items()}
+PARAMS = {
+  n: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  for n, s in {"q": (3, 4), "k": (5, 4), "b": (4,), "w": (3,)}.items()
+}
 # q and k scale per block of two columns (b follows q); w belongs to no pair.
 GROUPED = (saggs.Pair("q", "k", axes=(1, 1), groups=2, follow_a="b"),)
 PER_TENSOR = (saggs.Pair("q", "k", follow_a="b"),)
 C = np.array([1.7, 0.6])
-MULTS = {GROUPED: {"q": np.repeat(C, 2), "k": 1 / np.repeat(C, 2), "b": np.repeat(C, 2)},
-         PER_TENSOR: {"q": C[0], "k": 1 / C[0], "b": C[0]}}
+MULTS = {
+  GROUPED: {"q": np.repeat(C, 2), "k": 1 / np.repeat(C, 2), "b": np.repeat(C, 2)},
+  PER_TENSOR: {"q": C[0], "k": 1 / C[0], "b": C[0]},
+}
 
 
 def factor(pairs):
@@ -43,8 +47,10 @@ def factor(pairs):
 def away_from_zero(seed):
   """Gradients of magnitude in [0.5, 1.5): an epsilon added to a moment stays negligible."""
   r = np.random.default_rng(seed)
-  return {n: jnp.asarray(r.choice([-1.0, 1.0], p.shape) * r.uniform(0.5, 1.5, p.shape),
-                         jnp.float32) for n, p in PARAMS.items()}
+  return {
+    n: jnp.asarray(r.choice([-1.0, 1.0], p.shape) * r.uniform(0.5, 1.5, p.shape), jnp.float32)
+    for n, p in PARAMS.items()
+  }
 
 
 GRADS = [away_from_zero(seed) for seed in (1, 2, 3)]
@@ -52,8 +58,10 @@ GRADS = [away_from_zero(seed) for seed in (1, 2, 3)]
 
 def moved(tree, mults, k):
   """``tree`` with each declared leaf multiplied by its multiplier to the power -k."""
-  return {n: jnp.asarray(np.asarray(x, np.float64) * mults[n] ** -k, x.dtype) if n in mults else x
-          for n, x in tree.items()}
+  return {
+    n: jnp.asarray(np.asarray(x, np.float64) * mults[n] ** -k, x.dtype) if n in mults else x
+    for n, x in tree.items()
+  }
 
 
 @functools.cache
@@ -72,8 +80,10 @@ def _history(opt):
 def oracle(opt, pairs):
   """The state after the history, and after the equivalent history."""
   mults = MULTS[pairs]
-  return (_history(opt)(PARAMS, GRADS),
-          _history(opt)(moved(PARAMS, mults, -1), [moved(g, mults, 1) for g in GRADS]))
+  return (
+    _history(opt)(PARAMS, GRADS),
+    _history(opt)(moved(PARAMS, mults, -1), [moved(g, mults, 1) for g in GRADS]),
+  )
 
 
 def assert_close(got, want, what):
@@ -85,8 +95,13 @@ def assert_close(got, want, what):
       np.testing.assert_array_equal(g, w, err_msg=f"{what}{jax.tree_util.keystr(path)}")
       continue
     g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * np.max(np.abs(w), initial=1),
-                               err_msg=f"{what}{jax.tree_util.keystr(path)}")
+    np.testing.assert_allclose(
+      g,
+      w,
+      rtol=1e-5,
+      atol=1e-6 * np.max(np.abs(w), initial=1),
+      err_msg=f"{what}{jax.tree_util.keystr(path)}",
+    )
 
 
 EXACT = "exact"
@@ -101,8 +116,10 @@ def unregistered(state):
 
 def no_degree(state, leaf):
   """The leaf after the equivalent history is no power of the multipliers times the leaf."""
-  return (rf"Cannot transport {state} at opt_state\S*{re.escape(leaf)}: after an equivalent"
-          " history .* not the transported one for any degree")
+  return (
+    rf"Cannot transport {state} at opt_state\S*{re.escape(leaf)}: after an equivalent"
+    " history .* not the transported one for any degree"
+  )
 
 
 def probe_fails(error):
@@ -126,114 +143,175 @@ def dpsgd(*args):
 # (initial parameters, slow weights, step sizes, sign histories, per-axis covers) that no
 # single degree moves; dpsgd and differentially_private_aggregate take per-example gradients.
 CASES = {
-    "adabelief": (lambda: optax.adabelief(1e-2), GROUPED, EXACT),
-    "adadelta": (lambda: optax.adadelta(1e-2), GROUPED, EXACT),
-    "adafactor": (lambda: optax.adafactor(1e-2), GROUPED, EXACT),
-    "adagrad": (lambda: optax.adagrad(1e-2), GROUPED,
-                no_degree("ScaleByRssState", ".sum_of_squares['b']")),
-    "adam": (lambda: optax.adam(1e-2), GROUPED, EXACT),
-    "adamax": (lambda: optax.adamax(1e-2), GROUPED, EXACT),
-    "adamaxw": (lambda: optax.adamaxw(1e-2), GROUPED, EXACT),
-    "adamw": (lambda: optax.adamw(1e-2), GROUPED, EXACT),
-    "adan": (lambda: optax.adan(1e-2), GROUPED, EXACT),
-    "amsgrad": (lambda: optax.amsgrad(1e-2), GROUPED, EXACT),
-    "fromage": (lambda: optax.fromage(1e-2), GROUPED, EXACT),
-    "lamb": (lambda: optax.lamb(1e-2), GROUPED, EXACT),
-    "lars": (lambda: optax.lars(1e-2), GROUPED, no_degree("TraceState", ".trace['b']")),
-    "lbfgs": (lambda: optax.lbfgs(1e-2), GROUPED, unregistered("ScaleByLBFGSState")),
-    "lion": (lambda: optax.lion(1e-3), GROUPED, EXACT),
-    "noisy_sgd": (lambda: optax.noisy_sgd(1e-2, key=0), GROUPED, EXACT),
-    "novograd": (lambda: optax.novograd(1e-2), GROUPED, unregistered("ScaleByNovogradState")),
-    "polyak_sgd": (lambda: optax.polyak_sgd(), GROUPED, EXACT),
-    "radam": (lambda: optax.radam(1e-2), GROUPED, EXACT),
-    "rmsprop": (lambda: optax.rmsprop(1e-2), GROUPED, EXACT),
-    "rprop": (lambda: optax.rprop(1e-2), GROUPED, unregistered("ScaleByRpropState")),
-    "sgd": (lambda: optax.sgd(1e-2, momentum=0.9), GROUPED, EXACT),
-    "sign_sgd": (lambda: optax.sign_sgd(1e-2), GROUPED, EXACT),
-    "signum": (lambda: optax.signum(1e-2), GROUPED, unregistered("EmaState")),
-    "sm3": (lambda: optax.sm3(1e-2), GROUPED, unregistered("ScaleBySM3State")),
-    "yogi": (lambda: optax.yogi(1e-2), GROUPED, no_degree("ScaleByAdamState", "")),
-    # optax.contrib
-    "acprop": (lambda: optax.contrib.acprop(1e-2), GROUPED, EXACT),
-    "ademamix": (lambda: optax.contrib.ademamix(1e-2), GROUPED, EXACT),
-    "adopt": (lambda: optax.contrib.adopt(1e-2), GROUPED, EXACT),
-    "cocob": (lambda: optax.contrib.cocob(), GROUPED, unregistered("COCOBState")),
-    "dadapt_adamw": (lambda: optax.contrib.dadapt_adamw(), GROUPED,
-                     unregistered("DAdaptAdamWState")),
-    "differentially_private_aggregate": (
-        lambda: optax.contrib.differentially_private_aggregate(1.0, 0.0, 0), GROUPED,
-        probe_fails("ValueError: .*batch dimension")),
-    "dog": (lambda: optax.contrib.dog(), GROUPED, unregistered("DoGState")),
-    "dowg": (lambda: optax.contrib.dowg(), GROUPED, unregistered("DoWGState")),
-    "dpsgd": (lambda: dpsgd(1e-2, 1.0, 0.0, 0), GROUPED,
-              probe_fails("ValueError: .*batch dimension")),
-    "galore": (lambda: optax.contrib.galore(1e-2, rank=2), GROUPED, unregistered("GaLoreState")),
-    "madgrad": (lambda: optax.contrib.madgrad(1e-2), GROUPED, unregistered("MadgradState")),
-    "mechanize": (lambda: optax.contrib.mechanize(optax.adam(1e-2)), GROUPED,
-                  unregistered("MechanicState")),
-    "momo": (lambda: optax.contrib.momo(), GROUPED, unregistered("MomoState")),
-    "momo_adam": (lambda: optax.contrib.momo_adam(), GROUPED, unregistered("MomoAdamState")),
-    "muon": (lambda: optax.contrib.muon(1e-2), GROUPED, EXACT),
-    "normalize": (lambda: optax.contrib.normalize(), GROUPED, EXACT),
-    "prodigy": (lambda: optax.contrib.prodigy(), GROUPED, unregistered("ProdigyState")),
-    "reduce_on_plateau": (lambda: optax.contrib.reduce_on_plateau(), GROUPED, EXACT),
-    "sam": (lambda: optax.contrib.sam(optax.sgd(1e-2), optax.sgd(1e-2)), GROUPED,
-            unregistered("SAMState")),
-    "scale_by_acprop": (lambda: optax.contrib.scale_by_acprop(), GROUPED, EXACT),
-    "scale_by_ademamix": (lambda: optax.contrib.scale_by_ademamix(), GROUPED, EXACT),
-    "scale_by_adopt": (lambda: optax.contrib.scale_by_adopt(), GROUPED, EXACT),
-    "scale_by_cocob": (lambda: optax.contrib.scale_by_cocob(), GROUPED, unregistered("COCOBState")),
-    "scale_by_galore": (lambda: optax.contrib.scale_by_galore(rank=2), GROUPED,
-                        unregistered("GaLoreState")),
-    "scale_by_madgrad": (lambda: optax.contrib.scale_by_madgrad(1e-2), GROUPED,
-                         unregistered("MadgradState")),
-    # Muon's own rule takes matrices only (optax.contrib.muon routes vectors to Adam).
-    "scale_by_muon": (lambda: optax.contrib.scale_by_muon(), GROUPED,
-                      probe_fails("ValueError: pytree structure error")),
-    "scale_by_simplified_ademamix": (
-        lambda: optax.contrib.scale_by_simplified_ademamix(), GROUPED, EXACT),
-    "schedule_free": (lambda: optax.contrib.schedule_free(optax.sgd(1e-2), 1e-2), GROUPED,
-                      unregistered("ScheduleFreeState")),
-    "schedule_free_adamw": (lambda: optax.contrib.schedule_free_adamw(), GROUPED,
-                            unregistered("ScheduleFreeState")),
-    "schedule_free_sgd": (lambda: optax.contrib.schedule_free_sgd(), GROUPED,
-                          unregistered("ScheduleFreeState")),
-    "simplified_ademamix": (lambda: optax.contrib.simplified_ademamix(1e-2), GROUPED, EXACT),
-    "sophia": (lambda: optax.contrib.sophia(1e-2), GROUPED, unregistered("SophiaState")),
-    "split_real_and_imaginary": (
-        lambda: optax.contrib.split_real_and_imaginary(optax.adam(1e-2)), GROUPED,
-        unregistered("SplitRealAndImaginaryState")),
-    # chains
-    "rmsprop_centered_momentum": (
-        lambda: optax.rmsprop(1e-2, centered=True, momentum=0.9), GROUPED, EXACT),
-    "adam_then_trace": (lambda: optax.chain(optax.scale_by_adam(), optax.trace(0.9)), GROUPED, EXACT),
-    "trust_ratio_then_trace": (lambda: TRUST, GROUPED, no_degree("TraceState", ".trace['b']")),
-    "trust_ratio_then_trace_per_tensor": (lambda: TRUST, PER_TENSOR, EXACT),
-    "lars_per_tensor": (lambda: optax.lars(1e-2), PER_TENSOR, EXACT),
-    "clip_then_adam": (lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
-                       GROUPED, no_degree("ScaleByAdamState", ".mu['b']")),
-    "multisteps_adamax": (lambda: optax.MultiSteps(optax.adamax(1e-2), 2).gradient_transformation(),
-                          GROUPED, EXACT),
-    "inject_hyperparams_adamax": (lambda: optax.inject_hyperparams(optax.adamax)(learning_rate=1e-2),
-                                  GROUPED, EXACT),
-    "masked_adamax": (lambda: optax.masked(optax.adamax(1e-2), MASK), GROUPED, EXACT),
-    "partition_adamax_rmsprop": (lambda: optax.partition(
-        {"x": optax.adamax(1e-2), "r": optax.rmsprop(1e-2, centered=True, momentum=0.9)},
-        {"q": "x", "k": "r", "b": "x", "w": "r"}), GROUPED, EXACT),
+  "adabelief": (lambda: optax.adabelief(1e-2), GROUPED, EXACT),
+  "adadelta": (lambda: optax.adadelta(1e-2), GROUPED, EXACT),
+  "adafactor": (lambda: optax.adafactor(1e-2), GROUPED, EXACT),
+  "adagrad": (
+    lambda: optax.adagrad(1e-2),
+    GROUPED,
+    no_degree("ScaleByRssState", ".sum_of_squares['b']"),
+  ),
+  "adam": (lambda: optax.adam(1e-2), GROUPED, EXACT),
+  "adamax": (lambda: optax.adamax(1e-2), GROUPED, EXACT),
+  "adamaxw": (lambda: optax.adamaxw(1e-2), GROUPED, EXACT),
+  "adamw": (lambda: optax.adamw(1e-2), GROUPED, EXACT),
+  "adan": (lambda: optax.adan(1e-2), GROUPED, EXACT),
+  "amsgrad": (lambda: optax.amsgrad(1e-2), GROUPED, EXACT),
+  "fromage": (lambda: optax.fromage(1e-2), GROUPED, EXACT),
+  "lamb": (lambda: optax.lamb(1e-2), GROUPED, EXACT),
+  "lars": (lambda: optax.lars(1e-2), GROUPED, no_degree("TraceState", ".trace['b']")),
+  "lbfgs": (lambda: optax.lbfgs(1e-2), GROUPED, unregistered("ScaleByLBFGSState")),
+  "lion": (lambda: optax.lion(1e-3), GROUPED, EXACT),
+  "noisy_sgd": (lambda: optax.noisy_sgd(1e-2, key=0), GROUPED, EXACT),
+  "novograd": (lambda: optax.novograd(1e-2), GROUPED, unregistered("ScaleByNovogradState")),
+  "polyak_sgd": (lambda: optax.polyak_sgd(), GROUPED, EXACT),
+  "radam": (lambda: optax.radam(1e-2), GROUPED, EXACT),
+  "rmsprop": (lambda: optax.rmsprop(1e-2), GROUPED, EXACT),
+  "rprop": (lambda: optax.rprop(1e-2), GROUPED, unregistered("ScaleByRpropState")),
+  "sgd": (lambda: optax.sgd(1e-2, momentum=0.9), GROUPED, EXACT),
+  "sign_sgd": (lambda: optax.sign_sgd(1e-2), GROUPED, EXACT),
+  "signum": (lambda: optax.signum(1e-2), GROUPED, unregistered("EmaState")),
+  "sm3": (lambda: optax.sm3(1e-2), GROUPED, unregistered("ScaleBySM3State")),
+  "yogi": (lambda: optax.yogi(1e-2), GROUPED, no_degree("ScaleByAdamState", "")),
+  # optax.contrib
+  "acprop": (lambda: optax.contrib.acprop(1e-2), GROUPED, EXACT),
+  "ademamix": (lambda: optax.contrib.ademamix(1e-2), GROUPED, EXACT),
+  "adopt": (lambda: optax.contrib.adopt(1e-2), GROUPED, EXACT),
+  "cocob": (lambda: optax.contrib.cocob(), GROUPED, unregistered("COCOBState")),
+  "dadapt_adamw": (lambda: optax.contrib.dadapt_adamw(), GROUPED, unregistered("DAdaptAdamWState")),
+  "differentially_private_aggregate": (
+    lambda: optax.contrib.differentially_private_aggregate(1.0, 0.0, 0),
+    GROUPED,
+    probe_fails("ValueError: .*batch dimension"),
+  ),
+  "dog": (lambda: optax.contrib.dog(), GROUPED, unregistered("DoGState")),
+  "dowg": (lambda: optax.contrib.dowg(), GROUPED, unregistered("DoWGState")),
+  "dpsgd": (
+    lambda: dpsgd(1e-2, 1.0, 0.0, 0),
+    GROUPED,
+    probe_fails("ValueError: .*batch dimension"),
+  ),
+  "galore": (lambda: optax.contrib.galore(1e-2, rank=2), GROUPED, unregistered("GaLoreState")),
+  "madgrad": (lambda: optax.contrib.madgrad(1e-2), GROUPED, unregistered("MadgradState")),
+  "mechanize": (
+    lambda: optax.contrib.mechanize(optax.adam(1e-2)),
+    GROUPED,
+    unregistered("MechanicState"),
+  ),
+  "momo": (lambda: optax.contrib.momo(), GROUPED, unregistered("MomoState")),
+  "momo_adam": (lambda: optax.contrib.momo_adam(), GROUPED, unregistered("MomoAdamState")),
+  "muon": (lambda: optax.contrib.muon(1e-2), GROUPED, EXACT),
+  "normalize": (lambda: optax.contrib.normalize(), GROUPED, EXACT),
+  "prodigy": (lambda: optax.contrib.prodigy(), GROUPED, unregistered("ProdigyState")),
+  "reduce_on_plateau": (lambda: optax.contrib.reduce_on_plateau(), GROUPED, EXACT),
+  "sam": (
+    lambda: optax.contrib.sam(optax.sgd(1e-2), optax.sgd(1e-2)),
+    GROUPED,
+    unregistered("SAMState"),
+  ),
+  "scale_by_acprop": (lambda: optax.contrib.scale_by_acprop(), GROUPED, EXACT),
+  "scale_by_ademamix": (lambda: optax.contrib.scale_by_ademamix(), GROUPED, EXACT),
+  "scale_by_adopt": (lambda: optax.contrib.scale_by_adopt(), GROUPED, EXACT),
+  "scale_by_cocob": (lambda: optax.contrib.scale_by_cocob(), GROUPED, unregistered("COCOBState")),
+  "scale_by_galore": (
+    lambda: optax.contrib.scale_by_galore(rank=2),
+    GROUPED,
+    unregistered("GaLoreState"),
+  ),
+  "scale_by_madgrad": (
+    lambda: optax.contrib.scale_by_madgrad(1e-2),
+    GROUPED,
+    unregistered("MadgradState"),
+  ),
+  # Muon's own rule takes matrices only (optax.contrib.muon routes vectors to Adam).
+  "scale_by_muon": (
+    lambda: optax.contrib.scale_by_muon(),
+    GROUPED,
+    probe_fails("ValueError: pytree structure error"),
+  ),
+  "scale_by_simplified_ademamix": (
+    lambda: optax.contrib.scale_by_simplified_ademamix(),
+    GROUPED,
+    EXACT,
+  ),
+  "schedule_free": (
+    lambda: optax.contrib.schedule_free(optax.sgd(1e-2), 1e-2),
+    GROUPED,
+    unregistered("ScheduleFreeState"),
+  ),
+  "schedule_free_adamw": (
+    lambda: optax.contrib.schedule_free_adamw(),
+    GROUPED,
+    unregistered("ScheduleFreeState"),
+  ),
+  "schedule_free_sgd": (
+    lambda: optax.contrib.schedule_free_sgd(),
+    GROUPED,
+    unregistered("ScheduleFreeState"),
+  ),
+  "simplified_ademamix": (lambda: optax.contrib.simplified_ademamix(1e-2), GROUPED, EXACT),
+  "sophia": (lambda: optax.contrib.sophia(1e-2), GROUPED, unregistered("SophiaState")),
+  "split_real_and_imaginary": (
+    lambda: optax.contrib.split_real_and_imaginary(optax.adam(1e-2)),
+    GROUPED,
+    unregistered("SplitRealAndImaginaryState"),
+  ),
+  # chains
+  "rmsprop_centered_momentum": (
+    lambda: optax.rmsprop(1e-2, centered=True, momentum=0.9),
+    GROUPED,
+    EXACT,
+  ),
+  "adam_then_trace": (lambda: optax.chain(optax.scale_by_adam(), optax.trace(0.9)), GROUPED, EXACT),
+  "trust_ratio_then_trace": (lambda: TRUST, GROUPED, no_degree("TraceState", ".trace['b']")),
+  "trust_ratio_then_trace_per_tensor": (lambda: TRUST, PER_TENSOR, EXACT),
+  "lars_per_tensor": (lambda: optax.lars(1e-2), PER_TENSOR, EXACT),
+  "clip_then_adam": (
+    lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+    GROUPED,
+    no_degree("ScaleByAdamState", ".mu['b']"),
+  ),
+  "multisteps_adamax": (
+    lambda: optax.MultiSteps(optax.adamax(1e-2), 2).gradient_transformation(),
+    GROUPED,
+    EXACT,
+  ),
+  "inject_hyperparams_adamax": (
+    lambda: optax.inject_hyperparams(optax.adamax)(learning_rate=1e-2),
+    GROUPED,
+    EXACT,
+  ),
+  "masked_adamax": (lambda: optax.masked(optax.adamax(1e-2), MASK), GROUPED, EXACT),
+  "partition_adamax_rmsprop": (
+    lambda: optax.partition(
+      {"x": optax.adamax(1e-2), "r": optax.rmsprop(1e-2, centered=True, momentum=0.9)},
+      {"q": "x", "k": "r", "b": "x", "w": "r"},
+    ),
+    GROUPED,
+    EXACT,
+  ),
 }
 NOT_OPTIMIZERS = {  # contrib functions that build no GradientTransformation
-    "hutchinson_estimator_diag_hessian": "the Hessian estimator sophia calls",
-    "schedule_free_eval_params": "maps a schedule-free state to its evaluation parameters",
+  "hutchinson_estimator_diag_hessian": "the Hessian estimator sophia calls",
+  "schedule_free_eval_params": "maps a schedule-free state to its evaluation parameters",
 }
 
 
 def exported_optimizers():
   from optax._src import alias
+
   # vars(): optax's deprecated aliases (contrib functions) live in its __getattr__, which warns.
-  names = {n for n, f in vars(optax).items()
-           if n in optax.__all__ and inspect.isfunction(f) and f.__module__ == alias.__name__}
-  names |= {n for n in dir(optax.contrib) if inspect.isfunction(getattr(optax.contrib, n))
-            and getattr(optax.contrib, n).__module__.startswith("optax.contrib")}
+  names = {
+    n
+    for n, f in vars(optax).items()
+    if n in optax.__all__ and inspect.isfunction(f) and f.__module__ == alias.__name__
+  }
+  names |= {
+    n
+    for n in dir(optax.contrib)
+    if inspect.isfunction(getattr(optax.contrib, n))
+    and getattr(optax.contrib, n).__module__.startswith("optax.contrib")
+  }
   return names
 
 
@@ -269,8 +347,9 @@ def test_transport_is_the_equivalent_history_or_refused(name):
   assert_close(got, want, name)
 
 
-@pytest.mark.parametrize("name", ["adamax", "rmsprop_centered_momentum", "lars_per_tensor",
-                                  "partition_adamax_rmsprop"])
+@pytest.mark.parametrize(
+  "name", ["adamax", "rmsprop_centered_momentum", "lars_per_tensor", "partition_adamax_rmsprop"]
+)
 def test_chain_steps_from_the_equivalent_history(name):
   """One update of saggs.chain balances by factors c and steps: the inner state it reaches
   is the state of the equivalent history at T_c p, followed by the step at T_c p."""
@@ -278,8 +357,9 @@ def test_chain_steps_from_the_equivalent_history(name):
   opt = make(name)
   tx = saggs.chain(opt, saggs.saggs(pairs))
   last = away_from_zero(4)
-  _, (inner, balancing) = jax.jit(tx.update)(last, (oracle(opt, pairs)[0], tx.init(PARAMS)[1]),
-                                               PARAMS)
+  _, (inner, balancing) = jax.jit(tx.update)(
+    last, (oracle(opt, pairs)[0], tx.init(PARAMS)[1]), PARAMS
+  )
   c = np.asarray(balancing.factors["q|k"], np.float64)
   c = c if pairs is PER_TENSOR else np.repeat(c, 2)
   mults = {"q": c, "k": 1 / c, "b": c}
@@ -291,7 +371,7 @@ def test_chain_inside_inject_hyperparams_warns_that_it_cannot_measure():
   """inject_hyperparams around a whole chain makes its rate a tracer of the jitted init, which
   the probe cannot evaluate: the registered degrees are used, and it says so."""
   tx = optax.inject_hyperparams(
-      lambda learning_rate: saggs.chain(optax.adamax(learning_rate), saggs.saggs(GROUPED)))(
-          learning_rate=1e-2)
+    lambda learning_rate: saggs.chain(optax.adamax(learning_rate), saggs.saggs(GROUPED))
+  )(learning_rate=1e-2)
   with pytest.warns(UserWarning, match="could not measure the transport degrees"):
     jax.jit(tx.init)(PARAMS)

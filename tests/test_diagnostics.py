@@ -40,9 +40,12 @@ def test_gelu_mlp_is_a_non_homogeneous_activation():
   message = failure(models.gelu_mlp_forward, models.gelu_mlp_init(), UP_DOWN, X)
   near, far = measured(message, f"{NUMBER} with c within 5% of 1 and {NUMBER} with c up to 4")
   assert far > 3 * near
-  assert re.search(r"Likely cause: the deviation grows with c and no other group axis, grouping"
-                   r" or follower is exact, so a function that is not positively homogeneous"
-                   r" sits between 'mlp/up/kernel' and 'mlp/down/kernel'", message), message
+  assert re.search(
+    r"Likely cause: the deviation grows with c and no other group axis, grouping"
+    r" or follower is exact, so a function that is not positively homogeneous"
+    r" sits between 'mlp/up/kernel' and 'mlp/down/kernel'",
+    message,
+  ), message
   assert "normalization" not in message and "QK-norm" not in message
 
 
@@ -55,25 +58,40 @@ def normed_mlp(p, x):
 
 def test_norm_between_the_two_sides():
   message = failure(normed_mlp, models.gelu_mlp_init(), UP_DOWN, X)
-  alone_a, alone_b = measured(message, f"'mlp/up/kernel' alone x2: {NUMBER}, 'mlp/down/kernel'"
-                                       f" alone /2: {NUMBER}")
+  alone_a, alone_b = measured(
+    message, f"'mlp/up/kernel' alone x2: {NUMBER}, 'mlp/down/kernel' alone /2: {NUMBER}"
+  )
   assert alone_a < 1e-5 < 0.1 < alone_b
-  assert re.search(r"Likely cause: 'mlp/up/kernel' is scale-invariant on its own: a"
-                   r" normalization follows it \(a norm between 'mlp/up/kernel' and"
-                   r" 'mlp/down/kernel'\)", message), message
+  assert re.search(
+    r"Likely cause: 'mlp/up/kernel' is scale-invariant on its own: a"
+    r" normalization follows it \(a norm between 'mlp/up/kernel' and"
+    r" 'mlp/down/kernel'\)",
+    message,
+  ), message
 
 
 def test_qk_norm_across_heads_makes_each_side_invariant():
   params, toks = models.llama_init(0, QK_NORM), models.tokens(0, c=QK_NORM)
   message = failure(qk_norm_forward, params, models.llama_pairs(QK_NORM), toks)
-  assert re.search(r"'layers/0/attn/q_proj/kernel' and 'layers/0/attn/k_proj/kernel' are each"
-                   r" scale-invariant.*With one factor per tensor the pair is a symmetry, but"
-                   r" balancing it is moot", message), message
+  assert re.search(
+    r"'layers/0/attn/q_proj/kernel' and 'layers/0/attn/k_proj/kernel' are each"
+    r" scale-invariant.*With one factor per tensor the pair is a symmetry, but"
+    r" balancing it is moot",
+    message,
+  ), message
   # Both claims, checked directly: Q alone times 3 changes nothing, and one factor
   # per tensor (axes=None) is exact.
   attn = params["layers"]["0"]["attn"]
-  scaled = {**params, "layers": {**params["layers"], "0": {**params["layers"]["0"], "attn": {
-      **attn, "q_proj": {"kernel": 3 * attn["q_proj"]["kernel"]}}}}}
+  scaled = {
+    **params,
+    "layers": {
+      **params["layers"],
+      "0": {
+        **params["layers"]["0"],
+        "attn": {**attn, "q_proj": {"kernel": 3 * attn["q_proj"]["kernel"]}},
+      },
+    },
+  }
   models.assert_same_output(qk_norm_forward(scaled, toks), qk_norm_forward(params, toks))
   whole = [saggs.Pair("q_proj/kernel", "k_proj/kernel")]
   assert max(saggs.check_symmetry(qk_norm_forward, params, whole, toks).values()) < 1e-5
@@ -84,8 +102,9 @@ class PerHeadQKNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    return nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8, normalize_qk=True,
-                                           name="attn")(x)
+    return nn.MultiHeadDotProductAttention(
+      num_heads=2, qkv_features=8, normalize_qk=True, name="attn"
+    )(x)
 
 
 def test_per_head_qk_norm_keeps_the_pair_exact():
@@ -104,8 +123,11 @@ def test_wrong_axes_are_named_with_the_exact_ones():
   params, toks = models.llama_init(0), models.tokens(0)
   wrong = [saggs.Pair("up_proj/kernel", "down_proj/kernel", axes=(0, 1))]
   message = failure(models.llama_forward, params, wrong, toks)
-  assert re.search(r"Likely cause: the group axes: with axes=\(1, 0\) \(declared: \(0, 1\)\) the"
-                   r" pair is exact", message), message
+  assert re.search(
+    r"Likely cause: the group axes: with axes=\(1, 0\) \(declared: \(0, 1\)\) the"
+    r" pair is exact",
+    message,
+  ), message
   assert "groups deviating when rescaled alone: all of 8 probed (16 in all)" in message
   fixed = [saggs.Pair("up_proj/kernel", "down_proj/kernel", axes=(1, 0))]
   assert max(saggs.check_symmetry(models.llama_forward, params, fixed, toks).values()) < 1e-5
@@ -116,16 +138,24 @@ def test_wrong_grouping_is_named_with_the_exact_one():
   params, toks = models.llama_init(0), models.tokens(0)
   per_head = [saggs.Pair("q_proj/kernel", "k_proj/kernel", axes=(1, 1), groups=4)]
   message = failure(models.llama_forward, params, per_head, toks)
-  assert re.search(r"Likely cause: the grouping: with groups=2 \(declared: 4 groups\) the pair"
-                   r" is exact", message), message
+  assert re.search(
+    r"Likely cause: the grouping: with groups=2 \(declared: 4 groups\) the pair"
+    r" is exact",
+    message,
+  ), message
 
 
 RNG = np.random.default_rng(1)
 RELU_PARAMS = {
-    "fc1": {"kernel": jnp.asarray(RNG.standard_normal((models.CONFIG.d_model, 8)), jnp.float32),
-            "bias": jnp.asarray(RNG.standard_normal(8), jnp.float32)},
-    "fc2": {"kernel": jnp.asarray(RNG.standard_normal((8, 3)), jnp.float32),
-            "bias": jnp.asarray(RNG.standard_normal(3), jnp.float32)}}
+  "fc1": {
+    "kernel": jnp.asarray(RNG.standard_normal((models.CONFIG.d_model, 8)), jnp.float32),
+    "bias": jnp.asarray(RNG.standard_normal(8), jnp.float32),
+  },
+  "fc2": {
+    "kernel": jnp.asarray(RNG.standard_normal((8, 3)), jnp.float32),
+    "bias": jnp.asarray(RNG.standard_normal(3), jnp.float32),
+  },
+}
 
 
 def relu_mlp(p, x):
@@ -133,12 +163,18 @@ def relu_mlp(p, x):
   return h @ p["fc2"]["kernel"] + p["fc2"]["bias"]
 
 
-@pytest.mark.parametrize("declared, hint", [
+@pytest.mark.parametrize(
+  "declared, hint",
+  [
     (dict(axes=(1, 0)), "a follower left out: with 'fc1/bias' in follow_a the pair is exact"),
     # One factor per tensor, and the output bias moved as if it were part of fc2.
-    (dict(follow_a="fc1/bias", follow_b="fc2/bias"),
-     "a follower too many: without 'fc2/bias' in follow_b the pair is exact"),
-], ids=["missing", "wrong side"])
+    (
+      dict(follow_a="fc1/bias", follow_b="fc2/bias"),
+      "a follower too many: without 'fc2/bias' in follow_b the pair is exact",
+    ),
+  ],
+  ids=["missing", "wrong side"],
+)
 def test_biases_are_named(declared, hint):
   message = failure(relu_mlp, RELU_PARAMS, [saggs.Pair("fc1/kernel", "fc2/kernel", **declared)], X)
   assert f"Likely cause: {hint}" in message, message
@@ -168,6 +204,7 @@ def test_rounding_noise_asks_for_a_larger_rtol():
   near, far = measured(message, f"{NUMBER} with c within 5% of 1 and {NUMBER} with c up to 4")
   assert far < 3 * near
   assert "Likely cause: the deviation hardly depends on c, so it is rounding noise" in message
-  deviations = saggs.check_symmetry(models.llama_forward, params, models.llama_pairs(),
-                                    models.tokens(0), rtol=3e-2)
+  deviations = saggs.check_symmetry(
+    models.llama_forward, params, models.llama_pairs(), models.tokens(0), rtol=3e-2
+  )
   assert max(deviations.values()) < 3e-2

@@ -38,7 +38,9 @@ def gaussian(shape, seed=0):
 def test_polar_takes_muon_dimension_numbers_like_its_axes_and_a_numpy_oracle():
   # (out0, batch, out1, red): tuples, a negative axis and a batch axis in the middle.
   g = {"w": gaussian((4, 3, 2, 6))}
-  dims = one_step(eqv.scale_by_polar(MDN(reduction_axis=-1, output_axis=(0, 2)), beta=0.0, **EXACT_NS), g)
+  dims = one_step(
+    eqv.scale_by_polar(MDN(reduction_axis=-1, output_axis=(0, 2)), beta=0.0, **EXACT_NS), g
+  )
   axes = one_step(eqv.scale_by_polar(3, (0, 2), 1, beta=0.0, **EXACT_NS), g)
   np.testing.assert_array_equal(dims["w"], axes["w"])
   # Oracle: rows = axis 3, columns = axes (0, 2) in that order, one matrix per index of axis 1.
@@ -74,12 +76,17 @@ def test_unit_rules_take_unit_dimension_numbers_like_their_axes():
   assert muon_style.to_muon(units="output") == MDN(-2, -1)
 
 
-@pytest.mark.parametrize("make, match", [
+@pytest.mark.parametrize(
+  "make, match",
+  [
     (lambda: eqv.scale_by_polar(MDN(0, (1, 0))), "'w' of shape \\(3, 4\\).*overlap"),
     (lambda: eqv.scale_by_polar(MDN(0, 2)), "'w' of shape \\(3, 4\\).*out of range"),
-    (lambda: eqv.scale_by_row_norm(eqv.UnitDimensionNumbers(0, feature_axis=1, batch_axis=1)),
-     "'w' of shape \\(3, 4\\).*do not partition rank 2"),
-])
+    (
+      lambda: eqv.scale_by_row_norm(eqv.UnitDimensionNumbers(0, feature_axis=1, batch_axis=1)),
+      "'w' of shape \\(3, 4\\).*do not partition rank 2",
+    ),
+  ],
+)
 def test_bad_dimension_numbers_name_the_parameter(make, match):
   tx = make()
   with pytest.raises(ValueError, match=match):
@@ -101,8 +108,11 @@ def test_dimension_numbers_misuse_is_refused_at_construction():
 
 
 def test_muon_dimension_numbers_tree_and_its_errors():
-  params = {"a": {"kernel": jnp.ones((2, 3))}, "b": {"kernel": jnp.ones((2, 3, 4))},
-            "norm": jnp.ones(3)}
+  params = {
+    "a": {"kernel": jnp.ones((2, 3))},
+    "b": {"kernel": jnp.ones((2, 3, 4))},
+    "norm": jnp.ones(3),
+  }
   tree = saggs.muon_dimension_numbers(params, {"a/kernel": MDN(0, 1), "b/kernel": MDN(-2, -1)})
   assert tree == {"a": {"kernel": MDN(0, 1)}, "b": {"kernel": MDN(-2, -1)}, "norm": None}
   with pytest.raises(ValueError, match="'norm' of shape \\(3,\\)"):
@@ -115,15 +125,20 @@ def test_muon_dimension_numbers_tree_and_its_errors():
 
 def test_gpt2_preset_reads_conv1d_kernels_as_out_by_in_and_honours_prefix():
   d = 4
-  block = {"attn": {"c_attn": {"kernel": jnp.ones((3 * d, d)), "bias": jnp.ones(3 * d)},
-                    "c_proj": {"kernel": jnp.ones((d, d))}},
-           "mlp": {"c_fc": {"kernel": jnp.ones((4 * d, d))}, "c_proj": {"kernel": jnp.ones((d, 4 * d))}},
-           "ln_1": {"scale": jnp.ones(d)}}
+  block = {
+    "attn": {
+      "c_attn": {"kernel": jnp.ones((3 * d, d)), "bias": jnp.ones(3 * d)},
+      "c_proj": {"kernel": jnp.ones((d, d))},
+    },
+    "mlp": {"c_fc": {"kernel": jnp.ones((4 * d, d))}, "c_proj": {"kernel": jnp.ones((d, 4 * d))}},
+    "ln_1": {"scale": jnp.ones(d)},
+  }
   params = {"h": {"0": block, "1": block}, "wte": {"embedding": jnp.ones((16, d))}}
   tree = by_path(saggs.presets.muon_dimension_numbers(params, "gpt2", prefix="h/1"))
   kernels = ("attn/c_attn", "attn/c_proj", "mlp/c_fc", "mlp/c_proj")
   assert {p: v for p, v in tree.items() if v is not None} == {
-      f"h/1/{k}/kernel": MDN(reduction_axis=-1, output_axis=-2) for k in kernels}
+    f"h/1/{k}/kernel": MDN(reduction_axis=-1, output_axis=-2) for k in kernels
+  }
   with pytest.raises(ValueError, match="Unknown layout 'gpt3'"):
     saggs.presets.muon_dimension_numbers(params, "gpt3")
 
@@ -134,13 +149,24 @@ def scanned_lm():
   return params, saggs.discover(forward, params, dm.lm_tokens())
 
 
-HIDDEN = ("attn/q_proj", "attn/k_proj", "attn/v_proj", "attn/o_proj",
-          "mlp/gate_proj", "mlp/up_proj", "mlp/down_proj")
+HIDDEN = (
+  "attn/q_proj",
+  "attn/k_proj",
+  "attn/v_proj",
+  "attn/o_proj",
+  "mlp/gate_proj",
+  "mlp/up_proj",
+  "mlp/down_proj",
+)
 
 
 def by_path(tree):
-  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None or isinstance(x, MDN))[0]
-  return {jax.tree_util.keystr(k, simple=True, separator="/").removesuffix("/value"): v for k, v in flat}
+  flat = jax.tree_util.tree_flatten_with_path(
+    tree, is_leaf=lambda x: x is None or isinstance(x, MDN)
+  )[0]
+  return {
+    jax.tree_util.keystr(k, simple=True, separator="/").removesuffix("/value"): v for k, v in flat
+  }
 
 
 def test_discovery_and_llama_preset_emit_the_hidden_matrices(scanned_lm):
@@ -160,14 +186,31 @@ def test_optax_muon_with_the_discovered_tree_equals_the_polar_rule(scanned_lm):
   weights; the bias correction of plain momentum is a scale the normaliser removes)."""
   params, found = scanned_lm
   lr, wd, beta, eps = 0.01, 0.1, 0.9, 1e-8
-  muon = optax.contrib.muon(lr, ns_coeffs=eqv.QUINTIC[0], ns_steps=5, beta=beta, eps=eps,
-                            weight_decay=wd, adam_weight_decay=wd, nesterov=False,
-                            muon_weight_dimension_numbers=found.muon_dimension_numbers(params))
-  rule = eqv.scale_by_polar(MDN(-2, -1), beta=beta, nesterov=False, ns_coeffs=eqv.CoefficientSet(
-      eqv.QUINTIC, headroom=1.0), ns_steps=5, ns_dtype=jnp.float32, eps=eps, eps_form="add")
+  muon = optax.contrib.muon(
+    lr,
+    ns_coeffs=eqv.QUINTIC[0],
+    ns_steps=5,
+    beta=beta,
+    eps=eps,
+    weight_decay=wd,
+    adam_weight_decay=wd,
+    nesterov=False,
+    muon_weight_dimension_numbers=found.muon_dimension_numbers(params),
+  )
+  rule = eqv.scale_by_polar(
+    MDN(-2, -1),
+    beta=beta,
+    nesterov=False,
+    ns_coeffs=eqv.CoefficientSet(eqv.QUINTIC, headroom=1.0),
+    ns_steps=5,
+    ns_dtype=jnp.float32,
+    eps=eps,
+    eps_form="add",
+  )
   hidden = [p for r in ("query", "key_value", "output", "gate_up", "down") for p in found.roles[r]]
-  library = eqv.layerwise({tuple(hidden): eqv.optimizer(rule, lr, wd)},
-                          default=optax.adamw(lr, eps=eps, weight_decay=wd))
+  library = eqv.layerwise(
+    {tuple(hidden): eqv.optimizer(rule, lr, wd)}, default=optax.adamw(lr, eps=eps, weight_decay=wd)
+  )
 
   def run(tx):
     @jax.jit
@@ -185,30 +228,48 @@ def test_optax_muon_with_the_discovered_tree_equals_the_polar_rule(scanned_lm):
   for path in want:
     np.testing.assert_allclose(got[path], want[path], atol=2e-6, rtol=0, err_msg=path)
     moved += any(path.startswith(f"layers/{m}") for m in HIDDEN) and not np.allclose(
-        want[path], by_path(params)[path], atol=1e-3)
+      want[path], by_path(params)[path], atol=1e-3
+    )
   assert moved == len(HIDDEN)
 
 
 def test_flax_mha_preset_orthogonalises_each_head_in_optax_and_the_library():
   # (layers, d, H, hd) query and (layers, H, hd, d) output kernels of a scanned MHA.
-  g = {"attn": {"query": {"kernel": gaussian((2, 8, 2, 4), 3)}, "out": {"kernel": gaussian((2, 2, 4, 8), 4)}},
-       "ln": {"scale": gaussian((2, 8), 5)}}
+  g = {
+    "attn": {
+      "query": {"kernel": gaussian((2, 8, 2, 4), 3)},
+      "out": {"kernel": gaussian((2, 2, 4, 8), 4)},
+    },
+    "ln": {"scale": gaussian((2, 8), 5)},
+  }
   tree = saggs.presets.muon_dimension_numbers(g, "flax_mha")
   assert tree["ln"]["scale"] is None
-  muon = optax.contrib.muon(1.0, ns_coeffs=eqv.QUINTIC[0], beta=0.0, nesterov=False,
-                            muon_weight_dimension_numbers=tree)
+  muon = optax.contrib.muon(
+    1.0, ns_coeffs=eqv.QUINTIC[0], beta=0.0, nesterov=False, muon_weight_dimension_numbers=tree
+  )
   got = one_step(muon, g)
   for leaf in ("query", "out"):
     dims = tree["attn"][leaf]["kernel"]
-    rule = eqv.scale_by_polar(dims, beta=0.0, ns_coeffs=eqv.CoefficientSet(eqv.QUINTIC, 1.0),
-                              ns_dtype=jnp.float32, eps=1e-8, eps_form="add")
+    rule = eqv.scale_by_polar(
+      dims,
+      beta=0.0,
+      ns_coeffs=eqv.CoefficientSet(eqv.QUINTIC, 1.0),
+      ns_dtype=jnp.float32,
+      eps=1e-8,
+      eps_form="add",
+    )
     want = one_step(rule, g["attn"][leaf]["kernel"])
     np.testing.assert_allclose(-got["attn"][leaf]["kernel"], want, atol=2e-6)
   # One matrix per (layer, head), mapped by the quintic: U f(S / ||X||) V^T in float64.
-  for leaf, index, factor in (("query", np.s_[1, :, 0, :], 1.0), ("out", np.s_[1, 0], np.sqrt(2.0))):
+  for leaf, index, factor in (
+    ("query", np.s_[1, :, 0, :], 1.0),
+    ("out", np.s_[1, 0], np.sqrt(2.0)),
+  ):
     x = np.asarray(g["attn"][leaf]["kernel"][index], np.float64)
     u, s, vt = np.linalg.svd(x, full_matrices=False)
     s = s / np.linalg.norm(x)
     for _ in range(5):
       s = sum(c * s**k for c, k in zip(eqv.QUINTIC[0], (1, 3, 5)))
-    np.testing.assert_allclose(-got["attn"][leaf]["kernel"][index], factor * (u * s) @ vt, atol=1e-5)
+    np.testing.assert_allclose(
+      -got["attn"][leaf]["kernel"][index], factor * (u * s) @ vt, atol=1e-5
+    )

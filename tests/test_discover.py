@@ -23,17 +23,20 @@ from saggs_jax.discovery import Discovery, Rejected, discover
 QKN = models.Config(qk_norm=True)
 
 MODELS = {  # name -> () -> (forward, params, *inputs)
-    "lm": lambda: (*dm.nnx_lm(scanned=False), dm.lm_tokens()),
-    "lm_scanned": lambda: (*dm.nnx_lm(scanned=True), dm.lm_tokens()),
-    "linen_mha": dm.linen_mha,
-    "nnx_mha": dm.nnx_mha,
-    "gpt2": lambda: (dm.gpt2_forward, dm.gpt2_init(), dm.tokens()),
-    "qk_norm": lambda: (functools.partial(models.llama_forward, c=QKN), models.llama_init(0, QKN),
-                        models.tokens(c=QKN)),
-    "geglu": lambda: (dm.geglu_forward, dm.geglu_init(), dm.inputs()),
-    "moe": lambda: (dm.moe_forward, dm.moe_init(), dm.inputs()),
-    "tied": lambda: (dm.tied_forward, dm.tied_init(), dm.tokens()),
-    "norm_between": lambda: (dm.norm_between_forward, dm.norm_between_init(), dm.inputs()),
+  "lm": lambda: (*dm.nnx_lm(scanned=False), dm.lm_tokens()),
+  "lm_scanned": lambda: (*dm.nnx_lm(scanned=True), dm.lm_tokens()),
+  "linen_mha": dm.linen_mha,
+  "nnx_mha": dm.nnx_mha,
+  "gpt2": lambda: (dm.gpt2_forward, dm.gpt2_init(), dm.tokens()),
+  "qk_norm": lambda: (
+    functools.partial(models.llama_forward, c=QKN),
+    models.llama_init(0, QKN),
+    models.tokens(c=QKN),
+  ),
+  "geglu": lambda: (dm.geglu_forward, dm.geglu_init(), dm.inputs()),
+  "moe": lambda: (dm.moe_forward, dm.moe_init(), dm.inputs()),
+  "tied": lambda: (dm.tied_forward, dm.tied_init(), dm.tokens()),
+  "norm_between": lambda: (dm.norm_between_forward, dm.norm_between_init(), dm.inputs()),
 }
 
 
@@ -52,23 +55,36 @@ def found(name) -> Discovery:
 def llama_found(stacked: int, gate="gate_proj", up="up_proj", down="down_proj", **names):
   """The symmetries of a LLaMA layer with 2 KV heads, as declared by hand."""
   return {
-      saggs.Pair("q_proj/kernel", "k_proj/kernel", axes=(1, 1), groups=2, stacked=stacked,
-                 name="attention Q/K"),
-      saggs.Pair("v_proj/kernel", "o_proj/kernel", axes=(1, 0), groups=2, stacked=stacked,
-                 name="attention V/O"),
-      saggs.Pair(f"{up}/kernel", f"{down}/kernel", axes=(1, 0), stacked=stacked,
-                 name="gated MLP up/down"),
-      saggs.Pair("attn_norm/scale", ("attn/q_proj/kernel", "attn/k_proj/kernel",
-                                     "attn/v_proj/kernel"), axes=(0, 0), stacked=stacked,
-                 name="norm gain"),
-      saggs.Pair("mlp_norm/scale", (f"mlp/{gate}/kernel", f"mlp/{up}/kernel"), axes=(0, 0),
-                 stacked=stacked, name="norm gain"),
-      saggs.Pair("final_norm/scale", "lm_head/kernel", axes=(0, 0), name="norm gain"),
+    saggs.Pair(
+      "q_proj/kernel", "k_proj/kernel", axes=(1, 1), groups=2, stacked=stacked, name="attention Q/K"
+    ),
+    saggs.Pair(
+      "v_proj/kernel", "o_proj/kernel", axes=(1, 0), groups=2, stacked=stacked, name="attention V/O"
+    ),
+    saggs.Pair(
+      f"{up}/kernel", f"{down}/kernel", axes=(1, 0), stacked=stacked, name="gated MLP up/down"
+    ),
+    saggs.Pair(
+      "attn_norm/scale",
+      ("attn/q_proj/kernel", "attn/k_proj/kernel", "attn/v_proj/kernel"),
+      axes=(0, 0),
+      stacked=stacked,
+      name="norm gain",
+    ),
+    saggs.Pair(
+      "mlp_norm/scale",
+      (f"mlp/{gate}/kernel", f"mlp/{up}/kernel"),
+      axes=(0, 0),
+      stacked=stacked,
+      name="norm gain",
+    ),
+    saggs.Pair("final_norm/scale", "lm_head/kernel", axes=(0, 0), name="norm gain"),
   }
 
 
 # ---------------------------------------------------------------------------
 # The oracle: an orbit move by hand.
+
 
 def _side(patterns, axes):
   patterns = (patterns,) if isinstance(patterns, (str, saggs.Block)) else patterns
@@ -94,8 +110,10 @@ def orbit_move(params, pairs, seed=0, spread=1.5):
   values = {path: np.asarray(x, np.float64) for path, x in models.leaf_dict(params).items()}
   for pair in pairs:
     instances = {}
-    for sign, side, followers in ((1, _side(pair.a, pair.axes[0]), pair.follow_a),
-                                  (-1, _side(pair.b, pair.axes[1]), pair.follow_b)):
+    for sign, side, followers in (
+      (1, _side(pair.a, pair.axes[0]), pair.follow_a),
+      (-1, _side(pair.b, pair.axes[1]), pair.follow_b),
+    ):
       for k, (pattern, axis) in enumerate(side + [(f, None) for f in followers]):
         block = pattern if isinstance(pattern, saggs.Block) else None
         for path in values:
@@ -108,7 +126,7 @@ def orbit_move(params, pairs, seed=0, spread=1.5):
       path0, index0, axis0 = kernel[1]
       shape0 = values[path0][index0].shape
       groups = pair.groups or shape0[pair.stacked + axis0]
-      factors = np.exp(rng.uniform(-spread, spread, shape0[:pair.stacked] + (groups,)))
+      factors = np.exp(rng.uniform(-spread, spread, shape0[: pair.stacked] + (groups,)))
       for path, index, sign, axis, _ in members:
         x = values[path][index]
         if axis is None and x.ndim == pair.stacked + 1:  # a follower, a bias: along its axis
@@ -118,12 +136,14 @@ def orbit_move(params, pairs, seed=0, spread=1.5):
           axis = pair.stacked + kaxis - (values[kpath].ndim - x.ndim)
         else:
           axis = pair.stacked + axis
-        f = np.repeat(factors ** sign, x.shape[axis] // groups, axis=-1)
+        f = np.repeat(factors**sign, x.shape[axis] // groups, axis=-1)
         values[path] = values[path].copy()
-        values[path][index] = x * f.reshape(f.shape[:-1] + (1,) * (axis - pair.stacked) + (-1,)
-                                            + (1,) * (x.ndim - axis - 1))
+        values[path][index] = x * f.reshape(
+          f.shape[:-1] + (1,) * (axis - pair.stacked) + (-1,) + (1,) * (x.ndim - axis - 1)
+        )
   return jax.tree_util.tree_map_with_path(
-      lambda kp, x: jnp.asarray(values[saggs.paths.path_str(kp)], x.dtype), params)
+    lambda kp, x: jnp.asarray(values[saggs.paths.path_str(kp)], x.dtype), params
+  )
 
 
 def deviation(name, pairs, seed=0):
@@ -142,6 +162,7 @@ def rejected(name):
 # ---------------------------------------------------------------------------
 # The models.
 
+
 @pytest.mark.parametrize("name, stacked", [("lm", 0), ("lm_scanned", 1)])
 def test_example_llama(name, stacked):
   d = found(name)
@@ -149,10 +170,12 @@ def test_example_llama(name, stacked):
   assert len(d) == 6
   # The attention and MLP pairs are the hand-written preset's, up to their names.
   unnamed = {p.__class__(**{**p.__dict__, "name": None}) for p in d}
-  assert {p.__class__(**{**p.__dict__, "name": None})
-          for p in saggs.presets.llama(2, stacked=stacked)} <= unnamed
-  assert rejected(name) == {("gate_proj/kernel", "down_proj/kernel"):
-                            "not positively homogeneous: logistic between them"}
+  assert {
+    p.__class__(**{**p.__dict__, "name": None}) for p in saggs.presets.llama(2, stacked=stacked)
+  } <= unnamed
+  assert rejected(name) == {
+    ("gate_proj/kernel", "down_proj/kernel"): "not positively homogeneous: logistic between them"
+  }
   assert deviation(name, d) < 1e-5
 
 
@@ -166,19 +189,38 @@ def test_flax_attention_is_the_preset(name):
 def test_gpt2_finds_attention_and_rejects_the_gelu_mlp():
   d = found("gpt2")
   assert set(d) == {
-      saggs.Pair("q/kernel", "k/kernel", axes=(1, 1), follow_a=("q/bias",), follow_b=("k/bias",),
-                 name="attention Q/K"),
-      saggs.Pair("attn/v/kernel", "attn/proj/kernel", axes=(1, 0), follow_a=("attn/v/bias",),
-                 name="attention V/O"),
-      saggs.Pair("ln_1/scale", ("attn/q/kernel", "attn/k/kernel", "attn/v/kernel"), axes=(0, 0),
-                 follow_a=("ln_1/bias",), name="norm gain"),
-      saggs.Pair("ln_2/scale", "mlp/fc/kernel", axes=(0, 0), follow_a=("ln_2/bias",),
-                 name="norm gain"),
-      saggs.Pair("ln_f/scale", "lm_head/kernel", axes=(0, 0), follow_a=("ln_f/bias",),
-                 name="norm gain"),
+    saggs.Pair(
+      "q/kernel",
+      "k/kernel",
+      axes=(1, 1),
+      follow_a=("q/bias",),
+      follow_b=("k/bias",),
+      name="attention Q/K",
+    ),
+    saggs.Pair(
+      "attn/v/kernel",
+      "attn/proj/kernel",
+      axes=(1, 0),
+      follow_a=("attn/v/bias",),
+      name="attention V/O",
+    ),
+    saggs.Pair(
+      "ln_1/scale",
+      ("attn/q/kernel", "attn/k/kernel", "attn/v/kernel"),
+      axes=(0, 0),
+      follow_a=("ln_1/bias",),
+      name="norm gain",
+    ),
+    saggs.Pair(
+      "ln_2/scale", "mlp/fc/kernel", axes=(0, 0), follow_a=("ln_2/bias",), name="norm gain"
+    ),
+    saggs.Pair(
+      "ln_f/scale", "lm_head/kernel", axes=(0, 0), follow_a=("ln_f/bias",), name="norm gain"
+    ),
   }
-  assert rejected("gpt2") == {("fc/kernel", "proj/kernel"):
-                              "not positively homogeneous: integer_pow, tanh between them"}
+  assert rejected("gpt2") == {
+    ("fc/kernel", "proj/kernel"): "not positively homogeneous: integer_pow, tanh between them"
+  }
   assert deviation("gpt2", d) < 1e-5
   # The oracle does see a broken symmetry: the GELU MLP's up/down move changes the output.
   gelu = saggs.Pair("mlp/fc/kernel", "mlp/proj/kernel", axes=(1, 0), follow_a=("mlp/fc/bias",))
@@ -186,17 +228,20 @@ def test_gpt2_finds_attention_and_rejects_the_gelu_mlp():
 
 
 def test_geglu_pairs_up_with_down_and_leaves_the_gate_out():
-  assert list(found("geglu")) == [saggs.Pair("up/kernel", "down/kernel", axes=(1, 0),
-                                             name="gated MLP up/down")]
-  assert rejected("geglu") == {("gate/kernel", "down/kernel"):
-                               "not positively homogeneous: erfc between them"}
+  assert list(found("geglu")) == [
+    saggs.Pair("up/kernel", "down/kernel", axes=(1, 0), name="gated MLP up/down")
+  ]
+  assert rejected("geglu") == {
+    ("gate/kernel", "down/kernel"): "not positively homogeneous: erfc between them"
+  }
   assert deviation("geglu", found("geglu")) < 1e-5
 
 
 def test_qk_norm_is_moot_and_its_gains_pair_per_kv_head():
   d = found("qk_norm")
-  assert saggs.Pair("q_norm/scale", "k_norm/scale", axes=(0, 0), groups=2,
-                    name="attention Q/K") in d
+  assert (
+    saggs.Pair("q_norm/scale", "k_norm/scale", axes=(0, 0), groups=2, name="attention Q/K") in d
+  )
   assert not any("q_proj/kernel" in (p.a, p.b) for p in d)
   reasons = rejected("qk_norm")
   assert reasons[("q_proj/kernel", "k_proj/kernel")].startswith("moot: each side is scale-inv")
@@ -206,10 +251,10 @@ def test_qk_norm_is_moot_and_its_gains_pair_per_kv_head():
 def test_moe_experts_are_stacked_and_the_norm_gain_reaches_router_and_experts():
   d = found("moe")
   assert set(d) == {
-      saggs.Pair("norm/scale", ("router/kernel", "experts/w_up"), axes=(0, (0, 1)),
-                 name="norm gain"),
-      saggs.Pair("w_up", "w_down", axes=(1, 0), stacked=1,
-                 name="ReLU MLP up/down (positive factors)"),
+    saggs.Pair("norm/scale", ("router/kernel", "experts/w_up"), axes=(0, (0, 1)), name="norm gain"),
+    saggs.Pair(
+      "w_up", "w_down", axes=(1, 0), stacked=1, name="ReLU MLP up/down (positive factors)"
+    ),
   }
   assert found("moe").rejected == ()
   assert deviation("moe", d) < 1e-5
@@ -218,9 +263,8 @@ def test_moe_experts_are_stacked_and_the_norm_gain_reaches_router_and_experts():
 def test_tied_embedding_is_rejected_with_its_reason():
   d = found("tied")
   assert set(d) == {
-      saggs.Pair("mlp_norm/scale", "mlp/up/kernel", axes=(0, 0), name="norm gain"),
-      saggs.Pair("up/kernel", "down/kernel", axes=(1, 0),
-                 name="ReLU MLP up/down (positive factors)"),
+    saggs.Pair("mlp_norm/scale", "mlp/up/kernel", axes=(0, 0), name="norm gain"),
+    saggs.Pair("up/kernel", "down/kernel", axes=(1, 0), name="ReLU MLP up/down (positive factors)"),
   }
   reason = rejected("tied")[("final_norm/scale", "embed/embedding")]
   assert reason.startswith("weight tying: 'embed/embedding' is also used elsewhere")
@@ -231,13 +275,25 @@ def test_tied_embedding_is_rejected_with_its_reason():
 
 def test_a_norm_between_two_linears_breaks_their_pair():
   d = found("norm_between")
-  assert list(d) == [saggs.Pair("norm/scale", "down/kernel", axes=(0, 0), follow_a=("norm/bias",),
-                                name="norm gain (positive factors)")]
+  assert list(d) == [
+    saggs.Pair(
+      "norm/scale",
+      "down/kernel",
+      axes=(0, 0),
+      follow_a=("norm/bias",),
+      name="norm gain (positive factors)",
+    )
+  ]
   assert rejected("norm_between")[("up/kernel", "down/kernel")].startswith(
-      "a normalization between them")
+    "a normalization between them"
+  )
   assert deviation("norm_between", d) < 1e-5
-  assert deviation("norm_between", [saggs.Pair("up/kernel", "down/kernel", axes=(1, 0),
-                                               follow_a=("up/bias",))]) > 1e-2
+  assert (
+    deviation(
+      "norm_between", [saggs.Pair("up/kernel", "down/kernel", axes=(1, 0), follow_a=("up/bias",))]
+    )
+    > 1e-2
+  )
 
 
 def test_a_candidate_the_numbers_refute_is_rejected(monkeypatch):
@@ -248,11 +304,13 @@ def test_a_candidate_the_numbers_refute_is_rejected(monkeypatch):
   d = discover(forward, params, x)
   assert not any(p.a == "up/kernel" for p in d)
   assert {(r.a, r.b): r.reason for r in d.rejected}[("up/kernel", "down/kernel")] == (
-      "the jaxpr suggests it, but random factors change the output")
+    "the jaxpr suggests it, but random factors change the output"
+  )
 
 
 # ---------------------------------------------------------------------------
 # The result as a declaration.
+
 
 def test_repr_rebuilds_the_discovery():
   d = found("qk_norm")
@@ -262,14 +320,16 @@ def test_repr_rebuilds_the_discovery():
 
 
 def test_report_lists_found_and_rejected():
-  assert found("norm_between").report() == "\n".join([
+  assert found("norm_between").report() == "\n".join(
+    [
       "Found 1 symmetry:",
       "  norm gain (positive factors): 'norm/scale' (axis 0) x c  against  'down/kernel' (axis 0)"
       " x 1/c; bias 'norm/bias'",
       "Rejected 1:",
       "  'up/kernel' against 'down/kernel': a normalization between them makes what follows side a"
       " invariant to its scale, so nothing compensates a factor on side b",
-  ])
+    ]
+  )
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -292,8 +352,10 @@ def test_saggs_balances_what_discover_found_without_changing_the_function(name):
   for _ in range(4):
     moved, state = _hard_step(tx, moved, state)
     models.assert_same_function(forward, start, moved, *inputs)
-  worst = {name: max(float(jnp.max(jnp.abs(v))) for v in saggs.imbalance(p, d).values())
-           for name, p in (("start", start), ("moved", moved))}
+  worst = {
+    name: max(float(jnp.max(jnp.abs(v))) for v in saggs.imbalance(p, d).values())
+    for name, p in (("start", start), ("moved", moved))
+  }
   assert worst["start"] > 0.5 and worst["moved"] < 1e-4, worst
   saggs.soft(d).init(start)  # soft takes it too
 
@@ -302,8 +364,10 @@ def test_describe_and_check_symmetry_accept_a_discovery():
   forward, params, inputs = model("gpt2")
   d = found("gpt2")
   assert "norm gain" in saggs.describe(d, params)
-  assert ("Rejected: 'fc/kernel' against 'proj/kernel': not positively homogeneous"
-          in saggs.describe(d, params))
+  assert (
+    "Rejected: 'fc/kernel' against 'proj/kernel': not positively homogeneous"
+    in saggs.describe(d, params)
+  )
   deviations = saggs.check_symmetry(forward, params, d, *inputs)
   assert max(deviations.values()) < 1e-4
 
@@ -312,6 +376,7 @@ def test_the_module_and_the_function_have_different_names():
   """``saggs_jax.discover`` is the function; its module is ``saggs_jax.discovery``, so that
   ``import saggs_jax.discover`` cannot hand back the function in place of a module."""
   import saggs_jax
+
   assert callable(saggs_jax.discover) and not isinstance(saggs_jax.discover, type(saggs_jax))
   assert importlib.import_module("saggs_jax.discovery").discover is saggs_jax.discover
   with pytest.raises(ModuleNotFoundError):

@@ -43,7 +43,7 @@ def moved(params, moves, seed=0):
     path = saggs.paths.path_str(key_path)
     for name, axis, groups, sign in (m[1:] for m in moves if m[0] == path):
       c = factors.setdefault(name, np.exp(rng.uniform(-np.log(4), np.log(4), groups)))
-      f = np.repeat(c ** sign, x.shape[axis] // groups)  # contiguous groups
+      f = np.repeat(c**sign, x.shape[axis] // groups)  # contiguous groups
       shape = [1] * x.ndim
       shape[axis] = -1
       x = jnp.asarray(np.asarray(x, np.float64) * f.reshape(shape), x.dtype)
@@ -71,6 +71,7 @@ def rejected(d):
 # ---------------------------------------------------------------------------
 # Positively homogeneous or not (issue 19, points 5 and 6).
 
+
 def relu6_mlp(p, x):
   return jax.nn.relu6(x @ p["up"]) @ p["down"]
 
@@ -95,10 +96,16 @@ def test_relu6_is_no_symmetry():
   assert deviation(relu6_mlp, MLP, UP_DOWN, 4 * X) > 0.1  # the clip at 6 sees the factor
 
 
-@pytest.mark.parametrize("forward, inputs", [
-    (leaky_mlp, ()), (dropout_mlp, (jax.random.PRNGKey(3),)),
-    (cond_mlp, (jnp.array(True),)), (cond_mlp, (jnp.array(False),))],
-    ids=["leaky_relu", "dropout", "cond_relu", "cond_linear"])
+@pytest.mark.parametrize(
+  "forward, inputs",
+  [
+    (leaky_mlp, ()),
+    (dropout_mlp, (jax.random.PRNGKey(3),)),
+    (cond_mlp, (jnp.array(True),)),
+    (cond_mlp, (jnp.array(False),)),
+  ],
+  ids=["leaky_relu", "dropout", "cond_relu", "cond_linear"],
+)
 def test_homogeneous_activations_are_found(forward, inputs):
   d = discover(forward, MLP, X, *inputs)
   assert list(d) == [RELU_PAIR] and d.rejected == ()
@@ -116,8 +123,13 @@ def test_a_cond_with_a_gelu_branch_is_rejected():
 
 
 H, HD = 2, 4
-ATTN = {"g": 1 + normal(D, scale=10), "wq": normal(D, H * HD), "wk": normal(D, H * HD),
-        "wv": normal(D, H * HD), "wo": normal(H * HD, D)}
+ATTN = {
+  "g": 1 + normal(D, scale=10),
+  "wq": normal(D, H * HD),
+  "wk": normal(D, H * HD),
+  "wv": normal(D, H * HD),
+  "wo": normal(H * HD, D),
+}
 
 
 def attention(p, x, k_from="wk", shift=None):
@@ -150,10 +162,13 @@ def test_q_and_k_from_one_weight():
 
   d = discover(forward, params, X)
   assert set(d) == {
-      saggs.Pair("g", ("wq", "wv"), axes=(0, 0), name="norm gain"),
-      saggs.Pair("wv", "wo", axes=(1, 0), name="attention V/O")}
-  assert rejected(d) == {("wq", "wq"): "both sides read the same weight, which cannot carry a"
-                                       " factor and its inverse at once"}
+    saggs.Pair("g", ("wq", "wv"), axes=(0, 0), name="norm gain"),
+    saggs.Pair("wv", "wo", axes=(1, 0), name="attention V/O"),
+  }
+  assert rejected(d) == {
+    ("wq", "wq"): "both sides read the same weight, which cannot carry a"
+    " factor and its inverse at once"
+  }
   gain = {("g", "g", 0, D, 1), ("wq", "g", 0, D, -1), ("wv", "g", 0, D, -1)}
   assert deviation(forward, params, [*gain, *VO], X) < 1e-5
   assert deviation(forward, params, {("wq", "qk", 1, H * HD, 1)}, X) > 1e-2
@@ -162,9 +177,11 @@ def test_q_and_k_from_one_weight():
 # ---------------------------------------------------------------------------
 # Guards of discover (issue 19, point 9) and its arguments (issue 20).
 
+
 def mlp_plus(bias):
   def forward(p, x):
     return jax.nn.relu(x @ p["up"] + bias(p)) @ p["down"]
+
   return forward
 
 
@@ -185,22 +202,29 @@ def test_the_numeric_check_is_tight(monkeypatch):
   discover_models.blind_to_reasons(monkeypatch)
   d = discover(CONSTANT, MLP, X)
   assert list(d) == []
-  assert rejected(d) == {("up", "down"): "the jaxpr suggests it, but random factors change"
-                                         " the output"}
+  assert rejected(d) == {
+    ("up", "down"): "the jaxpr suggests it, but random factors change the output"
+  }
   assert 1e-4 < deviation(CONSTANT, MLP, UP_DOWN, X) < 1e-2
 
 
-@pytest.mark.parametrize("shape, bias", [
+@pytest.mark.parametrize(
+  "shape, bias",
+  [
     ((T,), lambda b: b[:, None]),  # along the tokens: no channel axis
     ((1,), lambda b: b),  # one value broadcast over the channels
-], ids=["per_token", "broadcast"])
+  ],
+  ids=["per_token", "broadcast"],
+)
 def test_a_bias_that_cannot_follow_breaks_the_pair(shape, bias):
   params = {**MLP, "b": normal(*shape, scale=2)}
   forward = mlp_plus(lambda p: bias(p["b"]))
   d = discover(forward, params, X)
   assert list(d) == []
-  assert rejected(d) == {("up", "down"): "not exact: an added parameter that does not follow it"
-                                         " channel by channel between them"}
+  assert rejected(d) == {
+    ("up", "down"): "not exact: an added parameter that does not follow it"
+    " channel by channel between them"
+  }
   assert deviation(forward, params, UP_DOWN, X) > 1e-3
 
 
@@ -214,13 +238,16 @@ def rope(x):
 
 
 HD6 = 6
-ROPE = {"wq": normal(D, H * HD6), "wk": normal(D, H * HD6), "wv": normal(D, H * HD6),
-        "wo": normal(H * HD6, D)}
+ROPE = {
+  "wq": normal(D, H * HD6),
+  "wk": normal(D, H * HD6),
+  "wv": normal(D, H * HD6),
+  "wo": normal(H * HD6, D),
+}
 
 
 def rope_attention(p, x):
-  q, k, v = (
-      (x @ p[n]).reshape(*x.shape[:2], H, HD6) for n in ("wq", "wk", "wv"))
+  q, k, v = ((x @ p[n]).reshape(*x.shape[:2], H, HD6) for n in ("wq", "wk", "wv"))
   a = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", rope(q), rope(k)) / np.sqrt(HD6))
   return jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(x.shape[:2] + (H * HD6,)) @ p["wo"]
 
@@ -229,12 +256,16 @@ def test_heads_are_contiguous_groups_with_an_odd_half_head():
   # head_dim 6: RoPE rotates channel i with i + 3 of the same head. Interleaved groups
   # (channel j in group j % 2) would split those pairs and leave only one group.
   d = discover(rope_attention, ROPE, X)
-  assert set(d) == {saggs.Pair("wq", "wk", axes=(1, 1), groups=H, name="attention Q/K"),
-                    saggs.Pair("wv", "wo", axes=(1, 0), name="attention V/O")}
+  assert set(d) == {
+    saggs.Pair("wq", "wk", axes=(1, 1), groups=H, name="attention Q/K"),
+    saggs.Pair("wv", "wo", axes=(1, 0), name="attention V/O"),
+  }
   heads = {("wq", "qk", 1, H, 1), ("wk", "qk", 1, H, -1)}
   assert deviation(rope_attention, ROPE, heads, X) < 1e-5
-  assert deviation(rope_attention, ROPE, {("wq", "qk", 1, H * HD6, 1),
-                                          ("wk", "qk", 1, H * HD6, -1)}, X) > 1e-2
+  assert (
+    deviation(rope_attention, ROPE, {("wq", "qk", 1, H * HD6, 1), ("wk", "qk", 1, H * HD6, -1)}, X)
+    > 1e-2
+  )
 
 
 @pytest.mark.parametrize("rtol", [-1.0, float("nan")])
@@ -245,6 +276,7 @@ def test_a_negative_rtol_is_an_error(rtol):
 
 # ---------------------------------------------------------------------------
 # Equinox modules (issue 19, point 7): flags and functions are static.
+
 
 class EqxBlock(eqx.Module):
   attn: eqx.nn.MultiheadAttention
@@ -275,18 +307,30 @@ def test_an_equinox_module():
   block = EqxBlock(jax.random.PRNGKey(0))
   d = discover(eqx_forward, block, X)
   assert set(d) == {
-      saggs.Pair("query_proj/weight", "key_proj/weight", axes=(0, 0), name="attention Q/K"),
-      saggs.Pair("value_proj/weight", "output_proj/weight", axes=(0, 1), name="attention V/O"),
-      saggs.Pair("up/weight", "down/weight", axes=(0, 1), follow_a="up/bias",
-                 name="ReLU MLP up/down (positive factors)")}
+    saggs.Pair("query_proj/weight", "key_proj/weight", axes=(0, 0), name="attention Q/K"),
+    saggs.Pair("value_proj/weight", "output_proj/weight", axes=(0, 1), name="attention V/O"),
+    saggs.Pair(
+      "up/weight",
+      "down/weight",
+      axes=(0, 1),
+      follow_a="up/bias",
+      name="ReLU MLP up/down (positive factors)",
+    ),
+  }
   assert rejected(d) == {
-      # the residual adds the model's input, which no factor scales
-      ("attn/output_proj/weight", "up/weight"): "not exact: an added constant between them"}
+    # the residual adds the model's input, which no factor scales
+    ("attn/output_proj/weight", "up/weight"): "not exact: an added constant between them"
+  }
   n = H * (D // H)
-  moves = {("attn/query_proj/weight", "qk", 0, n, 1), ("attn/key_proj/weight", "qk", 0, n, -1),
-           ("attn/value_proj/weight", "vo", 0, n, 1),
-           ("attn/output_proj/weight", "vo", 1, n, -1), ("up/weight", "c", 0, F, 1),
-           ("up/bias", "c", 0, F, 1), ("down/weight", "c", 1, F, -1)}
+  moves = {
+    ("attn/query_proj/weight", "qk", 0, n, 1),
+    ("attn/key_proj/weight", "qk", 0, n, -1),
+    ("attn/value_proj/weight", "vo", 0, n, 1),
+    ("attn/output_proj/weight", "vo", 1, n, -1),
+    ("up/weight", "c", 0, F, 1),
+    ("up/bias", "c", 0, F, 1),
+    ("down/weight", "c", 1, F, -1),
+  }
   assert deviation(eqx_forward, block, moves, X) < 1e-5
   assert deviation(eqx_forward, block, {("up/weight", "c", 0, F, 1)}, X) > 1e-2
 
@@ -299,9 +343,11 @@ def test_a_follower_a_pair_cannot_declare_is_rejected_with_its_reason():
   forward = lambda p, x: jax.nn.relu(x @ p["up"].T + p["b"]) @ p["down"].T  # noqa: E731
   d = discover(forward, params, X)
   assert list(d) == []
-  assert rejected(d) == {("up", "down"): "its bias 'b' follows axis 0 of 'up' along another"
-                                         " axis than a Pair's follower: a bias vector's own,"
-                                         " or its kernel's trailing axes"}
+  assert rejected(d) == {
+    ("up", "down"): "its bias 'b' follows axis 0 of 'up' along another"
+    " axis than a Pair's follower: a bias vector's own,"
+    " or its kernel's trailing axes"
+  }
   moves = {("up", "c", 0, F, 1), ("b", "c", 1, F, 1), ("down", "c", 1, F, -1)}
   assert deviation(forward, params, moves, X) < 1e-5
 
@@ -325,12 +371,22 @@ def meta_init(seed=0):
     return jnp.asarray(1 + 0.1 * r.standard_normal(DM), jnp.float32)
 
   layer = lambda: {  # noqa: E731
-      "attention": {"wq": w(DM, HEADS * HEAD_DIM), "wk": w(DM, KV * HEAD_DIM),
-                    "wv": w(DM, KV * HEAD_DIM), "wo": w(HEADS * HEAD_DIM, DM)},
-      "feed_forward": {"w1": w(DM, FM), "w2": w(FM, DM), "w3": w(DM, FM)},
-      "attention_norm": {"weight": gain()}, "ffn_norm": {"weight": gain()}}
-  return {"tok_embeddings": {"weight": w(V, DM)}, "layers": [layer() for _ in range(LAYERS)],
-          "norm": {"weight": gain()}, "output": {"weight": w(DM, V)}}
+    "attention": {
+      "wq": w(DM, HEADS * HEAD_DIM),
+      "wk": w(DM, KV * HEAD_DIM),
+      "wv": w(DM, KV * HEAD_DIM),
+      "wo": w(HEADS * HEAD_DIM, DM),
+    },
+    "feed_forward": {"w1": w(DM, FM), "w2": w(FM, DM), "w3": w(DM, FM)},
+    "attention_norm": {"weight": gain()},
+    "ffn_norm": {"weight": gain()},
+  }
+  return {
+    "tok_embeddings": {"weight": w(V, DM)},
+    "layers": [layer() for _ in range(LAYERS)],
+    "norm": {"weight": gain()},
+    "output": {"weight": w(DM, V)},
+  }
 
 
 def meta_forward(p, tokens):
@@ -344,10 +400,10 @@ def meta_forward(p, tokens):
     a, f = layer["attention"], layer["feed_forward"]
     h = norm(x, layer["attention_norm"]["weight"])
     q = rope((h @ a["wq"]).reshape(b, t, HEADS, HEAD_DIM))
-    k, v = (jnp.repeat((h @ a[n]).reshape(b, t, KV, HEAD_DIM), HEADS // KV, axis=2)
-            for n in ("wk", "wv"))
-    logits = jnp.where(mask, jnp.einsum("bqhd,bkhd->bhqk", q, rope(k)) / np.sqrt(HEAD_DIM),
-                       -1e9)
+    k, v = (
+      jnp.repeat((h @ a[n]).reshape(b, t, KV, HEAD_DIM), HEADS // KV, axis=2) for n in ("wk", "wv")
+    )
+    logits = jnp.where(mask, jnp.einsum("bqhd,bkhd->bhqk", q, rope(k)) / np.sqrt(HEAD_DIM), -1e9)
     out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v)
     x = x + out.reshape(b, t, HEADS * HEAD_DIM) @ a["wo"]
     h = norm(x, layer["ffn_norm"]["weight"])
@@ -355,19 +411,30 @@ def meta_forward(p, tokens):
   return norm(x, p["norm"]["weight"]) @ p["output"]["weight"]
 
 
-META_ROLES = {"embedding": ("tok_embeddings/weight",), "lm_head": ("output/weight",),
-              "query": ("wq",), "key_value": ("wk", "wv"), "output": ("wo",),
-              "gate_up": ("w1", "w3"), "down": ("w2",)}
-STACK = dict(adamw_learning_rate=3e-3, num_heads=HEADS, num_kv_heads=KV, head_dim=HEAD_DIM,
-             beta=0.0)
+META_ROLES = {
+  "embedding": ("tok_embeddings/weight",),
+  "lm_head": ("output/weight",),
+  "query": ("wq",),
+  "key_value": ("wk", "wv"),
+  "output": ("wo",),
+  "gate_up": ("w1", "w3"),
+  "down": ("w2",),
+}
+STACK = dict(
+  adamw_learning_rate=3e-3, num_heads=HEADS, num_kv_heads=KV, head_dim=HEAD_DIM, beta=0.0
+)
 
 
 def per_rule(tx, params):
   """How many parameters each rule of a ``symmetry_compatible`` stack holds, by role."""
   names = list(eqv.ROLE_PATTERNS) + ["default"]
   state = tx.init(params).inner_states
-  return {names[int(k[5:])] if k.startswith("rule_") else k: len(jax.tree.leaves(
-      optax.tree_utils.tree_get(state[k], "mu"))) for k in state}
+  return {
+    names[int(k[5:])] if k.startswith("rule_") else k: len(
+      jax.tree.leaves(optax.tree_utils.tree_get(state[k], "mu"))
+    )
+    for k in state
+  }
 
 
 def test_roles_route_a_meta_named_llama():
@@ -377,24 +444,48 @@ def test_roles_route_a_meta_named_llama():
   assert d.roles == META_ROLES
   found = eqv.symmetry_compatible(0.02, patterns=d.roles, **STACK)
   assert per_rule(found, params) == {
-      "embedding": 1, "lm_head": 1, "query": 2, "key_value": 4, "output": 2, "gate_up": 4,
-      "down": 2, "router": 0, "experts": 0, "default": 5}
-  by_hand = eqv.symmetry_compatible(0.02, patterns={
-      "embedding": "tok_embeddings/weight", "lm_head": "output/weight", "query": "attention/wq",
-      "key_value": ("attention/wk", "attention/wv"), "output": "attention/wo",
-      "gate_up": ("feed_forward/w1", "feed_forward/w3"), "down": "feed_forward/w2"}, **STACK)
+    "embedding": 1,
+    "lm_head": 1,
+    "query": 2,
+    "key_value": 4,
+    "output": 2,
+    "gate_up": 4,
+    "down": 2,
+    "router": 0,
+    "experts": 0,
+    "default": 5,
+  }
+  by_hand = eqv.symmetry_compatible(
+    0.02,
+    patterns={
+      "embedding": "tok_embeddings/weight",
+      "lm_head": "output/weight",
+      "query": "attention/wq",
+      "key_value": ("attention/wk", "attention/wv"),
+      "output": "attention/wo",
+      "gate_up": ("feed_forward/w1", "feed_forward/w3"),
+      "down": "feed_forward/w2",
+    },
+    **STACK,
+  )
   grads = jax.tree.map(lambda x: normal(*x.shape), params)
   updates = jax.jit(lambda g, p: [tx.update(g, tx.init(p), p)[0] for tx in (found, by_hand)])(
-      grads, params)
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-               *updates)
+    grads, params
+  )
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), *updates)
 
 
 def test_a_role_that_matches_nothing_is_an_error():
   params = meta_init()
-  with pytest.raises(ValueError, match=r"role 'query' matches no parameter \(patterns "
-                                       r"\['q_proj/kernel'\]\).*fall to AdamW"):
+  with pytest.raises(
+    ValueError,
+    match=r"role 'query' matches no parameter \(patterns "
+    r"\['q_proj/kernel'\]\).*fall to AdamW",
+  ):
     eqv.symmetry_compatible(0.02, **STACK).init(params)
-  with pytest.raises(ValueError, match=r"role 'router' matches no parameter \(patterns "
-                                       r"\['gate'\]\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"role 'router' matches no parameter \(patterns "
+    r"\['gate'\]\)",
+  ):
     eqv.symmetry_compatible(0.02, patterns={**META_ROLES, "router": "gate"}, **STACK).init(params)

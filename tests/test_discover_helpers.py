@@ -17,7 +17,9 @@ from saggs_jax.discovery.program import Program
 from saggs_jax.discovery.propagation import RULES, Trace, explain, inexact, nonlinear, reshape_map
 
 
-@pytest.mark.parametrize("old, new, axes, sizes", [
+@pytest.mark.parametrize(
+  "old, new, axes, sizes",
+  [
     # a channel axis of 6 split into 2 heads of 3: both new axes hold it
     ((6, 4), (2, 3, 4), [[0, 1], [2]], [[2, 3], [4]]),
     # heads merged back: old axes 0 and 1 land on new axis 0 of size 6
@@ -28,12 +30,15 @@ from saggs_jax.discovery.propagation import RULES, Trace, explain, inexact, nonl
     ((4, 6), (2, 12), [[0, 1], [0, 1]], [[2, 12], [2, 12]]),
     # unchanged
     ((3, 5), (3, 5), [[0], [1]], [[3], [5]]),
-])
+  ],
+)
 def test_reshape_map(old, new, axes, sizes):
   assert reshape_map(old, new) == (axes, sizes)
 
 
-@pytest.mark.parametrize("prim, shape, out_shape, params, expected", [
+@pytest.mark.parametrize(
+  "prim, shape, out_shape, params, expected",
+  [
     # output axis k is input axis permutation[k]: input 2 -> 0, 0 -> 1, 1 -> 2
     ("transpose", (2, 3, 4), (4, 2, 3), {"permutation": (2, 0, 1)}, [[1], [2], [0]]),
     ("broadcast_in_dim", (3,), (2, 3), {"broadcast_dimensions": (1,)}, [[1]]),
@@ -45,7 +50,8 @@ def test_reshape_map(old, new, axes, sizes):
     ("stack", (4, 5), (4, 2, 5), {"axis": 1}, [[0], [2]]),
     ("slice", (4, 6), (4, 2), {}, [[0], [1]]),
     ("convert_element_type", (4, 6), (4, 6), {}, [[0], [1]]),
-])
+  ],
+)
 def test_axis_maps(prim, shape, out_shape, params, expected):
   axes = RULES[prim].axes
   assert axes is not None
@@ -54,14 +60,34 @@ def test_axis_maps(prim, shape, out_shape, params, expected):
 
 def test_only_axis_movers_have_axis_maps():
   assert {p for p, rule in RULES.items() if rule.axes is None} == {
-      "add", "sub", "add_any", "mul", "div", "max", "min", "ge", "gt", "le", "lt", "abs",
-      "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
-      "dot_general", "select_n"}
+    "add",
+    "sub",
+    "add_any",
+    "mul",
+    "div",
+    "max",
+    "min",
+    "ge",
+    "gt",
+    "le",
+    "lt",
+    "abs",
+    "reduce_sum",
+    "reduce_max",
+    "reduce_min",
+    "reduce_prod",
+    "argmax",
+    "argmin",
+    "dot_general",
+    "select_n",
+  }
   # an unknown primitive is a nonlinearity: it moves nothing
   assert propagation.rule_of("erf_inv").axes is None
 
 
-@pytest.mark.parametrize("dims, shapes, side, expected", [
+@pytest.mark.parametrize(
+  "dims, shapes, side, expected",
+  [
     # x(m, k) @ y(k, n) -> (m, n)
     ((((1,), (0,)), ((), ())), [(2, 3), (3, 5)], 0, {0: 0}),
     ((((1,), (0,)), ((), ())), [(2, 3), (3, 5)], 1, {1: 1}),
@@ -70,17 +96,20 @@ def test_only_axis_movers_have_axis_maps():
     ((((2,), (1,)), ((0,), (0,))), [(4, 2, 3), (4, 3, 5)], 1, {0: 0, 2: 2}),
     # x(k, m) contracted on its leading axis against y(n, k): (m, n)
     ((((0,), (1,)), ((), ())), [(3, 2), (5, 3)], 1, {0: 1}),
-])
+  ],
+)
 def test_dot_out_axis(dims, shapes, side, expected):
   assert propagation.dot_out_axis(dims, shapes, side) == expected
 
 
 def test_reasons_are_told_apart_by_kind_not_by_their_text():
   assert explain(frozenset({nonlinear("tanh"), inexact("an added constant")}), "here") == (
-      "not positively homogeneous: tanh here")
+    "not positively homogeneous: tanh here"
+  )
   # a one-word phrase is no primitive name
   assert explain(frozenset({inexact("clipped"), inexact("a division by it")}), "here") == (
-      "not exact: a division by it; clipped here")
+    "not exact: a division by it; clipped here"
+  )
   assert nonlinear("x") != inexact("x")
 
 
@@ -114,17 +143,24 @@ def test_follow_reaches_the_next_linear_with_what_it_passed_through():
   tanh = _trace(lambda p, x: jnp.tanh(x @ p["up"]) @ p["down"], params, x, 0)
   (reach,) = tanh.reaches
   assert reach.reasons == {nonlinear("tanh")} and not reach.positive
-  residual = _trace(lambda p, x: (x @ p["up"] + x @ p["skip"]) @ p["down"],
-                    {**params, "skip": jnp.ones((3, 4))}, x, 0)
+  residual = _trace(
+    lambda p, x: (x @ p["up"] + x @ p["skip"]) @ p["down"],
+    {**params, "skip": jnp.ones((3, 4))},
+    x,
+    0,
+  )
   assert residual.breaks == {propagation.RESIDUAL} and not residual.reaches
 
 
-@pytest.mark.parametrize("sizes, splits, expected", [
+@pytest.mark.parametrize(
+  "sizes, splits, expected",
+  [
     ([8, 8], {4}, [8, 4, 1]),  # per channel, per head of 2 (4 heads), one group
     ([8, 2], set(), [2, 1]),  # 8 query channels against 2 KV channels: at most 2 groups
     ([6, 6], {2, 3}, [6, 3, 2, 1]),
     ([8, 12], set(), [4, 1]),  # neither size divides the other: their common divisor
-])
+  ],
+)
 def test_group_options(sizes, splits, expected):
   assert group_options(sizes, splits) == expected
 
@@ -141,6 +177,7 @@ def test_report_names_block_sides():
   # A fused QKV kernel's q and k columns pair as Blocks: one member per side, not iterated.
   q, k = (Block("c_attn/kernel", axis=1, parts=3, part=i) for i in (0, 1))
   assert Discovery([Pair(q, k, axes=(1, 1), groups=2, name="attention Q/K")]).report() == (
-      "Found 1 symmetry:\n"
-      f"  attention Q/K: {q!r} (axis 1) x c  against  {k!r} (axis 1) x 1/c; 2 groups\n"
-      "Rejected 0:")
+    "Found 1 symmetry:\n"
+    f"  attention Q/K: {q!r} (axis 1) x c  against  {k!r} (axis 1) x 1/c; 2 groups\n"
+    "Rejected 0:"
+  )

@@ -66,15 +66,24 @@ def lm_init(seed=0, heads=4, kv=2, layers=2, zero_out=False):
 
   def layer():
     o = dense(heads * HD, D)
-    return {"attn_norm": {"scale": 1 + 0.1 * rng.standard_normal(D)},
-            "attn": {"q": dense(D, heads * HD), "k": dense(D, kv * HD), "v": dense(D, kv * HD),
-                     "o": {"kernel": 0 * o["kernel"]} if zero_out else o},
-            "mlp_norm": {"scale": 1 + 0.1 * rng.standard_normal(D)},
-            "mlp": {"gate": dense(D, F), "up": dense(D, F), "down": dense(F, D)}}
+    return {
+      "attn_norm": {"scale": 1 + 0.1 * rng.standard_normal(D)},
+      "attn": {
+        "q": dense(D, heads * HD),
+        "k": dense(D, kv * HD),
+        "v": dense(D, kv * HD),
+        "o": {"kernel": 0 * o["kernel"]} if zero_out else o,
+      },
+      "mlp_norm": {"scale": 1 + 0.1 * rng.standard_normal(D)},
+      "mlp": {"gate": dense(D, F), "up": dense(D, F), "down": dense(F, D)},
+    }
 
-  params = {"embed": rng.standard_normal((V, D)),
-            **{f"layer_{i}": layer() for i in range(layers)},
-            "final_norm": {"scale": 1 + 0.1 * rng.standard_normal(D)}, "head": dense(D, V)}
+  params = {
+    "embed": rng.standard_normal((V, D)),
+    **{f"layer_{i}": layer() for i in range(layers)},
+    "final_norm": {"scale": 1 + 0.1 * rng.standard_normal(D)},
+    "head": dense(D, V),
+  }
   return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
 
 
@@ -112,14 +121,19 @@ def lm_pairs(kv):
   """The exact symmetries of ``lm_forward``, by hand: Q/K and V/O per KV head, SwiGLU up/down
   per channel, each norm gain against the rows of the linears that read it."""
   return {
-      saggs.Pair("q/kernel", "k/kernel", axes=(1, 1), groups=kv, name="attention Q/K"),
-      saggs.Pair("v/kernel", "o/kernel", axes=(1, 0), groups=kv, name="attention V/O"),
-      saggs.Pair("up/kernel", "down/kernel", axes=(1, 0), name="gated MLP up/down"),
-      saggs.Pair("attn_norm/scale", ("attn/q/kernel", "attn/k/kernel", "attn/v/kernel"),
-                 axes=(0, 0), name="norm gain"),
-      saggs.Pair("mlp_norm/scale", ("mlp/gate/kernel", "mlp/up/kernel"), axes=(0, 0),
-                 name="norm gain"),
-      saggs.Pair("final_norm/scale", "head/kernel", axes=(0, 0), name="norm gain"),
+    saggs.Pair("q/kernel", "k/kernel", axes=(1, 1), groups=kv, name="attention Q/K"),
+    saggs.Pair("v/kernel", "o/kernel", axes=(1, 0), groups=kv, name="attention V/O"),
+    saggs.Pair("up/kernel", "down/kernel", axes=(1, 0), name="gated MLP up/down"),
+    saggs.Pair(
+      "attn_norm/scale",
+      ("attn/q/kernel", "attn/k/kernel", "attn/v/kernel"),
+      axes=(0, 0),
+      name="norm gain",
+    ),
+    saggs.Pair(
+      "mlp_norm/scale", ("mlp/gate/kernel", "mlp/up/kernel"), axes=(0, 0), name="norm gain"
+    ),
+    saggs.Pair("final_norm/scale", "head/kernel", axes=(0, 0), name="norm gain"),
   }
 
 
@@ -139,6 +153,7 @@ def without_names(pairs):
 # ---------------------------------------------------------------------------
 # Points 1 and 2: one KV head, interleaved RoPE.
 
+
 @pytest.mark.parametrize("expand", ["repeat", "broadcast"])
 def test_multi_query_attention_pairs_q_with_k_as_one_group(expand):
   forward = functools.partial(lm_forward, kv=1, expand=expand)
@@ -156,12 +171,15 @@ def test_interleaved_rope_pairs_q_with_k_per_kv_head():
   assert set(d) == lm_pairs(kv=2)
   assert orbit_deviation(forward, params, d) < 1e-5
   # The oracle tells the groupings apart: per query head, Q/K is not exact.
-  assert orbit_deviation(forward, params, [saggs.Pair("q/kernel", "k/kernel", axes=(1, 1),
-                                                      groups=4)]) > 1e-2
+  assert (
+    orbit_deviation(forward, params, [saggs.Pair("q/kernel", "k/kernel", axes=(1, 1), groups=4)])
+    > 1e-2
+  )
 
 
 # ---------------------------------------------------------------------------
 # Point 4: no confirmation by a check that could not have failed.
+
 
 def test_a_zero_output_projection_does_not_confirm_per_query_head_pairs():
   params = lm_init(zero_out=True)
@@ -178,11 +196,13 @@ def test_a_path_no_parameter_makes_live_is_reported_unconfirmed():
   forward = functools.partial(lm_forward, attn_gain=0.0)
   d = discover(forward, lm_init(), tokens())
   assert without_names(d) == without_names(
-      p for p in lm_pairs(kv=2) if p.a not in ("q/kernel", "v/kernel", "attn_norm/scale"))
+    p for p in lm_pairs(kv=2) if p.a not in ("q/kernel", "v/kernel", "attn_norm/scale")
+  )
   reasons = {r.a: r.reason for r in d.rejected}
   for a in ("q/kernel", "v/kernel", "attn_norm/scale"):
-    assert reasons[a].startswith("unconfirmed: rescaling side a alone does not change the"
-                                 " output"), reasons
+    assert reasons[a].startswith(
+      "unconfirmed: rescaling side a alone does not change the output"
+    ), reasons
 
 
 # ---------------------------------------------------------------------------
@@ -202,17 +222,22 @@ def gpt2_init(seed=0, layers=2):
   rng = np.random.default_rng(seed)
 
   def dense(n_in, n_out):
-    return {"kernel": rng.standard_normal((n_in, n_out)) / np.sqrt(n_in),
-            "bias": 0.1 * rng.standard_normal(n_out)}
+    return {
+      "kernel": rng.standard_normal((n_in, n_out)) / np.sqrt(n_in),
+      "bias": 0.1 * rng.standard_normal(n_out),
+    }
 
   def norm():
     return {"scale": 1 + 0.1 * rng.standard_normal(D), "bias": 0.1 * rng.standard_normal(D)}
 
   params = {"wte": rng.standard_normal((V, D)), "ln_f": norm(), "head": dense(D, V)}
   for i in range(layers):
-    params[f"h_{i}"] = {"ln_1": norm(), "ln_2": norm(),
-                        "attn": {"c_attn": dense(D, 3 * H * HD), "c_proj": dense(H * HD, D)},
-                        "mlp": {"c_fc": dense(D, F), "c_proj": dense(F, D)}}
+    params[f"h_{i}"] = {
+      "ln_1": norm(),
+      "ln_2": norm(),
+      "attn": {"c_attn": dense(D, 3 * H * HD), "c_proj": dense(H * HD, D)},
+      "mlp": {"c_fc": dense(D, F), "c_proj": dense(F, D)},
+    }
   return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
 
 
@@ -228,8 +253,11 @@ def gpt2_forward(params, tokens, cut="split", out_in=False):
     qkv = _layer_norm(x, p["ln_1"]) @ (w.T if out_in else w)
     qkv = qkv + a["c_attn"]["bias"]
     n = H * HD
-    q, k, v = (jnp.split(qkv, 3, axis=-1) if cut == "split" else
-               (qkv[..., :n], qkv[..., n:2 * n], qkv[..., 2 * n:]))
+    q, k, v = (
+      jnp.split(qkv, 3, axis=-1)
+      if cut == "split"
+      else (qkv[..., :n], qkv[..., n : 2 * n], qkv[..., 2 * n :])
+    )
     q, k, v = (y.reshape(b, t, H, HD) for y in (q, k, v))
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(HD)
     logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e9)
@@ -253,9 +281,13 @@ def gemma_init(seed=0, heads=4, kv=2, layers=2):
   params = {"embed": rng.standard_normal((V, D))}
   for i in range(layers):
     params[f"layer_{i}"] = {
-        "attn": {"q_einsum": w(heads, D, HD), "kv_einsum": w(2, kv, D, HD),
-                 "attn_vec_einsum": w(heads, HD, D)},
-        "mlp": {"gating_einsum": w(2, F, D), "linear": w(F, D)}}
+      "attn": {
+        "q_einsum": w(heads, D, HD),
+        "kv_einsum": w(2, kv, D, HD),
+        "attn_vec_einsum": w(heads, HD, D),
+      },
+      "mlp": {"gating_einsum": w(2, F, D), "linear": w(F, D)},
+    }
   return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
 
 
@@ -286,17 +318,28 @@ def qkv(pattern, axis, part):
 
 
 GPT2_FOUND = {
-    saggs.Pair(qkv("c_attn/kernel", 1, 0), qkv("c_attn/kernel", 1, 1), axes=(1, 1),
-               follow_a=(qkv("c_attn/bias", 0, 0),), follow_b=(qkv("c_attn/bias", 0, 1),),
-               name="attention Q/K"),
-    saggs.Pair(qkv("attn/c_attn/kernel", 1, 2), "attn/c_proj/kernel", axes=(1, 0),
-               follow_a=(qkv("attn/c_attn/bias", 0, 2),), name="attention V/O"),
-    saggs.Pair("ln_1/scale", "attn/c_attn/kernel", axes=(0, 0), follow_a=("ln_1/bias",),
-               name="norm gain"),
-    saggs.Pair("ln_2/scale", "mlp/c_fc/kernel", axes=(0, 0), follow_a=("ln_2/bias",),
-               name="norm gain"),
-    saggs.Pair("ln_f/scale", "head/kernel", axes=(0, 0), follow_a=("ln_f/bias",),
-               name="norm gain"),
+  saggs.Pair(
+    qkv("c_attn/kernel", 1, 0),
+    qkv("c_attn/kernel", 1, 1),
+    axes=(1, 1),
+    follow_a=(qkv("c_attn/bias", 0, 0),),
+    follow_b=(qkv("c_attn/bias", 0, 1),),
+    name="attention Q/K",
+  ),
+  saggs.Pair(
+    qkv("attn/c_attn/kernel", 1, 2),
+    "attn/c_proj/kernel",
+    axes=(1, 0),
+    follow_a=(qkv("attn/c_attn/bias", 0, 2),),
+    name="attention V/O",
+  ),
+  saggs.Pair(
+    "ln_1/scale", "attn/c_attn/kernel", axes=(0, 0), follow_a=("ln_1/bias",), name="norm gain"
+  ),
+  saggs.Pair(
+    "ln_2/scale", "mlp/c_fc/kernel", axes=(0, 0), follow_a=("ln_2/bias",), name="norm gain"
+  ),
+  saggs.Pair("ln_f/scale", "head/kernel", axes=(0, 0), follow_a=("ln_f/bias",), name="norm gain"),
 }
 
 
@@ -333,20 +376,33 @@ def test_saggs_balances_the_fused_blocks_discover_found_without_changing_the_fun
   for _ in range(4):
     moved, state = step(moved, state)
     models.assert_same_function(forward, start, moved, tokens())
-  worst = {name: max(float(jnp.max(jnp.abs(v))) for v in saggs.imbalance(p, d).values())
-           for name, p in (("start", start), ("moved", moved))}
+  worst = {
+    name: max(float(jnp.max(jnp.abs(v))) for v in saggs.imbalance(p, d).values())
+    for name, p in (("start", start), ("moved", moved))
+  }
   assert worst["start"] > 0.5 and worst["moved"] < 1e-4, worst
 
 
 GPT2_OUT_IN_FOUND = {
-    saggs.Pair(qkv("c_attn/kernel", 0, 0), qkv("c_attn/kernel", 0, 1), axes=(0, 0),
-               follow_a=(qkv("c_attn/bias", 0, 0),), follow_b=(qkv("c_attn/bias", 0, 1),),
-               name="attention Q/K"),
-    saggs.Pair(qkv("attn/c_attn/kernel", 0, 2), "attn/c_proj/kernel", axes=(0, 0),
-               follow_a=(qkv("attn/c_attn/bias", 0, 2),), name="attention V/O"),
-    saggs.Pair("ln_1/scale", "attn/c_attn/kernel", axes=(0, 1), follow_a=("ln_1/bias",),
-               name="norm gain"),
-    *(p for p in GPT2_FOUND if p.a in ("ln_2/scale", "ln_f/scale")),
+  saggs.Pair(
+    qkv("c_attn/kernel", 0, 0),
+    qkv("c_attn/kernel", 0, 1),
+    axes=(0, 0),
+    follow_a=(qkv("c_attn/bias", 0, 0),),
+    follow_b=(qkv("c_attn/bias", 0, 1),),
+    name="attention Q/K",
+  ),
+  saggs.Pair(
+    qkv("attn/c_attn/kernel", 0, 2),
+    "attn/c_proj/kernel",
+    axes=(0, 0),
+    follow_a=(qkv("attn/c_attn/bias", 0, 2),),
+    name="attention V/O",
+  ),
+  saggs.Pair(
+    "ln_1/scale", "attn/c_attn/kernel", axes=(0, 1), follow_a=("ln_1/bias",), name="norm gain"
+  ),
+  *(p for p in GPT2_FOUND if p.a in ("ln_2/scale", "ln_f/scale")),
 }
 
 
@@ -356,8 +412,8 @@ def test_the_bias_of_an_out_in_kernel_follows_its_blocks():
   Q/K and V/O are declared with the bias blocks following, and the orbit keeps the output."""
   params = gpt2_init()
   params = jax.tree_util.tree_map_with_path(
-      lambda kp, x: x.reshape(x.shape[::-1]) if "c_attn" in jax.tree_util.keystr(kp) else x,
-      params)
+    lambda kp, x: x.reshape(x.shape[::-1]) if "c_attn" in jax.tree_util.keystr(kp) else x, params
+  )
   forward = functools.partial(gpt2_forward, out_in=True)
   d = discover(forward, params, tokens())
   assert set(d) == GPT2_OUT_IN_FOUND
@@ -372,10 +428,14 @@ def kv(part):
 
 
 GEMMA_FOUND = {
-    saggs.Pair(kv(0), "q_einsum/w", axes=(1, 0), groups=2, name="attention Q/K"),
-    saggs.Pair(kv(1), "attn_vec_einsum/w", axes=(1, 0), groups=2, name="attention V/O"),
-    saggs.Pair(saggs.Block("gating_einsum/w", axis=0, parts=2, part=1), "linear/w", axes=(1, 0),
-               name="gated MLP up/down"),
+  saggs.Pair(kv(0), "q_einsum/w", axes=(1, 0), groups=2, name="attention Q/K"),
+  saggs.Pair(kv(1), "attn_vec_einsum/w", axes=(1, 0), groups=2, name="attention V/O"),
+  saggs.Pair(
+    saggs.Block("gating_einsum/w", axis=0, parts=2, part=1),
+    "linear/w",
+    axes=(1, 0),
+    name="gated MLP up/down",
+  ),
 }
 
 
@@ -388,22 +448,33 @@ def test_gemma_kv_and_gating_leaves_pair_by_their_leading_blocks(cut):
   assert [r.a for r in d.rejected] == ["gating_einsum/w[part 0 of 2 on axis 0]"]  # GELU gate
   assert orbit_deviation(forward, params, d) < 1e-5
   # V against Q (the wrong block) changes the output.
-  assert orbit_deviation(forward, params, [saggs.Pair(kv(1), "q_einsum/w", axes=(1, 0),
-                                                      groups=2)]) > 1e-2
+  assert (
+    orbit_deviation(forward, params, [saggs.Pair(kv(1), "q_einsum/w", axes=(1, 0), groups=2)])
+    > 1e-2
+  )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gemma") is None,
-                    reason="the gemma package is not installed (not a test dependency)")
+@pytest.mark.skipif(
+  importlib.util.find_spec("gemma") is None,
+  reason="the gemma package is not installed (not a test dependency)",
+)
 def test_the_gemma_package_transformer():
   """``gm.nn.Transformer`` itself, in a subprocess (gemma patches flax process-wide)."""
   script = pathlib.Path(__file__).with_name("gemma_discover_check.py")
-  done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                        timeout=600, check=True)
+  done = subprocess.run(
+    [sys.executable, str(script)], capture_output=True, text=True, timeout=600, check=True
+  )
   *found, deviation = done.stdout.strip().splitlines()
-  namespace = {"Discovery": Discovery, "Pair": saggs.Pair, "Block": saggs.Block,
-               "Rejected": Rejected}
+  namespace = {
+    "Discovery": Discovery,
+    "Pair": saggs.Pair,
+    "Block": saggs.Block,
+    "Rejected": Rejected,
+  }
   d = eval("\n".join(found), namespace)  # pylint: disable=eval-used
   gating = saggs.Block("gating_einsum", axis=0, parts=2, part=1)  # gemma names it without /w
-  assert set(d) == {*(p for p in GEMMA_FOUND if p.b != "linear/w"),
-                    saggs.Pair(gating, "linear", axes=(1, 0), name="gated MLP up/down")}
+  assert set(d) == {
+    *(p for p in GEMMA_FOUND if p.b != "linear/w"),
+    saggs.Pair(gating, "linear", axes=(1, 0), name="gated MLP up/down"),
+  }
   assert float(deviation) < 1e-5

@@ -30,9 +30,11 @@ FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 def python_blocks(page: pathlib.Path) -> list[str]:
   # A MyST directive's options (":caption: ...") open its block; they are not code.
-  return [re.sub(r"\A(:\w[\w-]*:.*\n)+", "", code) if info.startswith("{") else code
-          for info, code in FENCE.findall(page.read_text())
-          if re.search(r"\b(python|py|pycon)\b", info)]
+  return [
+    re.sub(r"\A(:\w[\w-]*:.*\n)+", "", code) if info.startswith("{") else code
+    for info, code in FENCE.findall(page.read_text())
+    if re.search(r"\b(python|py|pycon)\b", info)
+  ]
 
 
 def script(page: pathlib.Path) -> str:
@@ -48,8 +50,9 @@ def cpu_env(**extra) -> dict:
 
 
 def run(command, env, cwd) -> subprocess.Popen:
-  return subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+  return subprocess.Popen(
+    command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
 
 
 def finish(processes) -> list[str]:
@@ -86,8 +89,15 @@ def test_readme_and_every_guide_have_checked_python():
 def test_page_scripts_run(page, tmp_path):
   file = tmp_path / "snippet.py"
   file.write_text(script(page))
-  finish([run([sys.executable, str(file)], cpu_env(
-      XLA_FLAGS="--xla_force_host_platform_device_count=8"), tmp_path)])
+  finish(
+    [
+      run(
+        [sys.executable, str(file)],
+        cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+        tmp_path,
+      )
+    ]
+  )
 
 
 def free_port_in(low: int, high: int) -> int:
@@ -106,13 +116,24 @@ def test_multi_host_guide_runs_as_two_processes(tmp_path):
   file.write_text(script(MULTI_HOST))
   # jax's SLURM detection puts the coordinator on port SLURM_JOB_ID % 4096 + 61440.
   port = free_port_in(61440 + os.getpid() % 2048, 65536)
-  env = cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=2",
-                JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", SLURM_JOB_ID=str(port - 61440),
-                SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
-                CHECKPOINT_DIR=str(tmp_path / "checkpoints"))
-  outputs = finish([run([sys.executable, str(file)], {**env, "SLURM_PROCID": str(i),
-                                                      "SLURM_LOCALID": str(i)}, tmp_path)
-                    for i in range(2)])
+  env = cpu_env(
+    XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+    SLURM_JOB_ID=str(port - 61440),
+    SLURM_STEP_NODELIST="localhost",
+    SLURM_NTASKS="2",
+    CHECKPOINT_DIR=str(tmp_path / "checkpoints"),
+  )
+  outputs = finish(
+    [
+      run(
+        [sys.executable, str(file)],
+        {**env, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)},
+        tmp_path,
+      )
+      for i in range(2)
+    ]
+  )
   found = [re.findall(r"process (\d): step 20, loss (\S+), restored \S+", o) for o in outputs]
   assert all(len(f) == 1 for f in found), outputs
   assert sorted(f[0][0] for f in found) == ["0", "1"]

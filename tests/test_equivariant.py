@@ -82,29 +82,56 @@ def close(actual, expected, rtol=1e-4):
 
 # name -> (rule with units on axis 0, reference, centred, zero rows stay zero)
 RULES = {
-    "row_norm": (eqv.scale_by_row_norm(0, beta=0.0), row_norm, False, True),
-    "row_norm_centered": (eqv.scale_by_row_norm(0, center=True, beta=0.0),
-                          lambda x: center(row_norm(center(x))), True, False),
-    "right_spectral": (eqv.scale_by_right_spectral(0, beta=0.0), right_spectral, False, True),
-    "right_spectral_centered": (eqv.scale_by_right_spectral(0, center=True, beta=0.0),
-                                lambda x: right_spectral(center(x)), True, False),
-    "left_spectral": (eqv.scale_by_left_spectral(0, beta=0.0),
-                      lambda x: center(left_spectral(center(x))), True, False),
-    "hybrid_row_then_polar": (eqv.scale_by_hybrid(0, beta=0.0, **EXACT_NS),
-                              lambda x: nuclear(row_norm(x)) * polar(row_norm(x)), False, True),
-    "hybrid_row_then_polar_centered": (  # re-centred between R and the polar step
-        eqv.scale_by_hybrid(0, center=True, beta=0.0, **EXACT_NS),
-        lambda x: center(nuclear(center(row_norm(center(x)))) * polar(center(row_norm(center(x))))),
-        True, False),
-    "hybrid_polar_then_row": (eqv.scale_by_hybrid(0, order="polar_then_row", beta=0.0, **EXACT_NS),
-                              lambda x: row_norm(polar(x)), False, True),
-    "hybrid_polar_then_row_centered": (
-        eqv.scale_by_hybrid(0, order="polar_then_row", center=True, beta=0.0, **EXACT_NS),
-        lambda x: center(row_norm(polar(center(x)))), True, False),
-    "polar": (eqv.scale_by_polar(0, 1, beta=0.0, **EXACT_NS), polar, False, True),
+  "row_norm": (eqv.scale_by_row_norm(0, beta=0.0), row_norm, False, True),
+  "row_norm_centered": (
+    eqv.scale_by_row_norm(0, center=True, beta=0.0),
+    lambda x: center(row_norm(center(x))),
+    True,
+    False,
+  ),
+  "right_spectral": (eqv.scale_by_right_spectral(0, beta=0.0), right_spectral, False, True),
+  "right_spectral_centered": (
+    eqv.scale_by_right_spectral(0, center=True, beta=0.0),
+    lambda x: right_spectral(center(x)),
+    True,
+    False,
+  ),
+  "left_spectral": (
+    eqv.scale_by_left_spectral(0, beta=0.0),
+    lambda x: center(left_spectral(center(x))),
+    True,
+    False,
+  ),
+  "hybrid_row_then_polar": (
+    eqv.scale_by_hybrid(0, beta=0.0, **EXACT_NS),
+    lambda x: nuclear(row_norm(x)) * polar(row_norm(x)),
+    False,
+    True,
+  ),
+  "hybrid_row_then_polar_centered": (  # re-centred between R and the polar step
+    eqv.scale_by_hybrid(0, center=True, beta=0.0, **EXACT_NS),
+    lambda x: center(nuclear(center(row_norm(center(x)))) * polar(center(row_norm(center(x))))),
+    True,
+    False,
+  ),
+  "hybrid_polar_then_row": (
+    eqv.scale_by_hybrid(0, order="polar_then_row", beta=0.0, **EXACT_NS),
+    lambda x: row_norm(polar(x)),
+    False,
+    True,
+  ),
+  "hybrid_polar_then_row_centered": (
+    eqv.scale_by_hybrid(0, order="polar_then_row", center=True, beta=0.0, **EXACT_NS),
+    lambda x: center(row_norm(polar(center(x)))),
+    True,
+    False,
+  ),
+  "polar": (eqv.scale_by_polar(0, 1, beta=0.0, **EXACT_NS), polar, False, True),
 }
 # One jitted update per rule, shared by every test that uses it.
-STEP = {name: jax.jit(lambda g, tx=tx: tx.update(g, tx.init(g))[0]) for name, (tx, *_) in RULES.items()}
+STEP = {
+  name: jax.jit(lambda g, tx=tx: tx.update(g, tx.init(g))[0]) for name, (tx, *_) in RULES.items()
+}
 
 
 @pytest.mark.parametrize("name", RULES)
@@ -142,7 +169,9 @@ def test_zero_gradients(name):
     assert np.all(out[[2, 7]] == 0.0)
 
 
-@pytest.mark.parametrize("name", ["row_norm_centered", "left_spectral", "hybrid_row_then_polar", "polar"])
+@pytest.mark.parametrize(
+  "name", ["row_norm_centered", "left_spectral", "hybrid_row_then_polar", "polar"]
+)
 def test_bfloat16_in_bfloat16_out(name):
   tx = RULES[name][0]
   g = rand(6, (U, F), np.float32)
@@ -180,9 +209,11 @@ def test_polar_nesterov_and_width_scale():
 def test_polar_per_head_layouts():
   d, heads, hd = 8, 2, 4
   g = rand(11, (d, heads * hd), np.float32)
-  per_head = np.concatenate([polar(g[:, h * hd:(h + 1) * hd]) for h in range(heads)], axis=1)
-  for tx in (eqv.scale_by_polar(num_heads=heads, beta=0.0, **EXACT_NS),
-             eqv.scale_by_polar(head_dim=hd, beta=0.0, **EXACT_NS)):
+  per_head = np.concatenate([polar(g[:, h * hd : (h + 1) * hd]) for h in range(heads)], axis=1)
+  for tx in (
+    eqv.scale_by_polar(num_heads=heads, beta=0.0, **EXACT_NS),
+    eqv.scale_by_polar(head_dim=hd, beta=0.0, **EXACT_NS),
+  ):
     close(tx.update(g, tx.init(g))[0], per_head, rtol=1e-3)
   # The same kernel as a (d, H, hd) DenseGeneral: heads as a batch axis.
   tx = eqv.scale_by_polar(0, 2, 1, beta=0.0, **EXACT_NS)
@@ -191,7 +222,7 @@ def test_polar_per_head_layouts():
   # An output kernel (H*hd, d): heads split the rows; scale sqrt(d / hd).
   tx = eqv.scale_by_polar(num_heads=heads, head_axis=-2, beta=0.0, **EXACT_NS)
   go = g.T
-  expected = np.concatenate([polar(go[h * hd:(h + 1) * hd]) for h in range(heads)], axis=0)
+  expected = np.concatenate([polar(go[h * hd : (h + 1) * hd]) for h in range(heads)], axis=0)
   close(tx.update(go, tx.init(go))[0], np.sqrt(d / hd) * expected, rtol=1e-3)
 
 
@@ -210,32 +241,50 @@ def test_batch_axes_are_independent_copies():
     close(out[layer], right_spectral(h[layer].T).T, rtol=2e-4)
 
 
-@pytest.mark.parametrize("tx", [
+@pytest.mark.parametrize(
+  "tx",
+  [
     eqv.scale_by_polar(num_heads=2, beta=0.0, **EXACT_NS),
     eqv.scale_by_hybrid(1, beta=0.0, **EXACT_NS),
     eqv.scale_by_right_spectral(1, beta=0.0),
-])
+  ],
+)
 def test_same_sized_leaves_share_one_batched_call(tx):
   """Leaves whose matrices have one size run as one batch: the result is
   each leaf's own update."""
-  tree = {f"layer_{i}": rand(40 + i, shape, np.float32)
-          for i, shape in enumerate([(6, 8), (6, 8), (6, 8), (4, 8), (8, 6)])}
+  tree = {
+    f"layer_{i}": rand(40 + i, shape, np.float32)
+    for i, shape in enumerate([(6, 8), (6, 8), (6, 8), (4, 8), (8, 6)])
+  }
   out = tx.update(tree, tx.init(tree))[0]
   for name, g in tree.items():
     close(out[name], tx.update(g, tx.init(g))[0], rtol=1e-3)
 
 
-SWIGLU = {"layers_0": {"mlp": {"gate_proj": {"kernel": rand(14, (F, U), np.float32)},
-                               "up_proj": {"kernel": rand(15, (F, U), np.float32)}}},
-          "layers_1": {"mlp": {"gate_proj": {"kernel": rand(16, (F, U), np.float32)},
-                               "up_proj": {"kernel": rand(17, (F, U), np.float32)}}}}
+SWIGLU = {
+  "layers_0": {
+    "mlp": {
+      "gate_proj": {"kernel": rand(14, (F, U), np.float32)},
+      "up_proj": {"kernel": rand(15, (F, U), np.float32)},
+    }
+  },
+  "layers_1": {
+    "mlp": {
+      "gate_proj": {"kernel": rand(16, (F, U), np.float32)},
+      "up_proj": {"kernel": rand(17, (F, U), np.float32)},
+    }
+  },
+}
 JOINT = ("gate_proj/kernel", "up_proj/kernel")
 
 
-@pytest.mark.parametrize("make, reference", [
+@pytest.mark.parametrize(
+  "make, reference",
+  [
     (eqv.scale_by_row_norm, row_norm),
     (eqv.scale_by_right_spectral, right_spectral),
-])
+  ],
+)
 def test_swiglu_gate_up_share_neurons(make, reference):
   """Units are hidden neurons; a neuron's vector is [gate column, up column]."""
   tx = make(-1, joint=JOINT, beta=0.0)
@@ -251,20 +300,24 @@ def test_joint_errors_name_the_path():
   lonely = {"layers_0": {"mlp": {"gate_proj": {"kernel": np.zeros((F, U), np.float32)}}}}
   with pytest.raises(ValueError, match="layers_0/mlp/gate_proj/kernel"):
     eqv.scale_by_row_norm(-1, joint=JOINT).init(lonely)
-  mismatched = {"mlp": {"gate_proj": {"kernel": np.zeros((F, U))},
-                        "up_proj": {"kernel": np.zeros((F, U + 1))}}}
+  mismatched = {
+    "mlp": {"gate_proj": {"kernel": np.zeros((F, U))}, "up_proj": {"kernel": np.zeros((F, U + 1))}}
+  }
   with pytest.raises(ValueError, match="mlp/up_proj/kernel"):
     eqv.scale_by_row_norm(-1, joint=JOINT).init(mismatched)
 
 
-@pytest.mark.parametrize("name, kwargs, shape", [
+@pytest.mark.parametrize(
+  "name, kwargs, shape",
+  [
     ("scale_by_row_norm", dict(unit_axis=0), (4,)),
     ("scale_by_right_spectral", dict(unit_axis=0), (4,)),
     ("scale_by_left_spectral", dict(unit_axis=0), (2, 3, 4)),
     ("scale_by_hybrid", dict(unit_axis=1), (2, 3, 4)),
     ("scale_by_polar", {}, (2, 3, 4)),
     ("scale_by_polar", dict(num_heads=3), (4, 8)),
-])
+  ],
+)
 def test_wrong_rank_or_layout_names_the_rule_and_path(name, kwargs, shape):
   """The error names the rule the user called, and the parameter."""
   with pytest.raises(ValueError, match=f"^{name}: parameter 'block/w' of shape"):
@@ -277,14 +330,14 @@ def test_wrong_rank_or_layout_names_the_rule_and_path(name, kwargs, shape):
 # degree-5 polynomials as published, before the paper's 1.01 safety factor
 # p(x / 1.01), which applies to every step but the last (the limit, repeated).
 PUBLISHED_POLAR_EXPRESS = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-    (1.875, -1.25, 0.375),
+  (8.28721201814563, -23.595886519098837, 17.300387312530933),
+  (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+  (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+  (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+  (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+  (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+  (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+  (1.875, -1.25, 0.375),
 )
 
 
@@ -312,7 +365,9 @@ def ill_conditioned(m, n, cond=1e3):
 
 
 NS_BF16 = jax.jit(eqv.newton_schulz, static_argnames=("coeffs", "steps"))
-NS_F32 = jax.jit(functools.partial(eqv.newton_schulz, dtype=jnp.float32), static_argnames=("steps",))
+NS_F32 = jax.jit(
+  functools.partial(eqv.newton_schulz, dtype=jnp.float32), static_argnames=("steps",)
+)
 
 
 def singular_values(x):
@@ -333,8 +388,9 @@ def test_newton_schulz_applies_the_published_polynomials(steps):
   by more than 0.04; the tolerance is 1e-4)."""
   x = ill_conditioned(16, 32)
   expected = newton_schulz_oracle(x, steps)
-  np.testing.assert_allclose(NS_F32(jnp.asarray(x), steps=steps), expected,
-                             atol=1e-4 * np.abs(expected).max())
+  np.testing.assert_allclose(
+    NS_F32(jnp.asarray(x), steps=steps), expected, atol=1e-4 * np.abs(expected).max()
+  )
 
 
 @pytest.mark.parametrize("cond,steps", [(1e2, 5), (1e3, 6)])
@@ -390,7 +446,9 @@ def test_polar_express_beats_quintic_at_equal_steps(shape):
   """Why Polar Express is the default: at Muon's 5 steps its singular values
   are closer to 1 at both ends than the quintic's."""
   x = jnp.asarray(ill_conditioned(*shape))
-  pe, quintic = (singular_values(NS_BF16(x, coeffs=c, steps=5)) for c in ("polar_express", "quintic"))
+  pe, quintic = (
+    singular_values(NS_BF16(x, coeffs=c, steps=5)) for c in ("polar_express", "quintic")
+  )
   assert pe.min() > quintic.min() and pe.max() < quintic.max(), (pe, quintic)
 
 
@@ -433,6 +491,7 @@ def linen_params():
       part = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
       x = nn.Dense(8, name="q_proj", kernel_init=part)(x)
       return nn.LayerNorm(name="norm")(x)
+
   return Block().init(jax.random.key(0), jnp.zeros((1, 3), jnp.int32))
 
 
@@ -442,13 +501,17 @@ def nnx_state():
       self.embed = nnx.Embed(U, 8, rngs=rngs)
       self.q_proj = nnx.Linear(8, 8, rngs=rngs)
       self.norm = nnx.LayerNorm(8, rngs=rngs)
+
   return nnx.split(Block(nnx.Rngs(0)), nnx.Param)[1]
 
 
 ROUTED = eqv.layerwise(
-    {"embed/embedding": eqv.scale_by_row_norm(0, beta=0.0),
-     ("q_proj/kernel",): eqv.scale_by_polar(num_heads=2, beta=0.0, **EXACT_NS)},
-    default=optax.sgd(1.0))
+  {
+    "embed/embedding": eqv.scale_by_row_norm(0, beta=0.0),
+    ("q_proj/kernel",): eqv.scale_by_polar(num_heads=2, beta=0.0, **EXACT_NS),
+  },
+  default=optax.sgd(1.0),
+)
 ROUTED_STEP = jax.jit(lambda g: ROUTED.update(g, ROUTED.init(g))[0])
 
 
@@ -499,12 +562,19 @@ def llama_grads(key, layers=None):
   """Gradients of a tiny LLaMA-style decoder with one MoE block, Flax layouts."""
   lead = () if layers is None else (layers,)
   shapes = {
-      "embed/embedding": (V, D), "lm_head/kernel": (D, V), "norm/scale": (D,),
-      "layers/attn/q_proj/kernel": lead + (D, H * HD), "layers/attn/k_proj/kernel": lead + (D, KV * HD),
-      "layers/attn/v_proj/kernel": lead + (D, KV * HD), "layers/attn/o_proj/kernel": lead + (H * HD, D),
-      "layers/mlp/gate_proj/kernel": lead + (D, FF), "layers/mlp/up_proj/kernel": lead + (D, FF),
-      "layers/mlp/down_proj/kernel": lead + (FF, D), "layers/moe/router/kernel": lead + (D, E),
-      "layers/moe/experts/w_in": lead + (E, D, FF), "layers/attn_norm/scale": lead + (D,),
+    "embed/embedding": (V, D),
+    "lm_head/kernel": (D, V),
+    "norm/scale": (D,),
+    "layers/attn/q_proj/kernel": lead + (D, H * HD),
+    "layers/attn/k_proj/kernel": lead + (D, KV * HD),
+    "layers/attn/v_proj/kernel": lead + (D, KV * HD),
+    "layers/attn/o_proj/kernel": lead + (H * HD, D),
+    "layers/mlp/gate_proj/kernel": lead + (D, FF),
+    "layers/mlp/up_proj/kernel": lead + (D, FF),
+    "layers/mlp/down_proj/kernel": lead + (FF, D),
+    "layers/moe/router/kernel": lead + (D, E),
+    "layers/moe/experts/w_in": lead + (E, D, FF),
+    "layers/attn_norm/scale": lead + (D,),
   }
   tree = {}
   for i, (path, shape) in enumerate(shapes.items()):
@@ -530,29 +600,33 @@ def unit_rule(kind, x, centred=False):
   return p(left_spectral(p(x)))
 
 
-def expected_llama_directions(g, embedding="row_norm", lm_head="row_norm", mlp="row_norm",
-                              down="column", router="row_norm"):
+def expected_llama_directions(
+  g, embedding="row_norm", lm_head="row_norm", mlp="row_norm", down="column", router="row_norm"
+):
   """Lau and Su's stack by hand (beta=0): each role's direction, by path."""
   L = g["layers"]
   gu = np.concatenate([L["mlp"]["gate_proj"]["kernel"].T, L["mlp"]["up_proj"]["kernel"].T], axis=1)
   neurons = unit_rule(mlp, gu)
   per_head = lambda w, n, axis: np.concatenate(  # noqa: E731
-      [polar(b) for b in np.split(w, n, axis=axis)], axis=axis)
+    [polar(b) for b in np.split(w, n, axis=axis)], axis=axis
+  )
   w_down = L["mlp"]["down_proj"]["kernel"]
   return {
-      "embed/embedding": unit_rule(embedding, g["embed"]["embedding"]),
-      "lm_head/kernel": unit_rule(lm_head, g["lm_head"]["kernel"].T, centred=True).T,
-      "layers/attn/q_proj/kernel": per_head(L["attn"]["q_proj"]["kernel"], H, 1),
-      "layers/attn/k_proj/kernel": per_head(L["attn"]["k_proj"]["kernel"], KV, 1),
-      "layers/attn/v_proj/kernel": per_head(L["attn"]["v_proj"]["kernel"], KV, 1),
-      "layers/attn/o_proj/kernel": np.sqrt(D / HD) * per_head(L["attn"]["o_proj"]["kernel"], H, 0),
-      "layers/mlp/gate_proj/kernel": neurons[:, :D].T,
-      "layers/mlp/up_proj/kernel": neurons[:, D:].T,
-      "layers/mlp/down_proj/kernel": (unit_rule(mlp, w_down) if down == "column"
-                                      else np.sqrt(D / FF) * polar(w_down)),
-      "layers/moe/router/kernel": unit_rule(router, L["moe"]["router"]["kernel"].T, centred=True).T,
-      "layers/moe/experts/w_in": np.stack(
-          [polar(w) for w in L["moe"]["experts"]["w_in"]]),  # fan_out < fan_in: scale 1
+    "embed/embedding": unit_rule(embedding, g["embed"]["embedding"]),
+    "lm_head/kernel": unit_rule(lm_head, g["lm_head"]["kernel"].T, centred=True).T,
+    "layers/attn/q_proj/kernel": per_head(L["attn"]["q_proj"]["kernel"], H, 1),
+    "layers/attn/k_proj/kernel": per_head(L["attn"]["k_proj"]["kernel"], KV, 1),
+    "layers/attn/v_proj/kernel": per_head(L["attn"]["v_proj"]["kernel"], KV, 1),
+    "layers/attn/o_proj/kernel": np.sqrt(D / HD) * per_head(L["attn"]["o_proj"]["kernel"], H, 0),
+    "layers/mlp/gate_proj/kernel": neurons[:, :D].T,
+    "layers/mlp/up_proj/kernel": neurons[:, D:].T,
+    "layers/mlp/down_proj/kernel": (
+      unit_rule(mlp, w_down) if down == "column" else np.sqrt(D / FF) * polar(w_down)
+    ),
+    "layers/moe/router/kernel": unit_rule(router, L["moe"]["router"]["kernel"].T, centred=True).T,
+    "layers/moe/experts/w_in": np.stack(
+      [polar(w) for w in L["moe"]["experts"]["w_in"]]
+    ),  # fan_out < fan_in: scale 1
   }
 
 
@@ -563,15 +637,26 @@ ADAMW_PATHS = ("norm/scale", "layers/attn_norm/scale")
 
 @functools.cache
 def stack_step(stacked, **variants):
-  tx = eqv.symmetry_compatible(LR, adamw_learning_rate=ADAMW_LR, weight_decay=WD,
-                               adamw_weight_decay=ADAMW_WD, learning_rates={"output": OUTPUT_LR},
-                               num_heads=H, num_kv_heads=KV, stacked=stacked, beta=0.0,
-                               **EXACT_NS, **variants)
+  tx = eqv.symmetry_compatible(
+    LR,
+    adamw_learning_rate=ADAMW_LR,
+    weight_decay=WD,
+    adamw_weight_decay=ADAMW_WD,
+    learning_rates={"output": OUTPUT_LR},
+    num_heads=H,
+    num_kv_heads=KV,
+    stacked=stacked,
+    beta=0.0,
+    **EXACT_NS,
+    **variants,
+  )
   return jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])
 
 
 def flat_paths(tree):
-  return {path_str(k): np.asarray(v, np.float64) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {
+    path_str(k): np.asarray(v, np.float64) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
 
 
 def check_llama_update(out, g, p, **variants):
@@ -593,24 +678,42 @@ def test_symmetry_compatible_stack():
   check_llama_update(out, g, p)
   # The stacked-layers layout gives every layer the update of the unstacked one.
   gs, ps = [g, llama_grads(200)], [p, llama_grads(700)]
-  stack = lambda trees: {**trees[0], "layers": jax.tree.map(  # noqa: E731
-      lambda *x: np.stack(x), *[t["layers"] for t in trees])}
+  stack = lambda trees: {
+    **trees[0],
+    "layers": jax.tree.map(  # noqa: E731
+      lambda *x: np.stack(x), *[t["layers"] for t in trees]
+    ),
+  }
   stacked = stack_step(True)(stack(gs), stack(ps))
   for i, single in enumerate([out, stack_step(False)(gs[1], ps[1])]):
-    chex.assert_trees_all_close(jax.tree.map(lambda x, i=i: x[i], stacked["layers"]), single["layers"],
-                                rtol=1e-4, atol=1e-5)
+    chex.assert_trees_all_close(
+      jax.tree.map(lambda x, i=i: x[i], stacked["layers"]), single["layers"], rtol=1e-4, atol=1e-5
+    )
 
 
-@pytest.mark.parametrize("variants", [
-    dict(embedding="hybrid", lm_head="hybrid", mlp="hybrid", down="polar", router="left_spectral",
-         head_dim=HD),
+@pytest.mark.parametrize(
+  "variants",
+  [
+    dict(
+      embedding="hybrid",
+      lm_head="hybrid",
+      mlp="hybrid",
+      down="polar",
+      router="left_spectral",
+      head_dim=HD,
+    ),
     dict(mlp="hybrid"),  # a column-aware hybrid down
-])
+  ],
+)
 def test_symmetry_compatible_variants(variants):
   """Each option builds the rule it names, checked against numpy."""
   g, p = llama_grads(400), llama_grads(800)
-  check_llama_update(stack_step(False, **variants)(g, p), g, p,
-                     **{k: v for k, v in variants.items() if k != "head_dim"})
+  check_llama_update(
+    stack_step(False, **variants)(g, p),
+    g,
+    p,
+    **{k: v for k, v in variants.items() if k != "head_dim"},
+  )
 
 
 def test_symmetry_compatible_tied_and_errors():
@@ -624,8 +727,13 @@ def test_symmetry_compatible_tied_and_errors():
     eqv.symmetry_compatible(1.0, down="rows")
 
 
-@pytest.mark.parametrize("variants", [{}, dict(embedding="hybrid", lm_head="hybrid", mlp="hybrid",
-                                               down="polar", router="left_spectral")])
+@pytest.mark.parametrize(
+  "variants",
+  [
+    {},
+    dict(embedding="hybrid", lm_head="hybrid", mlp="hybrid", down="polar", router="left_spectral"),
+  ],
+)
 def test_stack_defaults_on_zero_gradients(variants):
   """The default Newton-Schulz (bfloat16 Polar Express, 5 steps): zero
   gradients give a zero update, never a NaN, from a fresh state and after
@@ -643,7 +751,9 @@ def test_stack_defaults_on_zero_gradients(variants):
 
 # --------------------------------------------- Gram Newton-Schulz, inverse root
 
-NS_GRAM = jax.jit(functools.partial(eqv.newton_schulz, gram=True), static_argnames=("coeffs", "steps", "dtype"))
+NS_GRAM = jax.jit(
+  functools.partial(eqv.newton_schulz, gram=True), static_argnames=("coeffs", "steps", "dtype")
+)
 
 
 @pytest.mark.parametrize("shape", [(8, 40), (40, 8), (3, 12, 12)])
@@ -678,7 +788,9 @@ def test_gram_newton_schulz_default_bfloat16(shape):
 
 def test_polar_rule_with_gram_newton_schulz():
   g = rand(31, (8, 3 * 16), np.float32)  # three (8, 16) heads
-  tx, gram_tx = (eqv.scale_by_polar(num_heads=3, beta=0.0, ns_gram=flag, **EXACT_NS) for flag in (False, True))
+  tx, gram_tx = (
+    eqv.scale_by_polar(num_heads=3, beta=0.0, ns_gram=flag, **EXACT_NS) for flag in (False, True)
+  )
   close(gram_tx.update(g, gram_tx.init(g))[0], tx.update(g, tx.init(g))[0], rtol=1e-4)
 
 
@@ -692,5 +804,10 @@ def test_iterative_inverse_square_root():
   exact = (v / np.sqrt(lam)) @ v.T
   inv_sqrt = eqv._linalg.inv_sqrt
   for steps, tol in ((12, 1e-4), (5, 0.2)):
-    out = np.asarray(inv_sqrt(jnp.asarray(c, jnp.float32), 1e-3, "polar_express_1.05", steps), np.float64)
-    assert np.linalg.norm(out - exact) <= tol * np.linalg.norm(exact), (steps, np.linalg.norm(out - exact))
+    out = np.asarray(
+      inv_sqrt(jnp.asarray(c, jnp.float32), 1e-3, "polar_express_1.05", steps), np.float64
+    )
+    assert np.linalg.norm(out - exact) <= tol * np.linalg.norm(exact), (
+      steps,
+      np.linalg.norm(out - exact),
+    )

@@ -38,23 +38,22 @@ def meta(case):
   return json.loads(str(DATA[f"{case}/meta"]))
 
 
-
-
 # BatchedExpertMuonPolarExpress layouts of an (E, a, b) tensor: (output, reduction, heads).
 EXPERT_MUON = {
-    "row": (1, 2, {}),  # factor sqrt(max(1, a/b))
-    "col": (2, 1, {}),  # factor sqrt(max(1, b/a))
-    "gpt_oss_gate_up_pair": (1, 2, dict(num_heads=2, head_axis=2, interleaved=True)),
-    "olmoe_gate_up_pair": (1, 2, dict(num_heads=2, head_axis=1)),
+  "row": (1, 2, {}),  # factor sqrt(max(1, a/b))
+  "col": (2, 1, {}),  # factor sqrt(max(1, b/a))
+  "gpt_oss_gate_up_pair": (1, 2, dict(num_heads=2, head_axis=2, interleaved=True)),
+  "olmoe_gate_up_pair": (1, 2, dict(num_heads=2, head_axis=1)),
 }
 # Unit layouts of RowNormM / HybridPolarGradM (2-D orientation, 3-D expert layout).
 UNITS_2D = {"row": dict(unit_axis=0), "col": dict(unit_axis=1)}
 UNITS_3D = {
-    "row": dict(unit_axis=eqv.UnitDimensionNumbers(1, batch_axis=0)),
-    "col": dict(unit_axis=eqv.UnitDimensionNumbers(2, batch_axis=0)),
-    "gpt_oss_gate_up_pair": dict(unit_axis=eqv.UnitDimensionNumbers(2, batch_axis=0, fused=2,
-                                                                    interleaved=True)),
-    "olmoe_gate_up_pair": dict(unit_axis=eqv.UnitDimensionNumbers(1, batch_axis=0, fused=2)),
+  "row": dict(unit_axis=eqv.UnitDimensionNumbers(1, batch_axis=0)),
+  "col": dict(unit_axis=eqv.UnitDimensionNumbers(2, batch_axis=0)),
+  "gpt_oss_gate_up_pair": dict(
+    unit_axis=eqv.UnitDimensionNumbers(2, batch_axis=0, fused=2, interleaved=True)
+  ),
+  "olmoe_gate_up_pair": dict(unit_axis=eqv.UnitDimensionNumbers(1, batch_axis=0, fused=2)),
 }
 
 
@@ -67,34 +66,52 @@ def rule(opt, name, ns_dtype, settings=eqv.REFERENCE, shared_nuclear_norm=True):
     # The shape factor is sqrt(max(1, out/in)) of each block: out is the output axis.
     cfg = (kw["head_configs"] or {}).get(name)
     axes = (1, 0, ())
-    heads = {} if cfg is None else dict(num_heads=cfg["num_heads"],
-                                        head_axis=0 if cfg["layout"] == "qkv" else 1)
+    heads = (
+      {}
+      if cfg is None
+      else dict(num_heads=cfg["num_heads"], head_axis=0 if cfg["layout"] == "qkv" else 1)
+    )
   if cls == "BatchedExpertMuonPolarExpress":
     out, red, heads = EXPERT_MUON[kw["expert_layout"]]
     axes = (red, out, 0)
   if "Muon" in cls:
-    return eqv.scale_by_polar(*axes, beta=kw["momentum"], nesterov=kw["nesterov"], ns_dtype=ns_dtype,
-                              **heads, **settings["scale_by_polar"])
+    return eqv.scale_by_polar(
+      *axes,
+      beta=kw["momentum"],
+      nesterov=kw["nesterov"],
+      ns_dtype=ns_dtype,
+      **heads,
+      **settings["scale_by_polar"],
+    )
   if cls in ("RightPolarGradM", "LeftPolarGradM"):
     make = eqv.scale_by_right_spectral if cls == "RightPolarGradM" else eqv.scale_by_left_spectral
-    return make(0, center=kw["center_rows"], beta=kw["beta"], alpha=kw["alpha"],
-                **settings[make.__name__])
+    return make(
+      0, center=kw["center_rows"], beta=kw["beta"], alpha=kw["alpha"], **settings[make.__name__]
+    )
   expert = cls.startswith("BatchedExpert")
   units = UNITS_3D[kw["expert_layout"]] if expert else UNITS_2D[kw["orientation"]]
   common = dict(center=kw.get("center_rows", False), beta=kw["beta"], **units)
   if cls.endswith("RowNormM"):
     return eqv.scale_by_row_norm(**common, **settings["scale_by_row_norm"])
-  return eqv.scale_by_hybrid(**common, order=kw["order"], alpha=kw["alpha"], ns_dtype=ns_dtype,
-                             nuclear_norm_axes=0 if expert and shared_nuclear_norm else (),
-                             **{**settings["scale_by_hybrid"], "gram": "left" if kw["left"] else "right"})
+  return eqv.scale_by_hybrid(
+    **common,
+    order=kw["order"],
+    alpha=kw["alpha"],
+    ns_dtype=ns_dtype,
+    nuclear_norm_axes=0 if expert and shared_nuclear_norm else (),
+    **{**settings["scale_by_hybrid"], "gram": "left" if kw["left"] else "right"},
+  )
 
 
 def optimizer(case, ns_dtype, **kw):
   """The case's optimizers with the scenario's lr and weight decay as state."""
-  groups = [(tuple(o["tensors"]), rule(o, o["tensors"][0], ns_dtype, **kw))
-            for o in meta(case)["optimizers"]]
+  groups = [
+    (tuple(o["tensors"]), rule(o, o["tensors"][0], ns_dtype, **kw))
+    for o in meta(case)["optimizers"]
+  ]
   make = lambda learning_rate, weight_decay: eqv.layerwise(  # noqa: E731
-      [(names, eqv.optimizer(r, learning_rate, weight_decay)) for names, r in groups])
+    [(names, eqv.optimizer(r, learning_rate, weight_decay)) for names, r in groups]
+  )
   return optax.inject_hyperparams(make)(learning_rate=1.0, weight_decay=0.0)
 
 
@@ -108,8 +125,12 @@ def runs(case, mode, scenarios=SCENARIOS, ns_dtype=None, **kw):
   grads = {n: DATA[f"{case}/{n}/grads"] for n in names}
   for s in scenarios:
     lr, wd = m["scenarios"][s]["lr"], m["scenarios"][s]["weight_decay"]
-    start = {n: (np.zeros_like(grads[n][0]) if s == "zero" else DATA[f"{case}/{n}/init"]) for n in names}
-    ref = {n: np.concatenate([start[n][None], DATA[f"{case}/{s}/{mode}/{n}/params"]]) for n in names}
+    start = {
+      n: (np.zeros_like(grads[n][0]) if s == "zero" else DATA[f"{case}/{n}/init"]) for n in names
+    }
+    ref = {
+      n: np.concatenate([start[n][None], DATA[f"{case}/{s}/{mode}/{n}/params"]]) for n in names
+    }
     state = tx.init(start)
     state.hyperparams.update(learning_rate=jnp.asarray(lr), weight_decay=jnp.asarray(wd))
     for k in range(3):
@@ -136,7 +157,9 @@ def test_fp32_matches_reference(case):
   print(case, {n: f"{r:.1e}" for n, r in worst.items()})
 
 
-MUON_CASES = [c for c in CASES if f"{c}/zero/default/{meta(c)['tensors'][0]['name']}/params" in DATA]
+MUON_CASES = [
+  c for c in CASES if f"{c}/zero/default/{meta(c)['tensors'][0]['name']}/params" in DATA
+]
 
 
 def test_default_mode_is_stored_for_muon_cases_only():
@@ -159,28 +182,53 @@ from test_equivariant import KV, H, center, llama_grads, polar, row_norm  # noqa
 
 # Path -> role as the reference scripts route a LLaMA-style decoder with MoE.
 ROLE_OF = {
-    "embed/embedding": "embedding", "lm_head/kernel": "lm_head", "norm/scale": "adamw",
-    "layers/attn/q_proj/kernel": "query", "layers/attn/k_proj/kernel": "key_value",
-    "layers/attn/v_proj/kernel": "key_value", "layers/attn/o_proj/kernel": "output",
-    "layers/mlp/gate_proj/kernel": "gate_up", "layers/mlp/up_proj/kernel": "gate_up",
-    "layers/mlp/down_proj/kernel": "down", "layers/moe/router/kernel": "router",
-    "layers/moe/experts/w_in": "experts", "layers/attn_norm/scale": "adamw",
+  "embed/embedding": "embedding",
+  "lm_head/kernel": "lm_head",
+  "norm/scale": "adamw",
+  "layers/attn/q_proj/kernel": "query",
+  "layers/attn/k_proj/kernel": "key_value",
+  "layers/attn/v_proj/kernel": "key_value",
+  "layers/attn/o_proj/kernel": "output",
+  "layers/mlp/gate_proj/kernel": "gate_up",
+  "layers/mlp/up_proj/kernel": "gate_up",
+  "layers/mlp/down_proj/kernel": "down",
+  "layers/moe/router/kernel": "router",
+  "layers/moe/experts/w_in": "experts",
+  "layers/attn_norm/scale": "adamw",
 }
 # train_qwen3.py's defaults (lr_muon, lr_embed, lr_lm_head, lr for AdamW,
 # wd_muon, weight_decay) and train_olmoe.py's lr_router.
-SCRIPT_RATES = {"query": 2e-2, "key_value": 2e-2, "output": 2e-2, "gate_up": 2e-2, "down": 2e-2,
-                "experts": 2e-2, "embedding": 0.5, "lm_head": 5e-3, "router": 7.5e-4, "adamw": 5e-2}
-SCRIPT_DECAYS = {**dict.fromkeys(SCRIPT_RATES, 1e-3), "embedding": 0.0, "lm_head": 0.0, "router": 0.0}
+SCRIPT_RATES = {
+  "query": 2e-2,
+  "key_value": 2e-2,
+  "output": 2e-2,
+  "gate_up": 2e-2,
+  "down": 2e-2,
+  "experts": 2e-2,
+  "embedding": 0.5,
+  "lm_head": 5e-3,
+  "router": 7.5e-4,
+  "adamw": 5e-2,
+}
+SCRIPT_DECAYS = {
+  **dict.fromkeys(SCRIPT_RATES, 1e-3),
+  "embedding": 0.0,
+  "lm_head": 0.0,
+  "router": 0.0,
+}
 
 
 def flat(tree):
-  return {jax.tree_util.keystr(k, simple=True, separator="/"): np.asarray(v, np.float64)
-          for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {
+    jax.tree_util.keystr(k, simple=True, separator="/"): np.asarray(v, np.float64)
+    for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
 
 
 def stack_update(grads, params, **kw):
-  tx = eqv.symmetry_compatible_reference(num_heads=H, num_kv_heads=KV, ns_coeffs="polar_express",
-                               ns_steps=10, ns_dtype=jnp.float32, **kw)  # polar ~ exact
+  tx = eqv.symmetry_compatible_reference(
+    num_heads=H, num_kv_heads=KV, ns_coeffs="polar_express", ns_steps=10, ns_dtype=jnp.float32, **kw
+  )  # polar ~ exact
   return flat(jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])(grads, params))
 
 
@@ -194,8 +242,9 @@ def check_rules(g, out):
     w = g[f"layers/mlp/{name}/kernel"]
     np.testing.assert_allclose(out[f"layers/mlp/{name}/kernel"], -width(w) * polar(w), atol=2e-3)
   experts = g["layers/moe/experts/w_in"]
-  np.testing.assert_allclose(out["layers/moe/experts/w_in"],
-                             -np.stack([width(w.T) * polar(w) for w in experts]), atol=2e-3)
+  np.testing.assert_allclose(
+    out["layers/moe/experts/w_in"], -np.stack([width(w.T) * polar(w) for w in experts]), atol=2e-3
+  )
   np.testing.assert_allclose(out["embed/embedding"], -row_norm(g["embed/embedding"]), atol=1e-5)
   for path in ("lm_head/kernel", "layers/moe/router/kernel"):
     np.testing.assert_allclose(out[path], -center(row_norm(center(g[path].T))).T, atol=1e-5)
@@ -213,8 +262,9 @@ def test_reference_preset_routes_every_role_to_its_rate():
     out = stack_update(g, zeros, learning_rates=rates)
     assert set(out) == set(ROLE_OF)
     for path, role in ROLE_OF.items():
-      np.testing.assert_allclose(out[path], expected[role] * ones[path], rtol=1e-5,
-                                 atol=1e-9, err_msg=path)
+      np.testing.assert_allclose(
+        out[path], expected[role] * ones[path], rtol=1e-5, atol=1e-9, err_msg=path
+      )
 
 
 def test_reference_preset_tied_embedding_is_routed_as_the_lm_head():
@@ -224,8 +274,11 @@ def test_reference_preset_tied_embedding_is_routed_as_the_lm_head():
   g = {"embed": llama_grads(800)["embed"]}
   zeros = jax.tree.map(np.zeros_like, g)
   direction = center(row_norm(center(flat(g)["embed/embedding"])))
-  for rates, rate in (({}, SCRIPT_RATES["lm_head"]), ({"lm_head": 0.25}, 0.25),
-                      ({"lm_head": 0.25, "embedding": 0.125}, 0.125)):
+  for rates, rate in (
+    ({}, SCRIPT_RATES["lm_head"]),
+    ({"lm_head": 0.25}, 0.25),
+    ({"lm_head": 0.25, "embedding": 0.125}, 0.125),
+  ):
     out = stack_update(g, zeros, tie_embeddings=True, learning_rates=rates)
     np.testing.assert_allclose(out["embed/embedding"], -rate * direction, rtol=1e-5, atol=1e-9)
 
@@ -236,8 +289,13 @@ def test_reference_preset_weight_decay_per_role():
   out = stack_update(jax.tree.map(np.zeros_like, params), params)
   p = flat(params)
   for path, role in ROLE_OF.items():
-    np.testing.assert_allclose(out[path], -SCRIPT_RATES[role] * SCRIPT_DECAYS[role] * p[path],
-                               rtol=1e-5, atol=1e-12, err_msg=path)
+    np.testing.assert_allclose(
+      out[path],
+      -SCRIPT_RATES[role] * SCRIPT_DECAYS[role] * p[path],
+      rtol=1e-5,
+      atol=1e-12,
+      err_msg=path,
+    )
 
 
 def test_polar_summed_momentum_state():
@@ -255,11 +313,11 @@ def test_polar_summed_momentum_state():
 # The Polar Express coefficients Lau & Su's Muon ships (the Polar Express authors' set
 # for Muon), as published; they assume the normaliser 1.02 ||X||_F + 1e-6.
 MUON_POLAR_EXPRESS = (
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+  (8.156554524902461, -22.48329292557795, 15.878769915207462),
+  (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+  (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+  (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+  (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 
 

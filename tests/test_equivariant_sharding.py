@@ -60,7 +60,12 @@ CODE = textwrap.dedent("""
 
 
 def test_sharded_equals_unsharded():
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-  result = subprocess.run([sys.executable, "-c", CODE], env=env, capture_output=True, text=True,
-                          timeout=300)
+  env = {
+    **os.environ,
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    "JAX_PLATFORMS": "cpu",
+  }
+  result = subprocess.run(
+    [sys.executable, "-c", CODE], env=env, capture_output=True, text=True, timeout=300
+  )
   assert result.returncode == 0 and "SHARDED-OK" in result.stdout, result.stderr[-3000:]

@@ -24,10 +24,14 @@ GAIN = saggs.Pair("g", ("q", "k", "v"), axes=(0, 0), name="gain")
 
 def _small():
   rng = np.random.default_rng(1)
-  return {"g": jnp.asarray(1 + rng.random(4), jnp.float32),
-          **{n: jnp.asarray(rng.standard_normal((4, 6)) * s, jnp.float32)
-             for n, s in (("q", 3.0), ("k", 0.5), ("v", 1.0))},
-          "o": jnp.asarray(rng.standard_normal((6, 4)), jnp.float32)}
+  return {
+    "g": jnp.asarray(1 + rng.random(4), jnp.float32),
+    **{
+      n: jnp.asarray(rng.standard_normal((4, 6)) * s, jnp.float32)
+      for n, s in (("q", 3.0), ("k", 0.5), ("v", 1.0))
+    },
+    "o": jnp.asarray(rng.standard_normal((6, 4)), jnp.float32),
+  }
 
 
 def _np(tree):
@@ -48,9 +52,10 @@ def test_multi_tensor_side_factor_against_numpy():
   tx = saggs.chain(optax.sgd(0.0), saggs.soft([GAIN], strength=0.25))
   params = _small()
   updates, state = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
-  np.testing.assert_allclose(state[1].factors["g|q+k+v"], c ** 0.25, rtol=2e-6)
-  np.testing.assert_allclose(optax.apply_updates(params, updates)["q"], p["q"] / c[:, None] ** 0.25,
-                             rtol=2e-6)
+  np.testing.assert_allclose(state[1].factors["g|q+k+v"], c**0.25, rtol=2e-6)
+  np.testing.assert_allclose(
+    optax.apply_updates(params, updates)["q"], p["q"] / c[:, None] ** 0.25, rtol=2e-6
+  )
 
 
 def test_axes_per_pattern_and_moments_transported_by_hand():
@@ -66,30 +71,40 @@ def test_axes_per_pattern_and_moments_transported_by_hand():
   expect = {"g": (c, 1), "q": (c[:, None], 1), "o": (c[None, :], 1)}  # B side divides
   for name, (f, _) in expect.items():
     sign = 1 if name == "g" else -1
-    np.testing.assert_allclose(new_p[name], p[name] * f ** sign, rtol=2e-6)
-    np.testing.assert_allclose(new_s[0].mu[name], mu[name] * f ** -sign, rtol=2e-6)
+    np.testing.assert_allclose(new_p[name], p[name] * f**sign, rtol=2e-6)
+    np.testing.assert_allclose(new_s[0].mu[name], mu[name] * f**-sign, rtol=2e-6)
     np.testing.assert_allclose(new_s[0].nu[name], nu[name] * f ** (-2 * sign), rtol=2e-6)
   for name in "kv":
     np.testing.assert_array_equal(new_p[name], params[name])
 
 
-@pytest.mark.parametrize("pair, msg", [
-    (saggs.Pair("g", ("q", "o"), axes=(0, 0)),
-     "group axes differ in size ('g' (4,), 'q' (4, 6), 'o' (6, 4))"),
+@pytest.mark.parametrize(
+  "pair, msg",
+  [
+    (
+      saggs.Pair("g", ("q", "o"), axes=(0, 0)),
+      "group axes differ in size ('g' (4,), 'q' (4, 6), 'o' (6, 4))",
+    ),
     (saggs.Pair("g", ("q", "nope"), axes=(0, 0)), "pattern 'nope' matches no parameter path"),
-])
+  ],
+)
 def test_malformed_multi_tensor_declarations(pair, msg):
   with pytest.raises(ValueError, match=re.escape(msg)):
     saggs.describe([pair], _small())
 
 
-@pytest.mark.parametrize("kwargs, msg", [
+@pytest.mark.parametrize(
+  "kwargs, msg",
+  [
     (dict(axes=(0, (0, 1, 0))), "axes must be None or a pair of ints (axis_a, axis_b), got"),
     (dict(axes=((0,), 0)), "axes must be None or a pair of ints"),  # one pattern: an int
-    (dict(b=("q", "layers/*/k"), axes=(0, 0)),
-     "pattern 'layers/*/k' has a different number of wildcards than 'g'"),
+    (
+      dict(b=("q", "layers/*/k"), axes=(0, 0)),
+      "pattern 'layers/*/k' has a different number of wildcards than 'g'",
+    ),
     (dict(b=()), "side b needs at least one pattern"),
-])
+  ],
+)
 def test_malformed_multi_tensor_pair(kwargs, msg):
   kwargs = {"a": "g", "b": ("q", "k"), **kwargs}
   with pytest.raises(ValueError, match=re.escape(msg)):
@@ -101,8 +116,9 @@ def test_missing_partner_in_one_pattern_is_named():
   params["layers"]["1"]["k"] = jnp.ones((4, 2))
   params["layers"]["0"]["x"] = jnp.ones(1)
   pair = saggs.Pair("layers/*/g", ("layers/*/q", "layers/*/k"), axes=(0, 0))
-  with pytest.raises(ValueError, match=re.escape(
-      "'layers/0/g' (matched by a) has no partner matching 'layers/*/k'")):
+  with pytest.raises(
+    ValueError, match=re.escape("'layers/0/g' (matched by a) has no partner matching 'layers/*/k'")
+  ):
     saggs.describe([pair], params)
 
 
@@ -138,7 +154,7 @@ def _newton_oracle(leaves, slots, shapes, iters=60):
     while f(u + t * step) > f(u) + 0.25 * t * grad @ step and t > 1e-8:
       t /= 2
     u = u + t * step
-  return {n: u[offsets[i]:offsets[i + 1]].reshape(shapes[n]) for i, n in enumerate(names)}
+  return {n: u[offsets[i] : offsets[i + 1]].reshape(shapes[n]) for i, n in enumerate(names)}
 
 
 def _whole(idx):
@@ -149,13 +165,21 @@ def _star(seed):
   """q/k, v/k, o/k on whole (3, 5) tensors of unequal scales, k shared by all three, and the
   NumPy Newton oracle's joint log-factors."""
   rng = np.random.default_rng(seed)
-  params = {n: jnp.asarray(rng.standard_normal((3, 5)) * s, jnp.float32)
-            for n, s in (("q", 4.0), ("k", 0.2), ("v", 1.0), ("o", 9.0))}
+  params = {
+    n: jnp.asarray(rng.standard_normal((3, 5)) * s, jnp.float32)
+    for n, s in (("q", 4.0), ("k", 0.2), ("v", 1.0), ("o", 9.0))
+  }
   pairs = [saggs.Pair("q", "k"), saggs.Pair("v", "k"), saggs.Pair("o", "k")]
-  u = _newton_oracle(_np(params), {"q": [("q", 1, _whole)], "v": [("v", 1, _whole)],
-                                   "o": [("o", 1, _whole)],
-                                   "k": [(n, -1, _whole) for n in "qvo"]},
-                     {n: () for n in "qvo"})
+  u = _newton_oracle(
+    _np(params),
+    {
+      "q": [("q", 1, _whole)],
+      "v": [("v", 1, _whole)],
+      "o": [("o", 1, _whole)],
+      "k": [(n, -1, _whole) for n in "qvo"],
+    },
+    {n: () for n in "qvo"},
+  )
   return params, pairs, u
 
 
@@ -197,32 +221,53 @@ def test_norm_gain_shared_by_stacked_experts_against_newton():
   """A gain g (d,) read by every expert's w_up (E, d, F), overlapping the per-expert
   up/down pair (stacked=1): the gain's factor spans the expert axis."""
   rng = np.random.default_rng(4)
-  params = {"g": jnp.asarray(1 + rng.random(4), jnp.float32),
-            "w_up": jnp.asarray(rng.standard_normal((3, 4, 5)) * 3, jnp.float32),
-            "w_down": jnp.asarray(rng.standard_normal((3, 5, 4)) / 3, jnp.float32)}
-  pairs = [saggs.Pair("g", "w_up", axes=(0, 1), name="gain"),
-           saggs.Pair("w_up", "w_down", axes=(1, 0), stacked=1, name="experts")]
-  u = _newton_oracle(_np(params), {
+  params = {
+    "g": jnp.asarray(1 + rng.random(4), jnp.float32),
+    "w_up": jnp.asarray(rng.standard_normal((3, 4, 5)) * 3, jnp.float32),
+    "w_down": jnp.asarray(rng.standard_normal((3, 5, 4)) / 3, jnp.float32),
+  }
+  pairs = [
+    saggs.Pair("g", "w_up", axes=(0, 1), name="gain"),
+    saggs.Pair("w_up", "w_down", axes=(1, 0), stacked=1, name="experts"),
+  ]
+  u = _newton_oracle(
+    _np(params),
+    {
       "g": [("gain", 1, lambda i: i[0])],
       "w_up": [("gain", -1, lambda i: i[1]), ("experts", 1, lambda i: i[0] * 5 + i[2])],
-      "w_down": [("experts", -1, lambda i: i[0] * 5 + i[1])]}, {"gain": (4,), "experts": (3, 5)})
+      "w_down": [("experts", -1, lambda i: i[0] * 5 + i[1])],
+    },
+    {"gain": (4,), "experts": (3, 5)},
+  )
   balanced, _ = saggs.canonicalize(params, None, pairs)
   p = _np(params)
   np.testing.assert_allclose(balanced["g"], p["g"] * np.exp(u["gain"]), rtol=1e-5)
-  np.testing.assert_allclose(balanced["w_up"], p["w_up"] * np.exp(
-      u["experts"][:, None, :] - u["gain"][None, :, None]), rtol=1e-5)
-  np.testing.assert_allclose(balanced["w_down"], p["w_down"] * np.exp(-u["experts"])[:, :, None],
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    balanced["w_up"],
+    p["w_up"] * np.exp(u["experts"][:, None, :] - u["gain"][None, :, None]),
+    rtol=1e-5,
+  )
+  np.testing.assert_allclose(
+    balanced["w_down"], p["w_down"] * np.exp(-u["experts"])[:, :, None], rtol=1e-5
+  )
 
 
 # The tiny LLaMA with its norm gains: every gain against the input rows of the linears
 # reading its output, overlapping the Q/K, V/O and up/down pairs on q, k, v, gate and up.
 GAINS = [
-    saggs.Pair("attn_norm/scale", ("attn/q_proj/kernel", "attn/k_proj/kernel",
-                                   "attn/v_proj/kernel"), axes=(0, 0), name="attention norm gain"),
-    saggs.Pair("mlp_norm/scale", ("mlp/gate_proj/kernel", "mlp/up_proj/kernel"), axes=(0, 0),
-               name="MLP norm gain"),
-    saggs.Pair("final_norm/scale", "lm_head/kernel", axes=(0, 0), name="final norm gain"),
+  saggs.Pair(
+    "attn_norm/scale",
+    ("attn/q_proj/kernel", "attn/k_proj/kernel", "attn/v_proj/kernel"),
+    axes=(0, 0),
+    name="attention norm gain",
+  ),
+  saggs.Pair(
+    "mlp_norm/scale",
+    ("mlp/gate_proj/kernel", "mlp/up_proj/kernel"),
+    axes=(0, 0),
+    name="MLP norm gain",
+  ),
+  saggs.Pair("final_norm/scale", "lm_head/kernel", axes=(0, 0), name="final norm gain"),
 ]
 PAIRS = models.llama_pairs() + GAINS
 X = models.tokens(0)
@@ -253,8 +298,9 @@ def test_llama_with_norm_gains_is_balanced_minimal_and_orbit_invariant():
   canon = jax.jit(lambda p: saggs.canonicalize(p, None, PAIRS)[0])
   balanced = canon(params)
   # Same function.
-  np.testing.assert_allclose(models.llama_forward(balanced, X), models.llama_forward(params, X),
-                             atol=2e-5)
+  np.testing.assert_allclose(
+    models.llama_forward(balanced, X), models.llama_forward(params, X), atol=2e-5
+  )
   # Every declared symmetry balanced (NumPy norms over all tensors of each side).
   for key, imb in _side_norms_numpy(balanced, PAIRS).items():
     assert np.max(np.abs(imb)) <= 2e-5, key
@@ -268,8 +314,11 @@ def test_llama_with_norm_gains_is_balanced_minimal_and_orbit_invariant():
   plan = saggs.pairs.resolve(PAIRS, params)
 
   def total(p):
-    return sum(float(np.sum(np.asarray(x, np.float64) ** 2))
-               for path, x in saggs.paths.leaves_with_paths(p) if path in plan.counted)
+    return sum(
+      float(np.sum(np.asarray(x, np.float64) ** 2))
+      for path, x in saggs.paths.leaves_with_paths(p)
+      if path in plan.counted
+    )
 
   for seed in range(3):
     assert total(models.perturb(balanced, PAIRS, seed=seed, low=0.97, high=1.03)) > total(balanced)
@@ -278,12 +327,13 @@ def test_llama_with_norm_gains_is_balanced_minimal_and_orbit_invariant():
 def test_stacked_layers_with_norm_gains():
   c = models.STACKED
   pairs = models.llama_pairs(c) + [
-      saggs.Pair(g.a, g.b, axes=g.axes, stacked=0 if g.a.startswith("final") else 1)
-      for g in GAINS]
+    saggs.Pair(g.a, g.b, axes=g.axes, stacked=0 if g.a.startswith("final") else 1) for g in GAINS
+  ]
   params = models.perturb(models.llama_init(0, c), pairs, seed=7)
   balanced, _ = saggs.canonicalize(params, None, pairs)
-  np.testing.assert_allclose(models.llama_forward(balanced, X, c), models.llama_forward(params, X, c),
-                             atol=2e-5)
+  np.testing.assert_allclose(
+    models.llama_forward(balanced, X, c), models.llama_forward(params, X, c), atol=2e-5
+  )
   for key, imb in _side_norms_numpy(balanced, pairs).items():
     assert imb.shape[:1] == ((c.num_layers,) if key.startswith("layers") else (16,))
     assert np.max(np.abs(imb)) <= 2e-5, key
@@ -306,6 +356,7 @@ def test_equivalent_states_follow_one_trajectory_with_overlaps():
       _, g = jax.value_and_grad(models.llama_loss)(p, batch)
       u, s = opt.update(g, s, p)
       return (optax.apply_updates(p, u), s), None
+
     return jax.jit(lambda p: jax.lax.scan(body, (p, opt.init(p)), BATCHES)[0][0])(p)
 
   def rel(a, b):
@@ -335,11 +386,19 @@ def test_checkpoint_restores_onto_the_joint_canonical_point(tmp_path):
 def test_check_symmetry_rejects_a_gain_missing_one_reader():
   """The attention gain against q and k only (v left out) is not a symmetry."""
   params = models.llama_init(0)
-  wrong = saggs.Pair("attn_norm/scale", ("attn/q_proj/kernel", "attn/k_proj/kernel"), axes=(0, 0),
-                     name="partial gain")
-  with pytest.raises(ValueError, match=re.escape(
+  wrong = saggs.Pair(
+    "attn_norm/scale",
+    ("attn/q_proj/kernel", "attn/k_proj/kernel"),
+    axes=(0, 0),
+    name="partial gain",
+  )
+  with pytest.raises(
+    ValueError,
+    match=re.escape(
       "partial gain is not a symmetry of the model: rescaling 'layers/0/attn_norm/scale' by c and"
-      " 'layers/0/attn/q_proj/kernel' and 'layers/0/attn/k_proj/kernel' by 1/c")):
+      " 'layers/0/attn/q_proj/kernel' and 'layers/0/attn/k_proj/kernel' by 1/c"
+    ),
+  ):
     saggs.check_symmetry(models.llama_forward, params, [wrong], X)
 
 
@@ -353,9 +412,13 @@ def _relu_chain(depth, width=6, jump=20, seed=11):
   """A ReLU MLP ``x -> w_{n-1} ... relu(w_1 relu(w_0 x))`` (kernels (in, out)), layer
   ``jump`` 100x larger; each hidden channel of w_i pairs with the same row of w_{i+1}."""
   rng = np.random.default_rng(seed)
-  params = {f"w{i:02d}": jnp.asarray(rng.standard_normal((width, width)) / np.sqrt(width)
-                                     * (100.0 if i == jump else 1.0), jnp.float32)
-            for i in range(depth)}
+  params = {
+    f"w{i:02d}": jnp.asarray(
+      rng.standard_normal((width, width)) / np.sqrt(width) * (100.0 if i == jump else 1.0),
+      jnp.float32,
+    )
+    for i in range(depth)
+  }
   pairs = [saggs.Pair(f"w{i:02d}", f"w{i + 1:02d}", axes=(1, 0)) for i in range(depth - 1)]
   return params, pairs
 
@@ -370,8 +433,9 @@ def _chain_forward_numpy(params, x):
 def _chain_log_ratios_numpy(params):
   """log(||column j of w_i|| / ||row j of w_{i+1}||) for every pair of consecutive layers."""
   ws = [np.asarray(params[k], np.float64) for k in sorted(params)]
-  return np.stack([np.log(np.linalg.norm(a, axis=0) / np.linalg.norm(b, axis=1))
-                   for a, b in zip(ws[:-1], ws[1:])])
+  return np.stack(
+    [np.log(np.linalg.norm(a, axis=0) / np.linalg.norm(b, axis=1)) for a, b in zip(ws[:-1], ws[1:])]
+  )
 
 
 def test_deep_relu_chain_converges_and_is_idempotent():
@@ -386,8 +450,9 @@ def test_deep_relu_chain_converges_and_is_idempotent():
   assert np.max(np.abs(_chain_log_ratios_numpy(balanced))) <= 1e-4
   x = np.random.default_rng(12).standard_normal((5, 6))
   want = _chain_forward_numpy(params, x)
-  np.testing.assert_allclose(_chain_forward_numpy(balanced, x), want,
-                             atol=1e-4 * np.max(np.abs(want)))
+  np.testing.assert_allclose(
+    _chain_forward_numpy(balanced, x), want, atol=1e-4 * np.max(np.abs(want))
+  )
   again = canon(balanced)
   for k in params:
     b = np.asarray(balanced[k], np.float64)

@@ -32,8 +32,10 @@ LLAMA_STACKED = tuple(models.llama_pairs(models.STACKED))
 def mha_head_norms(attn):
   """Per-head (||A_h||, ||B_h||) of Q/K and V/O kernels, computed with NumPy (followers excluded)."""
   k = {n: attn[n]["kernel"] for n in ("query", "key", "value", "out")}
-  return {"qk": (norms(k["query"], (0, 2)), norms(k["key"], (0, 2))),
-          "vo": (norms(k["value"], (0, 2)), norms(k["out"], (1, 2)))}
+  return {
+    "qk": (norms(k["query"], (0, 2)), norms(k["key"], (0, 2))),
+    "vo": (norms(k["value"], (0, 2)), norms(k["out"], (1, 2))),
+  }
 
 
 def _zeros(p):
@@ -41,6 +43,7 @@ def _zeros(p):
 
 
 # --- flax.linen MultiHeadDotProductAttention ---------------------------------------
+
 
 def test_linen_mha_invariance_and_balance():
   x = models.mha_input()
@@ -51,8 +54,9 @@ def test_linen_mha_invariance_and_balance():
   moved = models.perturb(params, MHA, seed=1)
   assert_imbalanced(mha_head_norms(moved["params"]["attn"]))
   assert_same_function(models.linen_apply, params, moved, x)
-  assert not np.allclose(moved["params"]["attn"]["query"]["bias"],
-                         params["params"]["attn"]["query"]["bias"])
+  assert not np.allclose(
+    moved["params"]["attn"]["query"]["bias"], params["params"]["attn"]["query"]["bias"]
+  )
 
   hard = saggs.chain(optax.sgd(0.0), saggs.saggs(MHA))
   new, _, _ = models.step(hard, moved, hard.init(moved), _zeros(moved))
@@ -72,11 +76,11 @@ def test_linen_train_state_apply_gradients():
   params = models.perturb(models.linen_init(seed=2), MHA, seed=2)["params"]
   apply = lambda variables, x: models.linen_model.apply(variables, x)
   state = train_state.TrainState.create(
-      apply_fn=apply, params=params,
-      tx=saggs.chain(optax.adam(0.0), saggs.saggs(MHA)))
+    apply_fn=apply, params=params, tx=saggs.chain(optax.adam(0.0), saggs.saggs(MHA))
+  )
 
   def loss(p):
-    return jnp.mean(models.linen_model.apply({"params": p}, x)**2)
+    return jnp.mean(models.linen_model.apply({"params": p}, x) ** 2)
 
   @models.jit
   def train_step(state):
@@ -86,22 +90,30 @@ def test_linen_train_state_apply_gradients():
   new_state, grads = train_step(state)
   assert int(new_state.step) == 1
   assert_balanced(mha_head_norms(new_state.params["attn"]))
-  assert_same_function(lambda p, x: models.linen_apply({"params": p}, x), params,
-                       new_state.params, x)
+  assert_same_function(
+    lambda p, x: models.linen_apply({"params": p}, x), params, new_state.params, x
+  )
   # Adam's first moments are (1 - b1) g and (1 - b2) g**2 before balancing;
   # after it, mu * theta and nu * theta**2 are what they were.
   adam_state, saggs_state = new_state.opt_state
   mu, nu = leaf_dict(adam_state[0].mu), leaf_dict(adam_state[0].nu)
   g, p0, p1 = leaf_dict(grads), leaf_dict(params), leaf_dict(new_state.params)
   for path in g:
-    np.testing.assert_allclose(mu[path] * p1[path], 0.1 * g[path] * p0[path], rtol=1e-5,
-                               atol=1e-7, err_msg=path)
-    np.testing.assert_allclose(nu[path] * p1[path]**2, 0.001 * g[path]**2 * p0[path]**2,
-                               rtol=1e-5, atol=1e-9, err_msg=path)
+    np.testing.assert_allclose(
+      mu[path] * p1[path], 0.1 * g[path] * p0[path], rtol=1e-5, atol=1e-7, err_msg=path
+    )
+    np.testing.assert_allclose(
+      nu[path] * p1[path] ** 2,
+      0.001 * g[path] ** 2 * p0[path] ** 2,
+      rtol=1e-5,
+      atol=1e-9,
+      err_msg=path,
+    )
   assert np.any(np.abs(np.log(saggs_state.factors["attn/query/kernel|attn/key/kernel"])) > 0.1)
 
 
 # --- flax.nnx MultiHeadAttention ----------------------------------------------------
+
 
 def test_nnx_mha_check_symmetry_and_reparameterize():
   x = models.mha_input()
@@ -126,11 +138,12 @@ def test_nnx_optimizer_update_under_nnx_jit():
   assert_imbalanced(mha_head_norms(p0["attn"]))
 
   optimizer = nnx.Optimizer(
-      model, saggs.chain(optax.adamw(0.0, weight_decay=0.1), saggs.saggs(MHA)), wrt=nnx.Param)
+    model, saggs.chain(optax.adamw(0.0, weight_decay=0.1), saggs.saggs(MHA)), wrt=nnx.Param
+  )
 
   @nnx.jit
   def train_step(model, optimizer, x):
-    grads = nnx.grad(lambda m: jnp.mean(m(x)**2))(model)
+    grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
     optimizer.update(model, grads)
     return grads
 
@@ -145,8 +158,9 @@ def test_nnx_optimizer_update_under_nnx_jit():
   mu = leaf_dict(adam_state[0].mu)
   g, a, b = leaf_dict(grads), leaf_dict(p0), leaf_dict(p1)
   for path in g:
-    np.testing.assert_allclose(mu[path] * b[path], 0.1 * g[path] * a[path], rtol=1e-5, atol=1e-7,
-                               err_msg=path)
+    np.testing.assert_allclose(
+      mu[path] * b[path], 0.1 * g[path] * a[path], rtol=1e-5, atol=1e-7, err_msg=path
+    )
   np.testing.assert_array_equal(mu["head/kernel"], 0.1 * g["head/kernel"])
   np.testing.assert_array_equal(b["attn/out/bias"], a["attn/out/bias"])
   # A second step reuses the compiled function and keeps the model balanced.
@@ -164,7 +178,7 @@ def test_nnx_optimizer_every_2_balances_on_updates_1_and_3():
 
   @nnx.jit
   def train_step(model, optimizer, x):
-    optimizer.update(model, nnx.grad(lambda m: jnp.mean(m(x)**2))(model))
+    optimizer.update(model, nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model))
 
   attn = lambda: nnx.to_pure_dict(nnx.state(model, nnx.Param))["attn"]  # noqa: E731
   for n, balances in ((1, True), (2, False), (3, True)):
@@ -179,25 +193,30 @@ def test_nnx_optimizer_every_2_balances_on_updates_1_and_3():
 
 # --- LLaMA-style: GQA, RoPE, SwiGLU ---------------------------------------------------
 
+
 def llama_group_norms(layer):
   """Per-group norms of one layer (unstacked) with NumPy."""
   k = {n: np.asarray(v["kernel"]) for n, v in (*layer["attn"].items(), *layer["mlp"].items())}
   g, d = C.num_kv_heads, C.d_model
   per_head = lambda name: k[name].reshape(d, g, -1)  # (in, KV heads, rest of the block)
-  return {"qk": (norms(per_head("q_proj"), (0, 2)), norms(per_head("k_proj"), (0, 2))),
-          "vo": (norms(per_head("v_proj"), (0, 2)), norms(k["o_proj"].reshape(g, -1, d), (1, 2))),
-          "ud": (norms(k["up_proj"], 0), norms(k["down_proj"], 1))}
+  return {
+    "qk": (norms(per_head("q_proj"), (0, 2)), norms(per_head("k_proj"), (0, 2))),
+    "vo": (norms(per_head("v_proj"), (0, 2)), norms(k["o_proj"].reshape(g, -1, d), (1, 2))),
+    "ud": (norms(k["up_proj"], 0), norms(k["down_proj"], 1)),
+  }
 
 
 def test_llama_check_symmetry_passes():
   toks = models.tokens()
   dev = saggs.check_symmetry(models.llama_forward, models.llama_init(0), LLAMA, toks)
   assert len(dev) == 3 * C.num_layers and max(dev.values()) < 1e-5
-  dev = saggs.check_symmetry(functools.partial(models.llama_forward, c=models.STACKED),
-                             models.llama_init(0, models.STACKED), LLAMA_STACKED, toks)
+  dev = saggs.check_symmetry(
+    functools.partial(models.llama_forward, c=models.STACKED),
+    models.llama_init(0, models.STACKED),
+    LLAMA_STACKED,
+    toks,
+  )
   assert len(dev) == 3 and max(dev.values()) < 1e-5
-
-
 
 
 @functools.partial(models.jit, static_argnums=0)
@@ -249,10 +268,13 @@ def test_llama_hard_and_soft_keep_the_function_per_layer_and_scanned():
 
   stacked_params = models.stack_layers(params)
   runs = {
-      False: _with_outputs(_llama_experiment(False, params, factors, grads), params, toks, False),
-      True: _with_outputs(_llama_experiment(True, stacked_params, stacked_factors,
-                                            models.stack_layers(grads)), stacked_params, toks,
-                          True),
+    False: _with_outputs(_llama_experiment(False, params, factors, grads), params, toks, False),
+    True: _with_outputs(
+      _llama_experiment(True, stacked_params, stacked_factors, models.stack_layers(grads)),
+      stacked_params,
+      toks,
+      True,
+    ),
   }
   for stacked, out in runs.items():
     models.assert_same_output(out["y_moved"], out["y"])
@@ -273,21 +295,29 @@ def test_llama_hard_and_soft_keep_the_function_per_layer_and_scanned():
   flat, scan = runs[False], runs[True]
   np.testing.assert_allclose(scan["y"], flat["y"], rtol=1e-5, atol=1e-6)
   for name in ("hard", "soft"):
-    chex.assert_trees_all_close(scan[name]["params"], models.stack_layers(flat[name]["params"]),
-                                rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(
+      scan[name]["params"], models.stack_layers(flat[name]["params"]), rtol=1e-5, atol=1e-6
+    )
     for field in ("mu", "nu"):
-      chex.assert_trees_all_close(getattr(scan[name]["state"][0][0], field),
-                                  models.stack_layers(getattr(flat[name]["state"][0][0], field)),
-                                  rtol=1e-5, atol=1e-9)
+      chex.assert_trees_all_close(
+        getattr(scan[name]["state"][0][0], field),
+        models.stack_layers(getattr(flat[name]["state"][0][0], field)),
+        rtol=1e-5,
+        atol=1e-9,
+      )
     for key, f in scan[name]["state"][1].factors.items():
       a, b = key.split("|")
-      per_layer = [flat[name]["state"][1].factors[
-          a.replace("layers/", f"layers/{i}/") + "|" + b.replace("layers/", f"layers/{i}/")]
-                   for i in range(C.num_layers)]
+      per_layer = [
+        flat[name]["state"][1].factors[
+          a.replace("layers/", f"layers/{i}/") + "|" + b.replace("layers/", f"layers/{i}/")
+        ]
+        for i in range(C.num_layers)
+      ]
       np.testing.assert_allclose(f, np.stack(per_layer), rtol=1e-5)
 
 
 # --- check_symmetry catches non-symmetries --------------------------------------------
+
 
 def test_check_symmetry_rejects_qk_norm():
   """With QK-norm over the whole projection, per-KV-head Q/K rescaling is not a symmetry."""

@@ -39,14 +39,26 @@ def free_port() -> int:
 def start(role, num_processes, directory, started):
   """Starts the processes of one job, appending ``(name, Popen)`` to ``started`` at once."""
   port, job = free_port(), []
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "WORKER_TIMEOUT": str(TIMEOUT),
-         "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // num_processes}"}
+  env = {
+    **os.environ,
+    "JAX_PLATFORMS": "cpu",
+    "WORKER_TIMEOUT": str(TIMEOUT),
+    "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // num_processes}",
+  }
   for i in range(num_processes):
     with open(directory / f"{role}{i}.log", "w") as log:
-      command = [sys.executable, str(WORKER), role, str(i), str(num_processes), str(port),
-                 str(directory)]
-      job.append((f"{role}{i}", subprocess.Popen(command, env=env, stdout=log,
-                                                 stderr=subprocess.STDOUT)))
+      command = [
+        sys.executable,
+        str(WORKER),
+        role,
+        str(i),
+        str(num_processes),
+        str(port),
+        str(directory),
+      ]
+      job.append(
+        (f"{role}{i}", subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
+      )
     started.append(job[-1])
   return job
 
@@ -60,8 +72,10 @@ def wait(job, deadline, directory):
     if code != 0:
       log = (directory / f"{name}.log").read_text().splitlines()
       status = "timed out" if code is None else f"exited with {code}"
-      pytest.fail(f"{name} {status}; the end of its log:\n" + "\n".join(
-          line for line in log[-40:] if not line.startswith("[Gloo]")))
+      pytest.fail(
+        f"{name} {status}; the end of its log:\n"
+        + "\n".join(line for line in log[-40:] if not line.startswith("[Gloo]"))
+      )
 
 
 def stop(started):
@@ -75,8 +89,9 @@ def stop(started):
 def assert_same_params(got, want, what):
   assert sorted(set(got) - {"balanced"}) == sorted(set(want) - {"balanced"})
   for k in set(want) - {"balanced"}:
-    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5 * np.max(np.abs(want[k])),
-                               err_msg=f"{what}: {k}")
+    np.testing.assert_allclose(
+      got[k], want[k], rtol=1e-5, atol=1e-5 * np.max(np.abs(want[k])), err_msg=f"{what}: {k}"
+    )
 
 
 def test_multiprocess_training_restores_and_matches_one_process(tmp_path):

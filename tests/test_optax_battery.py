@@ -50,12 +50,12 @@ def setup_qk(dtype):
 
 
 TARGETS = {
-    "parabola": battery._setup_parabola,
-    "rosenbrock": battery._setup_rosenbrock,
-    "matrix_parabola": battery._setup_matrix_parabola,
-    "mixed": battery._setup_mixed_tensor_target,
-    "centred_matrix_parabola": setup_centred_matrix_parabola,
-    "qk": setup_qk,
+  "parabola": battery._setup_parabola,
+  "rosenbrock": battery._setup_rosenbrock,
+  "matrix_parabola": battery._setup_matrix_parabola,
+  "mixed": battery._setup_mixed_tensor_target,
+  "centred_matrix_parabola": setup_centred_matrix_parabola,
+  "qk": setup_qk,
 }
 
 # --------------------------------------------------------------- optimizers
@@ -86,8 +86,10 @@ def routed(make_rule, routes):
   takes the leaves no pattern matches (the vectors)."""
 
   def factory(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
-    rules = {pattern: eqv.optimizer(make_rule(**kwargs), learning_rate)
-             for pattern, kwargs in routes.items()}
+    rules = {
+      pattern: eqv.optimizer(make_rule(**kwargs), learning_rate)
+      for pattern, kwargs in routes.items()
+    }
     return eqv.layerwise(rules, default=optax.adam(learning_rate))
 
   return factory
@@ -95,18 +97,31 @@ def routed(make_rule, routes):
 
 # The battery's leaves: "**" is the bare matrix of the matrix targets; "1" the
 # matrix of the mixed target; "0" (2, 3) and "1" (2, 5, 2) the inject params.
-UNIT_ROUTES = {"bare": {"**": dict(unit_axis=0)}, "mixed": {"1": dict(unit_axis=0)},
-               "inject": {"0": dict(unit_axis=0), "1": dict(unit_axis=eqv.UnitDimensionNumbers(1, batch_axis=0))}}
-POLAR_ROUTES = {"bare": {"**": {}}, "mixed": {"1": {}}, "inject": {"0": {}, "1": dict(batch_axes=0)}}
+UNIT_ROUTES = {
+  "bare": {"**": dict(unit_axis=0)},
+  "mixed": {"1": dict(unit_axis=0)},
+  "inject": {
+    "0": dict(unit_axis=0),
+    "1": dict(unit_axis=eqv.UnitDimensionNumbers(1, batch_axis=0)),
+  },
+}
+POLAR_ROUTES = {
+  "bare": {"**": {}},
+  "mixed": {"1": {}},
+  "inject": {"0": {}, "1": dict(batch_axes=0)},
+}
 RULES = {  # name -> (rule, routes, centred)
-    "polar": (eqv.scale_by_polar, POLAR_ROUTES, False),
-    "row_norm": (eqv.scale_by_row_norm, UNIT_ROUTES, False),
-    "right_spectral": (eqv.scale_by_right_spectral, UNIT_ROUTES, False),
-    "hybrid": (eqv.scale_by_hybrid, UNIT_ROUTES, False),
-    "hybrid_polar_then_row": (functools.partial(eqv.scale_by_hybrid, order="polar_then_row"),
-                              UNIT_ROUTES, False),
-    "row_norm_centered": (functools.partial(eqv.scale_by_row_norm, center=True), UNIT_ROUTES, True),
-    "left_spectral": (eqv.scale_by_left_spectral, UNIT_ROUTES, True),
+  "polar": (eqv.scale_by_polar, POLAR_ROUTES, False),
+  "row_norm": (eqv.scale_by_row_norm, UNIT_ROUTES, False),
+  "right_spectral": (eqv.scale_by_right_spectral, UNIT_ROUTES, False),
+  "hybrid": (eqv.scale_by_hybrid, UNIT_ROUTES, False),
+  "hybrid_polar_then_row": (
+    functools.partial(eqv.scale_by_hybrid, order="polar_then_row"),
+    UNIT_ROUTES,
+    False,
+  ),
+  "row_norm_centered": (functools.partial(eqv.scale_by_row_norm, center=True), UNIT_ROUTES, True),
+  "left_spectral": (eqv.scale_by_left_spectral, UNIT_ROUTES, True),
 }
 RULE_LR = 1e-3  # normalised updates: the iterate ends within about lr of the target
 
@@ -116,8 +131,9 @@ def rule_cases():
   for name, (rule, routes, centred) in RULES.items():
     matrix = "centred_matrix_parabola" if centred else "matrix_parabola"
     cases[f"{name}@bare"] = Case(routed(rule, routes["bare"]), RULE_LR, (matrix,), matrix)
-    cases[f"{name}@mixed"] = Case(routed(rule, routes["mixed"]), RULE_LR,
-                                  () if centred else ("mixed",), None)
+    cases[f"{name}@mixed"] = Case(
+      routed(rule, routes["mixed"]), RULE_LR, () if centred else ("mixed",), None
+    )
     cases[f"{name}@inject"] = Case(routed(rule, routes["inject"]), RULE_LR, (), None)
   return cases
 
@@ -150,33 +166,43 @@ def soft_adamw(pairs):
 
 
 OPTIMIZERS: dict[str, Case] = {
-    **rule_cases(),
-    # Vectors only: the stack hands every non-matrix leaf to AdamW.
-    "stack@vector": Case(stack(), 1e-2, ("parabola", "rosenbrock"), "parabola"),
-    "stack@bare": Case(stack(query="**"), RULE_LR, ("matrix_parabola",), "matrix_parabola"),
-    "stack@mixed": Case(stack(embedding="1"), RULE_LR, ("mixed",), None),
-    "stack@inject": Case(stack(query="0", experts="1"), RULE_LR, (), None),
-    "saggs_adam@qk": Case(saggs_adam(QK), 1e-3, ("qk",), "qk"),
-    "soft_adamw@qk": Case(soft_adamw(QK), 1e-3, ("qk",), "qk"),
-    "saggs_adam@inject": Case(saggs_adam(INJECT_PAIR), 1e-3, (), None),
+  **rule_cases(),
+  # Vectors only: the stack hands every non-matrix leaf to AdamW.
+  "stack@vector": Case(stack(), 1e-2, ("parabola", "rosenbrock"), "parabola"),
+  "stack@bare": Case(stack(query="**"), RULE_LR, ("matrix_parabola",), "matrix_parabola"),
+  "stack@mixed": Case(stack(embedding="1"), RULE_LR, ("mixed",), None),
+  "stack@inject": Case(stack(query="0", experts="1"), RULE_LR, (), None),
+  "saggs_adam@qk": Case(saggs_adam(QK), 1e-3, ("qk",), "qk"),
+  "soft_adamw@qk": Case(soft_adamw(QK), 1e-3, ("qk",), "qk"),
+  "saggs_adam@inject": Case(saggs_adam(INJECT_PAIR), 1e-3, (), None),
 }
 
 # ---------------------------------------------------------------- exclusions
 
-MATRIX_ONLY = ("The equivariant rules act on matrices: a rank-1 parameter is a ValueError naming"
-               " its path; routed to the default it would test optax.adam, not the rule.")
-CENTRED = ("A centred update has zero mean over the units, so the mean unit vector never moves:"
-           " a target whose mean differs from the start's is out of reach by design.")
-NO_PAIR = ("SAGGS balances declared pairs of leaves; a lone vector has none, so init raises"
-           " 'matches no parameter path'.")
+MATRIX_ONLY = (
+  "The equivariant rules act on matrices: a rank-1 parameter is a ValueError naming"
+  " its path; routed to the default it would test optax.adam, not the rule."
+)
+CENTRED = (
+  "A centred update has zero mean over the units, so the mean unit vector never moves:"
+  " a target whose mean differs from the start's is out of reach by design."
+)
+NO_PAIR = (
+  "SAGGS balances declared pairs of leaves; a lone vector has none, so init raises"
+  " 'matches no parameter path'."
+)
 VECTOR_ONLY = ("parabola", "rosenbrock", "test_preserve_dtype", "test_gradient_accumulation")
 
 # (family, battery target or body) -> reason: the combinations that cannot run.
 EXCLUDED = {
-    **{(rule, what): MATRIX_ONLY for rule in RULES for what in VECTOR_ONLY},
-    **{(rule, target): CENTRED for rule, (*_, centred) in RULES.items() if centred
-       for target in ("matrix_parabola", "mixed")},
-    **{(fam, what): NO_PAIR for fam in ("saggs_adam", "soft_adamw") for what in VECTOR_ONLY},
+  **{(rule, what): MATRIX_ONLY for rule in RULES for what in VECTOR_ONLY},
+  **{
+    (rule, target): CENTRED
+    for rule, (*_, centred) in RULES.items()
+    if centred
+    for target in ("matrix_parabola", "mixed")
+  },
+  **{(fam, what): NO_PAIR for fam in ("saggs_adam", "soft_adamw") for what in VECTOR_ONLY},
 }
 
 
@@ -209,8 +235,11 @@ def test_exclusions_are_documented_limits():
 
 def body(name):
   """The function behind optax's parametrized test ``name``, and a ContribTest to call it on."""
-  generated = [n for n, m in vars(battery.ContribTest).items()
-               if getattr(getattr(m, "__wrapped__", None), "__name__", None) == name]
+  generated = [
+    n
+    for n, m in vars(battery.ContribTest).items()
+    if getattr(getattr(m, "__wrapped__", None), "__name__", None) == name
+  ]
   return getattr(battery.ContribTest, generated[0]).__wrapped__, battery.ContribTest(generated[0])
 
 
@@ -240,8 +269,14 @@ def convergence_cases():
 def test_optimizers(lookup, name, target):
   """map_params, 30000 steps, then within 3e-2 of the target."""
   fn, case = body("test_optimizers")
-  fn(case, **lookup(name), wrapper_name=None, wrapper_kwargs=None, target=TARGETS[target],
-     dtype="float32")
+  fn(
+    case,
+    **lookup(name),
+    wrapper_name=None,
+    wrapper_kwargs=None,
+    target=TARGETS[target],
+    dtype="float32",
+  )
 
 
 WITH_STAND_IN = [n for n, c in OPTIMIZERS.items() if c.stand_in is not None]
@@ -260,8 +295,11 @@ def test_optimizers_can_be_wrapped_in_inject_hyperparams(lookup, name):
   # A SAGGS chain built inside inject_hyperparams cannot measure its optimizer's degrees
   # (they depend on the injected, traced rate): it says so and falls back to registered ones.
   saggs_inside = family(name) in ("saggs_adam", "soft_adamw")
-  with (pytest.warns(UserWarning, match="could not measure the transport degrees")
-        if saggs_inside else contextlib.nullcontext()):
+  with (
+    pytest.warns(UserWarning, match="could not measure the transport degrees")
+    if saggs_inside
+    else contextlib.nullcontext()
+  ):
     fn(case, **lookup(name))
 
 
@@ -295,10 +333,14 @@ def test_optimizers_accept_learning_rate_schedule(lookup, name):
   fn(case, **lookup(name), wrapper_name=None, wrapper_kwargs=None)
 
 
-@pytest.mark.parametrize("name, target", [
-    ("polar@mixed", "mixed"), ("stack@mixed", "mixed"),
+@pytest.mark.parametrize(
+  "name, target",
+  [
+    ("polar@mixed", "mixed"),
+    ("stack@mixed", "mixed"),
     ("saggs_adam@qk", "qk"),
-])
+  ],
+)
 def test_map_params_maps_the_moments_only(name, target):
   """What map_params is for (sharding specs of the state): f reaches every
   moment (the mu / nu fields, copies of the params) and nothing else."""

@@ -13,7 +13,10 @@ from saggs_jax.pairs import resolve
 
 # --- match -----------------------------------------------------------------
 
-@pytest.mark.parametrize("pattern, path, captures", [
+
+@pytest.mark.parametrize(
+  "pattern, path, captures",
+  [
     # literal suffix: everything in front is the implicit prefix capture
     ("attn/wq", "attn/wq", ("",)),
     ("attn/wq", "params/layers/0/attn/wq", ("params/layers/0",)),
@@ -33,25 +36,29 @@ from saggs_jax.pairs import resolve
     ("**/k", "a/b/k", ("", "a/b")),
     ("decoder/**/wq", "model/decoder/layers/1/attn/wq", ("model", "layers/1/attn")),
     ("**", "a/b", ("", "a/b")),
-])
+  ],
+)
 def test_match_captures(pattern, path, captures):
   assert paths.match(pattern, path) == captures
   assert len(captures) == paths.num_captures(pattern)
 
 
-@pytest.mark.parametrize("pattern, path", [
-    ("attn/wq", "attn/wq/extra"),       # anchored at the end of the path
-    ("wq", "attn/xwq"),                 # whole segments only, no partial match
+@pytest.mark.parametrize(
+  "pattern, path",
+  [
+    ("attn/wq", "attn/wq/extra"),  # anchored at the end of the path
+    ("wq", "attn/xwq"),  # whole segments only, no partial match
     ("wq", "attn/wqx"),
     ("q", "attn/wq"),
-    ("a/*/k", "a/b/c/k"),               # '*' never crosses '/'
+    ("a/*/k", "a/b/c/k"),  # '*' never crosses '/'
     ("a*b", "a/b"),
-    ("a.b", "axb"),                     # regex metacharacters are literal
+    ("a.b", "axb"),  # regex metacharacters are literal
     ("w[q]", "wq"),
     ("layers/*/wq", "wq"),
     ("a/**/k", "a/b/k/c"),
     ("x", ""),
-])
+  ],
+)
 def test_no_match(pattern, path):
   assert paths.match(pattern, path) is None
 
@@ -68,6 +75,7 @@ def test_bad_patterns(bad):
 
 
 # --- path strings -----------------------------------------------------------
+
 
 def test_path_components_dict_sequence_attribute():
   tree = {"layers": [{"w": jnp.zeros(1)}, (jnp.zeros(2), jnp.zeros(3))], "top": jnp.zeros(4)}
@@ -106,15 +114,32 @@ def test_same_patterns_resolve_to_same_leaves_across_containers():
   plans = [resolve(pairs, t) for t in (pure, linen, state)]
 
   def summary(plan, strip=""):
-    return sorted((i.pair.name, i.a.removeprefix(strip), i.b.removeprefix(strip),
-                   tuple(f.removeprefix(strip) for f in i.followers_a + i.followers_b),
-                   i.factor_shape) for i in plan.instances)
+    return sorted(
+      (
+        i.pair.name,
+        i.a.removeprefix(strip),
+        i.b.removeprefix(strip),
+        tuple(f.removeprefix(strip) for f in i.followers_a + i.followers_b),
+        i.factor_shape,
+      )
+      for i in plan.instances
+    )
 
   expected = [
-      ("attention Q/K", "attn/query/kernel", "attn/key/kernel",
-       ("attn/query/bias", "attn/key/bias"), (models.MHA_HEADS,)),
-      ("attention V/O", "attn/value/kernel", "attn/out/kernel", ("attn/value/bias",),
-       (models.MHA_HEADS,)),
+    (
+      "attention Q/K",
+      "attn/query/kernel",
+      "attn/key/kernel",
+      ("attn/query/bias", "attn/key/bias"),
+      (models.MHA_HEADS,),
+    ),
+    (
+      "attention V/O",
+      "attn/value/kernel",
+      "attn/out/kernel",
+      ("attn/value/bias",),
+      (models.MHA_HEADS,),
+    ),
   ]
   assert summary(plans[0]) == expected
   assert summary(plans[1], "params/") == expected
@@ -130,11 +155,15 @@ def test_same_patterns_resolve_to_same_leaves_across_containers():
 
 def test_wildcard_captures_pair_layers():
   """``layers/*/...`` pairs layer i's A with layer i's B, never across layers."""
-  tree = {"layers": {str(i): {"q": jnp.full((2, 2), float(i + 1)), "k": jnp.ones((2, 2))}
-                     for i in range(3)}}
+  tree = {
+    "layers": {
+      str(i): {"q": jnp.full((2, 2), float(i + 1)), "k": jnp.ones((2, 2))} for i in range(3)
+    }
+  }
   plan = resolve([saggs.Pair("layers/*/q", "layers/*/k")], tree)
   assert sorted((i.a, i.b) for i in plan.instances) == [
-      (f"layers/{i}/q", f"layers/{i}/k") for i in range(3)]
+    (f"layers/{i}/q", f"layers/{i}/k") for i in range(3)
+  ]
   # Implicit prefix capture does the same without a wildcard.
   plan2 = resolve([saggs.Pair("q", "k")], tree)
   assert sorted((i.a, i.b) for i in plan2.instances) == sorted((i.a, i.b) for i in plan.instances)
@@ -149,24 +178,43 @@ def test_wildcard_captures_pair_layers():
 _LAYERS = [f"layers/{i}/attn/{m}_proj/kernel" for i in range(3) for m in "qkv"] + ["embed"]
 
 
-@pytest.mark.parametrize("pattern, candidates, n, expected", [
+@pytest.mark.parametrize(
+  "pattern, candidates, n, expected",
+  [
     # Scored on the closest suffix, so a missing prefix costs nothing; one path per weight.
-    ("atn/q_proj/kernel", _LAYERS, 2,
-     ["layers/0/attn/q_proj/kernel", "layers/0/attn/k_proj/kernel"]),
-    ("attn/q_proj/kernl", _LAYERS, 3,
-     ["layers/0/attn/q_proj/kernel", "layers/0/attn/k_proj/kernel", "layers/0/attn/v_proj/kernel"]),
+    (
+      "atn/q_proj/kernel",
+      _LAYERS,
+      2,
+      ["layers/0/attn/q_proj/kernel", "layers/0/attn/k_proj/kernel"],
+    ),
+    (
+      "attn/q_proj/kernl",
+      _LAYERS,
+      3,
+      ["layers/0/attn/q_proj/kernel", "layers/0/attn/k_proj/kernel", "layers/0/attn/v_proj/kernel"],
+    ),
     # A suffix that spans the layer index: still one suggestion per weight.
-    ("layers/*/atn/q_proj", _LAYERS, 2,
-     ["layers/0/attn/q_proj/kernel", "layers/0/attn/k_proj/kernel"]),
+    (
+      "layers/*/atn/q_proj",
+      _LAYERS,
+      2,
+      ["layers/0/attn/q_proj/kernel", "layers/0/attn/k_proj/kernel"],
+    ),
     # The layer the pattern names wins among copies of one weight.
     ("layers/2/atn/v_proj", _LAYERS, 1, ["layers/2/attn/v_proj/kernel"]),
     # A deep path is not penalised for its length.
-    ("decoder/atn/wq", ["params/model/decoder/layers_11/attn/wq", "params/model/embed"], 3,
-     ["params/model/decoder/layers_11/attn/wq"]),
+    (
+      "decoder/atn/wq",
+      ["params/model/decoder/layers_11/attn/wq", "params/model/embed"],
+      3,
+      ["params/model/decoder/layers_11/attn/wq"],
+    ),
     # Nothing with a ratio of at least 0.6.
     ("mlp/up", _LAYERS, 3, []),
     ("x", [], 3, []),
-])
+  ],
+)
 def test_nearest(pattern, candidates, n, expected):
   assert paths.nearest(pattern, candidates, n) == expected
 
@@ -174,8 +222,13 @@ def test_nearest(pattern, candidates, n, expected):
 def test_arrays_are_jax_numpy_or_abstract_and_everything_else_is_static():
   """As eqx.filter(tree, eqx.is_array) keeps them: JAX arrays (tracers under jit included),
   NumPy arrays and scalars, and ShapeDtypeStructs; functions and Python numbers are static."""
-  arrays = [jnp.ones(2), np.ones(2), np.float32(1), jax.ShapeDtypeStruct((2,), jnp.float32),
-            jax.random.key(0)]
+  arrays = [
+    jnp.ones(2),
+    np.ones(2),
+    np.float32(1),
+    jax.ShapeDtypeStruct((2,), jnp.float32),
+    jax.random.key(0),
+  ]
   static = [jax.nn.relu, 1.0, 3, True, "text"]
   assert all(map(paths.is_array, arrays)) and not any(map(paths.is_array, static))
   assert jax.jit(lambda x: jnp.asarray(paths.is_array(x)))(jnp.ones(2))

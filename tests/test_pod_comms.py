@@ -152,10 +152,22 @@ SCRIPT = textwrap.dedent(r"""
 
 
 def test_comms_once_per_update_and_sharded_equals_unsharded():
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")])}
-  result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=900, check=False)
+  env = {
+    **os.environ,
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    "JAX_PLATFORMS": "cpu",
+    "PYTHONPATH": os.pathsep.join(
+      [str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")]
+    ),
+  }
+  result = subprocess.run(
+    [sys.executable, "-c", SCRIPT],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+    check=False,
+  )
   starts = ("FAIL", "Traceback", "  File", "E", "V")
   fails = "\n".join(line[:600] for line in result.stderr.splitlines() if line.startswith(starts))
   assert result.returncode == 0 and "POD-COMMS-OK" in result.stdout, fails or result.stderr[-4000:]

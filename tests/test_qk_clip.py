@@ -29,8 +29,9 @@ def make_params(heads, kv_heads, seed=0, scale=1.0, stacked=()):
   rng = np.random.default_rng(seed)
   mk = lambda cols: jnp.asarray(rng.standard_normal(stacked + (D, cols)) * scale, jnp.float32)
   wo = jnp.asarray(rng.standard_normal(stacked + (heads * HD, D)), jnp.float32)
-  return {"attn": {"wq": mk(heads * HD), "wk": mk(kv_heads * HD), "wv": mk(kv_heads * HD),
-                   "wo": wo}}
+  return {
+    "attn": {"wq": mk(heads * HD), "wk": mk(kv_heads * HD), "wv": mk(kv_heads * HD), "wo": wo}
+  }
 
 
 def qk(attn, x):
@@ -76,11 +77,13 @@ def stepper(tx_key):
 
 TAU = 20.0
 TXS = {
-    "lr0": lambda kv, alpha: saggs.chain(optax.sgd(0.0), saggs.qk_clip([qk_pair(kv)], TAU, alpha)),
-    "adam": lambda kv, alpha, lr: saggs.chain(optax.adam(lr),
-                                              saggs.qk_clip([qk_pair(kv)], TAU, alpha)),
-    "hard": lambda kv, alpha, lr: saggs.chain(
-        optax.adam(lr), saggs.saggs([qk_pair(kv)]), saggs.qk_clip([qk_pair(kv)], TAU, alpha)),
+  "lr0": lambda kv, alpha: saggs.chain(optax.sgd(0.0), saggs.qk_clip([qk_pair(kv)], TAU, alpha)),
+  "adam": lambda kv, alpha, lr: saggs.chain(
+    optax.adam(lr), saggs.qk_clip([qk_pair(kv)], TAU, alpha)
+  ),
+  "hard": lambda kv, alpha, lr: saggs.chain(
+    optax.adam(lr), saggs.saggs([qk_pair(kv)]), saggs.qk_clip([qk_pair(kv)], TAU, alpha)
+  ),
 }
 
 
@@ -137,8 +140,8 @@ def numpy_adam_k2(params, steps, lr, b1=0.9, b2=0.999, eps=1e-8):
       p["attn"][leaf] = p["attn"][leaf] - lr * m / (np.sqrt(v) + eps)
     for h in np.nonzero(s > TAU)[0]:
       root = np.sqrt(TAU / s[h])
-      p["attn"]["wq"][:, h * HD:(h + 1) * HD] *= root
-      p["attn"]["wk"][:, h * HD:(h + 1) * HD] *= root
+      p["attn"]["wq"][:, h * HD : (h + 1) * HD] *= root
+      p["attn"]["wk"][:, h * HD : (h + 1) * HD] *= root
   return p, mu, nu
 
 
@@ -149,10 +152,8 @@ def test_half_split_on_mha_is_k2_qk_clip():
   for leaf in ("wq", "wk", "wv", "wo"):
     np.testing.assert_allclose(new["attn"][leaf], want["attn"][leaf], rtol=2e-4, atol=2e-5)
   # Moments untouched by the clip: Adam's own, up to float32 gradients.
-  np.testing.assert_allclose(state[0][0].mu["attn"]["wq"], mu["attn"]["wq"], rtol=2e-4,
-                             atol=1e-5)
-  np.testing.assert_allclose(state[0][0].nu["attn"]["wk"], nu["attn"]["wk"], rtol=2e-4,
-                             atol=1e-7)
+  np.testing.assert_allclose(state[0][0].mu["attn"]["wq"], mu["attn"]["wq"], rtol=2e-4, atol=1e-5)
+  np.testing.assert_allclose(state[0][0].nu["attn"]["wk"], nu["attn"]["wk"], rtol=2e-4, atol=1e-7)
 
 
 def head_products(params, kv_heads):
@@ -171,8 +172,12 @@ def test_hard_saggs_makes_the_trajectory_independent_of_alpha_gqa():
   for a in (0.25, 0.75):
     p, _, loss = runs[a]
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-5)
-    np.testing.assert_allclose(head_products(p, 2), head_products(ref_p, 2), rtol=1e-4,
-                               atol=1e-5 * np.abs(head_products(ref_p, 2)).max())
+    np.testing.assert_allclose(
+      head_products(p, 2),
+      head_products(ref_p, 2),
+      rtol=1e-4,
+      atol=1e-5 * np.abs(head_products(ref_p, 2)).max(),
+    )
     np.testing.assert_allclose(p["attn"]["wv"], ref_p["attn"]["wv"], rtol=1e-4, atol=1e-6)
   assert np.isfinite(clipped).all()
   # Without SAGGS the split steers Adam: α does matter, so the equality above is no accident.
@@ -184,13 +189,13 @@ def test_stacked_layers_clip_each_layer_by_its_own_logits():
   layers = 2
   params = make_params(4, 2, stacked=(layers,))
   x = batch()
-  per_layer = lambda p: jax.vmap(
-      lambda a: saggs.max_logits(*qk(a, x), is_causal=True))(p["attn"])
+  per_layer = lambda p: jax.vmap(lambda a: saggs.max_logits(*qk(a, x), is_causal=True))(p["attn"])
   before = np.asarray(per_layer(params))
   assert before.shape == (layers, 4) and (before > TAU).any() and (before < TAU).any()
   tx = saggs.chain(optax.sgd(0.0), saggs.qk_clip([qk_pair(2, stacked=1)], TAU))
-  updates, _ = jax.jit(lambda p: tx.update(p, tx.init(p), p, max_logits={
-      "attn/wq": per_layer(p)}))(params)
+  updates, _ = jax.jit(lambda p: tx.update(p, tx.init(p), p, max_logits={"attn/wq": per_layer(p)}))(
+    params
+  )
   after = np.asarray(per_layer(optax.apply_updates(params, updates)))
   np.testing.assert_allclose(after, np.minimum(before, TAU), rtol=3e-6)
   with pytest.raises(ValueError, match=r"max_logits\['attn/wq'\] has shape \(4,\).*\(2,\) \+"):
@@ -213,8 +218,11 @@ def test_jit_traces_once_and_the_missing_argument_is_named():
     params, state = step(params, state, batch(s))
   assert len(traces) == 1
   for chained in (tx, optax.chain(optax.adam(0.05), saggs.qk_clip([qk_pair(2)], TAU))):
-    with pytest.raises(ValueError, match=r"needs the measured maximum logits.*max_logits=\{"
-                       r"'attn/wq': \(2,\) \+ \('heads',\)\}|max_logits=\{'attn/wq': \('heads',\)"):
+    with pytest.raises(
+      ValueError,
+      match=r"needs the measured maximum logits.*max_logits=\{"
+      r"'attn/wq': \(2,\) \+ \('heads',\)\}|max_logits=\{'attn/wq': \('heads',\)",
+    ):
       chained.update(params, chained.init(params), params)
   with pytest.raises(ValueError, match=r"got keys \['attn/wv'\]"):
     tx.update(params, state, params, max_logits={"attn/wv": jnp.ones(4)})
@@ -227,29 +235,35 @@ def test_example_lm_sows_logits_by_query_path_and_its_step_clips_them():
   import qk_clip as example
   from saggs_jax.testing import lm
 
-  config = lm.ModelConfig(d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
-                          mlp_hidden=24, seq_len=8)
+  config = lm.ModelConfig(
+    d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, mlp_hidden=24, seq_len=8
+  )
   graphdef, params = lm.init_model(config, seed=0)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 9)), jnp.int32)
   measure = jax.jit(lm.loss_and_max_logits, static_argnums=1)  # compiled once, used twice
   _, before = measure(params, graphdef, tokens)
   assert {k: v.shape for k, v in before.items()} == {
-      f"layers/{i}/attn/q_proj/kernel": (4,) for i in range(2)}
+    f"layers/{i}/attn/q_proj/kernel": (4,) for i in range(2)
+  }
   # τ between layer 0's logits and above layer 1's: the clip of layer 0 changes the inputs
   # of layer 1, whose logits are then no longer the measured ones.
   first, second = (np.asarray(before[f"layers/{i}/attn/q_proj/kernel"]) for i in range(2))
   tau = float(np.median(first))
   assert second.max() < tau < first.max()
   tx = example.with_arm(optax.adamw(0.0), "clip", config, tau)
-  new, _, _, top = example.make_step(graphdef, tx)(lm.donatable_copy(params), tx.init(params),
-                                                   tokens)
+  new, _, _, top = example.make_step(graphdef, tx)(
+    lm.donatable_copy(params), tx.init(params), tokens
+  )
   assert float(top) == max(float(v.max()) for v in before.values())
   _, after = measure(new, graphdef, tokens)
-  np.testing.assert_allclose(after["layers/0/attn/q_proj/kernel"], np.minimum(first, tau),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    after["layers/0/attn/q_proj/kernel"], np.minimum(first, tau), rtol=1e-5
+  )
   for name in ("q_proj", "k_proj"):
-    np.testing.assert_array_equal(new["layers"][1]["attn"][name]["kernel"][...],
-                                  params["layers"][1]["attn"][name]["kernel"][...])
+    np.testing.assert_array_equal(
+      new["layers"][1]["attn"][name]["kernel"][...],
+      params["layers"][1]["attn"][name]["kernel"][...],
+    )
 
 
 def test_max_logits_matches_numpy_with_masks():
@@ -260,9 +274,12 @@ def test_max_logits_matches_numpy_with_masks():
   mask[1, 0, 2] = False  # a query row with nothing to attend
   s = np.einsum("bqhe,bkhe->bhqk", q, np.repeat(k, 2, axis=2)) * 0.3
   causal = np.tril(np.ones((3, 5), bool), 2)
-  for kwargs, keep in [({}, np.ones((1, 1, 3, 5), bool)), ({"is_causal": True}, causal),
-                       ({"mask": jnp.asarray(mask)}, mask),
-                       ({"mask": jnp.asarray(mask), "is_causal": True}, mask & causal)]:
+  for kwargs, keep in [
+    ({}, np.ones((1, 1, 3, 5), bool)),
+    ({"is_causal": True}, causal),
+    ({"mask": jnp.asarray(mask)}, mask),
+    ({"mask": jnp.asarray(mask), "is_causal": True}, mask & causal),
+  ]:
     got = saggs.max_logits(jnp.asarray(q), jnp.asarray(k), scale=0.3, **kwargs)
     want = np.where(np.broadcast_to(keep, s.shape), s, -np.inf).max(axis=(0, 2, 3))
     np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -302,9 +319,22 @@ FSDP_SCRIPT = textwrap.dedent(r"""
 
 
 def test_fsdp_mesh_equals_unsharded():
-  script = FSDP_SCRIPT.replace("@TESTS@", repr(str(ROOT / "tests"))).replace("@ROOT@", repr(str(ROOT)))
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}
-  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                        timeout=600, env=env, check=False)
-  assert proc.returncode == 0 and "fsdp OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+  script = FSDP_SCRIPT.replace("@TESTS@", repr(str(ROOT / "tests"))).replace(
+    "@ROOT@", repr(str(ROOT))
+  )
+  env = {
+    **os.environ,
+    "JAX_PLATFORMS": "cpu",
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+  }
+  proc = subprocess.run(
+    [sys.executable, "-c", script],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=env,
+    check=False,
+  )
+  assert proc.returncode == 0 and "fsdp OK" in proc.stdout, (
+    proc.stdout[-3000:] + proc.stderr[-6000:]
+  )

@@ -28,16 +28,22 @@ from saggs_jax import equivariant
 # head under GQA (4 query columns per group against 2 key columns), and a ReLU
 # MLP per hidden channel. All tests here share its shapes, so the eager JAX
 # primitives compile once for the whole file.
-SMALL_PAIRS = (saggs.Pair("layers/*/q", "layers/*/k", axes=(1, 1), groups=2),
-               saggs.Pair("layers/*/up", "layers/*/down", axes=(1, 0)))
+SMALL_PAIRS = (
+  saggs.Pair("layers/*/q", "layers/*/k", axes=(1, 1), groups=2),
+  saggs.Pair("layers/*/up", "layers/*/down", axes=(1, 0)),
+)
 SMALL_DECLARED = {f"layers/{i}/{n}" for i in range(2) for n in ("q", "k", "up", "down")}
 
 
 def small_params(seed, dtype=jnp.float32):
   rng = np.random.default_rng(seed)
   mk = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
-  return {"layers": {str(i): {"q": mk(4, 8), "k": mk(4, 4), "up": mk(4, 6), "down": mk(6, 4),
-                              "norm": mk(4)} for i in range(2)}}
+  return {
+    "layers": {
+      str(i): {"q": mk(4, 8), "k": mk(4, 4), "up": mk(4, 6), "down": mk(6, 4), "norm": mk(4)}
+      for i in range(2)
+    }
+  }
 
 
 def small_imbalanced(seed, dtype=jnp.float32):
@@ -77,9 +83,13 @@ def small_multipliers(params, strength=1.0, limit=np.inf):
   out = {}
   for i in range(2):
     n = small_norms(params)
-    c = np.clip((n[f"{i}/qk"][1] / n[f"{i}/qk"][0]) ** (strength / 2), np.exp(-limit), np.exp(limit))
+    c = np.clip(
+      (n[f"{i}/qk"][1] / n[f"{i}/qk"][0]) ** (strength / 2), np.exp(-limit), np.exp(limit)
+    )
     out[f"layers/{i}/q"], out[f"layers/{i}/k"] = np.repeat(c, 4), 1 / np.repeat(c, 2)
-    c = np.clip((n[f"{i}/ud"][1] / n[f"{i}/ud"][0]) ** (strength / 2), np.exp(-limit), np.exp(limit))
+    c = np.clip(
+      (n[f"{i}/ud"][1] / n[f"{i}/ud"][0]) ** (strength / 2), np.exp(-limit), np.exp(limit)
+    )
     out[f"layers/{i}/up"], out[f"layers/{i}/down"] = c, 1 / c[:, None]
   return out
 
@@ -96,8 +106,9 @@ def hand_transport(tree, mult, degree=None):
 
   def visit(key_path, x):
     names = [saggs.paths.key_name(e) for e in key_path]
-    path = next(("/".join(names[i:]) for i in range(len(names)) if "/".join(names[i:]) in mult),
-                None)
+    path = next(
+      ("/".join(names[i:]) for i in range(len(names)) if "/".join(names[i:]) in mult), None
+    )
     if path is None or not hasattr(x, "shape") or x.ndim == 0:
       return x
     fields = [n for n in names if n in DEGREES]
@@ -156,14 +167,16 @@ def test_soft_shrinks_log_imbalance_by_one_minus_strength(strength):
     params, _, state = step(tx, params, state, zeros)
     imb = imbalance(params, SMALL_PAIRS)
     for k, v in imb.items():
-      np.testing.assert_allclose(v, (1 - strength)**n * imb0[k], atol=1e-5, err_msg=f"{k} n={n}")
+      np.testing.assert_allclose(v, (1 - strength) ** n * imb0[k], atol=1e-5, err_msg=f"{k} n={n}")
   assert_same_function(p0, params)
 
 
 @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
-@hypothesis.given(log_a=st.lists(st.floats(-6, 6), min_size=3, max_size=3),
-                  log_b=st.lists(st.floats(-6, 6), min_size=3, max_size=3),
-                  strength=st.floats(0.01, 1.0))
+@hypothesis.given(
+  log_a=st.lists(st.floats(-6, 6), min_size=3, max_size=3),
+  log_b=st.lists(st.floats(-6, 6), min_size=3, max_size=3),
+  strength=st.floats(0.01, 1.0),
+)
 def test_soft_factor_property(log_a, log_b, strength):
   """For any group norms, one application multiplies log(||A||/||B||) by exactly 1 - strength."""
   rng = np.random.default_rng(0)
@@ -174,8 +187,10 @@ def test_soft_factor_property(log_a, log_b, strength):
   c = saggs.balance.compute_factors(saggs.pairs.resolve(pairs, params), params, strength)[0]["a|b"]
   new, _ = saggs.reparameterize(params, None, pairs, lambda p, s: c)
   before = np.log(np.linalg.norm(a, axis=0) / np.linalg.norm(b, axis=1))
-  after = np.log(np.linalg.norm(np.asarray(new["a"], np.float64), axis=0)
-                 / np.linalg.norm(np.asarray(new["b"], np.float64), axis=1))
+  after = np.log(
+    np.linalg.norm(np.asarray(new["a"], np.float64), axis=0)
+    / np.linalg.norm(np.asarray(new["b"], np.float64), axis=1)
+  )
   np.testing.assert_allclose(after, (1 - strength) * before, atol=2e-5)
 
 
@@ -185,38 +200,44 @@ def test_canonicalize_is_idempotent_and_constant_on_orbits():
   canon = saggs.canonicalize(params, state, SMALL_PAIRS)
   moved = models.reparam(params, state, SMALL_PAIRS, models.orbit_factors(params, SMALL_PAIRS, 4))
   assert not np.allclose(moved[0]["layers"]["0"]["q"], params["layers"]["0"]["q"], rtol=1e-2)
-  assert not np.allclose(moved[1][0].nu["layers"]["0"]["q"], state[0].nu["layers"]["0"]["q"],
-                         rtol=1e-2)
+  assert not np.allclose(
+    moved[1][0].nu["layers"]["0"]["q"], state[0].nu["layers"]["0"]["q"], rtol=1e-2
+  )
   chex.assert_trees_all_close(saggs.canonicalize(*moved, SMALL_PAIRS), canon, rtol=2e-5, atol=1e-6)
   chex.assert_trees_all_close(saggs.canonicalize(*canon, SMALL_PAIRS), canon, rtol=2e-5, atol=1e-6)
 
 
 # --- moment transport -----------------------------------------------------------
 
+
 def _partition_labels(params):  # Q/K with Adam, the rest with Lion
   return jax.tree_util.tree_map_with_path(
-      lambda kp, _: "adam" if kp[-1].key in ("q", "k") else "lion", params)
+    lambda kp, _: "adam" if kp[-1].key in ("q", "k") else "lion", params
+  )
 
 
 def _mask(params):  # masks out layer 0's K and layer 1's up and down
   return jax.tree_util.tree_map_with_path(
-      lambda kp, _: (kp[1].key, kp[2].key) not in {("0", "k"), ("1", "up"), ("1", "down")}, params)
+    lambda kp, _: (kp[1].key, kp[2].key) not in {("0", "k"), ("1", "up"), ("1", "down")}, params
+  )
 
 
 STATE_CASES = {
-    "adam": lambda p: optax.adam(1e-2),
-    "adamw": lambda p: optax.adamw(1e-2, weight_decay=0.1),
-    "amsgrad": lambda p: optax.amsgrad(1e-2),
-    "lion": lambda p: optax.lion(1e-3),
-    "trace": lambda p: optax.sgd(1e-2, momentum=0.9),
-    "multisteps": lambda p: optax.MultiSteps(optax.adam(1e-2), 2).gradient_transformation(),
-    "masked": lambda p: optax.masked(optax.adam(1e-2), _mask(p)),
-    "inject_hyperparams": lambda p: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
-    "partition": lambda p: optax.partition({"adam": optax.adam(1e-2), "lion": optax.lion(1e-3)},
-                                           _partition_labels(p)),
-    "equivariant": lambda p: equivariant.layerwise(
-        {("q", "k", "up", "down"): equivariant.optimizer(equivariant.scale_by_row_norm(1), 1e-2)},
-        default=optax.adam(1e-2)),
+  "adam": lambda p: optax.adam(1e-2),
+  "adamw": lambda p: optax.adamw(1e-2, weight_decay=0.1),
+  "amsgrad": lambda p: optax.amsgrad(1e-2),
+  "lion": lambda p: optax.lion(1e-3),
+  "trace": lambda p: optax.sgd(1e-2, momentum=0.9),
+  "multisteps": lambda p: optax.MultiSteps(optax.adam(1e-2), 2).gradient_transformation(),
+  "masked": lambda p: optax.masked(optax.adam(1e-2), _mask(p)),
+  "inject_hyperparams": lambda p: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+  "partition": lambda p: optax.partition(
+    {"adam": optax.adam(1e-2), "lion": optax.lion(1e-3)}, _partition_labels(p)
+  ),
+  "equivariant": lambda p: equivariant.layerwise(
+    {("q", "k", "up", "down"): equivariant.optimizer(equivariant.scale_by_row_norm(1), 1e-2)},
+    default=optax.adam(1e-2),
+  ),
 }
 
 
@@ -235,13 +256,18 @@ def test_moments_transported(case):
   s0 = random_like(inner.init(params), 6, positive=True)
   grads = random_like(params, 7)
   mult = small_multipliers(params)
-  p_want, u_want, s_want = step(inner, hand_transport(params, mult, -1), hand_transport(s0, mult),
-                                hand_transport(grads, mult, 1))
+  p_want, u_want, s_want = step(
+    inner,
+    hand_transport(params, mult, -1),
+    hand_transport(s0, mult),
+    hand_transport(grads, mult, 1),
+  )
   p_chain, u_chain, (s_chain, s_saggs) = step(tx, params, (s0, tx.init(params)[1]), grads)
 
   assert int(s_saggs.count) == 1
-  np.testing.assert_allclose(s_saggs.factors["layers/1/q|layers/1/k"], mult["layers/1/q"][::4],
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    s_saggs.factors["layers/1/q|layers/1/k"], mult["layers/1/q"][::4], rtol=1e-5
+  )
   assert max(np.max(np.abs(np.log(m))) for m in mult.values()) > 1.0  # not vacuous
   chex.assert_trees_all_close(p_chain, p_want, rtol=1e-5, atol=1e-6)
   chex.assert_trees_all_close(s_chain, s_want, rtol=2e-5, atol=1e-6)
@@ -281,8 +307,12 @@ def test_unregistered_state_raises_then_register_transport_fixes_it():
   saggs.register_transport(state_type, {"ema": 1})
   mult = small_multipliers(params)
   _, _, (s_chain, _) = step(tx, params, s0, grads)
-  _, _, s_want = step(inner, hand_transport(params, mult, -1), hand_transport(s0[0], mult, 1),
-                      hand_transport(grads, mult, 1))
+  _, _, s_want = step(
+    inner,
+    hand_transport(params, mult, -1),
+    hand_transport(s0[0], mult, 1),
+    hand_transport(grads, mult, 1),
+  )
   chex.assert_trees_all_close(s_chain, s_want, rtol=2e-5, atol=1e-6)
   with pytest.raises(ValueError, match="no fields"):
     saggs.register_transport(state_type, {"nope": 1})
@@ -324,8 +354,9 @@ def test_every_k_balances_only_on_updates_1_k_plus_1():
     if balances(n, 3):
       for k in after:
         np.testing.assert_allclose(after[k], 0.0, atol=1e-5)
-      np.testing.assert_allclose(sstate.factors["layers/0/up|layers/0/down"],
-                                 want["layers/0/up"], rtol=1e-5)
+      np.testing.assert_allclose(
+        sstate.factors["layers/0/up|layers/0/down"], want["layers/0/up"], rtol=1e-5
+      )
     else:
       chex.assert_trees_all_equal(after, before)
       chex.assert_trees_all_equal(updates, zeros)
@@ -374,7 +405,9 @@ def test_update_is_the_plain_step_from_the_balanced_state(every):
     p_want, _, s_want = models.jit_step(adam, p_want, s_want, SMALL_GRAD(p_want))
     chex.assert_trees_all_close(p, p_want, rtol=2e-5, atol=1e-6)
     chex.assert_trees_all_close(s[0], s_want, rtol=2e-5, atol=1e-7)
-  assert max(np.max(np.abs(np.log(m))) for m in small_multipliers(small_imbalanced(21)).values()) > 1
+  assert (
+    max(np.max(np.abs(np.log(m))) for m in small_multipliers(small_imbalanced(21)).values()) > 1
+  )
 
 
 # A loss whose gradient stays bounded on the toy's large outputs, so that every optimizer
@@ -382,13 +415,13 @@ def test_update_is_the_plain_step_from_the_balanced_state(every):
 BOUNDED_GRAD = models.jit(jax.grad(lambda p: jnp.mean(jnp.log1p(_small_apply(p, SMALL_X) ** 2))))
 
 EQUIVARIANCE_CASES = {  # rates small enough that the toy's dynamics are not chaotic
-    "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
-    "adam": lambda: optax.adam(1e-3),
-    "lion": lambda: optax.lion(1e-4, weight_decay=0.1),
-    "sgd_momentum": lambda: optax.sgd(2e-4, momentum=0.9),
-    "muon": lambda: optax.contrib.muon(3e-3),
-    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3),
-    "multisteps": lambda: optax.MultiSteps(optax.adam(1e-3), 2).gradient_transformation(),
+  "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
+  "adam": lambda: optax.adam(1e-3),
+  "lion": lambda: optax.lion(1e-4, weight_decay=0.1),
+  "sgd_momentum": lambda: optax.sgd(2e-4, momentum=0.9),
+  "muon": lambda: optax.contrib.muon(3e-3),
+  "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3),
+  "multisteps": lambda: optax.MultiSteps(optax.adam(1e-3), 2).gradient_transformation(),
 }
 
 
@@ -398,6 +431,7 @@ def test_equivalent_states_follow_one_trajectory(name):
   count) give the same parameters after every update, with no canonicalize; the inner
   optimizer alone gives two different trajectories."""
   inner = EQUIVARIANCE_CASES[name]()
+
   def run(tx, p, s, steps=20, ret_state=False):
     for _ in range(steps):
       p, _, s = models.jit_step(tx, p, s, BOUNDED_GRAD(p))
@@ -416,7 +450,9 @@ def test_equivalent_states_follow_one_trajectory(name):
   state = lambda s: (s, tx.init(p0)[1])  # noqa: E731
   assert rel(run(tx, p0, state(s0)), run(tx, p1, state(s1))) <= 1e-4
   # Control: alone, the inner optimizer takes the two equivalent states to different orbits.
-  ends = [saggs.canonicalize(run(inner, p, s), None, SMALL_PAIRS)[0] for p, s in ((p0, s0), (p1, s1))]
+  ends = [
+    saggs.canonicalize(run(inner, p, s), None, SMALL_PAIRS)[0] for p, s in ((p0, s0), (p1, s1))
+  ]
   assert rel(*ends) > 1e-3
 
 
@@ -424,6 +460,7 @@ def test_chain_trains_an_equinox_module_as_it_trains_a_dict():
   """The Equinox idiom: the optimizer sees ``eqx.filter(model, eqx.is_inexact_array)`` and
   ``eqx.filter_grad``'s gradients (None for the function, flags and ints), the step runs
   under ``eqx.filter_jit``. The trajectory is that of the same arrays held in a dict."""
+
   def tx(pairs):
     return saggs.chain(optax.adam(1e-2), saggs.soft(pairs, strength=0.5, every=2))
 
@@ -455,8 +492,9 @@ def test_chain_trains_an_equinox_module_as_it_trains_a_dict():
     model, module_state = module_step(model, module_state)
     p, dict_state = dict_step(p, dict_state)
   chex.assert_trees_all_close(as_dict(model), p, rtol=1e-6)
-  np.testing.assert_allclose(module_state[1].factors["up/weight|down/weight"],
-                             dict_state[1].factors["up|down"], rtol=1e-6)
+  np.testing.assert_allclose(
+    module_state[1].factors["up/weight|down/weight"], dict_state[1].factors["up|down"], rtol=1e-6
+  )
   assert model.activation is jax.nn.relu and model.dropout.inference and model.hidden == 4
 
 
@@ -484,6 +522,7 @@ def test_jit_equals_eager_and_traces_once():
 
 # --- dtypes and guards -------------------------------------------------------------
 
+
 def test_bf16_dtypes_preserved_and_balanced():
   params = small_imbalanced(11, dtype=jnp.bfloat16)
   before = imbalance(params, SMALL_PAIRS)
@@ -509,15 +548,25 @@ def test_bf16_dtypes_preserved_and_balanced():
   chex.assert_tree_all_finite(state)
   # Both moments hold the transported gradient g / c to bf16 precision (a few 2**-8), from an
   # oracle in float64: Adam's first step from zero moments, mu = 0.1 g', nu = 0.001 g'**2.
-  g = hand_transport(jax.tree.map(lambda x: np.asarray(x, np.float64), grads),
-                     small_multipliers(params, limit=np.log(2)), 1)
-  for name, want, rtol in (("mu", jax.tree.map(lambda x: 0.1 * x, g), 2**-7),
-                           ("nu", jax.tree.map(lambda x: 0.001 * x**2, g), 2**-6)):
+  g = hand_transport(
+    jax.tree.map(lambda x: np.asarray(x, np.float64), grads),
+    small_multipliers(params, limit=np.log(2)),
+    1,
+  )
+  for name, want, rtol in (
+    ("mu", jax.tree.map(lambda x: 0.1 * x, g), 2**-7),
+    ("nu", jax.tree.map(lambda x: 0.001 * x**2, g), 2**-6),
+  ):
     got = getattr(state[0][0], name)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got))
     for path, w in leaf_dict(want).items():
-      np.testing.assert_allclose(np.asarray(leaf_dict(got)[path], np.float64), w, rtol=rtol,
-                                 atol=1e-30, err_msg=f"{name} {path}")
+      np.testing.assert_allclose(
+        np.asarray(leaf_dict(got)[path], np.float64),
+        w,
+        rtol=rtol,
+        atol=1e-30,
+        err_msg=f"{name} {path}",
+      )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
@@ -569,7 +618,9 @@ def test_norms_are_scale_safe(scale):
   q, k = rng.standard_normal((4, 8)), rng.standard_normal((4, 4))
   params = {"q": jnp.asarray(q * scale, jnp.float32), "k": jnp.asarray(k / scale, jnp.float32)}
   pairs = [saggs.Pair("q", "k", axes=(1, 1), groups=2)]
-  want = np.log(norms((q * scale).reshape(4, 2, 4), (0, 2)) / norms((k / scale).reshape(4, 2, 2), (0, 2)))
+  want = np.log(
+    norms((q * scale).reshape(4, 2, 4), (0, 2)) / norms((k / scale).reshape(4, 2, 2), (0, 2))
+  )
   np.testing.assert_allclose(imbalance(params, pairs)["q|k"], want, rtol=1e-5)
   canon, _ = saggs.canonicalize(params, None, pairs)
   chex.assert_tree_all_finite(canon)
@@ -578,12 +629,14 @@ def test_norms_are_scale_safe(scale):
   tx = saggs.chain(optax.sgd(0.0), saggs.saggs(pairs))
   new, _, state = models.jit_step(tx, params, tx.init(params), jax.tree.map(jnp.zeros_like, params))
   chex.assert_tree_all_finite(new)
-  np.testing.assert_allclose(np.log(state[1].factors["q|k"]),
-                             np.clip(-want / 2, -10 * np.log(2), 10 * np.log(2)), rtol=1e-5)
+  np.testing.assert_allclose(
+    np.log(state[1].factors["q|k"]), np.clip(-want / 2, -10 * np.log(2), 10 * np.log(2)), rtol=1e-5
+  )
 
 
-@pytest.mark.parametrize("dtype, scale, updates", [(jnp.float32, 1e25, 9), (jnp.float32, 1e4, 2),
-                                                   (jnp.bfloat16, 1e25, 84)])
+@pytest.mark.parametrize(
+  "dtype, scale, updates", [(jnp.float32, 1e25, 9), (jnp.float32, 1e4, 2), (jnp.bfloat16, 1e25, 84)]
+)
 def test_updates_keep_the_function_through_any_imbalance(dtype, scale, updates):
   """q * s, k / s through saggs.chain(sgd(0), saggs): apply_updates adds p * (c - 1), which
   rounds at the precision of p, so each update shrinks a weight by at most 2**-10 (float32)
@@ -608,10 +661,14 @@ def test_updates_keep_the_function_through_any_imbalance(dtype, scale, updates):
       got = np.asarray(params["q"], np.float64) @ np.asarray(params["k"], np.float64).T
       np.testing.assert_allclose(got, logits, atol=1e-4 * np.max(np.abs(logits)))
     else:  # lands on p * c rounded once, as a direct rescale would
-      np.testing.assert_array_equal(np.asarray(params["q"], np.float32),
-                                    np.asarray(jnp.asarray(before["q"] * c, dtype), np.float32))
-      np.testing.assert_array_equal(np.asarray(params["k"], np.float32),
-                                    np.asarray(jnp.asarray(before["k"] / c, dtype), np.float32))
+      np.testing.assert_array_equal(
+        np.asarray(params["q"], np.float32),
+        np.asarray(jnp.asarray(before["q"] * c, dtype), np.float32),
+      )
+      np.testing.assert_array_equal(
+        np.asarray(params["k"], np.float32),
+        np.asarray(jnp.asarray(before["k"] / c, dtype), np.float32),
+      )
   norm = {n: np.linalg.norm(np.asarray(x, np.float64)) for n, x in params.items()}
   assert abs(np.log(norm["q"] / norm["k"])) <= (1e-5 if dtype == jnp.float32 else 1e-2), norm
 
@@ -645,23 +702,29 @@ def test_only_the_leaves_that_overflow_take_the_safe_passes():
   params = small_params(12)
   scale = {"layers/0/q": 1e25, "layers/0/k": 1e-25, "layers/1/up": 1e-22}
   params = jax.tree_util.tree_map_with_path(
-      lambda kp, x: x * scale.get(saggs.paths.path_str(kp), 1.0), params)
+    lambda kp, x: x * scale.get(saggs.paths.path_str(kp), 1.0), params
+  )
   p = {k: np.asarray(v, np.float64) for k, v in leaf_dict(params).items()}
   want = {}
   for i in range(2):
     q, k = p[f"layers/{i}/q"].reshape(4, 2, 4), p[f"layers/{i}/k"].reshape(4, 2, 2)
     want[f"layers/{i}/q|layers/{i}/k"] = np.log(norms(q, (0, 2)) / norms(k, (0, 2)))
-    want[f"layers/{i}/up|layers/{i}/down"] = np.log(norms(p[f"layers/{i}/up"], 0)
-                                                    / norms(p[f"layers/{i}/down"], 1))
+    want[f"layers/{i}/up|layers/{i}/down"] = np.log(
+      norms(p[f"layers/{i}/up"], 0) / norms(p[f"layers/{i}/down"], 1)
+    )
   got = imbalance(params, SMALL_PAIRS)
   for key, w in want.items():
     np.testing.assert_allclose(got[key], w, rtol=1e-5, err_msg=key)
   tx = saggs.chain(optax.sgd(0.0), saggs.saggs(SMALL_PAIRS))
   _, _, state = models.jit_step(tx, params, tx.init(params), jax.tree.map(jnp.zeros_like, params))
   for key, w in want.items():  # each update's factor within its float32 step (2**10)
-    np.testing.assert_allclose(np.log(state[1].factors[key]),
-                               np.clip(-w / 2, -10 * np.log(2), 10 * np.log(2)), rtol=1e-5,
-                               atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(
+      np.log(state[1].factors[key]),
+      np.clip(-w / 2, -10 * np.log(2), 10 * np.log(2)),
+      rtol=1e-5,
+      atol=1e-6,
+      err_msg=key,
+    )
 
 
 def test_the_compiled_update_reads_the_declared_leaves_once():
@@ -671,14 +734,25 @@ def test_the_compiled_update_reads_the_declared_leaves_once():
   branch), not for every leaf at once, which cost three reads of them."""
   rng = np.random.default_rng(0)
   mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-  params = {"layers": {str(i): {"q": mk(64, 128), "k": mk(64, 64), "up": mk(64, 256),
-                                "down": mk(256, 64), "norm": mk(64)} for i in range(8)}}
+  params = {
+    "layers": {
+      str(i): {
+        "q": mk(64, 128),
+        "k": mk(64, 64),
+        "up": mk(64, 256),
+        "down": mk(256, 64),
+        "norm": mk(64),
+      }
+      for i in range(8)
+    }
+  }
   declared = sum(x.nbytes for path, x in leaf_dict(params).items() if not path.endswith("norm"))
 
   def cost(tx):
     def train(p, s, g):
       updates, s = tx.update(g, s, p)
       return optax.apply_updates(p, updates), s
+
     compiled = jax.jit(train).lower(params, tx.init(params), params).compile()
     return compiled.cost_analysis()["bytes accessed"]
 
@@ -692,19 +766,30 @@ def test_a_non_finite_entry_changes_only_its_own_group():
   k[1, 0] = np.inf  # KV head 0
   params = {"q": jnp.asarray(q, jnp.float32), "k": jnp.asarray(k, jnp.float32)}
   pairs = [saggs.Pair("q", "k", axes=(1, 1), groups=2)]
-  _, _, state = step(saggs.chain(optax.sgd(0.0), saggs.saggs(pairs)), params,
-                     saggs.chain(optax.sgd(0.0), saggs.saggs(pairs)).init(params),
-                     jax.tree.map(jnp.zeros_like, params))
+  _, _, state = step(
+    saggs.chain(optax.sgd(0.0), saggs.saggs(pairs)),
+    params,
+    saggs.chain(optax.sgd(0.0), saggs.saggs(pairs)).init(params),
+    jax.tree.map(jnp.zeros_like, params),
+  )
   f = np.asarray(state[1].factors["q|k"])
   assert f[0] == 1.0
-  np.testing.assert_allclose(f[1], np.sqrt(norms(k[:, 2:], (0, 1)) / norms(q[:, 4:], (0, 1))),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    f[1], np.sqrt(norms(k[:, 2:], (0, 1)) / norms(q[:, 4:], (0, 1))), rtol=1e-5
+  )
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"strength": "0.5"}, "strength must be a number"), ({"strength": 0}, "strength"),
-    ({"strength": 1.5}, "strength"), ({"every": True}, "every must be an int"),
-    ({"every": 0}, "every"), ({"every": 2.0}, "every must be an int")])
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
+    ({"strength": "0.5"}, "strength must be a number"),
+    ({"strength": 0}, "strength"),
+    ({"strength": 1.5}, "strength"),
+    ({"every": True}, "every must be an int"),
+    ({"every": 0}, "every"),
+    ({"every": 2.0}, "every must be an int"),
+  ],
+)
 def test_bad_arguments_are_clear_errors(kwargs, match):
   with pytest.raises(ValueError, match=match):
     saggs.scale_by_saggs(SMALL_PAIRS, **kwargs)
@@ -713,13 +798,17 @@ def test_bad_arguments_are_clear_errors(kwargs, match):
 @pytest.mark.parametrize("make", [saggs.saggs, saggs.soft, saggs.scale_by_saggs])
 def test_bad_pairs_and_axis_names_fail_at_construction(make):
   """Not at init, and not read as the characters of a string."""
-  with pytest.raises(TypeError, match=r"Expected a saggs_jax.Pair or a sequence of them, got str: 'q'"):
+  with pytest.raises(
+    TypeError, match=r"Expected a saggs_jax.Pair or a sequence of them, got str: 'q'"
+  ):
     make("q")
   with pytest.raises(TypeError, match=r"Expected saggs_jax.Pair, got str: 'q'"):
     make([SMALL_PAIRS[0], "q"])
   for bad in (3, ("data", 3)):
-    with pytest.raises(ValueError, match=re.escape(
-        f"axis_name must be None, a mesh axis name or a tuple of them, got {bad!r}")):
+    with pytest.raises(
+      ValueError,
+      match=re.escape(f"axis_name must be None, a mesh axis name or a tuple of them, got {bad!r}"),
+    ):
       make(SMALL_PAIRS, axis_name=bad)
   make(SMALL_PAIRS, axis_name=("data", "fsdp"))
 
@@ -752,15 +841,18 @@ def test_two_symmetry_stages_in_one_chain():
   """The earlier stage's factors are not moments (one has the shape of the later pair's
   follower); each stage balances its own pairs, the later one moving the earlier one's inputs."""
   rng = np.random.default_rng(3)
-  mk = lambda *s: jnp.asarray(rng.standard_normal(s) * np.exp(rng.uniform(-2, 2, s[-1])), jnp.float32)
+  mk = lambda *s: jnp.asarray(
+    rng.standard_normal(s) * np.exp(rng.uniform(-2, 2, s[-1])), jnp.float32
+  )
   params = {"up": mk(3, 6), "down": mk(6, 3), "up2": mk(3, 6), "down2": mk(6, 3), "b2": mk(6)}
   first = [saggs.Pair("up", "down", axes=(1, 0))]
   second = [saggs.Pair("up2", "down2", axes=(1, 0), follow_a="b2")]
   tx = saggs.chain(optax.adam(0.0), saggs.soft(first), saggs.saggs(second))
   new, _, state = step(tx, params, tx.init(params), jax.tree.map(jnp.zeros_like, params))
   np.testing.assert_allclose(imbalance(new, second)["up2|down2"], 0.0, atol=1e-5)
-  np.testing.assert_allclose(imbalance(new, first)["up|down"], imbalance(params, first)["up|down"] / 2,
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    imbalance(new, first)["up|down"], imbalance(params, first)["up|down"] / 2, rtol=1e-5
+  )
   assert [int(s.count) for s in state[1:]] == [1, 1]
 
 
@@ -771,13 +863,16 @@ def test_optax_map_params_maps_the_moments_not_the_factors():
   params = small_params(0)
   tx = saggs.chain(optax.adam(1e-2), saggs.saggs(SMALL_PAIRS))
   state = tx.init(params)
-  marked = optax.tree.map_params(tx, lambda _: "param", state, transform_non_params=lambda _: "other")
+  marked = optax.tree.map_params(
+    tx, lambda _: "param", state, transform_non_params=lambda _: "other"
+  )
   assert set(jax.tree.leaves(marked[0][0].mu)) == {"param"}
   assert set(jax.tree.leaves(marked[0][0].nu)) == {"param"}
   assert jax.tree.leaves(marked[1]) == ["other", "other", "other"]  # count, factors, residual
 
 
 # --- inside a plain optax.chain ------------------------------------------------------
+
 
 def test_plain_optax_chain_balances_warns_once_and_does_not_transport():
   params = small_imbalanced(13)

@@ -333,12 +333,18 @@ SHARD_MAP_SCRIPT = PRELUDE + textwrap.dedent(r"""
 
 
 def run(script):
-  env_script = script.replace("@TESTS@", repr(str(TESTS))).replace("@ROOT@", repr(str(TESTS.parent)))
+  env_script = script.replace("@TESTS@", repr(str(TESTS))).replace(
+    "@ROOT@", repr(str(TESTS.parent))
+  )
   # The LLVM optimisation level changes compile time only, not what is computed or communicated.
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}
-  proc = subprocess.run([sys.executable, "-c", env_script], capture_output=True, text=True,
-                        timeout=600, env=env)
+  env = {
+    **os.environ,
+    "JAX_PLATFORMS": "cpu",
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+  }
+  proc = subprocess.run(
+    [sys.executable, "-c", env_script], capture_output=True, text=True, timeout=600, env=env
+  )
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
   return proc.stdout
 

@@ -30,19 +30,26 @@ def test_t_quantile_matches_published_table(df):
   assert stats.t_quantile(0.975, df) == pytest.approx(T_975[df], abs=1e-6)
 
 
-@pytest.mark.parametrize("values", [
+@pytest.mark.parametrize(
+  "values",
+  [
     [0.12, -0.03, 0.31, 0.08, 0.19, 0.02, 0.27, -0.11],  # n = 8: df 7
     [-1.5, -0.4, -2.2, -0.9],  # n = 4: df 3
     [3.0, 5.0],  # n = 2: df 1
-])
+  ],
+)
 def test_t_interval_against_hand_computation(values):
   n = len(values)
   mean = sum(values) / n
   std = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
-  half = T_975[n - 1] * std / n ** 0.5  # the table has 6 decimals: atol 1e-6 below
+  half = T_975[n - 1] * std / n**0.5  # the table has 6 decimals: atol 1e-6 below
   interval = stats.t_interval(values)
-  np.testing.assert_allclose([interval.mean, interval.std, interval.low, interval.high],
-                             [mean, std, mean - half, mean + half], rtol=0, atol=1e-6)
+  np.testing.assert_allclose(
+    [interval.mean, interval.std, interval.low, interval.high],
+    [mean, std, mean - half, mean + half],
+    rtol=0,
+    atol=1e-6,
+  )
   assert interval.n == n
   assert stats.mean_std(values) == pytest.approx((mean, std), rel=1e-12)
 
@@ -60,7 +67,9 @@ def _interval(low, high):
   return stats.Interval((low + high) / 2, 1.0, low, high, 8)
 
 
-@pytest.mark.parametrize("low, high, direction, expected", [
+@pytest.mark.parametrize(
+  "low, high, direction, expected",
+  [
     (-0.8, -0.2, -1, stats.REPRODUCED),
     (-0.8, -0.2, 1, stats.NOT_REPRODUCED),
     (0.2, 0.8, 1, stats.REPRODUCED),
@@ -68,7 +77,8 @@ def _interval(low, high):
     (-0.2, 0.8, -1, stats.INCONCLUSIVE),
     (-0.2, 0.8, 1, stats.INCONCLUSIVE),
     (0.0, 0.5, 1, stats.INCONCLUSIVE),  # touching 0 is not excluding it
-])
+  ],
+)
 def test_verdict_rule(low, high, direction, expected):
   assert stats.verdict(_interval(low, high), direction) == expected
 
@@ -82,25 +92,29 @@ def test_verdict_rejects_a_bad_direction():
 T_95 = {3: 2.353363, 7: 1.894579}
 
 
-@pytest.mark.parametrize("values, margin, expected", [
+@pytest.mark.parametrize(
+  "values, margin, expected",
+  [
     ([0.004, -0.002, 0.001, 0.003, -0.001, 0.002, 0.0, 0.001], 0.01, stats.EQUIVALENT),
     ([0.004, -0.002, 0.001, 0.003, -0.001, 0.002, 0.0, 0.001], 0.002, stats.INCONCLUSIVE),
     ([0.05, 0.04, 0.06, 0.05], 0.01, stats.NOT_EQUIVALENT),
     ([-0.05, -0.04, -0.06, -0.05], 0.01, stats.NOT_EQUIVALENT),
     ([0.012, -0.011, 0.013, -0.012], 0.01, stats.INCONCLUSIVE),  # mean ~0, too noisy
-])
+  ],
+)
 def test_tost_against_hand_computation(values, margin, expected):
   n = len(values)
   mean = sum(values) / n
   std = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
-  half = T_95[n - 1] * std / n ** 0.5
+  half = T_95[n - 1] * std / n**0.5
   # The two one-sided tests, each at 5%: t statistics against -margin and +margin.
-  lower_rejected = (mean + margin) / (std / n ** 0.5) > T_95[n - 1]
-  upper_rejected = (mean - margin) / (std / n ** 0.5) < -T_95[n - 1]
+  lower_rejected = (mean + margin) / (std / n**0.5) > T_95[n - 1]
+  upper_rejected = (mean - margin) / (std / n**0.5) < -T_95[n - 1]
   assert (lower_rejected and upper_rejected) == (expected == stats.EQUIVALENT)
   interval, outcome = stats.equivalence(values, margin)
-  np.testing.assert_allclose([interval.low, interval.high], [mean - half, mean + half],
-                             rtol=0, atol=1e-6)
+  np.testing.assert_allclose(
+    [interval.low, interval.high], [mean - half, mean + half], rtol=0, atol=1e-6
+  )
   assert outcome == expected
 
 
@@ -110,8 +124,9 @@ def test_tost_rejects_a_bad_margin():
 
 
 def _records(arm, losses):
-  return [{"arm": arm, "seed": study.FIRST_SEED + i, "val_loss": loss}
-          for i, loss in enumerate(losses)]
+  return [
+    {"arm": arm, "seed": study.FIRST_SEED + i, "val_loss": loss} for i, loss in enumerate(losses)
+  ]
 
 
 CONTROL = [2.0, 2.1, 1.9, 2.05, 1.95, 2.02]
@@ -172,13 +187,15 @@ def test_bonferroni_says_whether_a_verdict_changes():
   assert -4.8 < t < -2.6  # between t_{1-0.005/2, 5} = 4.77 and t_{0.975, 5} = 2.57
   arms = _arms(hard_SAGGS=list(diffs), soft_SAGGS=[-1.0 + e for e in NOISE])
   judged = study.judged_claims("imbalance", arms)
-  assert study.bonferroni(judged) == ("Bonferroni over the 2 claims (each at α = 0.0250): "
-                                      "changes no verdict.")
+  assert study.bonferroni(judged) == (
+    "Bonferroni over the 2 claims (each at α = 0.0250): changes no verdict."
+  )
   ten = judged[:1] * 5 + judged[1:] * 5
   assert study.bonferroni(ten).startswith(
-      "Bonferroni over the 10 claims (each at α = 0.0050): changes 5 verdict(s): "
-      f"hard SAGGS lowers the loss under scale imbalance: {stats.REPRODUCED} -> "
-      f"{stats.INCONCLUSIVE}")
+    "Bonferroni over the 10 claims (each at α = 0.0050): changes 5 verdict(s): "
+    f"hard SAGGS lowers the loss under scale imbalance: {stats.REPRODUCED} -> "
+    f"{stats.INCONCLUSIVE}"
+  )
 
 
 def test_source_hash_follows_the_sources(tmp_path):
@@ -196,7 +213,8 @@ def test_source_hash_follows_the_sources(tmp_path):
   assert len(study.code_version()) == 12
   # The study's functions are read from the file as imported, which is unedited here.
   assert [study.function_source(f) for f in study.RUN_FUNCTIONS] == [
-      inspect.getsource(f) for f in study.RUN_FUNCTIONS]
+    inspect.getsource(f) for f in study.RUN_FUNCTIONS
+  ]
 
 
 def test_store_skips_finished_runs_and_resumes(tmp_path):
@@ -206,8 +224,10 @@ def test_store_skips_finished_runs_and_resumes(tmp_path):
     calls.append(seed)
     return {"eval_step": np.array([0, 5]), "eval_loss": np.array([5.0, 2.0 + seed])}
 
-  specs = [study.Spec("e", "a", seed, {"lr": 1e-3}, lambda desc, s=seed: fake_train(s, desc))
-           for seed in range(3)]
+  specs = [
+    study.Spec("e", "a", seed, {"lr": 1e-3}, lambda desc, s=seed: fake_train(s, desc))
+    for seed in range(3)
+  ]
   path = tmp_path / "runs.jsonl"
   first = study.run_specs(study.Store(path), specs[:2])  # "interrupted" after two runs
   assert calls == [0, 1] and [r["val_loss"] for r in first] == [2.0, 3.0]
@@ -232,9 +252,14 @@ def test_every_run_config_carries_the_code_version():
 
 def _gpu_study_tiny(out):
   return subprocess.run(
-      [sys.executable, str(ROOT / "examples" / "gpu_study.py"), "--tiny", "--out", str(out)],
-      cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
-      timeout=300, check=True)
+    [sys.executable, str(ROOT / "examples" / "gpu_study.py"), "--tiny", "--out", str(out)],
+    cwd=ROOT,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=True,
+  )
 
 
 def test_gpu_study_tiny_runs_then_resumes_without_training(tmp_path):
@@ -243,7 +268,8 @@ def test_gpu_study_tiny_runs_then_resumes_without_training(tmp_path):
   records = [json.loads(line) for line in jsonl.splitlines()]
   seeds = range(study.FIRST_SEED, study.FIRST_SEED + gpu_study.GPU["seeds"])
   assert sorted((r["experiment"], r["arm"], r["seed"]) for r in records) == sorted(
-      ("imbalance", arm, seed) for arm in study.IMBALANCE_ARMS for seed in seeds)
+    ("imbalance", arm, seed) for arm in study.IMBALANCE_ARMS for seed in seeds
+  )
   # The runs are keyed by the code and by the matmul precision gpu_study sets.
   gpu_study.jax.config.update("jax_default_matmul_precision", "tensorfloat32")
   try:

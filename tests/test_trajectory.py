@@ -31,12 +31,12 @@ BATCHES = models.batches(1, WARMUP + FOLLOW)
 grad_fn = models.jit(jax.value_and_grad(models.llama_loss))
 
 OPTIMIZERS = {
-    "sgd": lambda: optax.sgd(0.1),
-    "momentum": lambda: optax.sgd(0.05, momentum=0.9),
-    "adam": lambda: optax.adam(1e-2),
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
-    "lion": lambda: optax.lion(1e-3, weight_decay=0.1),
-    "adamw+saggs": lambda: saggs.chain(optax.adamw(1e-2, weight_decay=0.1), saggs.saggs(PAIRS)),
+  "sgd": lambda: optax.sgd(0.1),
+  "momentum": lambda: optax.sgd(0.05, momentum=0.9),
+  "adam": lambda: optax.adam(1e-2),
+  "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+  "lion": lambda: optax.lion(1e-3, weight_decay=0.1),
+  "adamw+saggs": lambda: saggs.chain(optax.adamw(1e-2, weight_decay=0.1), saggs.saggs(PAIRS)),
 }
 
 
@@ -97,8 +97,10 @@ def checkpoints(tmp_path_factory):
   for name, state in saved.items():
     manager = ocp.CheckpointManager(tmp_path_factory.mktemp(name))
     saggs.checkpoint.save(manager, WARMUP, *state)
-    out[name] = {"raw": saggs.checkpoint.restore(manager, *target, canonicalize=False)[:2],
-                 "canonical": saggs.checkpoint.restore(manager, *target, PAIRS)[:2]}
+    out[name] = {
+      "raw": saggs.checkpoint.restore(manager, *target, canonicalize=False)[:2],
+      "canonical": saggs.checkpoint.restore(manager, *target, PAIRS)[:2],
+    }
     manager.close()
     chex.assert_trees_all_equal(out[name]["raw"], state)
   return out
@@ -111,11 +113,14 @@ def test_equivalent_states_give_equal_outputs(stacked):
   params = models.llama_init(2, config)
   tokens = BATCHES[0, :, :-1]
   reference = models.llama_apply(params, tokens, config)
-  for equivalent in (saggs.reparameterize(params, None, pairs, factor_fn)[0],
-                     saggs.canonicalize(params, None, pairs)[0]):
+  for equivalent in (
+    saggs.reparameterize(params, None, pairs, factor_fn)[0],
+    saggs.canonicalize(params, None, pairs)[0],
+  ):
     assert distance(equivalent, params) > 0.05  # a genuinely different point...
-    chex.assert_trees_all_close(models.llama_apply(equivalent, tokens, config), reference,
-                                rtol=TOL, atol=TOL)  # ...computing the same function
+    chex.assert_trees_all_close(
+      models.llama_apply(equivalent, tokens, config), reference, rtol=TOL, atol=TOL
+    )  # ...computing the same function
 
 
 def test_gradients_transform_contravariantly(checkpoints):
@@ -129,15 +134,18 @@ def test_gradients_transform_contravariantly(checkpoints):
 
 
 def test_adamw_diverges_from_equivalent_checkpoints(checkpoints):
-  runs = [train("adamw", *checkpoints[k]["raw"], BATCHES[WARMUP:WARMUP + DIVERGE])
-          for k in ("as_is", "moved")]
+  runs = [
+    train("adamw", *checkpoints[k]["raw"], BATCHES[WARMUP : WARMUP + DIVERGE])
+    for k in ("as_is", "moved")
+  ]
   np.testing.assert_allclose(runs[1][2][0], runs[0][2][0], rtol=TOL)  # same loss at restart
   assert abs(runs[1][2][-1] / runs[0][2][-1] - 1) > 100 * TOL
   assert distance(canonical(runs[1][0]), canonical(runs[0][0])) > 100 * TOL
 
 
-@pytest.mark.parametrize("name,restored", [("adamw+saggs", "canonical"), ("adamw", "canonical"),
-                                           ("adamw+saggs", "raw")])
+@pytest.mark.parametrize(
+  "name,restored", [("adamw+saggs", "canonical"), ("adamw", "canonical"), ("adamw+saggs", "raw")]
+)
 def test_canonicalized_checkpoints_follow_one_trajectory(checkpoints, name, restored):
   """Restored onto the canonical representative, or, with hard SAGGS (which balances
   before its first step), restored as saved: both equivalent checkpoints train alike."""
@@ -161,7 +169,7 @@ def test_canonicalized_checkpoints_follow_one_trajectory(checkpoints, name, rest
 
 def test_transported_moments_alone_do_not_make_adamw_equivariant(checkpoints):
   # One step from each checkpoint, the second mapped back by the inverse transform.
-  batch = BATCHES[WARMUP:WARMUP + 1]
+  batch = BATCHES[WARMUP : WARMUP + 1]
   p, s, _ = train("adamw", *checkpoints["as_is"]["raw"], batch)
   q, r = inverse(*train("adamw", *checkpoints["moved"]["raw"], batch)[:2])
   chex.assert_trees_all_close(r, s, rtol=1e-4, atol=1e-8)  # the moments still agree...

@@ -27,8 +27,10 @@ from saggs_jax.pairs import resolve
 from saggs_jax.transport import _RULES, transport
 
 rng = np.random.default_rng(0)
-PARAMS = {n: jnp.asarray(rng.standard_normal(s), jnp.float32)
-          for n, s in {"q": (3, 4), "k": (5, 4), "b": (4,), "w": (3,)}.items()}
+PARAMS = {
+  n: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  for n, s in {"q": (3, 4), "k": (5, 4), "b": (4,), "w": (3,)}.items()
+}
 # q and k scale per block of two columns; b is q's bias; w belongs to no pair.
 PAIRS = (saggs.Pair("q", "k", axes=(1, 1), groups=2, follow_a="b"),)
 PLAN = resolve(PAIRS, PARAMS)
@@ -52,7 +54,7 @@ def hand_state(state, degrees, touched=None):
 
   def visit(key_path, x):
     fields = [i for i, e in enumerate(key_path) if isinstance(e, jax.tree_util.GetAttrKey)]
-    rest = key_path[fields[-1] + 1:] if fields else ()
+    rest = key_path[fields[-1] + 1 :] if fields else ()
     if len(rest) == 1 and isinstance(rest[0], jax.tree_util.DictKey) and rest[0].key in MULT:
       field = key_path[fields[-1]].name
       if field in degrees:
@@ -80,8 +82,9 @@ def assert_close(got, want, what):
   chex.assert_trees_all_equal_structs(got, want)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * np.max(np.abs(w), initial=1),
-                               err_msg=what)
+    np.testing.assert_allclose(
+      g, w, rtol=1e-5, atol=1e-6 * np.max(np.abs(w), initial=1), err_msg=what
+    )
 
 
 ADAM = {"mu": 1, "nu": 2}
@@ -99,41 +102,53 @@ def _legacy_inject(inner):
 
   return optax.GradientTransformation(init, update)
 
+
 # name: (optimizer, degree of each moment field). Derivations: mu, m, m1, m2, trace,
 # acc_grads average gradients (1); nu, n, sum_of_squares, v (Adafactor), e_g average
 # squared gradients (2); Adan's v averages gradient differences and g is the last
 # gradient (1); AdaDelta's e_x averages squared *updates*, and an update moves like the
 # parameter (degree -1), so e_x has degree -2.
 CASES = {
-    "adam": (optax.adam(1e-2), ADAM),
-    "amsgrad": (optax.amsgrad(1e-2), {"mu": 1, "nu": 2, "nu_max": 2}),
-    "adabelief": (optax.adabelief(1e-2, eps_root=0.0), ADAM),  # nu: EMA of (g - mu)**2
-    "rmsprop_centered": (optax.rmsprop(1e-2, centered=True), ADAM),  # ScaleByRStdDevState
-    "rmsprop": (optax.rmsprop(1e-2), {"nu": 2}),
-    "adagrad": (optax.adagrad(1e-2, initial_accumulator_value=0.0), {"sum_of_squares": 2}),
-    "lion": (optax.lion(1e-3), {"mu": 1}),
-    "sgd_momentum": (optax.sgd(1e-2, momentum=0.9), {"trace": 1}),
-    "adan": (optax.adan(1e-2), {"m": 1, "v": 1, "n": 2, "g": 1}),
-    "adadelta": (optax.adadelta(1e-2, eps=0.0), {"e_g": 2, "e_x": -2}),
-    "muon": (optax.contrib.muon(1e-2), ADAM),  # Muon's mu on matrices, Adam on vectors
-    "ademamix": (optax.contrib.ademamix(1e-2), {"m1": 1, "m2": 1, "nu": 2}),
-    "simplified_ademamix": (optax.contrib.simplified_ademamix(1e-2), {"m": 1, "n": 2}),
-    "adafactor_unfactored": (optax.adafactor(1e-2), {"v": 2}),
-    "multisteps": (optax.MultiSteps(optax.adam(1e-2), 2).gradient_transformation(),
-                   {**ADAM, "acc_grads": 1}),
-    "masked": (optax.masked(optax.adam(1e-2), {"q": True, "k": True, "b": False, "w": True}),
-               ADAM),
-    "partition": (optax.partition({"a": optax.adam(1e-2), "l": optax.lion(1e-3)},
-                                  {"q": "a", "k": "l", "b": "a", "w": "l"}), ADAM),
-    "inject_hyperparams": (optax.inject_hyperparams(optax.adam)(learning_rate=1e-2), ADAM),
-    "inject_legacy": (_legacy_inject(optax.adam(1e-2)), ADAM),
-    "apply_if_finite": (optax.apply_if_finite(optax.adam(1e-2), 3), ADAM),
-    "conditionally_mask": (optax.conditionally_mask(optax.adam(1e-2), lambda n: n >= 0), ADAM),
-    "conditionally_transform": (
-        optax.conditionally_transform(optax.adam(1e-2), lambda n: n >= 0), ADAM),
-    "equivariant_momentum": (equivariant.layerwise(
-        {("q", "k"): equivariant.optimizer(equivariant.scale_by_row_norm(1), 1e-2)},
-        default=optax.adam(1e-2)), ADAM),
+  "adam": (optax.adam(1e-2), ADAM),
+  "amsgrad": (optax.amsgrad(1e-2), {"mu": 1, "nu": 2, "nu_max": 2}),
+  "adabelief": (optax.adabelief(1e-2, eps_root=0.0), ADAM),  # nu: EMA of (g - mu)**2
+  "rmsprop_centered": (optax.rmsprop(1e-2, centered=True), ADAM),  # ScaleByRStdDevState
+  "rmsprop": (optax.rmsprop(1e-2), {"nu": 2}),
+  "adagrad": (optax.adagrad(1e-2, initial_accumulator_value=0.0), {"sum_of_squares": 2}),
+  "lion": (optax.lion(1e-3), {"mu": 1}),
+  "sgd_momentum": (optax.sgd(1e-2, momentum=0.9), {"trace": 1}),
+  "adan": (optax.adan(1e-2), {"m": 1, "v": 1, "n": 2, "g": 1}),
+  "adadelta": (optax.adadelta(1e-2, eps=0.0), {"e_g": 2, "e_x": -2}),
+  "muon": (optax.contrib.muon(1e-2), ADAM),  # Muon's mu on matrices, Adam on vectors
+  "ademamix": (optax.contrib.ademamix(1e-2), {"m1": 1, "m2": 1, "nu": 2}),
+  "simplified_ademamix": (optax.contrib.simplified_ademamix(1e-2), {"m": 1, "n": 2}),
+  "adafactor_unfactored": (optax.adafactor(1e-2), {"v": 2}),
+  "multisteps": (
+    optax.MultiSteps(optax.adam(1e-2), 2).gradient_transformation(),
+    {**ADAM, "acc_grads": 1},
+  ),
+  "masked": (optax.masked(optax.adam(1e-2), {"q": True, "k": True, "b": False, "w": True}), ADAM),
+  "partition": (
+    optax.partition(
+      {"a": optax.adam(1e-2), "l": optax.lion(1e-3)}, {"q": "a", "k": "l", "b": "a", "w": "l"}
+    ),
+    ADAM,
+  ),
+  "inject_hyperparams": (optax.inject_hyperparams(optax.adam)(learning_rate=1e-2), ADAM),
+  "inject_legacy": (_legacy_inject(optax.adam(1e-2)), ADAM),
+  "apply_if_finite": (optax.apply_if_finite(optax.adam(1e-2), 3), ADAM),
+  "conditionally_mask": (optax.conditionally_mask(optax.adam(1e-2), lambda n: n >= 0), ADAM),
+  "conditionally_transform": (
+    optax.conditionally_transform(optax.adam(1e-2), lambda n: n >= 0),
+    ADAM,
+  ),
+  "equivariant_momentum": (
+    equivariant.layerwise(
+      {("q", "k"): equivariant.optimizer(equivariant.scale_by_row_norm(1), 1e-2)},
+      default=optax.adam(1e-2),
+    ),
+    ADAM,
+  ),
 }
 
 
@@ -167,12 +182,15 @@ def test_every_registered_state_type_has_a_case():
   covered = set().union(*(_state_types(opt.init(PARAMS)) for opt, _ in CASES.values()))
   covered |= {optax.FactoredState, optax.LookaheadState}  # the tests below
   covered |= {saggs.SaggsState}  # test_saggs: two symmetry stages in one chain
-  library = {t for t in _RULES if t.__module__.split(".")[0] in ("optax", "saggs_jax")}  # not tests'
+  library = {
+    t for t in _RULES if t.__module__.split(".")[0] in ("optax", "saggs_jax")
+  }  # not tests'
   missing = {t.__name__ for t in library} - {t.__name__ for t in covered}
   assert not missing, f"registered transports without a test: {sorted(missing)}"
 
 
 # --- optax.flatten: one raveled vector of every parameter -----------------------
+
 
 def test_flatten_state_is_unraveled_scaled_and_raveled():
   opt = optax.flatten(optax.adam(1e-2))
@@ -184,8 +202,12 @@ def test_flatten_state_is_unraveled_scaled_and_raveled():
 
   def hand_flat(x, k):
     pieces = np.split(np.asarray(x, np.float64), ends)
-    return np.concatenate([hand(v.reshape(PARAMS[n].shape), n, k).ravel() if n in MULT else v
-                           for n, v in zip(names, pieces)])
+    return np.concatenate(
+      [
+        hand(v.reshape(PARAMS[n].shape), n, k).ravel() if n in MULT else v
+        for n, v in zip(names, pieces)
+      ]
+    )
 
   got = transport(PLAN, state, FACTORS)
   for field, k in ADAM.items():
@@ -200,8 +222,11 @@ _TARGET = jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)
 
 def _loss(p, target=_TARGET):
   """Invariant under q, b -> q c, b c and k -> k / c per column group."""
-  return (jnp.sum((p["q"] @ p["k"].T - target) ** 2) + jnp.sum((p["k"] @ p["b"] - 1) ** 2)
-          + jnp.sum((p["w"] - 1) ** 2))
+  return (
+    jnp.sum((p["q"] @ p["k"].T - target) ** 2)
+    + jnp.sum((p["k"] @ p["b"] - 1) ** 2)
+    + jnp.sum((p["w"] - 1) ** 2)
+  )
 
 
 def _function(p):
@@ -223,8 +248,9 @@ def test_chain_of_flatten_adam_follows_chain_of_adam():
   ravel = lambda tree: jnp.concatenate([x.ravel() for x in jax.tree.leaves(tree)])  # noqa: E731
   warm_flat = (warm[0]._replace(mu=ravel(warm[0].mu), nu=ravel(warm[0].nu)), warm[1])
   saggs_state = saggs.saggs(PAIRS).init(PARAMS)
-  flat = trajectory(saggs.chain(optax.flatten(optax.adam(3e-2)), saggs.saggs(PAIRS)), 3,
-                    (warm_flat, saggs_state))
+  flat = trajectory(
+    saggs.chain(optax.flatten(optax.adam(3e-2)), saggs.saggs(PAIRS)), 3, (warm_flat, saggs_state)
+  )
   plain = trajectory(saggs.chain(optax.adam(3e-2), saggs.saggs(PAIRS)), 3, (warm, saggs_state))
   chex.assert_trees_all_close(flat, plain, rtol=1e-5, atol=1e-6)
 
@@ -243,9 +269,10 @@ def test_equivariant_adadelta_trajectory_is_unchanged_by_balancing():
 
 # --- Adafactor's factored second moment -------------------------------------------
 
-BIG = {n: jnp.asarray(rng.standard_normal(s), jnp.float32)
-       for n, s in {"q": (128, 130), "k": (129, 130), "qh": (128, 2, 130),
-                    "kh": (129, 2, 130)}.items()}
+BIG = {
+  n: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  for n, s in {"q": (128, 130), "k": (129, 130), "qh": (128, 2, 130), "kh": (129, 2, 130)}.items()
+}
 # One factor per tensor for q/k; one per head (axis 1, not among the two largest) for qh/kh.
 BIG_PLAN = resolve((saggs.Pair("q", "k"), saggs.Pair("qh", "kh", axes=(1, 1))), BIG)
 CB, CH = 1.9, np.array([0.7, 1.6])
@@ -254,9 +281,11 @@ BIG_FACTORS = {"q|k": jnp.float32(CB), "qh|kh": jnp.asarray(CH, jnp.float32)}
 # reduced over the axis each mean has dropped: v_row drops the largest axis, v_col the next.
 BIG_GRAD_MULT = {"q": 1 / CB, "k": CB, "qh": 1 / CH[:, None], "kh": CH[:, None]}
 BIG_STATS = {  # (v_row shape, v_row multiplier, v_col shape, v_col multiplier)
-    "q": ((128,), CB**-2, (130,), CB**-2), "k": ((129,), CB**2, (130,), CB**2),
-    "qh": ((128, 2), CH**-2, (2, 130), CH[:, None]**-2),
-    "kh": ((129, 2), CH**2, (2, 130), CH[:, None]**2)}
+  "q": ((128,), CB**-2, (130,), CB**-2),
+  "k": ((129,), CB**2, (130,), CB**2),
+  "qh": ((128, 2), CH**-2, (2, 130), CH[:, None] ** -2),
+  "kh": ((129, 2), CH**2, (2, 130), CH[:, None] ** 2),
+}
 
 
 def test_adafactor_factored_moments_transported_exactly():
@@ -277,19 +306,32 @@ def test_adafactor_factored_moments_transported_exactly():
       np.testing.assert_allclose(getattr(got, field)[n], want, rtol=1e-6, err_msg=(n, field))
 
 
-@pytest.mark.parametrize("pair, shapes, why", [
-    (saggs.Pair("q", "k", axes=(1, 1), groups=2), ((128, 130), (129, 130)),
-     r"axis 1 \(groups\).*Declare the pair with one group per tensor \(axes=None\)"),
-    (saggs.Pair("q", "k", stacked=1), ((130, 128, 3), (130, 129, 3)),
-     r"axis 0 \(stacked copies\).* Keep this moment unfactored"),
-], ids=["groups", "stacked"])
+@pytest.mark.parametrize(
+  "pair, shapes, why",
+  [
+    (
+      saggs.Pair("q", "k", axes=(1, 1), groups=2),
+      ((128, 130), (129, 130)),
+      r"axis 1 \(groups\).*Declare the pair with one group per tensor \(axes=None\)",
+    ),
+    (
+      saggs.Pair("q", "k", stacked=1),
+      ((130, 128, 3), (130, 129, 3)),
+      r"axis 0 \(stacked copies\).* Keep this moment unfactored",
+    ),
+  ],
+  ids=["groups", "stacked"],
+)
 def test_adafactor_refuses_factors_that_change_along_a_factored_axis(pair, shapes, why):
   params = {"q": jnp.ones(shapes[0]), "k": jnp.ones(shapes[1])}
   plan = resolve(pair, params)
   factors = {inst.key: jnp.full(inst.factor_shape, 2.0) for inst in plan.instances}
   state = optax.adafactor(1e-2).init(params)
-  with pytest.raises(TypeError, match=r"FactoredState at opt_state\[0\]\.v_row\['k'\]: Adafactor"
-                     rf" keeps only means .* change along {why}.*factored=False"):
+  with pytest.raises(
+    TypeError,
+    match=r"FactoredState at opt_state\[0\]\.v_row\['k'\]: Adafactor"
+    rf" keeps only means .* change along {why}.*factored=False",
+  ):
     transport(plan, state, factors)
   # Unfactored, the same pair transports like Adam's nu.
   state = jax.tree.map(jnp.ones_like, optax.adafactor(1e-2, factored=False).init(params))
@@ -299,8 +341,16 @@ def test_adafactor_refuses_factors_that_change_along_a_factored_axis(pair, shape
 # --- Lookahead: the slow weights are parameters ------------------------------------
 
 LA_PARAMS = optax.LookaheadParams(fast=PARAMS, slow=models.random_like(PARAMS, 8))
-LA_PAIRS = (saggs.Pair("fast/q", "fast/k", axes=(1, 1), groups=2,
-                       follow_a=("fast/b", "slow/q", "slow/b"), follow_b="slow/k"),)
+LA_PAIRS = (
+  saggs.Pair(
+    "fast/q",
+    "fast/k",
+    axes=(1, 1),
+    groups=2,
+    follow_a=("fast/b", "slow/q", "slow/b"),
+    follow_b="slow/k",
+  ),
+)
 LOOKAHEAD = optax.lookahead(optax.adam(1e-2), sync_period=2, slow_step_size=0.5)
 
 
@@ -320,45 +370,65 @@ def test_lookahead_refuses_slow_weights_that_do_not_follow(pairs):
   """Each synchronisation mixes slow and fast weights: they must move by the same factors."""
   plan = resolve(pairs, LA_PARAMS)
   factors = {inst.key: jnp.full(inst.factor_shape, 2.0) for inst in plan.instances}
-  with pytest.raises(TypeError, match=r"LookaheadState at opt_state: the slow weight 'slow/\w+'"
-                     r" does not move .* follow_a='slow/q'"):
+  with pytest.raises(
+    TypeError,
+    match=r"LookaheadState at opt_state: the slow weight 'slow/\w+'"
+    r" does not move .* follow_a='slow/q'",
+  ):
     transport(plan, LOOKAHEAD.init(LA_PARAMS), factors)
 
 
 # --- refusals: images the rules cannot transport -----------------------------------
 
+
 class ListState(typing.NamedTuple):
   """Keeps parameter-shaped moments in a list: indices, not parameter paths."""
+
   moments: list
 
 
 def test_unregistered_list_of_parameter_shaped_arrays_refused():
   state = ListState([jnp.ones((3, 4)), jnp.ones((5, 4))])
-  with pytest.raises(TypeError, match=r"ListState at opt_state: .* \(at 'moments/0': .*"
-                     r"register_transport\(ListState, "):
+  with pytest.raises(
+    TypeError,
+    match=r"ListState at opt_state: .* \(at 'moments/0': .*"
+    r"register_transport\(ListState, ",
+  ):
     transport(PLAN, state, FACTORS)
-  with pytest.raises(TypeError, match=r"plain container at opt_state: .* \(at '1/0'\).*"
-                     "register_transport"):
+  with pytest.raises(
+    TypeError,
+    match=r"plain container at opt_state: .* \(at '1/0'\).*"
+    "register_transport",
+  ):
     transport(PLAN, (optax.EmptyState(), [jnp.ones((5, 4))]), FACTORS)
 
 
 def test_registered_field_not_laid_out_like_the_parameters_refused():
   saggs.register_transport(ListState, {"moments": 1})
   try:
-    with pytest.raises(TypeError, match=r"ListState at opt_state\.moments\['0'\]: no parameter"
-                       r" has the path '0'.*not the raveled vector.*each moment in a tree"):
+    with pytest.raises(
+      TypeError,
+      match=r"ListState at opt_state\.moments\['0'\]: no parameter"
+      r" has the path '0'.*not the raveled vector.*each moment in a tree",
+    ):
       transport(PLAN, ListState([jnp.ones((3, 4))]), FACTORS)
   finally:
     del _RULES[ListState]
   bad = optax.ScaleByRmsState(nu={**PARAMS, "q": jnp.ones(4)})
-  with pytest.raises(TypeError, match=r"ScaleByRmsState at opt_state\.nu\['q'\]: the parameter"
-                     r" 'q' has shape \(3, 4\), this leaf \(4,\).*register_transport"):
+  with pytest.raises(
+    TypeError,
+    match=r"ScaleByRmsState at opt_state\.nu\['q'\]: the parameter"
+    r" 'q' has shape \(3, 4\), this leaf \(4,\).*register_transport",
+  ):
     transport(PLAN, bad, FACTORS)
 
 
 def test_unregistered_raveled_state_refused():
   ema = optax.ema(0.9)  # its EmaState has no rule
   state = optax.flatten(ema).init(PARAMS)
-  with pytest.raises(TypeError, match=r"EmaState at opt_state: .* \(at 'ema': .*raveled.*"
-                     r"register_transport\(EmaState, "):
+  with pytest.raises(
+    TypeError,
+    match=r"EmaState at opt_state: .* \(at 'ema': .*raveled.*"
+    r"register_transport\(EmaState, ",
+  ):
     transport(PLAN, state, FACTORS)

@@ -31,6 +31,7 @@ from saggs_jax.pairs import follower_axis
 
 class Part(NamedTuple):
   """The block ``[lo, hi)`` of a leaf's ``axis``; ``bounds``: every block's range on it."""
+
   axis: int
   lo: int
   hi: int
@@ -39,12 +40,14 @@ class Part(NamedTuple):
 
 class Unit(NamedTuple):
   """What a factor sits on: a whole leaf (``part`` None) or one block of it."""
+
   leaf: int
   part: Part | None
 
 
 class Start(NamedTuple):
   """Where a factor starts: leaf ``leaf`` used by eqn ``eqn`` (a linear map or a gain)."""
+
   leaf: int
   eqn: int
   out: int  # the value the factor first sits on
@@ -55,6 +58,7 @@ class Start(NamedTuple):
 
 class Source(NamedTuple):
   """A unit whose factor was followed."""
+
   unit: int
   eqn: int
   channel: tuple[int, ...]
@@ -65,6 +69,7 @@ class Source(NamedTuple):
 
 class Candidate(NamedTuple):
   """One instance: ``(unit, absolute group axis)`` per member of each side."""
+
   name: str
   a: list[tuple[int, int]]
   b: list[tuple[int, int]]
@@ -82,6 +87,7 @@ class Candidate(NamedTuple):
 
 class Rejection(NamedTuple):
   """A rescaling that is no exact symmetry, by unit labels."""
+
   a: list[str]
   b: list[str]
   reason: str
@@ -101,8 +107,11 @@ def starts(prog: Program, uses) -> list[Start]:
         amap = {out[a]: view.axes[a] for a in range(len(view.axes)) if a not in contract}
         stack = frozenset().union(*(view.axes[a] for a in batch))
       elif eqn.prim == "mul" and len(eqn.ins) == 2:
-        amap = {a: s for a, s in enumerate(view.axes)
-                if prog.shapes[eqn.outs[0]][a] == prog.shapes[eqn.ins[k]][a]}
+        amap = {
+          a: s
+          for a, s in enumerate(view.axes)
+          if prog.shapes[eqn.outs[0]][a] == prog.shapes[eqn.ins[k]][a]
+        }
         stack = frozenset()
       else:
         continue
@@ -131,8 +140,7 @@ class Analysis:
   fused QKV kernel's q, k and v columns) adds one unit per block.
   """
 
-  def __init__(self, closed, names: list[str], shapes: list[tuple[int, ...]],
-               floating: list[bool]):
+  def __init__(self, closed, names: list[str], shapes: list[tuple[int, ...]], floating: list[bool]):
     self.names, self.shapes = list(names), list(shapes)
     self.units = [Unit(leaf, None) for leaf in range(len(names))]
     self._blocks: dict[tuple[int, Part], int] = {}
@@ -154,8 +162,13 @@ class Analysis:
         elif trace.reaches and not trace.meets:
           self._add(self._chain(source))
         elif trace.lost and not trace.meets:  # what reaches a linear no longer carries it
-          self._add(self.rejection([source.unit], sorted({x.leaf for x in trace.lost}), explain(
-              frozenset().union(*(x.reasons for x in trace.lost)), "between them")))
+          self._add(
+            self.rejection(
+              [source.unit],
+              sorted({x.leaf for x in trace.lost}),
+              explain(frozenset().union(*(x.reasons for x in trace.lost)), "between them"),
+            )
+          )
     for found in meets.values():
       for outcome in self._meeting(found):
         self._add(outcome)
@@ -167,8 +180,9 @@ class Analysis:
       self.rejected.append(outcome)
 
   def _follow(self, start: Start, keep: Cut | None = None) -> Trace:
-    return propagation.follow(self.flow, start.eqn, start.out, start.tag,
-                              self.shapes[start.leaf], keep)
+    return propagation.follow(
+      self.flow, start.eqn, start.out, start.tag, self.shapes[start.leaf], keep
+    )
 
   def _sources(self, start: Start) -> list[Source]:
     """The source of ``start``'s leaf; or, where its blocks are read apart, one per block,
@@ -178,17 +192,25 @@ class Analysis:
     self.gates_of[leaf] |= trace.gates
     for g in trace.gates:
       self.gated[g].add(leaf)
-    parts = None if _clean(trace) else _partition(
-        {c for c in trace.cuts if c.axis not in trace.joined}, self.shapes[leaf])
+    parts = (
+      None
+      if _clean(trace)
+      else _partition({c for c in trace.cuts if c.axis not in trace.joined}, self.shapes[leaf])
+    )
     if parts is None:
       return [Source(leaf, start.eqn, start.channel, start.stacked, trace, gain)]
     axis, bounds = parts
-    return [Source(self._block(leaf, Part(axis, lo, hi, bounds)),
-                   start.eqn, tuple(a for a in start.channel if a != axis or hi - lo > 1),
-                   start.stacked,
-                   self._block_followers(self._follow(start, Cut(axis, lo, hi)),
-                                         Part(axis, lo, hi, bounds)), gain)
-            for lo, hi in bounds]
+    return [
+      Source(
+        self._block(leaf, Part(axis, lo, hi, bounds)),
+        start.eqn,
+        tuple(a for a in start.channel if a != axis or hi - lo > 1),
+        start.stacked,
+        self._block_followers(self._follow(start, Cut(axis, lo, hi)), Part(axis, lo, hi, bounds)),
+        gain,
+      )
+      for lo, hi in bounds
+    ]
 
   def _block(self, leaf: int, part: Part) -> int:
     """The unit of ``leaf``'s block ``part``."""
@@ -197,8 +219,9 @@ class Analysis:
       self._blocks[key] = len(self.units)
       self.units.append(Unit(leaf, part))
       self.names.append(self.names[leaf])
-      self.shapes.append(tuple(part.hi - part.lo if a == part.axis else n
-                               for a, n in enumerate(self.shapes[leaf])))
+      self.shapes.append(
+        tuple(part.hi - part.lo if a == part.axis else n for a, n in enumerate(self.shapes[leaf]))
+      )
     return self._blocks[key]
 
   def _block_followers(self, trace: Trace, part: Part) -> Trace:
@@ -217,33 +240,40 @@ class Analysis:
     leaf, part = self.units[unit]
     if part is None:
       return self.names[leaf]
-    return (f"{self.names[leaf]}[part {part.bounds.index((part.lo, part.hi))} of"
-            f" {len(part.bounds)} on axis {part.axis}]")
+    return (
+      f"{self.names[leaf]}[part {part.bounds.index((part.lo, part.hi))} of"
+      f" {len(part.bounds)} on axis {part.axis}]"
+    )
 
   def rejection(self, a: list[int], b: list[int], reason: str) -> Rejection:
     return Rejection([self.label(x) for x in a], [self.label(x) for x in b], reason)
 
-  def _followers(self, unit: int, axis: int, trace: Trace, stacked: int
-                 ) -> list[tuple[int, int]]:
+  def _followers(self, unit: int, axis: int, trace: Trace, stacked: int) -> list[tuple[int, int]]:
     """Each follower with the axis a Pair declares it on (see ``pairs.follower_axis``)."""
-    return [(f.leaf, follower_axis(len(self.shapes[unit]), axis, len(self.shapes[f.leaf]),
-                                   stacked)) for f in trace.followers]
+    return [
+      (f.leaf, follower_axis(len(self.shapes[unit]), axis, len(self.shapes[f.leaf]), stacked))
+      for f in trace.followers
+    ]
 
   def _undeclarable(self, unit: int, axis: int, trace: Trace, stacked: int) -> str | None:
     """Why a follower cannot be declared: it moves along another axis than the one a Pair
     gives it (a bias vector's, or its kernel's trailing axes)."""
     for f, (_, declared) in zip(trace.followers, self._followers(unit, axis, trace, stacked)):
       if declared not in f.amap.get(axis, ()):
-        return (f"its bias {self.label(f.leaf)!r} follows axis {axis} of {self.label(unit)!r}"
-                " along another axis than a Pair's follower: a bias vector's own, or its"
-                " kernel's trailing axes")
+        return (
+          f"its bias {self.label(f.leaf)!r} follows axis {axis} of {self.label(unit)!r}"
+          " along another axis than a Pair's follower: a bias vector's own, or its"
+          " kernel's trailing axes"
+        )
     return None
 
   def _tied(self, units_eqns: list[tuple[int, set[int]]]) -> str | None:
     for unit, eqns in units_eqns:
       if any(u.eqn not in eqns for u in self.uses[self.units[unit].leaf]):
-        return (f"weight tying: {self.label(unit)!r} is also used elsewhere, so rescaling it"
-                " changes another part of the model")
+        return (
+          f"weight tying: {self.label(unit)!r} is also used elsewhere, so rescaling it"
+          " changes another part of the model"
+        )
     return None
 
   def _first_use(self, unit: int) -> int:
@@ -255,23 +285,37 @@ class Analysis:
     targets = [r.leaf for r in trace.reaches]
     reasons = frozenset().union(*(r.reasons for r in trace.reaches))
     if NORM in reasons:
-      return self.rejection([unit], targets, (
+      return self.rejection(
+        [unit],
+        targets,
+        (
           "a normalization between them makes what follows side a invariant to its scale,"
-          " so nothing compensates a factor on side b"))
+          " so nothing compensates a factor on side b"
+        ),
+      )
     if reasons:
       return self.rejection([unit], targets, explain(reasons, "between them"))
     if trace.breaks:
-      return self.rejection([unit], targets, "part of side a's output bypasses side b: "
-                            + "; ".join(sorted(trace.breaks)))
+      return self.rejection(
+        [unit],
+        targets,
+        "part of side a's output bypasses side b: " + "; ".join(sorted(trace.breaks)),
+      )
     reach_eqns = {r.eqn for r in trace.reaches}
-    tied = self._tied([(unit, {s.eqn})] + [(t, reach_eqns) for t in targets]
-                      + [(f.leaf, {self._first_use(f.leaf)}) for f in trace.followers])
+    tied = self._tied(
+      [(unit, {s.eqn})]
+      + [(t, reach_eqns) for t in targets]
+      + [(f.leaf, {self._first_use(f.leaf)}) for f in trace.followers]
+    )
     if tied:
       return self.rejection([unit], targets, tied)
     stacked, channel = s.stacked, list(s.channel)
     # a leading channel axis that meets a leading axis of every B indexes copies (experts)
-    while len(channel) > 1 and channel[0] == stacked and all(
-        r.amap.get(stacked) == {stacked} for r in trace.reaches):
+    while (
+      len(channel) > 1
+      and channel[0] == stacked
+      and all(r.amap.get(stacked) == {stacked} for r in trace.reaches)
+    ):
       stacked, channel = stacked + 1, channel[1:]
     axis = channel[0]
     b_side = []
@@ -283,47 +327,88 @@ class Analysis:
         b_side.append((r.leaf, min(r.amap[axis])))
     if why := self._undeclarable(unit, axis, trace, stacked):
       return self.rejection([unit], targets, why)
-    name = "norm gain" if s.gain else next(
-        (via.value for via in Via if via in trace.through), "linear chain")
-    return Candidate(name, [(unit, axis)], b_side, self._followers(unit, axis, trace, stacked),
-                     [], stacked, trace.splits, any(r.positive for r in trace.reaches))
+    name = (
+      "norm gain"
+      if s.gain
+      else next((via.value for via in Via if via in trace.through), "linear chain")
+    )
+    return Candidate(
+      name,
+      [(unit, axis)],
+      b_side,
+      self._followers(unit, axis, trace, stacked),
+      [],
+      stacked,
+      trace.splits,
+      any(r.positive for r in trace.reaches),
+    )
 
   def _meeting(self, found: list[Source]) -> list[Candidate | Rejection]:
     """Pairs the sources that meet in one dot_general: exact pairs first, then the rest."""
+
     def meet(s: Source) -> Meet:
       return s.trace.meets[0]
 
     sides = [[s for s in found if meet(s).side == k] for k in (0, 1)]
-    combos = [(a, b) for a in sides[0] for b in sides[1]
-              if _contracted(meet(a)) == _contracted(meet(b)) and a.stacked == b.stacked]
+    combos = [
+      (a, b)
+      for a in sides[0]
+      for b in sides[1]
+      if _contracted(meet(a)) == _contracted(meet(b)) and a.stacked == b.stacked
+    ]
     exact = [(a, b) for a, b in combos if not (meet(a).reasons | meet(b).reasons)]
     paired = {id(s) for combo in exact for s in combo}
     out = []
     for a, b in exact + [(a, b) for a, b in combos if not {id(a), id(b)} & paired]:
       ma, mb, xa, xb = meet(a), meet(b), a.channel[0], b.channel[0]
       if a.unit == b.unit:
-        out.append(self.rejection([a.unit], [b.unit], "both sides read the same weight, which"
-                                  " cannot carry a factor and its inverse at once"))
+        out.append(
+          self.rejection(
+            [a.unit],
+            [b.unit],
+            "both sides read the same weight, which cannot carry a factor and its inverse at once",
+          )
+        )
       elif NORM in ma.reasons and NORM in mb.reasons:
-        out.append(self.rejection([a.unit], [b.unit], (
-            "moot: each side is scale-invariant on its own (a normalization follows each,"
-            " QK-norm), so the pair is exact but balancing it changes nothing that matters")))
+        out.append(
+          self.rejection(
+            [a.unit],
+            [b.unit],
+            (
+              "moot: each side is scale-invariant on its own (a normalization follows each,"
+              " QK-norm), so the pair is exact but balancing it changes nothing that matters"
+            ),
+          )
+        )
       elif ma.reasons | mb.reasons:
-        out.append(self.rejection([a.unit], [b.unit],
-                                  explain(ma.reasons | mb.reasons, "before they meet")))
+        out.append(
+          self.rejection([a.unit], [b.unit], explain(ma.reasons | mb.reasons, "before they meet"))
+        )
       else:
-        tied = self._tied([(a.unit, {a.eqn}), (b.unit, {b.eqn})] + [
-            (f.leaf, {self._first_use(f.leaf)}) for f in a.trace.followers + b.trace.followers])
-        why = (tied or self._undeclarable(a.unit, xa, a.trace, a.stacked)
-               or self._undeclarable(b.unit, xb, b.trace, b.stacked))
+        tied = self._tied(
+          [(a.unit, {a.eqn}), (b.unit, {b.eqn})]
+          + [(f.leaf, {self._first_use(f.leaf)}) for f in a.trace.followers + b.trace.followers]
+        )
+        why = (
+          tied
+          or self._undeclarable(a.unit, xa, a.trace, a.stacked)
+          or self._undeclarable(b.unit, xb, b.trace, b.stacked)
+        )
         if why:
           out.append(self.rejection([a.unit], [b.unit], why))
           continue
-        out.append(Candidate(
-            "attention Q/K", [(a.unit, xa)], [(b.unit, xb)],
+        out.append(
+          Candidate(
+            "attention Q/K",
+            [(a.unit, xa)],
+            [(b.unit, xb)],
             self._followers(a.unit, xa, a.trace, a.stacked),
-            self._followers(b.unit, xb, b.trace, b.stacked), a.stacked,
-            a.trace.splits | b.trace.splits, ma.positive or mb.positive))
+            self._followers(b.unit, xb, b.trace, b.stacked),
+            a.stacked,
+            a.trace.splits | b.trace.splits,
+            ma.positive or mb.positive,
+          )
+        )
     return out
 
 
@@ -336,8 +421,9 @@ def _clean(trace: Trace) -> bool:
   return bool(trace.reaches) and not trace.meets and not any(r.reasons for r in trace.reaches)
 
 
-def _partition(cuts: set[Cut], shape: tuple[int, ...]
-               ) -> tuple[int, tuple[tuple[int, int], ...]] | None:
+def _partition(
+  cuts: set[Cut], shape: tuple[int, ...]
+) -> tuple[int, tuple[tuple[int, int], ...]] | None:
   """``(axis, bounds)``: the parts the blocks in ``cuts`` split one leaf axis into, gaps
   included as parts of their own; None unless they are disjoint blocks of one axis."""
   if len({c.axis for c in cuts}) != 1:

@@ -15,6 +15,7 @@ from saggs_jax.discovery.candidates import Candidate, Unit
 class Confirmed(NamedTuple):
   """``instances`` exact at ``groups`` groups; ``tested``: a finer grouping failed, so the
   check could fail on them."""
+
   instances: list[Candidate]
   groups: int
   tested: bool
@@ -29,8 +30,9 @@ class Checker:
   rank; symmetries are structural, so what is exact on these parameters is exact on any.
   """
 
-  def __init__(self, apply_fn, leaves: list, args, kwargs, rtol: float | None, seed: int,
-               units: list[Unit]):
+  def __init__(
+    self, apply_fn, leaves: list, args, kwargs, rtol: float | None, seed: int, units: list[Unit]
+  ):
     """``apply_fn(leaves, *args, **kwargs)``: the model on a list of its parameter leaves."""
     self.units = units
     self.rng = np.random.default_rng(seed)
@@ -41,7 +43,7 @@ class Checker:
     """The deviation when every instance's members of ``signs`` take random factors."""
     changed = {}
     for inst in instances:
-      stacked_shape = tuple(self.leaves[self.units[inst.a[0][0]].leaf].shape[:inst.stacked])
+      stacked_shape = tuple(self.leaves[self.units[inst.a[0][0]].leaf].shape[: inst.stacked])
       factors = np.exp(self.rng.uniform(-np.log(4), np.log(4), stacked_shape + (groups,)))
       for (unit, axis), sign in inst.scaled:
         if sign not in signs:
@@ -50,10 +52,11 @@ class Checker:
         x = changed.get(leaf)
         x = np.array(self.leaves[leaf], np.float32) if x is None else x
         block = (slice(None),) * part.axis + (slice(part.lo, part.hi),) if part else ()
-        x[block] = x[block] * _expand(factors ** sign, x[block].shape, axis, inst.stacked)
+        x[block] = x[block] * _expand(factors**sign, x[block].shape, axis, inst.stacked)
         changed[leaf] = x
-    leaves = [jnp.asarray(changed[i], x.dtype) if i in changed else x
-              for i, x in enumerate(self.leaves)]
+    leaves = [
+      jnp.asarray(changed[i], x.dtype) if i in changed else x for i, x in enumerate(self.leaves)
+    ]
     return self.probe.deviation(leaves)
 
   def exact(self, instances: list[Candidate], groups: int) -> bool:
@@ -68,6 +71,7 @@ class Checker:
 def live(leaves: list, rng: np.random.Generator) -> list:
   """``leaves`` with every all-zero floating array drawn from N(0, s^2), s the mean RMS of the
   non-zero floating leaves of the same rank (1 if there is none)."""
+
   def floating(x):
     return jnp.issubdtype(jnp.result_type(x), jnp.floating) and np.size(x) > 0
 
@@ -76,20 +80,26 @@ def live(leaves: list, rng: np.random.Generator) -> list:
   for v in values:
     if v is not None and v.any():
       rms[v.ndim].append(float(np.sqrt(np.mean(v * v))))
-  return [jnp.asarray(rng.standard_normal(v.shape) * np.mean(rms[v.ndim] or [1.0]), x.dtype)
-          if v is not None and not v.any() else x for x, v in zip(leaves, values)]
+  return [
+    jnp.asarray(rng.standard_normal(v.shape) * np.mean(rms[v.ndim] or [1.0]), x.dtype)
+    if v is not None and not v.any()
+    else x
+    for x, v in zip(leaves, values)
+  ]
 
 
 def _expand(factors: np.ndarray, shape: tuple[int, ...], axis: int, stacked: int) -> np.ndarray:
   """Per-group ``factors`` (stacked..., groups) as a multiplier of a leaf of ``shape``."""
   n = shape[axis]
   factors = np.repeat(factors, n // factors.shape[-1], axis=-1)
-  return factors.reshape(factors.shape[:-1] + (1,) * (axis - stacked) + (n,)
-                         + (1,) * (len(shape) - axis - 1))
+  return factors.reshape(
+    factors.shape[:-1] + (1,) * (axis - stacked) + (n,) + (1,) * (len(shape) - axis - 1)
+  )
 
 
-def confirm(checker: Checker, instances: list[Candidate], options: list[int]
-            ) -> tuple[list[Confirmed], list[Candidate]]:
+def confirm(
+  checker: Checker, instances: list[Candidate], options: list[int]
+) -> tuple[list[Confirmed], list[Candidate]]:
   """The instances confirmed at their finest exact grouping among ``options``, and those none
   fits (found by bisection)."""
   for k, groups in enumerate(options):
@@ -98,6 +108,7 @@ def confirm(checker: Checker, instances: list[Candidate], options: list[int]
   if len(instances) == 1:
     return [], instances
   half = len(instances) // 2
-  (ok1, bad1), (ok2, bad2) = (confirm(checker, part, options)
-                              for part in (instances[:half], instances[half:]))
+  (ok1, bad1), (ok2, bad2) = (
+    confirm(checker, part, options) for part in (instances[:half], instances[half:])
+  )
   return ok1 + ok2, bad1 + bad2

@@ -16,13 +16,21 @@ from saggs_jax.discovery.candidates import Analysis, Candidate, group_options
 from saggs_jax.discovery.confirmation import Checker, confirm
 from saggs_jax.discovery.result import Discovery
 
-_UNCONFIRMED = ("unconfirmed: rescaling side a alone does not change the output on the example"
-                " inputs, even with all-zero parameters drawn at random, so no check could fail")
+_UNCONFIRMED = (
+  "unconfirmed: rescaling side a alone does not change the output on the example"
+  " inputs, even with all-zero parameters drawn at random, so no check could fail"
+)
 _REFUTED = "the jaxpr suggests it, but random factors change the output"
 
 
-def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: float | None = None,
-             seed: int = 0, **example_kwargs) -> Discovery:
+def discover(
+  apply_fn: Callable[..., Any],
+  params: Any,
+  *example_args,
+  rtol: float | None = None,
+  seed: int = 0,
+  **example_kwargs,
+) -> Discovery:
   """Finds the exact rescaling symmetries of ``apply_fn`` in ``params``.
 
   Reads the jaxpr of ``apply_fn(params, *example_args, **example_kwargs)``
@@ -77,8 +85,9 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
   # Only inexact arrays are parameters; the rest (flags, activation functions, integer
   # buffers of an Equinox module) stays static, as under eqx.filter.
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-  traced = [isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact)
-            for _, x in flat]
+  traced = [
+    isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact) for _, x in flat
+  ]
   names = [paths.path_str(k) for (k, _), t in zip(flat, traced) if t]
   leaves = [x for (_, x), t in zip(flat, traced) if t]
 
@@ -95,8 +104,10 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
 
   units = analysis.units
   groups_of: dict[tuple, list[Candidate]] = collections.defaultdict(list)
-  for inst in sorted(analysis.candidates,  # in the order of the tree
-                     key=lambda i: (units[i.a[0][0]].leaf, i.a[0][0])):
+  for inst in sorted(
+    analysis.candidates,  # in the order of the tree
+    key=lambda i: (units[i.a[0][0]].leaf, i.a[0][0]),
+  ):
     groups_of[declarations.key(units, analysis.names, inst)].append(inst)
   pairs, rejections, confirmed = [], list(analysis.rejected), []
   if groups_of:  # the check compiles the model: only when there is something to check
@@ -112,8 +123,9 @@ def discover(apply_fn: Callable[..., Any], params: Any, *example_args, rtol: flo
         confirmed.append(insts)
         pairs += declarations.declare(units, analysis.names, analysis.shapes, insts, groups)
       rejections += [_rejection(analysis, i, _REFUTED) for i in failed]
-  return Discovery(pairs, declarations.rejected(rejections),
-                   declarations.roles(analysis, names, shapes, confirmed))
+  return Discovery(
+    pairs, declarations.rejected(rejections), declarations.roles(analysis, names, shapes, confirmed)
+  )
 
 
 def _rejection(analysis: Analysis, inst: Candidate, reason: str):

@@ -24,6 +24,7 @@ def _shape(var: jcore.Var | jcore.Literal) -> tuple[int, ...]:
 
 class Eqn(NamedTuple):
   """``outs = prim(*ins, **params)`` on value ids."""
+
   prim: str
   ins: list[int]
   outs: list[int]
@@ -67,8 +68,7 @@ class Program:
       self.zeros.add(i)
     return i
 
-  def _inline(self, jaxpr: jcore.Jaxpr, in_ids: list[int], consts: Sequence[Any] = ()
-              ) -> list[int]:
+  def _inline(self, jaxpr: jcore.Jaxpr, in_ids: list[int], consts: Sequence[Any] = ()) -> list[int]:
     env = dict(zip(jaxpr.invars, in_ids))
     for k, v in enumerate(jaxpr.constvars):
       env[v] = self._const(v, consts[k] if k < len(consts) else None)
@@ -97,14 +97,18 @@ class Program:
   def _scan(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
     """One iteration: per-step slices of ``xs`` in, stacked ``ys`` out."""
     body, nc, ncarry = eqn.params["jaxpr"], eqn.params["num_consts"], eqn.params["num_carry"]
-    xs = [self._emit("scan_slice", [i], [self.shapes[i][1:]], {})[0] for i in ins[nc + ncarry:]]
-    outs = self._inline(body.jaxpr, ins[:nc + ncarry] + xs, body.consts)
-    ys = [self._emit("scan_stack", [o], [_shape(v)], {})[0]
-          for o, v in zip(outs[ncarry:], eqn.outvars[ncarry:])]
+    xs = [self._emit("scan_slice", [i], [self.shapes[i][1:]], {})[0] for i in ins[nc + ncarry :]]
+    outs = self._inline(body.jaxpr, ins[: nc + ncarry] + xs, body.consts)
+    ys = [
+      self._emit("scan_stack", [o], [_shape(v)], {})[0]
+      for o, v in zip(outs[ncarry:], eqn.outvars[ncarry:])
+    ]
     return outs[:ncarry] + ys
 
   def _cond(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
     """Every branch inlined on the operands, their outputs chosen by ``select_n`` on the index."""
     outs = [self._inline(b.jaxpr, ins[1:], b.consts) for b in eqn.params["branches"]]
-    return [self._emit("select_n", [ins[0], *cases], [_shape(v)], {})[0]
-            for cases, v in zip(zip(*outs), eqn.outvars)]
+    return [
+      self._emit("select_n", [ins[0], *cases], [_shape(v)], {})[0]
+      for cases, v in zip(zip(*outs), eqn.outvars)
+    ]

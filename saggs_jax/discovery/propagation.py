@@ -33,14 +33,17 @@ AxisMap = Callable[[Shape, Shape, dict], list[list[int]]]
 # ---------------------------------------------------------------------------
 # Why a factor is no longer exact.
 
+
 class Cause(enum.Enum):
   """The kind of a :class:`Reason`; its value starts the message that explains it."""
+
   NONLINEAR = "not positively homogeneous"  # a primitive such as exp, tanh, reduce_prod
   INEXACT = "not exact"  # anything else: an added constant, a normalization
 
 
 class Reason(NamedTuple):
   """Why a factor is no longer exact: a primitive's name, or a phrase."""
+
   cause: Cause
   text: str
 
@@ -67,8 +70,10 @@ def explain(reasons: frozenset[Reason], where: str) -> str:
 # ---------------------------------------------------------------------------
 # Values.
 
+
 class Tag(NamedTuple):
   """A value scaled per channel: value axis -> source leaf axes; why it is no longer exact."""
+
   axes: tuple[tuple[int, frozenset[int]], ...]
   reasons: frozenset[Reason] = frozenset()
   positive: bool = False  # exact for positive factors only (it went through a ReLU, say)
@@ -80,6 +85,7 @@ class Tag(NamedTuple):
 
 class Taint(NamedTuple):
   """A value changed by the factor without a channel axis (a norm statistic, say)."""
+
   reasons: frozenset[Reason]
 
 
@@ -91,8 +97,9 @@ SIGN = Sign()
 Value = Tag | Taint | Sign
 
 
-def tag(amap: dict[int, frozenset[int]], reasons: frozenset[Reason] = frozenset(),
-        positive: bool = False) -> Tag | None:
+def tag(
+  amap: dict[int, frozenset[int]], reasons: frozenset[Reason] = frozenset(), positive: bool = False
+) -> Tag | None:
   """The :class:`Tag` of ``amap`` without its empty entries; None if none is left."""
   axes = tuple(sorted((a, s) for a, s in amap.items() if s))
   return Tag(axes, frozenset(reasons), positive) if axes else None
@@ -100,6 +107,7 @@ def tag(amap: dict[int, frozenset[int]], reasons: frozenset[Reason] = frozenset(
 
 # ---------------------------------------------------------------------------
 # Pure axis bookkeeping.
+
 
 def reshape_map(old: Shape, new: Shape) -> tuple[list[list[int]], list[list[int]]]:
   """For each old axis the new axes of its block, and each block's new sizes.
@@ -138,8 +146,10 @@ def dot_out_axis(dims, shapes: Sequence[Shape], side: int) -> dict[int, int]:
   """Output position of every batch or free axis of operand ``side`` of a dot_general."""
   (lc, rc), (lb, rb) = dims
   contract, batch = (lc, rc), (lb, rb)
-  free = [[a for a in range(len(s)) if a not in contract[i] and a not in batch[i]]
-          for i, s in enumerate(shapes)]
+  free = [
+    [a for a in range(len(s)) if a not in contract[i] and a not in batch[i]]
+    for i, s in enumerate(shapes)
+  ]
   out = {a: i for i, a in enumerate(batch[side])}
   offset = len(batch[0]) + (len(free[0]) if side else 0)
   out.update({a: offset + i for i, a in enumerate(free[side])})
@@ -188,8 +198,10 @@ def _stack_axes(shape, out_shape, params) -> list[list[int]]:
 # ---------------------------------------------------------------------------
 # The program's static facts: leaf views, uses, dependence on leaves, zeros.
 
+
 class View(NamedTuple):
   """A value that is a leaf with its axes moved (transposed, reshaped, sliced by a scan)."""
+
   leaf: int
   axes: tuple[frozenset[int], ...]  # per axis of the value: the leaf axes it holds
   consumed: int  # leading leaf axes sliced off by scans
@@ -197,6 +209,7 @@ class View(NamedTuple):
 
 class Use(NamedTuple):
   """Operand ``operand`` of eqn ``eqn`` reads ``view``."""
+
   eqn: int
   operand: int
   view: View
@@ -204,6 +217,7 @@ class Use(NamedTuple):
 
 class Flow(NamedTuple):
   """What :func:`follow` needs to know of a program, computed once by :func:`flow`."""
+
   prog: Program
   views: dict[int, View]  # value id -> the leaf it is a view of
   uses: dict[int, list[Use]]  # leaf -> its uses, in program order
@@ -212,8 +226,9 @@ class Flow(NamedTuple):
   consumers: dict[int, list[int]]  # value id -> the eqns that read it
 
 
-def moved(eqn: Eqn, shapes: list[tuple[int, ...]], axes: tuple[frozenset[int], ...]
-          ) -> list[frozenset[int]]:
+def moved(
+  eqn: Eqn, shapes: list[tuple[int, ...]], axes: tuple[frozenset[int], ...]
+) -> list[frozenset[int]]:
   """``axes`` (per axis of structural ``eqn``'s first input) on its output's axes."""
   new = [frozenset() for _ in shapes[eqn.outs[0]]]
   axis_map = RULES[eqn.prim].axes
@@ -226,8 +241,10 @@ def moved(eqn: Eqn, shapes: list[tuple[int, ...]], axes: tuple[frozenset[int], .
 
 def flow(prog: Program) -> Flow:
   """Views of one leaf through structural eqns, each leaf's other uses, and dependence."""
-  views = {i: View(n, tuple(frozenset([a]) for a in range(len(prog.shapes[i]))), 0)
-           for n, i in enumerate(prog.leaf_ids)}
+  views = {
+    i: View(n, tuple(frozenset([a]) for a in range(len(prog.shapes[i]))), 0)
+    for n, i in enumerate(prog.leaf_ids)
+  }
   dep = [False] * len(prog.shapes)
   for i in prog.leaf_ids:
     dep[i] = True
@@ -245,8 +262,11 @@ def flow(prog: Program) -> Flow:
     src = [(k, views[i]) for k, i in enumerate(eqn.ins) if i in views]
     if src and len(eqn.ins) == 1 and rule.axes is not None and rule.views:
       view = src[0][1]
-      views[eqn.outs[0]] = View(view.leaf, tuple(moved(eqn, prog.shapes, view.axes)),
-                                view.consumed + (eqn.prim == "scan_slice"))
+      views[eqn.outs[0]] = View(
+        view.leaf,
+        tuple(moved(eqn, prog.shapes, view.axes)),
+        view.consumed + (eqn.prim == "scan_slice"),
+      )
       continue
     for k, view in src:
       uses[view.leaf].append(Use(e, k, view))
@@ -256,8 +276,10 @@ def flow(prog: Program) -> Flow:
 # ---------------------------------------------------------------------------
 # What a factor meets.
 
+
 class Reach(NamedTuple):
   """The factor is contracted against parameter ``leaf``: a candidate ``A -> leaf``."""
+
   leaf: int
   amap: dict[int, frozenset[int]]  # source leaf axis -> leaf axes of the reached parameter
   consumed: int  # its leading axes sliced off by scans
@@ -268,6 +290,7 @@ class Reach(NamedTuple):
 
 class Meet(NamedTuple):
   """The factor is contracted against another value that depends on parameters (Q.K)."""
+
   eqn: int
   side: int
   positions: tuple[tuple[str, int], ...]  # ("c" or "b", k): the dimension numbers it sits on
@@ -278,6 +301,7 @@ class Meet(NamedTuple):
 class Follower(NamedTuple):
   """Parameter ``leaf`` is added to the factor's value along its channels (a bias); the
   candidates stage replaces ``leaf`` by the unit of its block when the source is cut."""
+
   leaf: int
   amap: dict[int, frozenset[int]]  # source leaf axis -> leaf axes of the follower
   consumed: int
@@ -285,12 +309,14 @@ class Follower(NamedTuple):
 
 class Lost(NamedTuple):
   """A linear map reads parameter ``leaf`` with what the factor became, inexact for ``reasons``."""
+
   leaf: int
   reasons: frozenset[Reason]
 
 
 class Cut(NamedTuple):
   """The block ``[lo, hi)`` of a source leaf's ``axis`` (a fused QKV kernel's q columns)."""
+
   axis: int
   lo: int
   hi: int
@@ -298,6 +324,7 @@ class Cut(NamedTuple):
 
 class Via(enum.Enum):
   """What the factor went through, naming the pair; the first found wins."""
+
   ATTENTION = "attention V/O"  # a product with another activation (the attention weights)
   GATE = "gated MLP up/down"  # an elementwise product with another activation (a GLU)
   RELU = "ReLU MLP up/down"
@@ -309,6 +336,7 @@ RESIDUAL = "it is added to a value that does not scale with it (the residual str
 
 class Trace(NamedTuple):
   """What a factor met on its way, in program order: a whole run's, or one step's part."""
+
   reaches: tuple[Reach, ...] = ()
   meets: tuple[Meet, ...] = ()
   followers: tuple[Follower, ...] = ()
@@ -323,16 +351,21 @@ class Trace(NamedTuple):
   @classmethod
   def merge(cls, parts: Sequence[Trace]) -> Trace:
     """The parts' fields concatenated (tuples) or united (sets)."""
-    return cls._make(functools.reduce(operator.or_ if isinstance(empty, frozenset) else
-                                      operator.add, fields, empty)
-                     for empty, *fields in zip(cls(), *parts))
+    return cls._make(
+      functools.reduce(
+        operator.or_ if isinstance(empty, frozenset) else operator.add, fields, empty
+      )
+      for empty, *fields in zip(cls(), *parts)
+    )
 
 
 # ---------------------------------------------------------------------------
 # Steps: one function per kind of primitive, from the inputs' values to the outputs'.
 
+
 class Walk(NamedTuple):
   """What is fixed during one :func:`follow`."""
+
   flow: Flow
   shape: tuple[int, ...]  # the source leaf's
   keep: Cut | None  # follow only this block of the source leaf's factor
@@ -340,6 +373,7 @@ class Walk(NamedTuple):
 
 class Site(NamedTuple):
   """An eqn the factor arrived at, its inputs as the factor left them."""
+
   e: int  # the eqn's index
   eqn: Eqn
   values: list[Value | None]  # per input; None where the factor does not reach
@@ -368,16 +402,23 @@ def _other(walk: Walk, x: Site) -> Step:
   return _all(x, Taint(reasons))
 
 
-def _carry(walk: Walk, x: Site, reasons: frozenset[Reason],
-           cuts: Sequence[Cut | None] | None = None) -> list[Out]:
+def _carry(
+  walk: Walk, x: Site, reasons: frozenset[Reason], cuts: Sequence[Cut | None] | None = None
+) -> list[Out]:
   """Axes move, the factor moves with them; with ``cuts`` (per output, a block of the source
   leaf or None), an output that cuts another block than :attr:`Walk.keep` does not scale."""
   t, eqn, keep = x.tags[0], x.eqn, walk.keep
   amap = t.amap
   axes = tuple(amap.get(a, frozenset()) for a in range(len(walk.flow.prog.shapes[eqn.ins[0]])))
   value = tag(dict(enumerate(moved(eqn, walk.flow.prog.shapes, axes))), reasons, t.positive)
-  return [(o, value if c is None or keep is None or c.axis != keep.axis or c == keep else None,
-           c or x.cut) for o, c in zip(eqn.outs, cuts or [None] * len(eqn.outs))]
+  return [
+    (
+      o,
+      value if c is None or keep is None or c.axis != keep.axis or c == keep else None,
+      c or x.cut,
+    )
+    for o, c in zip(eqn.outs, cuts or [None] * len(eqn.outs))
+  ]
 
 
 def _move(walk: Walk, x: Site) -> Step:
@@ -395,8 +436,12 @@ def _reshape(walk: Walk, x: Site) -> Step:
   """A reshape that splits a channel axis proposes groups (heads)."""
   shapes, amap = walk.flow.prog.shapes, x.tags[0].amap
   blocks = reshape_map(shapes[x.eqn.ins[0]], shapes[x.eqn.outs[0]])[1]
-  splits = frozenset(math.prod(sizes[:k]) for a, sizes in enumerate(blocks)
-                     if a in amap and len(sizes) > 1 for k in range(1, len(sizes)))
+  splits = frozenset(
+    math.prod(sizes[:k])
+    for a, sizes in enumerate(blocks)
+    if a in amap and len(sizes) > 1
+    for k in range(1, len(sizes))
+  )
   return _carry(walk, x, x.reasons), Trace(splits=splits) if splits else None
 
 
@@ -416,8 +461,11 @@ def _cuts(walk: Walk, eqn: Eqn, t: Tag) -> list[Cut | None]:
     ranges = list(itertools.pairwise(bounds))
   else:
     strided = [a for a, s in enumerate(p["strides"] or ()) if s != 1]
-    narrowed = [a for a, (lo, hi) in enumerate(zip(p["start_indices"], p["limit_indices"]))
-                if hi - lo < shape[a]]
+    narrowed = [
+      a
+      for a, (lo, hi) in enumerate(zip(p["start_indices"], p["limit_indices"]))
+      if hi - lo < shape[a]
+    ]
     if len(narrowed) != 1 or strided:
       return [None]
     axis = narrowed[0]
@@ -470,8 +518,11 @@ def _follower(flow: Flow, i: int, t: Tag, shape: Shape) -> Follower | None:
     return None
   amap, leaf = {}, flow.prog.shapes[flow.prog.leaf_ids[view.leaf]]
   for a, src in t.amap.items():  # a bias follows along its own axis, not broadcast over it
-    if a >= len(view.axes) or not view.axes[a] or \
-        math.prod(leaf[x] for x in view.axes[a]) != shape[a]:
+    if (
+      a >= len(view.axes)
+      or not view.axes[a]
+      or math.prod(leaf[x] for x in view.axes[a]) != shape[a]
+    ):
       return None
     for s in src:
       amap[s] = view.axes[a]
@@ -542,17 +593,25 @@ def _dot(walk: Walk, x: Site) -> Step:
       for mine, theirs in zip(list(contract) + list(batch), list(ocontract) + list(obatch)):
         for s in amap.get(mine, ()):
           reached[s] = reached.get(s, frozenset()) | view.axes[theirs]
-      return [], Trace(reaches=(Reach(view.leaf, reached, view.consumed, x.e, reasons,
-                                      t.positive),))
+      return [], Trace(
+        reaches=(Reach(view.leaf, reached, view.consumed, x.e, reasons, t.positive),)
+      )
     if flow.dep[other]:
-      positions = tuple(sorted([("c", k) for k, a in enumerate(contract) if a in amap]
-                               + [("b", k) for k, a in enumerate(batch) if a in amap]))
+      positions = tuple(
+        sorted(
+          [("c", k) for k, a in enumerate(contract) if a in amap]
+          + [("b", k) for k, a in enumerate(batch) if a in amap]
+        )
+      )
       return [], Trace(meets=(Meet(x.e, side, positions, reasons, t.positive),))
     # a constant mixes the contracted channels (RoPE as a matmul): the rest stay
     rest = tag({out[a]: s for a, s in amap.items() if a not in contract}, reasons, t.positive)
     return _first(x, rest or Taint(reasons | {inexact("a contraction with a constant")}))
-  note = Trace(through=frozenset({Via.ATTENTION})) \
-      if flow.dep[other] and other not in flow.views else None
+  note = (
+    Trace(through=frozenset({Via.ATTENTION}))
+    if flow.dep[other] and other not in flow.views
+    else None
+  )
   return _first(x, tag({out[a]: s for a, s in amap.items()}, reasons, t.positive), note)
 
 
@@ -561,15 +620,17 @@ def _select(walk: Walk, x: Site) -> Step:
   reasons, t, (which, *cases) = x.reasons, x.tags[0], x.values
   if isinstance(which, (Tag, Taint)):
     reasons |= {inexact("a choice that depends on it")}
-  if any(i not in walk.flow.zeros and (not isinstance(s, Tag) or s.axes != t.axes)
-         for s, i in zip(cases, x.eqn.ins[1:])):
+  if any(
+    i not in walk.flow.zeros and (not isinstance(s, Tag) or s.axes != t.axes)
+    for s, i in zip(cases, x.eqn.ins[1:])
+  ):
     reasons |= {inexact("a choice between values that do not scale alike")}
-  return _first(x, Tag(t.axes, reasons, any(s.positive for s in x.tags) or
-                       isinstance(which, Sign)))
+  return _first(x, Tag(t.axes, reasons, any(s.positive for s in x.tags) or isinstance(which, Sign)))
 
 
 # ---------------------------------------------------------------------------
 # The rule table.
+
 
 class Rule(NamedTuple):
   """How a primitive acts on a per-channel factor.
@@ -584,6 +645,7 @@ class Rule(NamedTuple):
     additive: a sum, through which a head's output passes (a bias).
     views: a view of a leaf through it is still a view (an axis move, not a split).
   """
+
   step: Callable[[Walk, Site], Step]
   axes: AxisMap | None = None
   joins: bool = False
@@ -591,39 +653,60 @@ class Rule(NamedTuple):
   views: bool = True
 
 
-def _mover(axes: AxisMap = _same_axes, step: Callable[[Walk, Site], Step] = _move,
-           **kwargs) -> Rule:
+def _mover(
+  axes: AxisMap = _same_axes, step: Callable[[Walk, Site], Step] = _move, **kwargs
+) -> Rule:
   return Rule(step, axes, **kwargs)
 
 
 _SUM = Rule(_add, joins=True, additive=True)
 _RELU = Rule(_relu)
 RULES: dict[str, Rule] = {
-    **{p: _mover() for p in (
-        "convert_element_type", "copy", "copy_p", "reduce_precision", "neg", "rev", "pad",
-        "dynamic_slice", "optimization_barrier", "sharding_constraint", "real")},
-    "transpose": _mover(_transpose_axes),
-    "broadcast_in_dim": _mover(_broadcast_axes),
-    "reshape": _mover(_reshape_axes, _reshape),
-    "squeeze": _mover(_squeeze_axes),
-    "expand_dims": _mover(_expand_dims_axes),
-    "scan_slice": _mover(_scan_slice_axes),
-    "scan_stack": _mover(_scan_stack_axes),
-    "slice": _mover(step=_slice),
-    "split": _mover(step=_slice, views=False),
-    "concatenate": _mover(step=_concatenate, joins=True),
-    "stack": _mover(_stack_axes, _concatenate, joins=True),
-    "add": _SUM, "sub": _SUM, "add_any": _SUM,
-    "mul": Rule(_product), "div": Rule(_product),
-    **{p: _RELU for p in ("max", "min", "ge", "gt", "le", "lt")},
-    "abs": Rule(_abs),
-    "reduce_sum": Rule(functools.partial(_reduce, homogeneous=True, linear=True)),
-    **{p: Rule(functools.partial(_reduce, homogeneous=True, linear=False))
-       for p in ("reduce_max", "reduce_min")},
-    **{p: Rule(functools.partial(_reduce, homogeneous=False, linear=False))
-       for p in ("reduce_prod", "argmax", "argmin")},
-    "dot_general": Rule(_dot),
-    "select_n": Rule(_select, joins=True),
+  **{
+    p: _mover()
+    for p in (
+      "convert_element_type",
+      "copy",
+      "copy_p",
+      "reduce_precision",
+      "neg",
+      "rev",
+      "pad",
+      "dynamic_slice",
+      "optimization_barrier",
+      "sharding_constraint",
+      "real",
+    )
+  },
+  "transpose": _mover(_transpose_axes),
+  "broadcast_in_dim": _mover(_broadcast_axes),
+  "reshape": _mover(_reshape_axes, _reshape),
+  "squeeze": _mover(_squeeze_axes),
+  "expand_dims": _mover(_expand_dims_axes),
+  "scan_slice": _mover(_scan_slice_axes),
+  "scan_stack": _mover(_scan_stack_axes),
+  "slice": _mover(step=_slice),
+  "split": _mover(step=_slice, views=False),
+  "concatenate": _mover(step=_concatenate, joins=True),
+  "stack": _mover(_stack_axes, _concatenate, joins=True),
+  "add": _SUM,
+  "sub": _SUM,
+  "add_any": _SUM,
+  "mul": Rule(_product),
+  "div": Rule(_product),
+  **{p: _RELU for p in ("max", "min", "ge", "gt", "le", "lt")},
+  "abs": Rule(_abs),
+  "reduce_sum": Rule(functools.partial(_reduce, homogeneous=True, linear=True)),
+  **{
+    p: Rule(functools.partial(_reduce, homogeneous=True, linear=False))
+    for p in ("reduce_max", "reduce_min")
+  },
+  **{
+    p: Rule(functools.partial(_reduce, homogeneous=False, linear=False))
+    for p in ("reduce_prod", "argmax", "argmin")
+  },
+  "dot_general": Rule(_dot),
+  "select_n": Rule(_select, joins=True),
 }
 _OTHER = Rule(_other)
 
@@ -636,8 +719,10 @@ def rule_of(prim: str) -> Rule:
 # ---------------------------------------------------------------------------
 # Following one factor.
 
-def follow(flow: Flow, start: int, out: int, source: Tag, shape: tuple[int, ...],
-           keep: Cut | None = None) -> Trace:
+
+def follow(
+  flow: Flow, start: int, out: int, source: Tag, shape: tuple[int, ...], keep: Cut | None = None
+) -> Trace:
   """Follows ``source`` on value ``out``, the output of eqn ``start`` using a leaf of
   ``shape``, in program order; with ``keep``, only that block of the leaf's factor: the other
   blocks cut from it (``Trace.cuts``) go on as values that do not scale."""
@@ -668,8 +753,7 @@ def follow(flow: Flow, start: int, out: int, source: Tag, shape: tuple[int, ...]
   return Trace.merge(notes)
 
 
-def _step(walk: Walk, e: int, values: dict[int, Value], cut_of: dict[int, Cut | None]
-          ) -> Step:
+def _step(walk: Walk, e: int, values: dict[int, Value], cut_of: dict[int, Cut | None]) -> Step:
   """Eqn ``e`` on the inputs' ``values``: the outputs' values, and what the factor met."""
   eqn = walk.flow.prog.eqns[e]
   st = [values.get(i) for i in eqn.ins]
@@ -685,8 +769,9 @@ def _step(walk: Walk, e: int, values: dict[int, Value], cut_of: dict[int, Cut | 
   else:
     note = None
     if eqn.prim == "dot_general" and taints:  # a linear reads what the factor became: say why
-      note = Trace(lost=tuple(Lost(walk.flow.views[i].leaf, reasons) for i in eqn.ins
-                              if i in walk.flow.views))
+      note = Trace(
+        lost=tuple(Lost(walk.flow.views[i].leaf, reasons) for i in eqn.ins if i in walk.flow.views)
+      )
     outs, _ = _all(x, Taint(reasons) if taints else SIGN)
   if joined:  # one channel after all (RoPE halves)
     note = Trace.merge([note or Trace(), Trace(joined=joined)])

@@ -12,6 +12,7 @@ from saggs_jax.pairs import Pair, Spec
 
 class Rejected(NamedTuple):
   """A rescaling that is no exact symmetry: ``a`` against ``b``, and why."""
+
   a: str | tuple[str, ...]
   b: str | tuple[str, ...]
   reason: str
@@ -27,8 +28,12 @@ class Discovery(collections.abc.Sequence):
   (``patterns=discovery.roles`` routes a model of any naming).
   """
 
-  def __init__(self, pairs: Sequence[Pair] = (), rejected: Sequence[Rejected] = (),
-               roles: dict[str, tuple[str, ...]] | None = None):
+  def __init__(
+    self,
+    pairs: Sequence[Pair] = (),
+    rejected: Sequence[Rejected] = (),
+    roles: dict[str, tuple[str, ...]] | None = None,
+  ):
     self.pairs, self.rejected, self.roles = tuple(pairs), tuple(rejected), dict(roles or {})
 
   def __getitem__(self, i):
@@ -38,29 +43,38 @@ class Discovery(collections.abc.Sequence):
     return len(self.pairs)
 
   def __eq__(self, other):
-    return (isinstance(other, Discovery) and self.pairs == other.pairs
-            and self.rejected == other.rejected and self.roles == other.roles)
+    return (
+      isinstance(other, Discovery)
+      and self.pairs == other.pairs
+      and self.rejected == other.rejected
+      and self.roles == other.roles
+    )
 
   def __repr__(self):
     def block(items):
       return "".join(f"\n    {x!r}," for x in items) + ("\n" if items else "")
+
     roles = f", roles={self.roles!r}" if self.roles else ""
     return f"Discovery(pairs=[{block(self.pairs)}], rejected=[{block(self.rejected)}]{roles})"
 
   def report(self) -> str:
     """Found and rejected symmetries, one line each."""
+
     def side(p: Pair, k: int) -> str:  # a side's patterns (names or Blocks) with their axes
-      return ", ".join(f"{n!r} ({'whole' if a is None else f'axis {a}'})"
-                       for n, a in zip(p.patterns(k), p.side_axes(k)))
+      return ", ".join(
+        f"{n!r} ({'whole' if a is None else f'axis {a}'})"
+        for n, a in zip(p.patterns(k), p.side_axes(k))
+      )
 
     lines = [f"Found {len(self.pairs)} symmetr{'y' if len(self.pairs) == 1 else 'ies'}:"]
     for p in self.pairs:
       extra = [f"{p.groups} groups"] if p.groups else []
       extra += [f"stacked={p.stacked}"] if p.stacked else []
-      extra += [f"bias {', '.join(map(repr, _followers(p)))}"] if (
-          p.follow_a or p.follow_b) else []
-      lines.append(f"  {p.label}: {side(p, 0)} x c  against  {side(p, 1)}"
-                   f" x 1/c{'; ' + ', '.join(extra) if extra else ''}")
+      extra += [f"bias {', '.join(map(repr, _followers(p)))}"] if (p.follow_a or p.follow_b) else []
+      lines.append(
+        f"  {p.label}: {side(p, 0)} x c  against  {side(p, 1)}"
+        f" x 1/c{'; ' + ', '.join(extra) if extra else ''}"
+      )
     lines.append(f"Rejected {len(self.rejected)}:")
     lines += [f"  {r.a!r} against {r.b!r}: {r.reason}" for r in self.rejected]
     return "\n".join(lines)

@@ -45,8 +45,11 @@ def spread_axes(leaves: Sequence[jax.Array]) -> tuple[str, ...]:
     return ()
   used = {a for x in leaves for entry in jax.typeof(x).sharding.spec for a in _names(entry)}
   # An Explicit axis in a type counts even of size 1: the matmuls need it gone from the types.
-  return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
-               if (t == AxisType.Auto and mesh.shape[a] > 1) or (t == AxisType.Explicit and a in used))
+  return tuple(
+    a
+    for a, t in zip(mesh.axis_names, mesh.axis_types)
+    if (t == AxisType.Auto and mesh.shape[a] > 1) or (t == AxisType.Explicit and a in used)
+  )
 
 
 def in_place(fn: Callable[[list], list], leaves: list, like: list, axes: tuple[str, ...]) -> list:
@@ -62,16 +65,22 @@ def in_place(fn: Callable[[list], list], leaves: list, like: list, axes: tuple[s
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.explicit_axes:
     out_sharding = [jax.typeof(x).sharding for x in like]
-    auto = cast(Callable[[list], list],
-                jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=out_sharding))
+    auto = cast(
+      Callable[[list], list],
+      jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=out_sharding),
+    )
     return auto(leaves)
   # A hint, not a guarantee: on the seven FSDP matrices of bench/bench_comms.py, without it the
   # partitioner sends the update back through 8 collectives (2.0x the parameter bytes), with it 2.
   return [shard_alike(y, x)[0] for y, x in zip(fn(leaves), like)]
 
 
-def locally(direction: Callable[[jax.Array], jax.Array], x: jax.Array, axes: tuple[str, ...],
-            batched: bool = True) -> jax.Array:
+def locally(
+  direction: Callable[[jax.Array], jax.Array],
+  x: jax.Array,
+  axes: tuple[str, ...],
+  batched: bool = True,
+) -> jax.Array:
   """``direction(x)`` on ``(batch..., rows, cols)`` matrices, each held whole by
   one device (see the module docstring). With ``batched``, ``direction`` acts on
   each matrix of one leading axis on its own (zero matrices pad it); otherwise

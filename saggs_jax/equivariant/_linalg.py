@@ -21,21 +21,23 @@ QUINTIC = ((3.4445, -4.7750, 2.0315),)
 # degree-5 polynomials, each optimal for the interval its predecessor leaves,
 # starting from [1e-3, 1]. The last one is the limit and repeats.
 _POLAR_EXPRESS = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-    (1.875, -1.25, 0.375),
+  (8.28721201814563, -23.595886519098837, 17.300387312530933),
+  (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+  (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+  (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+  (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+  (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+  (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+  (1.875, -1.25, 0.375),
 )
 
 
 def _with_safety(safety: float):
   """Algorithm 1's set as p(x / safety) on every step but the last (the limit)."""
-  return tuple((a / safety, b / safety**3, c / safety**5)
-               for a, b, c in _POLAR_EXPRESS[:-1]) + _POLAR_EXPRESS[-1:]
+  return (
+    tuple((a / safety, b / safety**3, c / safety**5) for a, b, c in _POLAR_EXPRESS[:-1])
+    + _POLAR_EXPRESS[-1:]
+  )
 
 
 # The paper's safety factor: p(x/1.01) keeps bf16 round-off from pushing a
@@ -46,11 +48,11 @@ POLAR_EXPRESS = _with_safety(1.01)
 # safety margin and a cushion of 2); it assumes the normaliser 1.02 ||X||_F.
 # Lau & Su's reference code uses it for Muon.
 POLAR_EXPRESS_CUSHION = (
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+  (8.156554524902461, -22.48329292557795, 15.878769915207462),
+  (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+  (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+  (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+  (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 # Algorithm 1's set with the safety factor 1.05 instead of 1.01; Lau & Su's
 # reference code uses it for its inverse square roots, after normalising by
@@ -70,10 +72,10 @@ Coeffs = str | CoefficientSet | Sequence[float] | Sequence[Sequence[float]]
 
 
 NS_COEFFS = {
-    "quintic": CoefficientSet(QUINTIC),
-    "polar_express": CoefficientSet(POLAR_EXPRESS),
-    "polar_express_cushion": CoefficientSet(POLAR_EXPRESS_CUSHION, 1.02),
-    "polar_express_1.05": CoefficientSet(POLAR_EXPRESS_105, 1.02),
+  "quintic": CoefficientSet(QUINTIC),
+  "polar_express": CoefficientSet(POLAR_EXPRESS),
+  "polar_express_cushion": CoefficientSet(POLAR_EXPRESS_CUSHION, 1.02),
+  "polar_express_1.05": CoefficientSet(POLAR_EXPRESS_105, 1.02),
 }
 
 EpsForm = Literal["floor", "add"]
@@ -94,7 +96,9 @@ def _schedule(coeffs: Coeffs, steps: int) -> tuple[tuple[tuple[float, float, flo
   headroom = 1.01
   if isinstance(coeffs, str):
     if coeffs not in NS_COEFFS:
-      raise ValueError(f"Unknown Newton-Schulz coefficients {coeffs!r}; expected one of {sorted(NS_COEFFS)}.")
+      raise ValueError(
+        f"Unknown Newton-Schulz coefficients {coeffs!r}; expected one of {sorted(NS_COEFFS)}."
+      )
     coeffs = NS_COEFFS[coeffs]
   if isinstance(coeffs, CoefficientSet):
     rows, headroom = coeffs
@@ -110,13 +114,13 @@ def _schedule(coeffs: Coeffs, steps: int) -> tuple[tuple[tuple[float, float, flo
 
 
 def newton_schulz(
-    x: jax.Array,
-    coeffs: Coeffs = "polar_express",
-    steps: int = 5,
-    dtype: jnp.dtype = jnp.bfloat16,
-    eps: float = 1e-7,
-    eps_form: EpsForm = "floor",
-    gram: bool = False,
+  x: jax.Array,
+  coeffs: Coeffs = "polar_express",
+  steps: int = 5,
+  dtype: jnp.dtype = jnp.bfloat16,
+  eps: float = 1e-7,
+  eps_form: EpsForm = "floor",
+  gram: bool = False,
 ) -> jax.Array:
   r"""Approximates the polar factor :math:`UV^\top` of each matrix in ``x``.
 
@@ -256,13 +260,13 @@ Gram = Literal["smaller", "right", "left"]
 
 
 def spectral(
-    x: jax.Array,
-    eps: float,
-    *,
-    relative: bool = True,
-    method: Literal["eigh"] | Coeffs = "eigh",
-    steps: int = 5,
-    gram: Gram = "smaller",
+  x: jax.Array,
+  eps: float,
+  *,
+  relative: bool = True,
+  method: Literal["eigh"] | Coeffs = "eigh",
+  steps: int = 5,
+  gram: Gram = "smaller",
 ) -> tuple[jax.Array, jax.Array]:
   r"""The one-sided spectral map, as its direction and its nuclear-norm factor.
 

@@ -99,8 +99,9 @@ class UnitDimensionNumbers(NamedTuple):
   interleaved: bool = False
 
   @classmethod
-  def from_muon(cls, dims: MuonDimensionNumbers, units: Side, *, fused: int = 1,
-                interleaved: bool = False) -> UnitDimensionNumbers:
+  def from_muon(
+    cls, dims: MuonDimensionNumbers, units: Side, *, fused: int = 1, interleaved: bool = False
+  ) -> UnitDimensionNumbers:
     """The layout whose units are the ``units`` side of ``dims`` (a single axis)."""
     unit, features = _sides(dims, units)
     if len(as_tuple(unit)) != 1:
@@ -110,19 +111,25 @@ class UnitDimensionNumbers(NamedTuple):
   def to_muon(self, units: Side) -> MuonDimensionNumbers:
     """The same matrices for ``optax.contrib.muon``, with the units on the ``units`` side."""
     if self.feature_axis is None or self.fused != 1:
-      raise ValueError(f"{self} has no MuonDimensionNumbers: name its feature_axis, and "
-                       "Muon cannot split fused branches")
+      raise ValueError(
+        f"{self} has no MuonDimensionNumbers: name its feature_axis, and "
+        "Muon cannot split fused branches"
+      )
     unit, features = _sides(MuonDimensionNumbers(self.unit_axis, self.feature_axis), units)
     return MuonDimensionNumbers(unit, features)
 
   def axes(self, ndim: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """``(unit, features, batch)`` for a parameter of rank ``ndim``."""
     if self.feature_axis is not None:
-      (unit,), features, batch = partition(ndim, [self.unit_axis, self.feature_axis], self.batch_axis)
+      (unit,), features, batch = partition(
+        ndim, [self.unit_axis, self.feature_axis], self.batch_axis
+      )
       return unit, features, batch
     batch = as_tuple(() if self.batch_axis is None else self.batch_axis)
     if ndim != len(batch) + 2:
-      raise ValueError(f"expected rank {len(batch) + 2} (units, features and {len(batch)} batch axes)")
+      raise ValueError(
+        f"expected rank {len(batch) + 2} (units, features and {len(batch)} batch axes)"
+      )
     (unit,), batch, features = partition(ndim, [self.unit_axis, batch], None)
     return unit, features, batch
 
@@ -141,8 +148,10 @@ def unit_dimension_numbers(dims: int | UnitDimensionNumbers) -> UnitDimensionNum
   if isinstance(dims, UnitDimensionNumbers):
     return dims
   if isinstance(dims, MuonDimensionNumbers):
-    raise TypeError(f"{dims} does not say which side holds the units: pass "
-                    "UnitDimensionNumbers.from_muon(dims, units='reduction' or 'output')")
+    raise TypeError(
+      f"{dims} does not say which side holds the units: pass "
+      "UnitDimensionNumbers.from_muon(dims, units='reduction' or 'output')"
+    )
   return UnitDimensionNumbers(unit_axis=dims)
 
 
@@ -158,7 +167,7 @@ Patterns = str | Sequence[str]
 
 
 def muon_dimension_numbers(
-    params: Any, layouts: Mapping[Patterns, MuonDimensionNumbers | None]
+  params: Any, layouts: Mapping[Patterns, MuonDimensionNumbers | None]
 ) -> Any:
   r"""The tree of ``MuonDimensionNumbers`` that ``optax.contrib.muon`` takes, from path patterns.
 
@@ -181,7 +190,9 @@ def muon_dimension_numbers(
     >>> tx = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
     >>> updates, _ = tx.update(params, tx.init(params), params)
   """
-  entries = [((pats,) if isinstance(pats, str) else tuple(pats), dims) for pats, dims in layouts.items()]
+  entries = [
+    ((pats,) if isinstance(pats, str) else tuple(pats), dims) for pats, dims in layouts.items()
+  ]
 
   def leaf(key_path, x):
     if not is_array(x):
@@ -189,7 +200,9 @@ def muon_dimension_numbers(
     path = path_str(key_path)
     hits = {dims for pats, dims in entries for p in pats if match(p, path) is not None}
     if len(hits) > 1:
-      raise ValueError(f"Parameter {path!r} matches patterns with different dimension numbers {hits}.")
+      raise ValueError(
+        f"Parameter {path!r} matches patterns with different dimension numbers {hits}."
+      )
     dims = next(iter(hits), None)
     if dims is not None:
       try:
@@ -201,6 +214,8 @@ def muon_dimension_numbers(
   tree = jax.tree_util.tree_map_with_path(leaf, params)
   emitted = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, MuonDimensionNumbers))
   if not emitted and any(d is not None for _, d in entries):
-    raise ValueError(f"No parameter matches the patterns {[p for pats, _ in entries for p in pats]}: "
-                     "the tree would leave every parameter to AdamW.")
+    raise ValueError(
+      f"No parameter matches the patterns {[p for pats, _ in entries for p in pats]}: "
+      "the tree would leave every parameter to AdamW."
+    )
   return tree

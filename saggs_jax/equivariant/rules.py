@@ -74,10 +74,14 @@ def _from_matrix(y: jax.Array, plan: _Plan, shape: tuple[int, ...]) -> jax.Array
 
 def _make_plan(shape, batch, rows, cols) -> _Plan:
   if sorted(batch + rows + cols) != list(range(len(shape))):
-    raise ValueError(f"batch axes {batch}, row axes {rows} and column axes {cols} must partition the axes")
+    raise ValueError(
+      f"batch axes {batch}, row axes {rows} and column axes {cols} must partition the axes"
+    )
   perm = tuple(sorted(batch)) + rows + cols
   matrix_shape = tuple(shape[a] for a in sorted(batch)) + (
-      math.prod(shape[a] for a in rows), math.prod(shape[a] for a in cols))
+    math.prod(shape[a] for a in rows),
+    math.prod(shape[a] for a in cols),
+  )
   return _Plan(tuple(shape), perm, matrix_shape)
 
 
@@ -87,7 +91,9 @@ def _split(shape, axis: int, count: int, interleaved: bool):
   indexes the pieces, and a map from the other axes to their new positions
   (``axis`` itself goes to the axis within a piece)."""
   n = shape[axis]
-  split = shape[:axis] + ((n // count, count) if interleaved else (count, n // count)) + shape[axis + 1:]
+  split = (
+    shape[:axis] + ((n // count, count) if interleaved else (count, n // count)) + shape[axis + 1 :]
+  )
   piece, within = (axis + 1, axis) if interleaved else (axis, axis + 1)
   return split, piece, lambda axes: tuple(within if a == axis else a + (a > axis) for a in axes)
 
@@ -101,14 +107,18 @@ def _unit_planner(dims: UnitDimensionNumbers):
     if dims.fused == 1:
       return _make_plan(shape, batch, (unit,), features)
     if dims.fused < 1 or shape[unit] % dims.fused:
-      raise ValueError(f"unit axis {unit} of size {shape[unit]} does not hold {dims.fused} fused branches")
+      raise ValueError(
+        f"unit axis {unit} of size {shape[unit]} does not hold {dims.fused} fused branches"
+      )
     split, piece, move = _split(shape, unit, dims.fused, dims.interleaved)
     return _make_plan(split, move(batch), move((unit,)), move(features) + (piece,))
 
   return plan
 
 
-def _polar_planner(reduction_axes, output_axes, batch_axes, num_heads, head_dim, head_axis, interleaved):
+def _polar_planner(
+  reduction_axes, output_axes, batch_axes, num_heads, head_dim, head_axis, interleaved
+):
   """Rows: reduction axes; columns: output axes; ``head_axis`` optionally split into heads.
 
   ``reduction_axes`` may be a ``MuonDimensionNumbers``: then every other axis
@@ -117,16 +127,20 @@ def _polar_planner(reduction_axes, output_axes, batch_axes, num_heads, head_dim,
     raise ValueError("Give num_heads or head_dim, not both.")
   if isinstance(reduction_axes, MuonDimensionNumbers):
     if (output_axes, batch_axes) != (-1, ()):
-      raise ValueError(f"{reduction_axes} names the matrix axes (the others are batched): "
-                       f"give neither output_axes nor batch_axes with it.")
+      raise ValueError(
+        f"{reduction_axes} names the matrix axes (the others are batched): "
+        f"give neither output_axes nor batch_axes with it."
+      )
     axes_of = functools.partial(muon_axes, reduction_axes)
   else:
     rank = sum(len(_as_tuple(a)) for a in (reduction_axes, output_axes, batch_axes))
 
     def axes_of(ndim):
       if ndim != rank:
-        raise ValueError(f"expected rank {rank} (reduction axes {reduction_axes}, "
-                         f"output axes {output_axes}, batch axes {batch_axes})")
+        raise ValueError(
+          f"expected rank {rank} (reduction axes {reduction_axes}, "
+          f"output axes {output_axes}, batch axes {batch_axes})"
+        )
       return partition(rank, [reduction_axes, output_axes], batch_axes)
 
   def plan(shape):
@@ -136,8 +150,10 @@ def _polar_planner(reduction_axes, output_axes, batch_axes, num_heads, head_dim,
     (h,) = _normalize(head_axis, len(shape))
     heads = num_heads or shape[h] // head_dim
     if h in batch or heads < 1 or shape[h] % heads:
-      raise ValueError(f"axis {h} of size {shape[h]} does not split into "
-                       f"{f'{num_heads} heads' if num_heads else f'heads of size {head_dim}'}")
+      raise ValueError(
+        f"axis {h} of size {shape[h]} does not split into "
+        f"{f'{num_heads} heads' if num_heads else f'heads of size {head_dim}'}"
+      )
     # The head index joins the batch axes.
     split, piece, move = _split(shape, h, heads, interleaved)
     return _make_plan(split, move(batch) + (piece,), move(rows), move(cols))
@@ -152,7 +168,9 @@ def _blocks(paths: Sequence[str], joint: Sequence[str]) -> list[tuple[int, ...]]
   for i, path in enumerate(paths):
     hits = [(k, caps) for k, p in enumerate(joint) if (caps := match(p, path)) is not None]
     if len(hits) > 1:
-      raise ValueError(f"Parameter {path!r} matches several joint patterns {[joint[k] for k, _ in hits]}.")
+      raise ValueError(
+        f"Parameter {path!r} matches several joint patterns {[joint[k] for k, _ in hits]}."
+      )
     if hits:
       groups.setdefault(hits[0][1], {})[hits[0][0]] = i
     else:
@@ -160,8 +178,10 @@ def _blocks(paths: Sequence[str], joint: Sequence[str]) -> list[tuple[int, ...]]
   for slot in groups.values():
     if len(slot) < len(joint):
       missing = [p for k, p in enumerate(joint) if k not in slot]
-      raise ValueError(f"Parameter {paths[next(iter(slot.values()))]!r} has no partner "
-                       f"matching {missing} among the joint patterns {list(joint)}.")
+      raise ValueError(
+        f"Parameter {paths[next(iter(slot.values()))]!r} has no partner "
+        f"matching {missing} among the joint patterns {list(joint)}."
+      )
   return singles + [tuple(slot[k] for k in range(len(joint))) for slot in groups.values()]
 
 
@@ -195,8 +215,19 @@ def _accumulate(g, mu, beta: float, ema: bool):
   return jax.tree.map(lambda g, m: beta * m + g, g, mu)
 
 
-def _rule(name: str, planner, direction, *, beta, nesterov, mu_dtype, joint=(), batched=False, ema=True,
-          whole=False):
+def _rule(
+  name: str,
+  planner,
+  direction,
+  *,
+  beta,
+  nesterov,
+  mu_dtype,
+  joint=(),
+  batched=False,
+  ema=True,
+  whole=False,
+):
   """Momentum, then ``direction`` on every block of matrices ``(batch..., rows, cols)``.
 
   Leaves of one ``joint`` group are concatenated along the columns, so a unit's
@@ -218,12 +249,16 @@ def _rule(name: str, planner, direction, *, beta, nesterov, mu_dtype, joint=(), 
       try:
         plans.append(planner(tuple(x.shape)))
       except ValueError as e:
-        raise ValueError(f"{name}: parameter {path or '<root>'!r} of shape {tuple(x.shape)}: {e}.") from None
+        raise ValueError(
+          f"{name}: parameter {path or '<root>'!r} of shape {tuple(x.shape)}: {e}."
+        ) from None
     blocks = _blocks(paths, joint)
     for block in blocks:
       if len({plans[i].matrix_shape[:-1] for i in block}) > 1:
-        raise ValueError(f"{name}: joint parameters {[paths[i] for i in block]} must agree on "
-                         f"their batch and unit axes, got shapes {[leaves[i].shape for i in block]}.")
+        raise ValueError(
+          f"{name}: joint parameters {[paths[i] for i in block]} must agree on "
+          f"their batch and unit axes, got shapes {[leaves[i].shape for i in block]}."
+        )
     return leaves, treedef, plans, blocks
 
   def init_fn(params):
@@ -255,7 +290,9 @@ def _rule(name: str, planner, direction, *, beta, nesterov, mu_dtype, joint=(), 
       return out
 
     out = _gather.in_place(matrices, leaves, jax.tree.leaves(updates), axes)
-    return jax.tree_util.tree_unflatten(treedef, out), MomentumState(optax.tree.cast_like(mu, state.mu))
+    return jax.tree_util.tree_unflatten(treedef, out), MomentumState(
+      optax.tree.cast_like(mu, state.mu)
+    )
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -265,24 +302,24 @@ def _maybe_center(center: bool) -> Callable[[jax.Array], jax.Array]:
 
 
 def scale_by_polar(
-    reduction_axes: Axes | MuonDimensionNumbers = -2,
-    output_axes: Axes = -1,
-    batch_axes: Axes = (),
-    *,
-    num_heads: int | None = None,
-    head_dim: int | None = None,
-    head_axis: int = -1,
-    interleaved: bool = False,
-    beta: float = 0.95,
-    nesterov: bool = True,
-    ema: bool = True,
-    ns_coeffs: _linalg.Coeffs = "polar_express",
-    ns_steps: int = 5,
-    ns_dtype: jnp.dtype = jnp.bfloat16,
-    eps: float = 1e-7,
-    eps_form: _linalg.EpsForm = "floor",
-    ns_gram: bool = False,
-    mu_dtype: jnp.dtype | None = None,
+  reduction_axes: Axes | MuonDimensionNumbers = -2,
+  output_axes: Axes = -1,
+  batch_axes: Axes = (),
+  *,
+  num_heads: int | None = None,
+  head_dim: int | None = None,
+  head_axis: int = -1,
+  interleaved: bool = False,
+  beta: float = 0.95,
+  nesterov: bool = True,
+  ema: bool = True,
+  ns_coeffs: _linalg.Coeffs = "polar_express",
+  ns_steps: int = 5,
+  ns_dtype: jnp.dtype = jnp.bfloat16,
+  eps: float = 1e-7,
+  eps_form: _linalg.EpsForm = "floor",
+  ns_gram: bool = False,
+  mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   r"""Muon: the polar factor of the Nesterov momentum, per matrix (and per head).
 
@@ -360,26 +397,36 @@ def scale_by_polar(
     Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
     Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
   """
-  planner = _polar_planner(reduction_axes, output_axes, batch_axes, num_heads, head_dim, head_axis,
-                           interleaved)
+  planner = _polar_planner(
+    reduction_axes, output_axes, batch_axes, num_heads, head_dim, head_axis, interleaved
+  )
 
   def direction(x):
     width = math.sqrt(max(1.0, x.shape[-1] / x.shape[-2]))
     return width * _linalg.newton_schulz(x, ns_coeffs, ns_steps, ns_dtype, eps, eps_form, ns_gram)
 
-  return _rule("scale_by_polar", planner, direction, beta=beta, nesterov=nesterov, mu_dtype=mu_dtype,
-               batched=True, ema=ema, whole=True)
+  return _rule(
+    "scale_by_polar",
+    planner,
+    direction,
+    beta=beta,
+    nesterov=nesterov,
+    mu_dtype=mu_dtype,
+    batched=True,
+    ema=ema,
+    whole=True,
+  )
 
 
 def scale_by_row_norm(
-    unit_axis: int | UnitDimensionNumbers,
-    *,
-    center: bool = False,
-    joint: Sequence[str] = (),
-    beta: float = 0.95,
-    eps: float = 1e-8,
-    eps_form: _linalg.EpsForm = "floor",
-    mu_dtype: jnp.dtype | None = None,
+  unit_axis: int | UnitDimensionNumbers,
+  *,
+  center: bool = False,
+  joint: Sequence[str] = (),
+  beta: float = 0.95,
+  eps: float = 1e-8,
+  eps_form: _linalg.EpsForm = "floor",
+  mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   r"""Row-norm: every unit vector of the momentum scaled to unit length.
 
@@ -426,10 +473,15 @@ def scale_by_row_norm(
     Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
   """
   p = _maybe_center(center)
-  return _rule("scale_by_row_norm", _unit_planner(unit_dimension_numbers(unit_axis)),
-               lambda x: p(_linalg.row_normalize(p(x), eps, eps_form)),
-               beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint)
-
+  return _rule(
+    "scale_by_row_norm",
+    _unit_planner(unit_dimension_numbers(unit_axis)),
+    lambda x: p(_linalg.row_normalize(p(x), eps, eps_form)),
+    beta=beta,
+    nesterov=False,
+    mu_dtype=mu_dtype,
+    joint=joint,
+  )
 
 
 def _nuclear_scale(nu: jax.Array, alpha: float, floor: float) -> jax.Array:
@@ -438,33 +490,56 @@ def _nuclear_scale(nu: jax.Array, alpha: float, floor: float) -> jax.Array:
   return nu if alpha == 1.0 else nu**alpha
 
 
-def _spectral_rule(name, unit_axis, *, center, joint, beta, eps, relative_eps, alpha, inv_sqrt,
-                   inv_sqrt_steps, gram, mu_dtype):
+def _spectral_rule(
+  name,
+  unit_axis,
+  *,
+  center,
+  joint,
+  beta,
+  eps,
+  relative_eps,
+  alpha,
+  inv_sqrt,
+  inv_sqrt_steps,
+  gram,
+  mu_dtype,
+):
   p = _maybe_center(center)
   floor = 0.0 if relative_eps else eps
 
   def direction(m):
-    u, nu = _linalg.spectral(p(m), eps, relative=relative_eps, method=inv_sqrt, steps=inv_sqrt_steps,
-                             gram=gram)
+    u, nu = _linalg.spectral(
+      p(m), eps, relative=relative_eps, method=inv_sqrt, steps=inv_sqrt_steps, gram=gram
+    )
     return p(_nuclear_scale(nu, alpha, floor) * u)
 
-  return _rule(name, _unit_planner(unit_dimension_numbers(unit_axis)), direction,
-               beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint, batched=True, whole=True)
+  return _rule(
+    name,
+    _unit_planner(unit_dimension_numbers(unit_axis)),
+    direction,
+    beta=beta,
+    nesterov=False,
+    mu_dtype=mu_dtype,
+    joint=joint,
+    batched=True,
+    whole=True,
+  )
 
 
 def scale_by_right_spectral(
-    unit_axis: int | UnitDimensionNumbers,
-    *,
-    center: bool = False,
-    joint: Sequence[str] = (),
-    beta: float = 0.95,
-    eps: float = 1e-6,
-    relative_eps: bool = True,
-    alpha: float = 1.0,
-    inv_sqrt: str | _linalg.Coeffs = "eigh",
-    inv_sqrt_steps: int = 5,
-    gram: _linalg.Gram = "smaller",
-    mu_dtype: jnp.dtype | None = None,
+  unit_axis: int | UnitDimensionNumbers,
+  *,
+  center: bool = False,
+  joint: Sequence[str] = (),
+  beta: float = 0.95,
+  eps: float = 1e-6,
+  relative_eps: bool = True,
+  alpha: float = 1.0,
+  inv_sqrt: str | _linalg.Coeffs = "eigh",
+  inv_sqrt_steps: int = 5,
+  gram: _linalg.Gram = "smaller",
+  mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   r"""Right (one-sided) spectral update.
 
@@ -507,24 +582,35 @@ def scale_by_right_spectral(
     Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
     Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
   """
-  return _spectral_rule("scale_by_right_spectral", unit_axis, center=center, joint=joint, beta=beta,
-                        eps=eps, relative_eps=relative_eps, alpha=alpha, inv_sqrt=inv_sqrt,
-                        inv_sqrt_steps=inv_sqrt_steps, gram=gram, mu_dtype=mu_dtype)
+  return _spectral_rule(
+    "scale_by_right_spectral",
+    unit_axis,
+    center=center,
+    joint=joint,
+    beta=beta,
+    eps=eps,
+    relative_eps=relative_eps,
+    alpha=alpha,
+    inv_sqrt=inv_sqrt,
+    inv_sqrt_steps=inv_sqrt_steps,
+    gram=gram,
+    mu_dtype=mu_dtype,
+  )
 
 
 def scale_by_left_spectral(
-    unit_axis: int | UnitDimensionNumbers,
-    *,
-    center: bool = True,
-    joint: Sequence[str] = (),
-    beta: float = 0.95,
-    eps: float = 1e-6,
-    relative_eps: bool = True,
-    alpha: float = 1.0,
-    inv_sqrt: str | _linalg.Coeffs = "eigh",
-    inv_sqrt_steps: int = 5,
-    gram: _linalg.Gram = "smaller",
-    mu_dtype: jnp.dtype | None = None,
+  unit_axis: int | UnitDimensionNumbers,
+  *,
+  center: bool = True,
+  joint: Sequence[str] = (),
+  beta: float = 0.95,
+  eps: float = 1e-6,
+  relative_eps: bool = True,
+  alpha: float = 1.0,
+  inv_sqrt: str | _linalg.Coeffs = "eigh",
+  inv_sqrt_steps: int = 5,
+  gram: _linalg.Gram = "smaller",
+  mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   r"""Left spectral update, for MoE routers (units = experts).
 
@@ -550,32 +636,43 @@ def scale_by_left_spectral(
     Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
     Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
   """
-  return _spectral_rule("scale_by_left_spectral", unit_axis, center=center, joint=joint, beta=beta,
-                        eps=eps, relative_eps=relative_eps, alpha=alpha, inv_sqrt=inv_sqrt,
-                        inv_sqrt_steps=inv_sqrt_steps, gram=gram, mu_dtype=mu_dtype)
+  return _spectral_rule(
+    "scale_by_left_spectral",
+    unit_axis,
+    center=center,
+    joint=joint,
+    beta=beta,
+    eps=eps,
+    relative_eps=relative_eps,
+    alpha=alpha,
+    inv_sqrt=inv_sqrt,
+    inv_sqrt_steps=inv_sqrt_steps,
+    gram=gram,
+    mu_dtype=mu_dtype,
+  )
 
 
 def scale_by_hybrid(
-    unit_axis: int | UnitDimensionNumbers,
-    *,
-    order: Literal["row_then_polar", "polar_then_row"] = "row_then_polar",
-    center: bool = False,
-    joint: Sequence[str] = (),
-    beta: float = 0.95,
-    eps: float = 1e-8,
-    eps_form: _linalg.EpsForm = "floor",
-    alpha: float = 1.0,
-    nuclear_norm_axes: Axes = (),
-    polar: Literal["newton_schulz", "gram"] = "newton_schulz",
-    ns_coeffs: _linalg.Coeffs = "polar_express",
-    ns_steps: int = 5,
-    ns_dtype: jnp.dtype = jnp.bfloat16,
-    ns_gram: bool = False,
-    relative_eps: bool = True,
-    inv_sqrt: str | _linalg.Coeffs = "eigh",
-    inv_sqrt_steps: int = 5,
-    gram: _linalg.Gram = "smaller",
-    mu_dtype: jnp.dtype | None = None,
+  unit_axis: int | UnitDimensionNumbers,
+  *,
+  order: Literal["row_then_polar", "polar_then_row"] = "row_then_polar",
+  center: bool = False,
+  joint: Sequence[str] = (),
+  beta: float = 0.95,
+  eps: float = 1e-8,
+  eps_form: _linalg.EpsForm = "floor",
+  alpha: float = 1.0,
+  nuclear_norm_axes: Axes = (),
+  polar: Literal["newton_schulz", "gram"] = "newton_schulz",
+  ns_coeffs: _linalg.Coeffs = "polar_express",
+  ns_steps: int = 5,
+  ns_dtype: jnp.dtype = jnp.bfloat16,
+  ns_gram: bool = False,
+  relative_eps: bool = True,
+  inv_sqrt: str | _linalg.Coeffs = "eigh",
+  inv_sqrt_steps: int = 5,
+  gram: _linalg.Gram = "smaller",
+  mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   r"""Hybrid row-norm / spectral update.
 
@@ -646,17 +743,22 @@ def scale_by_hybrid(
     raise ValueError(f"polar must be 'newton_schulz' or 'gram', got {polar!r}.")
   dims = unit_dimension_numbers(unit_axis)
   batch_axes = () if dims.batch_axis is None else dims.batch_axis
-  if nuclear_norm_axes != () and (dims.feature_axis is not None
-                                  or not set(_as_tuple(nuclear_norm_axes)) <= set(_as_tuple(batch_axes))):
-    raise ValueError(f"nuclear_norm_axes {nuclear_norm_axes} must be among the named batch axes of "
-                     f"{dims} (and its feature_axis None).")
+  if nuclear_norm_axes != () and (
+    dims.feature_axis is not None
+    or not set(_as_tuple(nuclear_norm_axes)) <= set(_as_tuple(batch_axes))
+  ):
+    raise ValueError(
+      f"nuclear_norm_axes {nuclear_norm_axes} must be among the named batch axes of "
+      f"{dims} (and its feature_axis None)."
+    )
   p = _maybe_center(center)
   row = lambda x: _linalg.row_normalize(x, eps, eps_form)
 
   def polar_and_scale(x):
     if polar == "gram":
-      o, nu = _linalg.spectral(x, eps, relative=relative_eps, method=inv_sqrt, steps=inv_sqrt_steps,
-                               gram=gram)
+      o, nu = _linalg.spectral(
+        x, eps, relative=relative_eps, method=inv_sqrt, steps=inv_sqrt_steps, gram=gram
+      )
     else:
       o = _linalg.newton_schulz(x, ns_coeffs, ns_steps, ns_dtype, eps, eps_form, ns_gram)
       nu = jnp.sum(o * x, axis=(-2, -1), keepdims=True)
@@ -671,10 +773,17 @@ def scale_by_hybrid(
       return p(row(polar_and_scale(p(m))))
     return p(polar_and_scale(p(row(p(m)))))
 
-  return _rule("scale_by_hybrid", _unit_planner(dims), direction,
-               beta=beta, nesterov=False, mu_dtype=mu_dtype, joint=joint,
-               batched=nuclear_norm_axes == (), whole=True)
-
+  return _rule(
+    "scale_by_hybrid",
+    _unit_planner(dims),
+    direction,
+    beta=beta,
+    nesterov=False,
+    mu_dtype=mu_dtype,
+    joint=joint,
+    batched=nuclear_norm_axes == (),
+    whole=True,
+  )
 
 
 # Lau & Su's reference code (timlautk/equivariant_optimizers): the keyword
@@ -693,16 +802,24 @@ def scale_by_hybrid(
 #     nuclear_norm_axes=0;
 #   Right/LeftPolarGradM: unit_axis=0, center=center_rows, alpha.
 REFERENCE: dict[str, dict] = {
-    # MuonHeadsPolarExpress, BatchedExpertMuonPolarExpress.
-    "scale_by_polar": dict(ema=False, ns_coeffs="polar_express_cushion", eps=1e-6, eps_form="add"),
-    # RowNormM, BatchedExpertRowNormM (row_mode="inverse_eps").
-    "scale_by_row_norm": dict(eps=1e-8, eps_form="add"),
-    # RightPolarGradM, LeftPolarGradM (backend="polar_express", num_steps=5).
-    "scale_by_right_spectral": dict(eps=1e-8, relative_eps=False, inv_sqrt="polar_express_1.05",
-                                    gram="right"),
-    "scale_by_left_spectral": dict(eps=1e-8, relative_eps=False, inv_sqrt="polar_express_1.05",
-                                   gram="left"),
-    # HybridPolarGradM, BatchedExpertHybridPolarGradM.
-    "scale_by_hybrid": dict(eps=1e-8, eps_form="add", polar="gram", relative_eps=False,
-                            inv_sqrt="polar_express_1.05", gram="right"),
+  # MuonHeadsPolarExpress, BatchedExpertMuonPolarExpress.
+  "scale_by_polar": dict(ema=False, ns_coeffs="polar_express_cushion", eps=1e-6, eps_form="add"),
+  # RowNormM, BatchedExpertRowNormM (row_mode="inverse_eps").
+  "scale_by_row_norm": dict(eps=1e-8, eps_form="add"),
+  # RightPolarGradM, LeftPolarGradM (backend="polar_express", num_steps=5).
+  "scale_by_right_spectral": dict(
+    eps=1e-8, relative_eps=False, inv_sqrt="polar_express_1.05", gram="right"
+  ),
+  "scale_by_left_spectral": dict(
+    eps=1e-8, relative_eps=False, inv_sqrt="polar_express_1.05", gram="left"
+  ),
+  # HybridPolarGradM, BatchedExpertHybridPolarGradM.
+  "scale_by_hybrid": dict(
+    eps=1e-8,
+    eps_form="add",
+    polar="gram",
+    relative_eps=False,
+    inv_sqrt="polar_express_1.05",
+    gram="right",
+  ),
 }

@@ -25,14 +25,16 @@ from saggs_jax.equivariant.rules import (
 )
 from saggs_jax.paths import match, path_str
 
-Rules = (Mapping[Patterns, optax.GradientTransformation]
-         | Sequence[tuple[Patterns, optax.GradientTransformation]])
+Rules = (
+  Mapping[Patterns, optax.GradientTransformation]
+  | Sequence[tuple[Patterns, optax.GradientTransformation]]
+)
 
 
 def optimizer(
-    rule: optax.GradientTransformation,
-    learning_rate: optax.ScalarOrSchedule,
-    weight_decay: optax.ScalarOrSchedule = 0.0,
+  rule: optax.GradientTransformation,
+  learning_rate: optax.ScalarOrSchedule,
+  weight_decay: optax.ScalarOrSchedule = 0.0,
 ) -> optax.GradientTransformation:
   r"""A full optimizer from a ``scale_by_*`` rule, with decoupled weight decay.
 
@@ -52,9 +54,9 @@ def optimizer(
     Array([0.8792893, 0.8792893], dtype=float32)
   """
   return optax.chain(
-      rule,
-      optax.add_decayed_weights(weight_decay),
-      optax.scale_by_learning_rate(learning_rate),
+    rule,
+    optax.add_decayed_weights(weight_decay),
+    optax.scale_by_learning_rate(learning_rate),
   )
 
 
@@ -63,8 +65,8 @@ def _as_patterns(patterns: Patterns) -> tuple[str, ...]:
 
 
 def layerwise(
-    rules: Rules,
-    default: optax.GradientTransformation | None = None,
+  rules: Rules,
+  default: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformation:
   """Routes every parameter to the transformation whose path pattern matches it.
 
@@ -98,9 +100,13 @@ def layerwise(
 
   def label(key_path, _):
     path = path_str(key_path)
-    hits = [(p, i) for i, (pats, _) in enumerate(entries) for p in pats if match(p, path) is not None]
+    hits = [
+      (p, i) for i, (pats, _) in enumerate(entries) for p in pats if match(p, path) is not None
+    ]
     if len(hits) > 1:
-      raise ValueError(f"Parameter {path!r} is matched by several patterns: {[p for p, _ in hits]}.")
+      raise ValueError(
+        f"Parameter {path!r} is matched by several patterns: {[p for p, _ in hits]}."
+      )
     if hits:
       return f"rule_{hits[0][1]}"
     if default is None:
@@ -108,11 +114,13 @@ def layerwise(
     return "default"
 
   transforms: dict[Hashable, optax.GradientTransformation] = {
-      f"rule_{i}": tx for i, (_, tx) in enumerate(entries)}
+    f"rule_{i}": tx for i, (_, tx) in enumerate(entries)
+  }
   if default is not None:
     transforms["default"] = default
   return optax.multi_transform(
-      transforms, lambda params: jax.tree_util.tree_map_with_path(label, params))
+    transforms, lambda params: jax.tree_util.tree_map_with_path(label, params)
+  )
 
 
 # Role -> path patterns: LLaMA-style Hugging Face names on Flax modules, with
@@ -120,15 +128,15 @@ def layerwise(
 # down (F, d), embedding (V, d), lm_head (d, V), router (d, E) and stacked
 # experts (E, in, out).
 ROLE_PATTERNS: dict[str, tuple[str, ...]] = {
-    "embedding": ("embed/embedding",),
-    "lm_head": ("lm_head/kernel",),
-    "query": ("q_proj/kernel",),
-    "key_value": ("k_proj/kernel", "v_proj/kernel"),
-    "output": ("o_proj/kernel",),
-    "gate_up": ("gate_proj/kernel", "up_proj/kernel"),
-    "down": ("down_proj/kernel",),
-    "router": ("router/kernel",),
-    "experts": ("experts/*",),
+  "embedding": ("embed/embedding",),
+  "lm_head": ("lm_head/kernel",),
+  "query": ("q_proj/kernel",),
+  "key_value": ("k_proj/kernel", "v_proj/kernel"),
+  "output": ("o_proj/kernel",),
+  "gate_up": ("gate_proj/kernel", "up_proj/kernel"),
+  "down": ("down_proj/kernel",),
+  "router": ("router/kernel",),
+  "experts": ("experts/*",),
 }
 
 
@@ -136,9 +144,10 @@ ROLE_PATTERNS: dict[str, tuple[str, ...]] = {
 # Flax (in, out) kernel's rows, every leading axis (layers, experts) batched.
 # Embedding, LM head and router: None, as Muon leaves them to AdamW.
 ROLE_DIMENSION_NUMBERS: dict[str, MuonDimensionNumbers | None] = {
-    **dict.fromkeys(("query", "key_value", "output", "gate_up", "down", "experts"),
-                    MuonDimensionNumbers(-2, -1)),
-    **dict.fromkeys(("embedding", "lm_head", "router"), None),
+  **dict.fromkeys(
+    ("query", "key_value", "output", "gate_up", "down", "experts"), MuonDimensionNumbers(-2, -1)
+  ),
+  **dict.fromkeys(("embedding", "lm_head", "router"), None),
 }
 
 
@@ -159,48 +168,57 @@ def role_dimension_numbers(params: Any, roles: Mapping[str, Patterns] | None = N
   """
   roles = ROLE_PATTERNS if roles is None else roles
   if unknown := set(roles) - set(ROLE_DIMENSION_NUMBERS):
-    raise ValueError(f"Unknown roles {sorted(unknown)}; the roles are {sorted(ROLE_DIMENSION_NUMBERS)}.")
+    raise ValueError(
+      f"Unknown roles {sorted(unknown)}; the roles are {sorted(ROLE_DIMENSION_NUMBERS)}."
+    )
   return muon_dimension_numbers(
-      params, {_as_patterns(pats): ROLE_DIMENSION_NUMBERS[r] for r, pats in roles.items()})
+    params, {_as_patterns(pats): ROLE_DIMENSION_NUMBERS[r] for r, pats in roles.items()}
+  )
 
 
 # Lau & Su's training scripts (timlautk/equivariant_optimizers, train_qwen3.py
 # defaults; the router's rate from train_olmoe.py and train_gpt-oss.py):
 # learning rate and decoupled weight decay per role, "adamw" for the rest.
 REFERENCE_LEARNING_RATES: dict[str, float] = {
-    "embedding": 0.5, "lm_head": 5e-3, "router": 7.5e-4, "adamw": 5e-2,
-    **{r: 2e-2 for r in ("query", "key_value", "output", "gate_up", "down", "experts")},
+  "embedding": 0.5,
+  "lm_head": 5e-3,
+  "router": 7.5e-4,
+  "adamw": 5e-2,
+  **{r: 2e-2 for r in ("query", "key_value", "output", "gate_up", "down", "experts")},
 }
 REFERENCE_WEIGHT_DECAYS: dict[str, float] = {
-    "embedding": 0.0, "lm_head": 0.0, "router": 0.0, "adamw": 1e-3,
-    **{r: 1e-3 for r in ("query", "key_value", "output", "gate_up", "down", "experts")},
+  "embedding": 0.0,
+  "lm_head": 0.0,
+  "router": 0.0,
+  "adamw": 1e-3,
+  **{r: 1e-3 for r in ("query", "key_value", "output", "gate_up", "down", "experts")},
 }
 
 
 def symmetry_compatible(
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    adamw_learning_rate: optax.ScalarOrSchedule | None = None,
-    weight_decay: optax.ScalarOrSchedule = 0.0,
-    adamw_weight_decay: optax.ScalarOrSchedule = 0.0,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
-    tie_embeddings: bool = False,
-    embedding: Literal["row_norm", "hybrid"] = "row_norm",
-    lm_head: Literal["row_norm", "hybrid"] = "row_norm",
-    mlp: Literal["row_norm", "hybrid", "polar"] = "row_norm",
-    down: Literal["column", "polar"] = "column",
-    router: Literal["row_norm", "left_spectral"] = "row_norm",
-    stacked: bool = False,
-    patterns: Mapping[str, Patterns] | None = None,
-    learning_rates: Mapping[str, optax.ScalarOrSchedule] | None = None,
-    weight_decays: Mapping[str, optax.ScalarOrSchedule] | None = None,
-    beta: float = 0.95,
-    ns_coeffs: _linalg.Coeffs = "polar_express",
-    ns_steps: int = 5,
-    ns_dtype: Any = jnp.bfloat16,
-    ns_gram: bool = False,
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  adamw_learning_rate: optax.ScalarOrSchedule | None = None,
+  weight_decay: optax.ScalarOrSchedule = 0.0,
+  adamw_weight_decay: optax.ScalarOrSchedule = 0.0,
+  num_heads: int | None = None,
+  num_kv_heads: int | None = None,
+  head_dim: int | None = None,
+  tie_embeddings: bool = False,
+  embedding: Literal["row_norm", "hybrid"] = "row_norm",
+  lm_head: Literal["row_norm", "hybrid"] = "row_norm",
+  mlp: Literal["row_norm", "hybrid", "polar"] = "row_norm",
+  down: Literal["column", "polar"] = "column",
+  router: Literal["row_norm", "left_spectral"] = "row_norm",
+  stacked: bool = False,
+  patterns: Mapping[str, Patterns] | None = None,
+  learning_rates: Mapping[str, optax.ScalarOrSchedule] | None = None,
+  weight_decays: Mapping[str, optax.ScalarOrSchedule] | None = None,
+  beta: float = 0.95,
+  ns_coeffs: _linalg.Coeffs = "polar_express",
+  ns_steps: int = 5,
+  ns_dtype: Any = jnp.bfloat16,
+  ns_gram: bool = False,
 ) -> optax.GradientTransformation:
   """The symmetry-compatible layerwise stack for a decoder LM (Lau and Su 2026).
 
@@ -277,41 +295,57 @@ def symmetry_compatible(
     Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
   """
   matrices = tuple(r for r in ROLE_PATTERNS if r != "adamw")
-  lrs = {**dict.fromkeys(REFERENCE_LEARNING_RATES, learning_rate),
-         "adamw": learning_rate if adamw_learning_rate is None else adamw_learning_rate}
+  lrs = {
+    **dict.fromkeys(REFERENCE_LEARNING_RATES, learning_rate),
+    "adamw": learning_rate if adamw_learning_rate is None else adamw_learning_rate,
+  }
   wds = {**dict.fromkeys(matrices, weight_decay), "adamw": adamw_weight_decay}
   return _stack(
-      settings={}, lrs={**lrs, **(learning_rates or {})}, wds={**wds, **(weight_decays or {})},
-      experts_transposed=False, adamw_b2=0.999, num_heads=num_heads, num_kv_heads=num_kv_heads,
-      head_dim=head_dim, tie_embeddings=tie_embeddings, embedding=embedding, lm_head=lm_head,
-      mlp=mlp, down=down, router=router, stacked=stacked, patterns=patterns, beta=beta,
-      ns={"ns_coeffs": ns_coeffs, "ns_steps": ns_steps, "ns_dtype": ns_dtype, "ns_gram": ns_gram})
+    settings={},
+    lrs={**lrs, **(learning_rates or {})},
+    wds={**wds, **(weight_decays or {})},
+    experts_transposed=False,
+    adamw_b2=0.999,
+    num_heads=num_heads,
+    num_kv_heads=num_kv_heads,
+    head_dim=head_dim,
+    tie_embeddings=tie_embeddings,
+    embedding=embedding,
+    lm_head=lm_head,
+    mlp=mlp,
+    down=down,
+    router=router,
+    stacked=stacked,
+    patterns=patterns,
+    beta=beta,
+    ns={"ns_coeffs": ns_coeffs, "ns_steps": ns_steps, "ns_dtype": ns_dtype, "ns_gram": ns_gram},
+  )
 
 
 def symmetry_compatible_reference(
-    learning_rate: optax.ScalarOrSchedule | None = None,
-    *,
-    adamw_learning_rate: optax.ScalarOrSchedule | None = None,
-    weight_decay: optax.ScalarOrSchedule | None = None,
-    adamw_weight_decay: optax.ScalarOrSchedule | None = None,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
-    tie_embeddings: bool = False,
-    embedding: Literal["row_norm", "hybrid"] = "row_norm",
-    lm_head: Literal["row_norm", "hybrid"] = "row_norm",
-    mlp: Literal["row_norm", "hybrid", "polar"] = "polar",
-    down: Literal["column", "polar"] = "column",
-    router: Literal["row_norm", "left_spectral"] = "row_norm",
-    stacked: bool = False,
-    patterns: Mapping[str, Patterns] | None = None,
-    learning_rates: Mapping[str, optax.ScalarOrSchedule] | None = None,
-    weight_decays: Mapping[str, optax.ScalarOrSchedule] | None = None,
-    beta: float = 0.95,
-    ns_coeffs: _linalg.Coeffs = "polar_express_cushion",
-    ns_steps: int = 5,
-    ns_dtype: Any = jnp.bfloat16,
-    ns_gram: bool = False,
+  learning_rate: optax.ScalarOrSchedule | None = None,
+  *,
+  adamw_learning_rate: optax.ScalarOrSchedule | None = None,
+  weight_decay: optax.ScalarOrSchedule | None = None,
+  adamw_weight_decay: optax.ScalarOrSchedule | None = None,
+  num_heads: int | None = None,
+  num_kv_heads: int | None = None,
+  head_dim: int | None = None,
+  tie_embeddings: bool = False,
+  embedding: Literal["row_norm", "hybrid"] = "row_norm",
+  lm_head: Literal["row_norm", "hybrid"] = "row_norm",
+  mlp: Literal["row_norm", "hybrid", "polar"] = "polar",
+  down: Literal["column", "polar"] = "column",
+  router: Literal["row_norm", "left_spectral"] = "row_norm",
+  stacked: bool = False,
+  patterns: Mapping[str, Patterns] | None = None,
+  learning_rates: Mapping[str, optax.ScalarOrSchedule] | None = None,
+  weight_decays: Mapping[str, optax.ScalarOrSchedule] | None = None,
+  beta: float = 0.95,
+  ns_coeffs: _linalg.Coeffs = "polar_express_cushion",
+  ns_steps: int = 5,
+  ns_dtype: Any = jnp.bfloat16,
+  ns_gram: bool = False,
 ) -> optax.GradientTransformation:
   """:func:`symmetry_compatible` as Lau & Su's training scripts set it up.
 
@@ -349,8 +383,10 @@ def symmetry_compatible_reference(
   matrices = ("query", "key_value", "output", "gate_up", "down", "experts")
   lrs: dict[str, optax.ScalarOrSchedule] = dict(REFERENCE_LEARNING_RATES)
   wds: dict[str, optax.ScalarOrSchedule] = dict(REFERENCE_WEIGHT_DECAYS)
-  for rates, value, adamw, overrides in ((lrs, learning_rate, adamw_learning_rate, learning_rates),
-                                         (wds, weight_decay, adamw_weight_decay, weight_decays)):
+  for rates, value, adamw, overrides in (
+    (lrs, learning_rate, adamw_learning_rate, learning_rates),
+    (wds, weight_decay, adamw_weight_decay, weight_decays),
+  ):
     if value is not None:
       rates.update(dict.fromkeys(matrices, value))
     if adamw is not None:
@@ -359,21 +395,56 @@ def symmetry_compatible_reference(
     if tie_embeddings and "embedding" not in (overrides or {}):
       rates["embedding"] = rates["lm_head"]
   return _stack(
-      settings=REFERENCE, lrs=lrs, wds=wds, experts_transposed=True, adamw_b2=0.95,
-      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-      tie_embeddings=tie_embeddings, embedding=embedding, lm_head=lm_head, mlp=mlp, down=down,
-      router=router, stacked=stacked, patterns=patterns, beta=beta,
-      ns={"ns_coeffs": ns_coeffs, "ns_steps": ns_steps, "ns_dtype": ns_dtype, "ns_gram": ns_gram})
+    settings=REFERENCE,
+    lrs=lrs,
+    wds=wds,
+    experts_transposed=True,
+    adamw_b2=0.95,
+    num_heads=num_heads,
+    num_kv_heads=num_kv_heads,
+    head_dim=head_dim,
+    tie_embeddings=tie_embeddings,
+    embedding=embedding,
+    lm_head=lm_head,
+    mlp=mlp,
+    down=down,
+    router=router,
+    stacked=stacked,
+    patterns=patterns,
+    beta=beta,
+    ns={"ns_coeffs": ns_coeffs, "ns_steps": ns_steps, "ns_dtype": ns_dtype, "ns_gram": ns_gram},
+  )
 
 
-def _stack(*, settings, lrs, wds, experts_transposed, adamw_b2, num_heads, num_kv_heads, head_dim,
-           tie_embeddings, embedding, lm_head, mlp, down, router, stacked, patterns, beta, ns):
+def _stack(
+  *,
+  settings,
+  lrs,
+  wds,
+  experts_transposed,
+  adamw_b2,
+  num_heads,
+  num_kv_heads,
+  head_dim,
+  tie_embeddings,
+  embedding,
+  lm_head,
+  mlp,
+  down,
+  router,
+  stacked,
+  patterns,
+  beta,
+  ns,
+):
   """The stack of both builders: each role's rule, with ``settings`` per rule name, under
   :func:`optimizer` with its rate ``lrs[role]`` and decay ``wds[role]``, AdamW for the rest."""
   roles = {**ROLE_PATTERNS}
   for overrides in (patterns or {}, lrs, wds):
     if unknown := set(overrides) - set(roles) - {"adamw"}:
-      raise ValueError(f"Unknown roles {sorted(unknown)}; the roles are {sorted(roles) + ['adamw']}.")
+      raise ValueError(
+        f"Unknown roles {sorted(unknown)}; the roles are {sorted(roles) + ['adamw']}."
+      )
   roles.update({r: _as_patterns(p) for r, p in (patterns or {}).items()})
   if down not in ("column", "polar"):
     raise ValueError(f"down must be 'column' or 'polar', got {down!r}.")
@@ -385,14 +456,17 @@ def _stack(*, settings, lrs, wds, experts_transposed, adamw_b2, num_heads, num_k
   def units(kind, unit_axis, center=False, batch_axis=(), joint=()):
     dims = UnitDimensionNumbers(unit_axis, batch_axis=batch_axis)
     if kind == "row_norm":
-      return scale_by_row_norm(dims, center=center, joint=joint, beta=beta,
-                               **settings.get("scale_by_row_norm", {}))
+      return scale_by_row_norm(
+        dims, center=center, joint=joint, beta=beta, **settings.get("scale_by_row_norm", {})
+      )
     if kind == "hybrid":
-      return scale_by_hybrid(dims, center=center, joint=joint, beta=beta,
-                             **{**settings.get("scale_by_hybrid", {}), **ns})
+      return scale_by_hybrid(
+        dims, center=center, joint=joint, beta=beta, **{**settings.get("scale_by_hybrid", {}), **ns}
+      )
     if kind == "left_spectral":
-      return scale_by_left_spectral(dims, center=center, joint=joint, beta=beta,
-                                    **settings.get("scale_by_left_spectral", {}))
+      return scale_by_left_spectral(
+        dims, center=center, joint=joint, beta=beta, **settings.get("scale_by_left_spectral", {})
+      )
     raise ValueError(f"Unknown rule {kind!r}.")
 
   def heads(n, axis):
@@ -407,15 +481,15 @@ def _stack(*, settings, lrs, wds, experts_transposed, adamw_b2, num_heads, num_k
     down_rule = units(mlp, -2, batch_axis=layer) if down == "column" else polar(batch_axes=layer)
   experts = layer + (len(layer),)
   rules = {
-      "embedding": units(lm_head, 0, center=True) if tie_embeddings else units(embedding, 0),
-      "lm_head": units(lm_head, 1, center=True),
-      "query": heads(num_heads, -1),
-      "key_value": heads(num_kv_heads or num_heads, -1),
-      "output": heads(num_heads, -2),
-      "gate_up": gate_up,
-      "down": down_rule,
-      "router": units(router, -1, center=True, batch_axis=layer),
-      "experts": polar(-1, -2, experts) if experts_transposed else polar(batch_axes=experts),
+    "embedding": units(lm_head, 0, center=True) if tie_embeddings else units(embedding, 0),
+    "lm_head": units(lm_head, 1, center=True),
+    "query": heads(num_heads, -1),
+    "key_value": heads(num_kv_heads or num_heads, -1),
+    "output": heads(num_heads, -2),
+    "gate_up": gate_up,
+    "down": down_rule,
+    "router": units(router, -1, center=True, batch_axis=layer),
+    "experts": polar(-1, -2, experts) if experts_transposed else polar(batch_axes=experts),
   }
   default = optax.adamw(lrs["adamw"], b2=adamw_b2, weight_decay=wds["adamw"])
   tx = layerwise([(roles[r], optimizer(rules[r], lrs[r], wds[r])) for r in roles], default)
@@ -432,18 +506,24 @@ def _routed(tx, roles, given, optional, stacked) -> optax.GradientTransformation
     flat = [(path_str(k), x) for k, x in jax.tree_util.tree_flatten_with_path(params)[0]]
     if not flat:  # optax.tree.map_params's placeholder, an empty model: nothing to route
       return tx.init(params)
-    hits = {r: [p for p, _ in flat if any(match(q, p) is not None for q in pats)]
-            for r, pats in roles.items()}
+    hits = {
+      r: [p for p, _ in flat if any(match(q, p) is not None for q in pats)]
+      for r, pats in roles.items()
+    }
     routed = set().union(*hits.values())
     adamw = [p for p, x in flat if p not in routed and jnp.ndim(x) >= 2 + stacked]
     empty = [r for r in roles if not hits[r] and (r in given or (adamw and r not in optional))]
     if empty:
       raise ValueError(
-          "symmetry_compatible: " + "; ".join(f"role {r!r} matches no parameter (patterns"
-                                             f" {list(roles[r])})" for r in empty)
-          + (f", while the matrices {adamw[:4]}{' ...' if len(adamw) > 4 else ''} fall to AdamW"
-             if adamw else "")
-          + ". Pass patterns={role: patterns}, or patterns=saggs_jax.discover(...).roles.")
+        "symmetry_compatible: "
+        + "; ".join(f"role {r!r} matches no parameter (patterns {list(roles[r])})" for r in empty)
+        + (
+          f", while the matrices {adamw[:4]}{' ...' if len(adamw) > 4 else ''} fall to AdamW"
+          if adamw
+          else ""
+        )
+        + ". Pass patterns={role: patterns}, or patterns=saggs_jax.discover(...).roles."
+      )
     return tx.init(params)
 
   return optax.GradientTransformationExtraArgs(init, tx.update)

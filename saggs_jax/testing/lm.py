@@ -103,7 +103,7 @@ def load_corpus(max_bytes: int = 4_000_000, val_fraction: float = 0.1) -> Corpus
   for path in stdlib_source_files():
     if total >= max_bytes:
       break
-    data = path.read_bytes()[:max_bytes - total]
+    data = path.read_bytes()[: max_bytes - total]
     if val_bytes < val_fraction * total:
       val.append(data)
       val_bytes += len(data)
@@ -124,8 +124,9 @@ def sample_batch(key: jax.Array, data: jax.Array, batch_size: int, seq_len: int)
   return data[starts + jnp.arange(seq_len + 1)].astype(jnp.int32)
 
 
-def sample_batches(key: jax.Array, data: jax.Array, num_batches: int, batch_size: int,
-                   seq_len: int) -> jax.Array:
+def sample_batches(
+  key: jax.Array, data: jax.Array, num_batches: int, batch_size: int, seq_len: int
+) -> jax.Array:
   """``num_batches`` batches stacked, shape (num_batches, batch_size, seq_len + 1)."""
   keys = jax.random.split(key, num_batches)
   return jax.vmap(lambda k: sample_batch(k, data, batch_size, seq_len))(keys)
@@ -153,8 +154,9 @@ class ModelConfig:
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
-                       f"num_kv_heads={self.num_kv_heads}")
+      raise ValueError(
+        f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+      )
     if self.head_dim % 2:
       raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
 
@@ -162,8 +164,12 @@ class ModelConfig:
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
   """Adds one ``--flag`` per ``ModelConfig`` field (``d_model`` -> ``--d-model``)."""
   for field in dataclasses.fields(ModelConfig):
-    parser.add_argument("--" + field.name.replace("_", "-"), type=type(field.default),
-                        default=field.default, help=f"model {field.name} (default %(default)s)")
+    parser.add_argument(
+      "--" + field.name.replace("_", "-"),
+      type=type(field.default),
+      default=field.default,
+      help=f"model {field.name} (default %(default)s)",
+    )
 
 
 def add_training_flags(parser: argparse.ArgumentParser, out: str) -> None:
@@ -172,8 +178,12 @@ def add_training_flags(parser: argparse.ArgumentParser, out: str) -> None:
   parser.add_argument("--batch-size", type=int, default=32)
   parser.add_argument("--lr", type=float, default=3e-3)
   parser.add_argument("--weight-decay", type=float, default=0.1)
-  parser.add_argument("--imbalance", type=float, default=8.0,
-                      help="q_proj is scaled by this factor and k_proj by its inverse")
+  parser.add_argument(
+    "--imbalance",
+    type=float,
+    default=8.0,
+    help="q_proj is scaled by this factor and k_proj by its inverse",
+  )
   parser.add_argument("--every", type=int, default=10, help="balance every this many updates")
   parser.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
   parser.add_argument("--eval-every", type=int, default=50)
@@ -199,13 +209,15 @@ def apply_rope(x: jax.Array, theta: float) -> jax.Array:
 
 
 def _linear(d_in: int, d_out: int, config: ModelConfig, rngs: nnx.Rngs, **kwargs) -> nnx.Linear:
-  return nnx.Linear(d_in, d_out, use_bias=False, param_dtype=jnp.dtype(config.param_dtype),
-                    rngs=rngs, **kwargs)
+  return nnx.Linear(
+    d_in, d_out, use_bias=False, param_dtype=jnp.dtype(config.param_dtype), rngs=rngs, **kwargs
+  )
 
 
 def _rms_norm(config: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
-  return nnx.RMSNorm(config.d_model, epsilon=config.norm_eps,
-                     param_dtype=jnp.dtype(config.param_dtype), rngs=rngs)
+  return nnx.RMSNorm(
+    config.d_model, epsilon=config.norm_eps, param_dtype=jnp.dtype(config.param_dtype), rngs=rngs
+  )
 
 
 class Attention(nnx.Module):
@@ -234,8 +246,12 @@ class Attention(nnx.Module):
     v = self.v_proj(x).reshape(batch, seq_len, c.num_kv_heads, c.head_dim)
     q, k = apply_rope(q, c.rope_theta), apply_rope(k, c.rope_theta)
     if self.sow_max_logits:  # what saggs.qk_clip reads, from the q and k of this forward pass
-      self.sow(nnx.Intermediate, "max_logits", saggs.max_logits(q, k, is_causal=True),
-               reduce_fn=lambda _, new: new)  # pyright: ignore[reportArgumentType]  # one value per call, not a growing tuple
+      self.sow(
+        nnx.Intermediate,
+        "max_logits",
+        saggs.max_logits(q, k, is_causal=True),
+        reduce_fn=lambda _, new: new,
+      )  # pyright: ignore[reportArgumentType]  # one value per call, not a growing tuple
     # Groups query heads contiguously per KV head and takes the softmax in float32.
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     return self.o_proj(out.reshape(batch, seq_len, c.num_heads * c.head_dim))
@@ -273,13 +289,19 @@ class LM(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     self.config = config
-    self.embed = nnx.Embed(VOCAB_SIZE, config.d_model,
-                           param_dtype=jnp.dtype(config.param_dtype), rngs=rngs)
+    self.embed = nnx.Embed(
+      VOCAB_SIZE, config.d_model, param_dtype=jnp.dtype(config.param_dtype), rngs=rngs
+    )
     self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
     self.final_norm = _rms_norm(config, rngs)
     # A small head makes the initial prediction near uniform: loss starts at ~ln 256.
-    self.lm_head = _linear(config.d_model, VOCAB_SIZE, config, rngs,
-                           kernel_init=nnx.initializers.variance_scaling(0.01, "fan_in", "normal"))
+    self.lm_head = _linear(
+      config.d_model,
+      VOCAB_SIZE,
+      config,
+      rngs,
+      kernel_init=nnx.initializers.variance_scaling(0.01, "fan_in", "normal"),
+    )
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     x = self.embed(tokens)
@@ -300,7 +322,8 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array) -> jax
 
 def _cross_entropy(logits: jax.Array, batch: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), batch[:, 1:]).mean()
+    logits.astype(jnp.float32), batch[:, 1:]
+  ).mean()
 
 
 def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: jax.Array) -> jax.Array:
@@ -308,8 +331,9 @@ def loss_fn(params: nnx.State, graphdef: nnx.GraphDef, batch: jax.Array) -> jax.
   return _cross_entropy(forward(graphdef, params, batch[:, :-1]), batch)
 
 
-def loss_and_max_logits(params: nnx.State, graphdef: nnx.GraphDef, batch: jax.Array
-                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
+def loss_and_max_logits(
+  params: nnx.State, graphdef: nnx.GraphDef, batch: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """``loss_fn`` and, from the same forward pass, each layer's per-head max attention logit.
 
   The logits are keyed by the layer's query kernel path, as ``saggs.qk_clip``
@@ -320,8 +344,10 @@ def loss_and_max_logits(params: nnx.State, graphdef: nnx.GraphDef, batch: jax.Ar
   model = nnx.merge(graphdef, params)
   model.set_attributes(sow_max_logits=True)
   logits, sown = nnx.capture(model, nnx.Intermediate)(batch[:, :-1])
-  return _cross_entropy(logits, batch), {path.replace("/max_logits", "/q_proj/kernel"): value
-                for path, value in paths.leaves_with_paths(sown)}
+  return _cross_entropy(logits, batch), {
+    path.replace("/max_logits", "/q_proj/kernel"): value
+    for path, value in paths.leaves_with_paths(sown)
+  }
 
 
 def num_params(params: Any) -> int:
@@ -357,8 +383,9 @@ def induce_qk_imbalance(params: nnx.State, factor: float | jax.Array) -> nnx.Sta
 # Training
 # ----------------------------------------------------------------------------
 
-TrainStep = Callable[[nnx.State, optax.OptState, jax.Array],
-                     tuple[nnx.State, optax.OptState, jax.Array]]
+TrainStep = Callable[
+  [nnx.State, optax.OptState, jax.Array], tuple[nnx.State, optax.OptState, jax.Array]
+]
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> TrainStep:
@@ -401,13 +428,25 @@ def donatable_copy(tree: T) -> T:
 MetricsFn = Callable[[int, nnx.State, optax.OptState], Mapping[str, Any]]
 
 
-def train(graphdef: nnx.GraphDef, params: nnx.State, tx: optax.GradientTransformation,
-          corpus: Corpus, *, steps: int, batch_size: int = 32, seq_len: int = ModelConfig.seq_len,
-          seed: int = 0, opt_state: optax.OptState | None = None,
-          eval_every: int = 100, eval_batches: int = 16, log_every: int = 10,
-          metrics_fn: MetricsFn | None = None, metrics_every: int = 10,
-          desc: str | None = None, progress: bool = True,
-          ) -> tuple[nnx.State, optax.OptState, dict[str, np.ndarray]]:
+def train(
+  graphdef: nnx.GraphDef,
+  params: nnx.State,
+  tx: optax.GradientTransformation,
+  corpus: Corpus,
+  *,
+  steps: int,
+  batch_size: int = 32,
+  seq_len: int = ModelConfig.seq_len,
+  seed: int = 0,
+  opt_state: optax.OptState | None = None,
+  eval_every: int = 100,
+  eval_batches: int = 16,
+  log_every: int = 10,
+  metrics_fn: MetricsFn | None = None,
+  metrics_every: int = 10,
+  desc: str | None = None,
+  progress: bool = True,
+) -> tuple[nnx.State, optax.OptState, dict[str, np.ndarray]]:
   """Trains for ``steps`` updates and returns ``(params, opt_state, history)``.
 
   Batches depend only on ``seed`` (the batch of update s is drawn with
@@ -461,11 +500,11 @@ def train(graphdef: nnx.GraphDef, params: nnx.State, tx: optax.GradientTransform
   seconds = time.perf_counter() - start
 
   history = {
-      "step": np.arange(1, steps + 1),
-      "loss": np.asarray(jax.device_get(losses), np.float32),
-      "eval_step": np.array([s for s, _ in evals]),
-      "eval_loss": np.array([v for _, v in evals], np.float32),
-      "seconds": np.asarray(seconds),
+    "step": np.arange(1, steps + 1),
+    "loss": np.asarray(jax.device_get(losses), np.float32),
+    "eval_step": np.array([s for s, _ in evals]),
+    "eval_loss": np.array([v for _, v in evals], np.float32),
+    "seconds": np.asarray(seconds),
   }
   if metrics_fn:
     history["metric_step"] = np.array([s for s, _ in metrics])
@@ -481,20 +520,24 @@ def train(graphdef: nnx.GraphDef, params: nnx.State, tx: optax.GradientTransform
 # ----------------------------------------------------------------------------
 
 
-def results_table(rows: Sequence[Sequence[Any]], headers: Sequence[str],
-                  floatfmt: str = ".4f") -> str:
+def results_table(
+  rows: Sequence[Sequence[Any]], headers: Sequence[str], floatfmt: str = ".4f"
+) -> str:
   """Prints and returns an aligned plain-text table; numbers right-aligned."""
+
   def cell(x):
     return format(x, floatfmt) if isinstance(x, (float, np.floating)) else str(x)
 
   cells = [[cell(x) for x in row] for row in rows]
-  numeric = [all(isinstance(row[i], (int, float, np.number)) for row in rows)
-             for i in range(len(headers))]
+  numeric = [
+    all(isinstance(row[i], (int, float, np.number)) for row in rows) for i in range(len(headers))
+  ]
   widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 
   def line(items):
-    return "  ".join(s.rjust(w) if num else s.ljust(w)
-                     for s, w, num in zip(items, widths, numeric)).rstrip()
+    return "  ".join(
+      s.rjust(w) if num else s.ljust(w) for s, w, num in zip(items, widths, numeric)
+    ).rstrip()
 
   text = "\n".join([line(headers), "  ".join("-" * w for w in widths)] + [line(r) for r in cells])
   print(text)
@@ -516,8 +559,12 @@ def _save(fig: Figure, path: str | pathlib.Path) -> None:
   fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
-def plot_curves(histories: Mapping[str, Mapping[str, np.ndarray]], path: str | pathlib.Path,
-                title: str = "", smooth: float = 0.9) -> None:
+def plot_curves(
+  histories: Mapping[str, Mapping[str, np.ndarray]],
+  path: str | pathlib.Path,
+  title: str = "",
+  smooth: float = 0.9,
+) -> None:
   """Saves a PNG of several runs ``{label: history}`` from ``train``: left, training
   loss (EMA-smoothed, solid) and validation loss (dashed, a marker per evaluation);
   right, validation loss minus the first run's, where runs a few hundredths apart
@@ -531,23 +578,33 @@ def plot_curves(histories: Mapping[str, Mapping[str, np.ndarray]], path: str | p
   for i, (label, h) in enumerate(histories.items()):
     color = f"C{i}"
     ax.plot(h["step"], _ema(h["loss"], smooth), color=color, alpha=0.8, label=f"{label} train")
-    ax.plot(h["eval_step"], h["eval_loss"], "o--", color=color, markersize=3,
-            label=f"{label} val")
-    gap.plot(h["eval_step"], h["eval_loss"] - reference, "o-", color=color, markersize=3,
-             label=label)
-  ax.set(xlabel="step", ylabel="loss (nats/byte)",
-         title=f"{title}\n(train: EMA-smoothed, decay {smooth}; val: markers at evaluations)")
-  gap.set(xlabel="step", ylabel=f"val loss - {next(iter(histories))} val loss (nats/byte)",
-          title="Validation loss relative to the first run")
+    ax.plot(h["eval_step"], h["eval_loss"], "o--", color=color, markersize=3, label=f"{label} val")
+    gap.plot(
+      h["eval_step"], h["eval_loss"] - reference, "o-", color=color, markersize=3, label=label
+    )
+  ax.set(
+    xlabel="step",
+    ylabel="loss (nats/byte)",
+    title=f"{title}\n(train: EMA-smoothed, decay {smooth}; val: markers at evaluations)",
+  )
+  gap.set(
+    xlabel="step",
+    ylabel=f"val loss - {next(iter(histories))} val loss (nats/byte)",
+    title="Validation loss relative to the first run",
+  )
   for a in (ax, gap):
     a.grid(alpha=0.3)
     a.legend(fontsize="small")
   _save(fig, path)
 
 
-def plot_metric_curves(curves: Mapping[str, tuple[np.ndarray, np.ndarray]],
-                       path: str | pathlib.Path, ylabel: str, title: str = "",
-                       logy: bool = False) -> None:
+def plot_metric_curves(
+  curves: Mapping[str, tuple[np.ndarray, np.ndarray]],
+  path: str | pathlib.Path,
+  ylabel: str,
+  title: str = "",
+  logy: bool = False,
+) -> None:
   """Saves a PNG of ``{label: (steps, values)}``.
 
   ``values`` of shape (steps,) is one line; shape (steps, ...) draws one thin
@@ -559,8 +616,14 @@ def plot_metric_curves(curves: Mapping[str, tuple[np.ndarray, np.ndarray]],
   ax = fig.subplots()
   for i, (label, (steps, values)) in enumerate(curves.items()):
     values = np.asarray(values).reshape(len(steps), -1)
-    lines = ax.plot(steps, values, ".-" if len(steps) <= 50 else "-", markersize=4,
-                    color=f"C{i}", linewidth=1.5 if values.shape[1] == 1 else 0.8)
+    lines = ax.plot(
+      steps,
+      values,
+      ".-" if len(steps) <= 50 else "-",
+      markersize=4,
+      color=f"C{i}",
+      linewidth=1.5 if values.shape[1] == 1 else 0.8,
+    )
     lines[0].set_label(label)
   ax.set(xlabel="step", ylabel=ylabel, title=title)
   if logy:

@@ -42,11 +42,17 @@ def summary(found) -> str:
 def gemma_row():
   """The gemma package imports in a process of its own (it patches flax process-wide)."""
   out = os.path.join(tempfile.mkdtemp(prefix="zoo_table_"), "row.json")
-  code = ("import sys, json, gemma_worker, discover_table as t; "
-          "zoo = gemma_worker.build(); "
-          "json.dump([zoo.seconds, t.summary(zoo.found)], open(sys.argv[1], 'w'))")
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), HERE,
-                                                     os.environ.get("PYTHONPATH", "")]))
+  code = (
+    "import sys, json, gemma_worker, discover_table as t; "
+    "zoo = gemma_worker.build(); "
+    "json.dump([zoo.seconds, t.summary(zoo.found)], open(sys.argv[1], 'w'))"
+  )
+  env = dict(
+    os.environ,
+    PYTHONPATH=os.pathsep.join(
+      [os.path.dirname(os.path.dirname(HERE)), HERE, os.environ.get("PYTHONPATH", "")]
+    ),
+  )
   subprocess.run([sys.executable, "-c", code, out], env=env, check=True, timeout=600)
   with open(out) as f:
     return json.load(f)
@@ -54,11 +60,17 @@ def gemma_row():
 
 def main():
   import jax
+
   jax.config.update("jax_default_matmul_precision", "highest")
   import zoo_models
+
   rows = []
-  classes = dict(llama="FlaxLlamaForCausalLM (GQA)", mistral="FlaxMistralForCausalLM (GQA)",
-                 gemma="FlaxGemmaForCausalLM (MQA)", gpt2="FlaxGPT2LMHeadModel (fused QKV)")
+  classes = dict(
+    llama="FlaxLlamaForCausalLM (GQA)",
+    mistral="FlaxMistralForCausalLM (GQA)",
+    gemma="FlaxGemmaForCausalLM (MQA)",
+    gpt2="FlaxGPT2LMHeadModel (fused QKV)",
+  )
   for name, cls in classes.items():
     zoo = zoo_models.transformers_model(name)
     rows.append((f"transformers `{cls}`", zoo.seconds, summary(zoo.found)))

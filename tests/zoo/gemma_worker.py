@@ -17,28 +17,40 @@ def expected():
   V/O per KV head: its v part against attn_vec_einsum (heads, hd, d); gated MLP: the up part of
   gating_einsum (2, d, hidden) against linear (hidden, d). RMSNorms are (1 + w): no gain pair."""
   import saggs_jax as saggs
+
   kv = dict(axis=0, parts=("k", "v"))
   up = saggs.Block("mlp/gating_einsum", axis=0, parts=("gate", "up"), part="up")
   return [
-      saggs.Pair("attn/q_einsum/w", saggs.Block("attn/kv_einsum/w", part="k", **kv),
-                 axes=(0, 1), groups=2),
-      saggs.Pair(saggs.Block("attn/kv_einsum/w", part="v", **kv), "attn/attn_vec_einsum/w",
-                 axes=(1, 0), groups=2),
-      saggs.Pair(up, "mlp/linear", axes=(2, 0)),
+    saggs.Pair(
+      "attn/q_einsum/w", saggs.Block("attn/kv_einsum/w", part="k", **kv), axes=(0, 1), groups=2
+    ),
+    saggs.Pair(
+      saggs.Block("attn/kv_einsum/w", part="v", **kv),
+      "attn/attn_vec_einsum/w",
+      axes=(1, 0),
+      groups=2,
+    ),
+    saggs.Pair(up, "mlp/linear", axes=(2, 0)),
   ]
 
 
 def not_symmetries():
   import saggs_jax as saggs
+
   kv = dict(axis=0, parts=("k", "v"))
   gating = dict(axis=0, parts=("gate", "up"))
   return [
-      saggs.Pair(saggs.Block("mlp/gating_einsum", part="gate", **gating), "mlp/linear",
-                 axes=(2, 0)),
-      saggs.Pair("pre_attention_norm/scale",
-                 ("attn/q_einsum/w", saggs.Block("attn/kv_einsum/w", part="k", **kv),
-                  saggs.Block("attn/kv_einsum/w", part="v", **kv)), axes=(0, (1, 2, 2))),
-      saggs.Pair("pre_ffw_norm/scale", "mlp/gating_einsum", axes=(0, 1)),
+    saggs.Pair(saggs.Block("mlp/gating_einsum", part="gate", **gating), "mlp/linear", axes=(2, 0)),
+    saggs.Pair(
+      "pre_attention_norm/scale",
+      (
+        "attn/q_einsum/w",
+        saggs.Block("attn/kv_einsum/w", part="k", **kv),
+        saggs.Block("attn/kv_einsum/w", part="v", **kv),
+      ),
+      axes=(0, (1, 2, 2)),
+    ),
+    saggs.Pair("pre_ffw_norm/scale", "mlp/gating_einsum", axes=(0, 1)),
   ]
 
 
@@ -52,21 +64,38 @@ def build():
 
   jax.config.update("jax_default_matmul_precision", "highest")
   config = gm.nn.config.TransformerConfig(
-      num_embed=zoo_models.VOCAB, embed_dim=zoo_models.D, hidden_dim=zoo_models.HIDDEN,
-      num_heads=zoo_models.HEADS, head_dim=zoo_models.D // zoo_models.HEADS, num_kv_heads=2,
-      final_logit_softcap=None, use_post_attn_norm=False, use_post_ffw_norm=False,
-      attention_types=(gm.nn.config.AttentionType.GLOBAL,) * zoo_models.LAYERS)
+    num_embed=zoo_models.VOCAB,
+    embed_dim=zoo_models.D,
+    hidden_dim=zoo_models.HIDDEN,
+    num_heads=zoo_models.HEADS,
+    head_dim=zoo_models.D // zoo_models.HEADS,
+    num_kv_heads=2,
+    final_logit_softcap=None,
+    use_post_attn_norm=False,
+    use_post_ffw_norm=False,
+    attention_types=(gm.nn.config.AttentionType.GLOBAL,) * zoo_models.LAYERS,
+  )
   model = gm.nn.Transformer(config=config, dtype=jnp.float32)
   ids = zoo_models.tokens()
   params = model.init(jax.random.key(0), ids)["params"]
   # random weights of the transformers models' scale (gemma's own init is too small for a broken
   # symmetry to show), random gains (gemma initialises them to 0, i.e. a gain of 1)
   params = jax.tree_util.tree_map_with_path(
-      lambda kp, x: zoo_models.INIT * jax.random.normal(
-          jax.random.key(zlib.crc32(str(kp).encode())), x.shape, x.dtype), params)
+    lambda kp, x: (
+      zoo_models.INIT
+      * jax.random.normal(jax.random.key(zlib.crc32(str(kp).encode())), x.shape, x.dtype)
+    ),
+    params,
+  )
   return zoo_models.make_zoo(
-      "gemma package", lambda p, ids: model.apply({"params": p}, ids).logits, params, (ids,),
-      expected, not_symmetries, ("*norm/scale",))
+    "gemma package",
+    lambda p, ids: model.apply({"params": p}, ids).logits,
+    params,
+    (ids,),
+    expected,
+    not_symmetries,
+    ("*norm/scale",),
+  )
 
 
 def main(out_json, scratch):

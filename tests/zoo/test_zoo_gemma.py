@@ -29,10 +29,19 @@ def results() -> dict:
   scratch = tempfile.mkdtemp(prefix="zoo_gemma_")
   out = os.path.join(scratch, "result.json")
   root = os.path.dirname(os.path.dirname(HERE))
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [root, HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-  run = subprocess.run([sys.executable, os.path.join(HERE, "gemma_worker.py"), out, scratch],
-                       env=env, capture_output=True, text=True, timeout=TIMEOUT)
+  env = dict(
+    os.environ,
+    PYTHONPATH=os.pathsep.join(
+      [root, HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    ),
+  )
+  run = subprocess.run(
+    [sys.executable, os.path.join(HERE, "gemma_worker.py"), out, scratch],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT,
+  )
   assert run.returncode == 0 and os.path.exists(out), run.stderr[-4000:]
   with open(out) as f:
     return json.load(f)

@@ -9,7 +9,9 @@ import pytest
 
 pytestmark = pytest.mark.heavy  # run by .ci/run (pytest -m heavy), not by default
 
-pytest.importorskip("transformers", reason="the zoo extra is not installed: pip install -e '.[zoo]'")
+pytest.importorskip(
+  "transformers", reason="the zoo extra is not installed: pip install -e '.[zoo]'"
+)
 
 import zoo_models  # noqa: E402
 import zoo_oracle  # noqa: E402
@@ -37,8 +39,11 @@ def test_gpt2_preset_moves_the_transformers_model_as_written_by_hand():
   pairs = saggs.presets.gpt2(zoo_models.HEADS, prefix="transformer/h/*")
   rng, drawn = np.random.default_rng(5), {}
   moved, _ = saggs.reparameterize(
-      zoo.params, None, pairs,
-      lambda a, shape: drawn.setdefault(a, rng.uniform(0.3, 3.0, shape).astype(np.float32)))
+    zoo.params,
+    None,
+    pairs,
+    lambda a, shape: drawn.setdefault(a, rng.uniform(0.3, 3.0, shape).astype(np.float32)),
+  )
   want = zoo_oracle.leaves(zoo.params)
   for i in range(zoo_models.LAYERS):
     h = f"transformer/h/{i}/"

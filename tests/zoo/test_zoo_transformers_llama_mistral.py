@@ -9,7 +9,9 @@ import pytest
 
 pytestmark = pytest.mark.heavy  # run by .ci/run (pytest -m heavy), not by default
 
-pytest.importorskip("transformers", reason="the zoo extra is not installed: pip install -e '.[zoo]'")
+pytest.importorskip(
+  "transformers", reason="the zoo extra is not installed: pip install -e '.[zoo]'"
+)
 
 import zoo_models  # noqa: E402
 import zoo_oracle  # noqa: E402

@@ -24,28 +24,30 @@ import optax
 
 import saggs_jax as saggs
 
-EXACT = 1e-5        # largest logit change under an exact orbit move, relative to max |logits|
-BROKEN = 1e-3       # smallest logit change that shows a declaration is not a symmetry
-BALANCED = 1e-4     # largest |log(||A_g|| / ||B_g||)| after hard balancing
+EXACT = 1e-5  # largest logit change under an exact orbit move, relative to max |logits|
+BROKEN = 1e-3  # smallest logit change that shows a declaration is not a symmetry
+BALANCED = 1e-4  # largest |log(||A_g|| / ||B_g||)| after hard balancing
 
 
 class Zoo(NamedTuple):
   """A model of the zoo with what discover found on it and what the architecture has."""
+
   name: str
-  apply: Callable[..., Any]   # apply(params, *inputs) -> logits, jitted
+  apply: Callable[..., Any]  # apply(params, *inputs) -> logits, jitted
   params: Any
   inputs: tuple
-  found: Any                  # saggs.discover's Discovery, or the exception it raised
-  seconds: float              # discover's wall time
+  found: Any  # saggs.discover's Discovery, or the exception it raised
+  seconds: float  # discover's wall time
   # hand-written, as functions (some name saggs.Block): the symmetries the architecture has,
   # and declarations that look alike but are no symmetry (a GELU MLP, (1 + w) norm gains)
   expected: Callable[[], list]
   not_symmetries: Callable[[], list]
-  untouched: tuple = ()       # patterns of leaves no found pair may scale ((1+w) gains)
+  untouched: tuple = ()  # patterns of leaves no found pair may scale ((1+w) gains)
 
 
 # ---------------------------------------------------------------------------
 # Paths and patterns, as the README specifies them.
+
 
 def path_str(keypath) -> str:
   parts = []
@@ -74,6 +76,7 @@ def rebuild(params, values: dict[str, np.ndarray]):
   def put(kp, x):
     path = path_str(kp)
     return jnp.asarray(values[path], x.dtype) if path in values else x
+
   return jax.tree_util.tree_map_with_path(put, params)
 
 
@@ -110,6 +113,7 @@ def match(pattern: str, path: str):
 # ---------------------------------------------------------------------------
 # Declarations -> atoms.
 
+
 class Atom(NamedTuple):
   members: tuple  # (path, role, sign, flat indices) with role "m" (member) or "f" (follower)
 
@@ -124,8 +128,9 @@ def _block_slice(spec, shape, stacked):
   assert sum(sizes) == shape[axis], (spec, shape)
   k = names.index(spec.part) if spec.part in names else spec.part
   start = sum(sizes[:k])
-  return tuple(slice(start, start + sizes[k]) if i == axis else slice(None)
-               for i in range(len(shape)))
+  return tuple(
+    slice(start, start + sizes[k]) if i == axis else slice(None) for i in range(len(shape))
+  )
 
 
 def _pattern(spec) -> str:
@@ -143,8 +148,10 @@ def atoms(pairs, values: dict[str, np.ndarray]) -> list[Atom]:
     axes = pair.axes if pair.axes is not None else (None, None)
     s = pair.stacked
     sides = []
-    for sign, side, ax, follow in ((1, pair.a, axes[0], pair.follow_a),
-                                   (-1, pair.b, axes[1], pair.follow_b)):
+    for sign, side, ax, follow in (
+      (1, pair.a, axes[0], pair.follow_a),
+      (-1, pair.b, axes[1], pair.follow_b),
+    ):
       specs = _tuple(side)
       ax = ax if isinstance(ax, tuple) else (ax,) * len(specs)
       sides += [(sign, "m", spec, a) for spec, a in zip(specs, ax)]
@@ -186,27 +193,38 @@ def _instance_atoms(pair, s, members, values):
       group = np.zeros((1,) * len(shape), int)
     else:
       group = (np.arange(shape[gax]) // (shape[gax] // groups)).reshape(
-          (1,) * gax + (-1,) + (1,) * (len(shape) - gax - 1))
+        (1,) * gax + (-1,) + (1,) * (len(shape) - gax - 1)
+      )
     full = np.full(values[path].shape, -1)
     full[index] = np.broadcast_to(copy * groups + group, shape)
     ids_per_member.append((path, role, sign, full.ravel()))
   result = []
   for atom_id in range(copies * groups):
-    result.append(Atom(tuple((path, role, sign, np.flatnonzero(ids == atom_id))
-                             for path, role, sign, ids in ids_per_member)))
+    result.append(
+      Atom(
+        tuple(
+          (path, role, sign, np.flatnonzero(ids == atom_id))
+          for path, role, sign, ids in ids_per_member
+        )
+      )
+    )
   return result
 
 
 def key(atom: Atom):
   """What an atom scales, independent of spelling and of which side is called a."""
-  members = sorted((path, role, sign, tuple(idx.tolist())) for path, role, sign, idx in atom.members)
+  members = sorted(
+    (path, role, sign, tuple(idx.tolist())) for path, role, sign, idx in atom.members
+  )
   flip = members[0][2]
   return frozenset((path, role, sign * flip, idx) for path, role, sign, idx in members)
 
 
 def describe_atom(atom: Atom) -> str:
-  return ", ".join(f"{'+' if sign > 0 else '-'}{path}[{len(idx)}]{'(f)' if role == 'f' else ''}"
-                   for path, role, sign, idx in atom.members)
+  return ", ".join(
+    f"{'+' if sign > 0 else '-'}{path}[{len(idx)}]{'(f)' if role == 'f' else ''}"
+    for path, role, sign, idx in atom.members
+  )
 
 
 def orbit_move(values, atom_list, factors):
@@ -215,7 +233,7 @@ def orbit_move(values, atom_list, factors):
   for atom, c in zip(atom_list, factors):
     for path, _, sign, idx in atom.members:
       flat = out[path].reshape(-1)
-      flat[idx] *= c ** sign
+      flat[idx] *= c**sign
   return out
 
 
@@ -233,6 +251,7 @@ def log_imbalance(values, atom_list) -> np.ndarray:
 
 # ---------------------------------------------------------------------------
 # The checks.
+
 
 def found(zoo: Zoo):
   if isinstance(zoo.found, Exception):
@@ -261,7 +280,9 @@ def check_found_pairs_are_exact(zoo: Zoo, tmp_dir=None):
   assert len(found(zoo)) > 0, f"{zoo.name}: discover found nothing"
   for seed in (0, 1):
     dev = deviation(zoo, random_move(zoo, found(zoo), seed))
-    assert dev < EXACT, f"{zoo.name}: random factors on the found pairs change the logits by {dev:.2e}"
+    assert dev < EXACT, (
+      f"{zoo.name}: random factors on the found pairs change the logits by {dev:.2e}"
+    )
 
 
 def check_expected_symmetries_are_found(zoo: Zoo, tmp_dir=None):
@@ -272,8 +293,9 @@ def check_expected_symmetries_are_found(zoo: Zoo, tmp_dir=None):
     lost = [a for a in atoms([pair], values) if key(a) not in keys]
     if lost:
       missing.append(f"{pair!r}: {len(lost)} atoms, e.g. {describe_atom(lost[0])}")
-  assert not missing, (f"{zoo.name}: not found:\n  " + "\n  ".join(missing)
-                       + f"\ndiscover found:\n{found(zoo)!r}")
+  assert not missing, (
+    f"{zoo.name}: not found:\n  " + "\n  ".join(missing) + f"\ndiscover found:\n{found(zoo)!r}"
+  )
 
 
 def check_expected_list_is_exact(zoo: Zoo, tmp_dir=None):
@@ -291,8 +313,14 @@ def check_no_wrong_pair_is_found(zoo: Zoo, tmp_dir=None):
   for pair in zoo.not_symmetries():
     wrong = [a for a in atoms([pair], values) if key(a) in keys]
     assert not wrong, f"{zoo.name}: found {describe_atom(wrong[0])}, which is no symmetry"
-  touched = sorted({path for a in atoms(found(zoo), values) for path, *_ in a.members
-                    if any(match(pattern, path) for pattern in zoo.untouched)})
+  touched = sorted(
+    {
+      path
+      for a in atoms(found(zoo), values)
+      for path, *_ in a.members
+      if any(match(pattern, path) for pattern in zoo.untouched)
+    }
+  )
   assert not touched, f"{zoo.name}: found pairs scale {touched}"
 
 
@@ -314,8 +342,10 @@ def check_one_hard_update_balances(zoo: Zoo, tmp_dir=None):
   new = optax.apply_updates(params, updates)
   after = np.abs(log_imbalance(leaves(new), atom_list))
   worst = int(np.argmax(after))
-  assert after[worst] < BALANCED, (f"{zoo.name}: after one hard update |log(||A||/||B||)| = "
-                                   f"{after[worst]:.2e} on {describe_atom(atom_list[worst])}")
+  assert after[worst] < BALANCED, (
+    f"{zoo.name}: after one hard update |log(||A||/||B||)| = "
+    f"{after[worst]:.2e} on {describe_atom(atom_list[worst])}"
+  )
   dev = deviation(zoo, new)
   assert dev < EXACT, f"{zoo.name}: balancing changed the logits by {dev:.2e}"
 
@@ -343,6 +373,7 @@ def check_check_symmetry(zoo: Zoo, tmp_dir=None):
 
 def check_checkpoint_round_trip(zoo: Zoo, tmp_dir):
   import orbax.checkpoint as ocp
+
   params, atom_list = _imbalanced(zoo)
   tx = saggs.chain(optax.adam(1e-3), saggs.saggs(found(zoo)))
   state = tx.init(params)
@@ -362,5 +393,4 @@ def check_checkpoint_round_trip(zoo: Zoo, tmp_dir):
   manager.close()
 
 
-CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
-
+CHECKS = {name[len("check_") :]: f for name, f in globals().items() if name.startswith("check_")}
