@@ -27,11 +27,6 @@ from flax import nnx
 
 import saggs_jax as saggs
 
-# Test programs are tiny and run once or twice: spend as little compile time as
-# possible on them (several seconds per function on a busy CPU otherwise). The
-# LLVM optimisation level changes compile time only, not what is computed.
-jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
-
 
 def random_like(tree, seed: int, *, scale: float = 1.0, positive: bool = False):
   """Normal values (``|N| + 0.1`` if ``positive``) for every float leaf with at least one axis.
@@ -68,7 +63,7 @@ class LinenAttn(nn.Module):
 
 linen_model = LinenAttn()
 linen_forward = linen_model.apply  # plain: check_symmetry jits it itself
-linen_apply = jit(linen_forward)
+linen_apply = jax.jit(linen_forward)
 
 
 def mha_input(seed: int = 0):
@@ -109,7 +104,7 @@ def nnx_forward(state, x):
   return nnx.merge(NNX_GRAPHDEF, state)(x)
 
 
-nnx_apply = jit(nnx_forward)
+nnx_apply = jax.jit(nnx_forward)
 
 
 # ---------------------------------------------------------------------------
@@ -255,7 +250,7 @@ def llama_forward(params: dict, tokens: jax.Array, c: Config = CONFIG) -> jax.Ar
   return _rms_norm(x, params["final_norm"]) @ params["lm_head"]["kernel"]
 
 
-llama_apply = jit(llama_forward, static_argnames="c")
+llama_apply = jax.jit(llama_forward, static_argnames="c")
 
 
 def llama_loss(params: dict, batch: jax.Array, c: Config = CONFIG) -> jax.Array:
@@ -382,7 +377,7 @@ def step(tx, params, state, grads):
   return optax.apply_updates(params, updates), updates, state
 
 
-@functools.partial(jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0)
 def jit_step(tx, params, state, grads):
   """``step`` as one compiled program (one compile per ``tx``): cheaper than eager for a
   one-off dtype or shape, and for many steps of one optimizer."""

@@ -85,8 +85,6 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
   )
   batches = np.asarray(models.batches(0, BEFORE + AFTER))
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-  # Tiny programs run a few times: spend little compile time on them.
-  jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
   def sharding(shape, mesh=mesh):
     """FSDP: the first axis split over all devices where it divides evenly, else replicated."""
@@ -114,8 +112,8 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
   state_shardings = jax.tree.map(
     lambda x: sharding(x.shape), jax.eval_shape(tx.init, models.llama_init(0))
   )
-  init = jit(tx.init, out_shardings=state_shardings)
-  train_step = jit(step, out_shardings=(params_shardings, state_shardings))
+  init = jax.jit(tx.init, out_shardings=state_shardings)
+  train_step = jax.jit(step, out_shardings=(params_shardings, state_shardings))
 
   def train(params, state, first, count):
     for i in range(first, first + count):
@@ -138,7 +136,7 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
 
     traces = []
 
-    @jit
+    @jax.jit
     def full_step(params, state, batch):
       traces.append(None)
       updates, state = tx.update(jax.grad(loss)(params, batch), state, params)
@@ -163,7 +161,7 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
     assert saggs.checkpoint.checksums((params, state)) == saggs.checkpoint.checksums(
       host((params, state))
     )
-    moved = jit(lambda p, s: saggs.reparameterize(p, s, pairs, rescale))(params, state)
+    moved = jax.jit(lambda p, s: saggs.reparameterize(p, s, pairs, rescale))(params, state)
     assert not np.allclose(
       *host(
         (
@@ -191,7 +189,7 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
   elif role == "reference":
     params = jax.tree.map(global_array, models.llama_init(0))
     params, state = train(params, init(params), 0, BEFORE)
-    params, state = jit(lambda p, s: saggs.canonicalize(p, s, pairs))(params, state)
+    params, state = jax.jit(lambda p, s: saggs.canonicalize(p, s, pairs))(params, state)
     save_npz("reference", train(params, state, BEFORE, AFTER)[0])
   elif role == "every":
     for kind in ("Auto", "Explicit"):

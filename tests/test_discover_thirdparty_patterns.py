@@ -371,7 +371,7 @@ def test_saggs_balances_the_fused_blocks_discover_found_without_changing_the_fun
     updates, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p)
     return optax.apply_updates(p, updates), s
 
-  step, forward = models.jit(step), jax.jit(gpt2_forward)
+  step, forward = jax.jit(step), jax.jit(gpt2_forward)
   moved, state = start, tx.init(start)
   for _ in range(4):
     moved, state = step(moved, state)

@@ -19,6 +19,7 @@ import pytest
 
 import saggs_jax as saggs
 from saggs_jax import equivariant
+from xla_env import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -45,8 +46,8 @@ def name(page: pathlib.Path) -> str:
   return str(page.relative_to(ROOT))
 
 
-def cpu_env(**extra) -> dict:
-  return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), **extra}
+def snippet_env(devices: int, **extra: str) -> dict[str, str]:
+  return cpu_env(devices, PYTHONPATH=str(ROOT), **extra)
 
 
 def run(command, env, cwd) -> subprocess.Popen:
@@ -93,7 +94,7 @@ def test_page_scripts_run(page, tmp_path):
     [
       run(
         [sys.executable, str(file)],
-        cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+        snippet_env(8),
         tmp_path,
       )
     ]
@@ -116,8 +117,8 @@ def test_multi_host_guide_runs_as_two_processes(tmp_path):
   file.write_text(script(MULTI_HOST))
   # jax's SLURM detection puts the coordinator on port SLURM_JOB_ID % 4096 + 61440.
   port = free_port_in(61440 + os.getpid() % 2048, 65536)
-  env = cpu_env(
-    XLA_FLAGS="--xla_force_host_platform_device_count=2",
+  env = snippet_env(
+    2,
     JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
     SLURM_JOB_ID=str(port - 61440),
     SLURM_STEP_NODELIST="localhost",

@@ -6,10 +6,11 @@ interpreter with ``--xla_force_host_platform_device_count=8``.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
+
+from xla_env import cpu_env
 
 CODE = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
@@ -60,11 +61,7 @@ CODE = textwrap.dedent("""
 
 
 def test_sharded_equals_unsharded():
-  env = {
-    **os.environ,
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-    "JAX_PLATFORMS": "cpu",
-  }
+  env = cpu_env(8)
   result = subprocess.run(
     [sys.executable, "-c", CODE], env=env, capture_output=True, text=True, timeout=300
   )

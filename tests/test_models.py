@@ -82,7 +82,7 @@ def test_linen_train_state_apply_gradients():
   def loss(p):
     return jnp.mean(models.linen_model.apply({"params": p}, x) ** 2)
 
-  @models.jit
+  @jax.jit
   def train_step(state):
     grads = jax.grad(loss)(state.params)
     return state.apply_gradients(grads=grads), grads
@@ -219,7 +219,7 @@ def test_llama_check_symmetry_passes():
   assert len(dev) == 3 and max(dev.values()) < 1e-5
 
 
-@functools.partial(models.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0)
 def _llama_experiment(stacked, params, factors, grads):
   """Perturb, then one hard and one soft (strength 0.3) step with Adam at lr 0, in one program."""
   pairs = LLAMA_STACKED if stacked else LLAMA

@@ -12,7 +12,6 @@ beside a ``lax.cond`` branch that communicates nothing, and must match the
 same run on one device. What each process does is in ``multiprocess_worker.py``.
 """
 
-import os
 import pathlib
 import socket
 import subprocess
@@ -23,6 +22,7 @@ import numpy as np
 import pytest
 
 import models
+from xla_env import cpu_env
 
 pytestmark = pytest.mark.heavy  # run by .ci/run (pytest -m heavy), not by default
 
@@ -39,12 +39,7 @@ def free_port() -> int:
 def start(role, num_processes, directory, started):
   """Starts the processes of one job, appending ``(name, Popen)`` to ``started`` at once."""
   port, job = free_port(), []
-  env = {
-    **os.environ,
-    "JAX_PLATFORMS": "cpu",
-    "WORKER_TIMEOUT": str(TIMEOUT),
-    "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // num_processes}",
-  }
+  env = cpu_env(8 // num_processes, WORKER_TIMEOUT=str(TIMEOUT))
   for i in range(num_processes):
     with open(directory / f"{role}{i}.log", "w") as log:
       command = [

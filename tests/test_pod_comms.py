@@ -16,6 +16,8 @@ import subprocess
 import sys
 import textwrap
 
+from xla_env import cpu_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent(r"""
@@ -152,14 +154,10 @@ SCRIPT = textwrap.dedent(r"""
 
 
 def test_comms_once_per_update_and_sharded_equals_unsharded():
-  env = {
-    **os.environ,
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-    "JAX_PLATFORMS": "cpu",
-    "PYTHONPATH": os.pathsep.join(
-      [str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")]
-    ),
-  }
+  env = cpu_env(
+    8,
+    PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")]),
+  )
   result = subprocess.run(
     [sys.executable, "-c", SCRIPT],
     env=env,

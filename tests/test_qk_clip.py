@@ -7,7 +7,6 @@ head products W_q^h W_k^gᵀ (which the Q/K gauge leaves unchanged).
 """
 
 import functools
-import os
 import pathlib
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import optax
 import pytest
 
 import saggs_jax as saggs
+from xla_env import cpu_env
 
 D, HD, T, B = 8, 4, 6, 2
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -322,11 +322,7 @@ def test_fsdp_mesh_equals_unsharded():
   script = FSDP_SCRIPT.replace("@TESTS@", repr(str(ROOT / "tests"))).replace(
     "@ROOT@", repr(str(ROOT))
   )
-  env = {
-    **os.environ,
-    "JAX_PLATFORMS": "cpu",
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
-  }
+  env = cpu_env(8)
   proc = subprocess.run(
     [sys.executable, "-c", script],
     capture_output=True,

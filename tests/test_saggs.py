@@ -62,7 +62,7 @@ def _small_apply(params, x):
   return h
 
 
-small_apply = models.jit(_small_apply)
+small_apply = jax.jit(_small_apply)
 SMALL_X = jnp.asarray(np.random.default_rng(99).standard_normal((3, 4)), jnp.float32)
 
 
@@ -383,7 +383,7 @@ def test_every_k_skipped_updates_are_the_inner_updates_bit_for_bit():
     params = new
 
 
-SMALL_GRAD = models.jit(jax.grad(lambda params: jnp.mean(_small_apply(params, SMALL_X) ** 2)))
+SMALL_GRAD = jax.jit(jax.grad(lambda params: jnp.mean(_small_apply(params, SMALL_X) ** 2)))
 
 
 @pytest.mark.parametrize("every", [1, 3])
@@ -412,7 +412,7 @@ def test_update_is_the_plain_step_from_the_balanced_state(every):
 
 # A loss whose gradient stays bounded on the toy's large outputs, so that every optimizer
 # below trains stably for 20 steps.
-BOUNDED_GRAD = models.jit(jax.grad(lambda p: jnp.mean(jnp.log1p(_small_apply(p, SMALL_X) ** 2))))
+BOUNDED_GRAD = jax.jit(jax.grad(lambda p: jnp.mean(jnp.log1p(_small_apply(p, SMALL_X) ** 2))))
 
 EQUIVARIANCE_CASES = {  # rates small enough that the toy's dynamics are not chaotic
   "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
@@ -507,7 +507,7 @@ def test_jit_equals_eager_and_traces_once():
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  jitted = models.jit(train_step)
+  jitted = jax.jit(train_step)
   p_eager = p_jit = small_params(1)
   s_eager = s_jit = tx.init(p_eager)
   for n in range(4):  # balance, skip, balance, skip

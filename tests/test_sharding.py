@@ -11,13 +11,14 @@ counted in the compiled HLO, separately in code that always runs and inside
 the ``lax.cond`` branch that balances (the scale-safe fallback nested deeper).
 """
 
-import os
 import pathlib
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from xla_env import cpu_env
 
 TESTS = pathlib.Path(__file__).resolve().parent
 
@@ -336,12 +337,7 @@ def run(script):
   env_script = script.replace("@TESTS@", repr(str(TESTS))).replace(
     "@ROOT@", repr(str(TESTS.parent))
   )
-  # The LLVM optimisation level changes compile time only, not what is computed or communicated.
-  env = {
-    **os.environ,
-    "JAX_PLATFORMS": "cpu",
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
-  }
+  env = cpu_env(8)
   proc = subprocess.run(
     [sys.executable, "-c", env_script], capture_output=True, text=True, timeout=600, env=env
   )

@@ -7,13 +7,14 @@ and print the same tables.
 
 import inspect
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from xla_env import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -254,7 +255,7 @@ def _gpu_study_tiny(out):
   return subprocess.run(
     [sys.executable, str(ROOT / "examples" / "gpu_study.py"), "--tiny", "--out", str(out)],
     cwd=ROOT,
-    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    env=cpu_env(),
     capture_output=True,
     text=True,
     timeout=300,

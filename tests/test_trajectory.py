@@ -28,7 +28,7 @@ TOL = 1e-5
 WARMUP, DIVERGE, FOLLOW = 20, 20, 60
 BATCHES = models.batches(1, WARMUP + FOLLOW)
 
-grad_fn = models.jit(jax.value_and_grad(models.llama_loss))
+grad_fn = jax.jit(jax.value_and_grad(models.llama_loss))
 
 OPTIMIZERS = {
   "sgd": lambda: optax.sgd(0.1),

@@ -68,7 +68,7 @@ def hand_state(state, degrees, touched=None):
 
 @functools.cache
 def _update(opt):  # one compile per optimizer is much cheaper than eager steps
-  return models.jit(opt.update)
+  return jax.jit(opt.update)
 
 
 def run(opt, grads, params=PARAMS, state=None):
