@@ -199,24 +199,17 @@ def gpt2(
       name="attention V/O",
     ),
   ]
-  if norms:
+  if norms:  # each LayerNorm against the input columns of the kernel that reads it
     pairs += [
       Pair(
-        p("ln_1/scale"),
-        p("attn/c_attn/kernel"),
+        p(f"{ln}/scale"),
+        p(reader),
         axes=(0, 1),
         stacked=stacked,
-        follow_a=p("ln_1/bias"),
-        name="LayerNorm ln_1",
-      ),
-      Pair(
-        p("ln_2/scale"),
-        p("mlp/c_fc/kernel"),
-        axes=(0, 1),
-        stacked=stacked,
-        follow_a=p("ln_2/bias"),
-        name="LayerNorm ln_2",
-      ),
+        follow_a=p(f"{ln}/bias"),
+        name=f"LayerNorm {ln}",
+      )
+      for ln, reader in (("ln_1", "attn/c_attn/kernel"), ("ln_2", "mlp/c_fc/kernel"))
     ]
   return pairs
 

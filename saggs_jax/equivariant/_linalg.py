@@ -122,25 +122,26 @@ def newton_schulz(
   eps_form: EpsForm = "floor",
   gram: bool = False,
 ) -> jax.Array:
-  r"""Approximates the polar factor :math:`UV^\top` of each matrix in ``x``.
+  """Approximates the polar factor ``U Vᵀ`` of each matrix in ``x``.
 
-  With :math:`X_0 = X / \max(h\,\|X\|_F, \epsilon)` (``eps_form="add"``:
-  :math:`h\|X\|_F + \epsilon`; :math:`h` the coefficient set's headroom,
-  1.01 unless the set says otherwise), each step applies the odd quintic
-  :math:`X \leftarrow (aI + bG + cG^2)X`, :math:`G = XX^\top`, which maps every
-  singular value :math:`\sigma` to :math:`a\sigma + b\sigma^3 + c\sigma^5` and
-  leaves the singular vectors alone. Rows and columns that are zero stay
-  exactly zero.
+  With ``X₀ = X / max(h ||X||_F, ε)`` (``eps_form="add"``: ``h ||X||_F + ε``;
+  ``h`` the coefficient set's headroom, 1.01 unless the set says otherwise),
+  each step applies the odd quintic
+
+    X <- (a I + b G + c G²) X,   G = X Xᵀ,
+
+  which maps every singular value ``σ`` to ``a σ + b σ³ + c σ⁵`` and leaves
+  the singular vectors alone. Rows and columns that are zero stay exactly zero.
 
   Only the matmul operands are rounded to ``dtype``: the products accumulate,
-  and the small factor :math:`aI + bG + cG^2` and the iterate are held, in
-  ``x.dtype`` (at least float32). The expanded form :math:`aX + (bG + cG^2)X`
+  and the small factor ``a I + b G + c G²`` and the iterate are held, in
+  ``x.dtype`` (at least float32). The expanded form ``a X + (b G + c G²) X``
   cancels terms near 20 in size down to about 2 in bfloat16: its error
   exceeds the 1% margin of Polar Express's safety factor, pushes a singular
   value past the interval the next polynomial was fitted on, where a quintic
-  grows like :math:`\sigma^5`, and the remaining steps compound it (one 2 x 2
-  input went 2.01, 2.07, 2.8, 41, then 4.6e7). Holding the iterate in float32
-  rather than rounding it every step halves the bfloat16 error again.
+  grows like ``σ⁵``, and the remaining steps compound it. Holding the iterate
+  in float32 rather than rounding it every step lowers the bfloat16 error
+  further (``bench/bench_newton_schulz_accuracy.py`` measures both).
 
   Args:
     x: ``(..., m, n)`` matrices.
@@ -148,23 +149,20 @@ def newton_schulz(
       ``"quintic"``; ``"polar_express_cushion"`` and ``"polar_express_1.05"``,
       the sets of Lau & Su's reference code), a :class:`CoefficientSet`, one
       ``(a, b, c)`` triple or a per-step sequence of triples (its last
-      repeats). At equal
-      steps Polar Express leaves every singular value closer to 1 than the
-      quintic does: on a condition number ~1e3 input (16 x 32, bfloat16), 5
-      steps give about [0.71, 1.12] against the quintic's [0.36, 1.16], and 6
-      steps about [0.95, 1.00], a band the quintic never reaches (it settles in
-      about [0.68, 1.2]).
+      repeats). At equal steps Polar Express leaves the singular values
+      closer to 1 than the quintic, which never converges (it settles in
+      about [0.68, 1.2]); ``bench/bench_newton_schulz_accuracy.py`` prints
+      the bands of each set.
     steps: number of iterations (unrolled: each is three small matmuls).
     dtype: dtype the matmul operands are rounded to (see above).
     eps: floor (or shift) of the normaliser, so a zero matrix maps to zero.
     eps_form: ``"floor"`` or ``"add"``, see above.
-    gram: iterate on the small Gram matrix :math:`A = XX^\top` (of the wide
+    gram: iterate on the small Gram matrix ``A = X Xᵀ`` (of the wide
       orientation, ``m x m`` for an ``m x n`` input, ``m <= n``) instead of on
-      X: every iterate is :math:`Q X_0` with :math:`Q` a polynomial in
-      :math:`A_0`, so the steps update :math:`P = aI + bA + cA^2`,
-      :math:`Q \leftarrow PQ`, :math:`A \leftarrow PAP` (``m x m`` products
-      only) and X is touched twice, to form :math:`A_0` and to apply Q. Per
-      step that is about :math:`4m^3` flops against :math:`2m^2n + m^3`:
+      X: every iterate is ``Q X₀`` with ``Q`` a polynomial in ``A₀``, so the
+      steps update ``P = a I + b A + c A²``, ``Q <- P Q``, ``A <- P A P``
+      (``m x m`` products only) and X is touched twice, to form ``A₀`` and to
+      apply Q. Per step that is about ``4 m³`` flops against ``2 m² n + m³``:
       cheaper once ``n`` is a few times ``m`` (timings:
       ``bench/bench_gram_newton_schulz.py``).
       Same result in exact arithmetic; rounding differs.
@@ -224,20 +222,22 @@ def row_normalize(x: jax.Array, eps: float, eps_form: EpsForm = "floor") -> jax.
 
 
 def inv_sqrt(a: jax.Array, damping: jax.Array | float, coeffs: Coeffs, steps: int) -> jax.Array:
-  r"""An iterative :math:`(A + \delta I)^{-1/2}` of symmetric PSD matrices ``a``.
+  """An iterative ``(A + δ I)^(-1/2)`` of symmetric PSD matrices ``a``.
 
-  With :math:`B = A + \delta I` divided by :math:`s = h\|B\|_F + \delta`
-  (spectrum in :math:`(0, 1)`), the coupled iteration :math:`Y_0 = B/s`,
-  :math:`Z_0 = I`, :math:`T = \phi(I - Z Y)`, :math:`Y \leftarrow Y T`,
-  :math:`Z \leftarrow T Z` with :math:`\phi(r) = (a + b + c) - (b + 2c) r + c r^2`
-  applies the same odd quintic :math:`p(x) = x\,\phi(1 - x^2)` to the singular
-  values of :math:`(B/s)^{1/2}` that :func:`newton_schulz` applies to a
-  matrix's, so :math:`Y \to (B/s)^{1/2}` and :math:`Z \to (B/s)^{-1/2}`;
-  the result is :math:`Z / \sqrt{s}`. Runs in the dtype of ``a``.
+  With ``B = A + δ I`` divided by ``s = h ||B||_F + δ`` (spectrum in
+  ``(0, 1)``), the coupled iteration
+
+    Y₀ = B / s,   Z₀ = I,   T = φ(I - Z Y),   Y <- Y T,   Z <- T Z,
+    φ(r) = (a + b + c) - (b + 2c) r + c r²
+
+  applies the same odd quintic ``p(x) = x φ(1 - x²)`` to the singular values
+  of ``(B / s)^(1/2)`` that :func:`newton_schulz` applies to a matrix's, so
+  ``Y -> (B / s)^(1/2)`` and ``Z -> (B / s)^(-1/2)``; the result is
+  ``Z / √s``. Runs in the dtype of ``a``.
 
   Args:
     a: ``(..., n, n)`` symmetric PSD matrices (symmetrised first).
-    damping: :math:`\delta`, a float or an array broadcasting against
+    damping: ``δ``, a float or an array broadcasting against
       ``(..., 1, 1)``.
     coeffs: a coefficient set (see :func:`newton_schulz`); its headroom is h.
     steps: iterations.
@@ -268,23 +268,24 @@ def spectral(
   steps: int = 5,
   gram: Gram = "smaller",
 ) -> tuple[jax.Array, jax.Array]:
-  r"""The one-sided spectral map, as its direction and its nuclear-norm factor.
+  """The one-sided spectral map, as its direction and its nuclear-norm factor.
 
-  Returns :math:`X (X^\top X + \epsilon' I)^{-1/2}` and
-  :math:`\nu = \operatorname{tr}(C (C + \epsilon' I)^{-1/2})`, :math:`C = X^\top X`,
-  the nuclear norm softened below :math:`\sqrt{\epsilon'}` (shape ``(..., 1, 1)``).
-  With ``relative`` the floor is :math:`\epsilon' = \epsilon \|X\|_F^2`, so
-  the map is positively homogeneous (scale the gradient, scale
-  :math:`\nu`) and float32 eigenvalues are resolved at any gradient scale;
-  otherwise :math:`\epsilon' = \epsilon`.
+  Returns
 
-  The push-through identity :math:`X f(X^\top X) = f(XX^\top) X` makes this
-  equal to the left form :math:`(XX^\top + \epsilon' I)^{-1/2} X` (and
-  :math:`\nu` to :math:`\operatorname{tr}(C' (C' + \epsilon' I)^{-1/2})`, :math:`C' = XX^\top`):
-  ``gram`` picks the Gram matrix, by default the smaller. ``method="eigh"``
-  decomposes it exactly (after dividing X by its norm); a coefficient set
-  runs :func:`inv_sqrt` on the Gram of X as given, for ``steps`` steps. The
-  iteration is approximate: the two Gram matrices then give different results.
+    X (Xᵀ X + ε' I)^(-1/2)   and   ν = tr(C (C + ε' I)^(-1/2)),   C = Xᵀ X,
+
+  ``ν`` the nuclear norm softened below ``√ε'`` (shape ``(..., 1, 1)``).
+  With ``relative`` the floor is ``ε' = ε ||X||_F²``, so the map is positively
+  homogeneous (scale the gradient, scale ``ν``) and float32 eigenvalues are
+  resolved at any gradient scale; otherwise ``ε' = ε``.
+
+  The push-through identity ``X f(Xᵀ X) = f(X Xᵀ) X`` makes this equal to the
+  left form ``(X Xᵀ + ε' I)^(-1/2) X`` (and ``ν`` to
+  ``tr(C' (C' + ε' I)^(-1/2))``, ``C' = X Xᵀ``): ``gram`` picks the Gram
+  matrix, by default the smaller. ``method="eigh"`` decomposes it exactly
+  (after dividing X by its norm); a coefficient set runs :func:`inv_sqrt` on
+  the Gram of X as given, for ``steps`` steps. The iteration is approximate:
+  the two Gram matrices then give different results.
   """
   rows, cols = x.shape[-2:]
   left = gram == "left" or (gram == "smaller" and rows < cols)

@@ -169,7 +169,7 @@ Patterns = str | Sequence[str]
 def muon_dimension_numbers(
   params: Any, layouts: Mapping[Patterns, MuonDimensionNumbers | None]
 ) -> Any:
-  r"""The tree of ``MuonDimensionNumbers`` that ``optax.contrib.muon`` takes, from path patterns.
+  """The tree of ``MuonDimensionNumbers`` that ``optax.contrib.muon`` takes, from path patterns.
 
   Each array leaf whose path matches a pattern of ``layouts`` (see
   :mod:`saggs_jax.paths`) gets that pattern's ``MuonDimensionNumbers``;

@@ -321,16 +321,14 @@ def scale_by_polar(
   ns_gram: bool = False,
   mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
-  r"""Muon: the polar factor of the Nesterov momentum, per matrix (and per head).
+  """Muon: the polar factor of the Nesterov momentum, per matrix (and per head).
 
-  .. math::
-    M \leftarrow \beta M + (1-\beta) G, \qquad
-    u = \sqrt{\max(1, n_{out}/n_{in})}\; \mathrm{polar}(\beta M + (1-\beta) G)
+    M <- β M + (1 - β) G,   u = √max(1, n_out / n_in) · polar(β M + (1 - β) G)
 
-  with :math:`\mathrm{polar}(X) = UV^\top` approximated by
-  :func:`newton_schulz`. Equivariant under :math:`X \mapsto AXB` for
-  orthogonal :math:`A, B`. The matrix is (reduction axes) x (output axes); the
-  parameter's rank must be the number of reduction, output and batch axes.
+  with ``polar(X) = U Vᵀ`` approximated by :func:`newton_schulz`. Equivariant
+  under ``X ↦ A X B`` for orthogonal ``A``, ``B``. The matrix is (reduction
+  axes) x (output axes); the parameter's rank must be the number of
+  reduction, output and batch axes.
   With ``num_heads`` or ``head_dim``, ``head_axis`` (one of the reduction or
   output axes) is split into contiguous heads, each orthogonalised on its own:
   a ``(d, H*hd)`` query kernel takes ``num_heads=H`` (``head_axis=-1``), a
@@ -428,17 +426,15 @@ def scale_by_row_norm(
   eps_form: _linalg.EpsForm = "floor",
   mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
-  r"""Row-norm: every unit vector of the momentum scaled to unit length.
+  """Row-norm: every unit vector of the momentum scaled to unit length.
 
-  .. math::
-    M \leftarrow \beta M + (1-\beta) G, \qquad u = R(M), \quad
-    R(X)_i = X_i / \max(\|X_i\|, \epsilon)
+    M <- β M + (1 - β) G,   u = R(M),   R(X)_i = X_i / max(||X_i||, ε)
 
-  and with ``center``, :math:`u = P(R(P(M)))`, :math:`P(X) = X - \bar X`
-  (the mean over units). Equivariant under unit permutations and orthogonal
-  maps of the features; the centred form is also invariant under a shared
-  shift :math:`X_i \mapsto X_i + s`. Units with a zero momentum get a zero
-  update (without ``center``).
+  and with ``center``, ``u = P(R(P(M)))``, ``P(X) = X - mean_i X_i`` (the mean
+  over units). Equivariant under unit permutations and orthogonal maps of the
+  features; the centred form is also invariant under a shared shift
+  ``X_i ↦ X_i + s``. Units with a zero momentum get a zero update (without
+  ``center``).
 
   Args:
     unit_axis: the axis of units (vocabulary: 0 for a ``(V, d)`` embedding,
@@ -505,6 +501,9 @@ def _spectral_rule(
   gram,
   mu_dtype,
 ):
+  """Both spectral rules, which differ only in their name and ``center``'s default: each
+  passes its arguments on whole (``**locals()``), so a keyword added to one signature
+  must be added here and to the other."""
   p = _maybe_center(center)
   floor = 0.0 if relative_eps else eps
 
@@ -541,33 +540,30 @@ def scale_by_right_spectral(
   gram: _linalg.Gram = "smaller",
   mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
-  r"""Right (one-sided) spectral update.
+  """Right (one-sided) spectral update.
 
-  .. math::
-    u = \nu^\alpha\, X (X^\top X + \epsilon' I)^{-1/2}, \quad
-    \nu = \operatorname{tr}\big(C (C + \epsilon' I)^{-1/2}\big), \quad C = X^\top X,
+    u = ν^α X (Xᵀ X + ε' I)^(-1/2),   ν = tr(C (C + ε' I)^(-1/2)),   C = Xᵀ X,
 
-  with :math:`X = M` (rows: units) or :math:`P(M)` with ``center`` (then the
-  update is re-centred), and :math:`\epsilon' = \epsilon \|X\|_F^2` so the rule
-  is scale-equivariant (``relative_eps=False``: :math:`\epsilon' = \epsilon`).
-  By default computed with ``eigh`` in float32 on the smaller Gram matrix.
-  Equivariant under unit permutations and orthogonal maps of the features.
-  Zero units stay zero (without ``center``).
+  with ``X = M`` (rows: units) or ``P(M)`` with ``center`` (then the update is
+  re-centred), and ``ε' = ε ||X||_F²`` so the rule is scale-equivariant
+  (``relative_eps=False``: ``ε' = ε``). By default computed with ``eigh`` in
+  float32 on the smaller Gram matrix. Equivariant under unit permutations and
+  orthogonal maps of the features. Zero units stay zero (without ``center``).
 
   Args:
     unit_axis: the axis of units, or a :class:`UnitDimensionNumbers`.
-    center: use :math:`P(M)` (shared-shift invariant).
+    center: use ``P(M)`` (shared-shift invariant).
     joint: units shared by several parameters (see :func:`scale_by_row_norm`).
     beta: momentum decay.
-    eps: eigenvalue floor (relative to :math:`\|X\|_F^2` with ``relative_eps``).
-    relative_eps: scale the floor with :math:`\|X\|_F^2`.
-    alpha: power of the nuclear-norm factor (0: none; :math:`\nu` is clamped
+    eps: eigenvalue floor (relative to ``||X||_F²`` with ``relative_eps``).
+    relative_eps: scale the floor with ``||X||_F²``.
+    alpha: power of the nuclear-norm factor (0: none; ``ν`` is clamped
       below at ``eps`` when the floor is absolute).
     inv_sqrt: ``"eigh"`` (exact) or a coefficient set for the iterative
       inverse square root (see :func:`saggs_jax.equivariant._linalg.inv_sqrt`).
     inv_sqrt_steps: iterations of the iterative inverse square root.
-    gram: ``"smaller"``, ``"right"`` (:math:`X^\top X`) or ``"left"``
-      (:math:`XX^\top`): the Gram matrix whose inverse square root is taken.
+    gram: ``"smaller"``, ``"right"`` (``Xᵀ X``) or ``"left"`` (``X Xᵀ``):
+      the Gram matrix whose inverse square root is taken.
     mu_dtype: momentum dtype (default: the parameter's).
 
   Example:
@@ -582,20 +578,7 @@ def scale_by_right_spectral(
     Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
     Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
   """
-  return _spectral_rule(
-    "scale_by_right_spectral",
-    unit_axis,
-    center=center,
-    joint=joint,
-    beta=beta,
-    eps=eps,
-    relative_eps=relative_eps,
-    alpha=alpha,
-    inv_sqrt=inv_sqrt,
-    inv_sqrt_steps=inv_sqrt_steps,
-    gram=gram,
-    mu_dtype=mu_dtype,
-  )
+  return _spectral_rule("scale_by_right_spectral", **locals())
 
 
 def scale_by_left_spectral(
@@ -612,17 +595,16 @@ def scale_by_left_spectral(
   gram: _linalg.Gram = "smaller",
   mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
-  r"""Left spectral update, for MoE routers (units = experts).
+  """Left spectral update, for MoE routers (units = experts).
 
-  .. math::
-    u = P\big(\nu^\alpha\, (XX^\top + \epsilon' I)^{-1/2} X\big), \quad X = P(M),
+    u = P(ν^α (X Xᵀ + ε' I)^(-1/2) X),   X = P(M),
 
   equivariant under expert permutations and invariant under a shared shift of
   the expert vectors. By the push-through identity
-  :math:`(XX^\top + \epsilon' I)^{-1/2} X = X (X^\top X + \epsilon' I)^{-1/2}`
-  it is the centred :func:`scale_by_right_spectral`; the ``experts x experts``
-  Gram matrix is the one decomposed whenever it is the smaller (``gram="left"``
-  always uses it). Arguments as there; ``center`` defaults to True.
+  ``(X Xᵀ + ε' I)^(-1/2) X = X (Xᵀ X + ε' I)^(-1/2)`` it is the centred
+  :func:`scale_by_right_spectral`; the ``experts x experts`` Gram matrix is the
+  one decomposed whenever it is the smaller (``gram="left"`` always uses it).
+  Arguments as there; ``center`` defaults to True.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -636,20 +618,7 @@ def scale_by_left_spectral(
     Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
     Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
   """
-  return _spectral_rule(
-    "scale_by_left_spectral",
-    unit_axis,
-    center=center,
-    joint=joint,
-    beta=beta,
-    eps=eps,
-    relative_eps=relative_eps,
-    alpha=alpha,
-    inv_sqrt=inv_sqrt,
-    inv_sqrt_steps=inv_sqrt_steps,
-    gram=gram,
-    mu_dtype=mu_dtype,
-  )
+  return _spectral_rule("scale_by_left_spectral", **locals())
 
 
 def scale_by_hybrid(
@@ -674,36 +643,35 @@ def scale_by_hybrid(
   gram: _linalg.Gram = "smaller",
   mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
-  r"""Hybrid row-norm / spectral update.
+  """Hybrid row-norm / spectral update.
 
-  ``"row_then_polar"``: :math:`u = \nu(X)^\alpha\,\mathrm{polar}(X)` with
-  :math:`X = R(M)` and :math:`\nu(X) = \langle \mathrm{polar}(X), X\rangle`,
-  the nuclear norm of X (exactly so when the polar factor is exact).
-  ``"polar_then_row"``: :math:`u = R(\nu(M)^\alpha\,\mathrm{polar}(M))`, in
-  which the factor cancels (but for eps). With ``center``, :math:`P` is
-  applied first and last, and in ``"row_then_polar"`` again between
-  :math:`R` and the polar step (the row scaling moves the units' mean off
-  zero): :math:`u = P(\nu^\alpha \mathrm{polar}(X))`, :math:`X = P(R(P(M)))`.
-  Equivariant under unit permutations and orthogonal maps of the features
-  (and shared shifts with ``center``).
+  ``"row_then_polar"``: ``u = ν(X)^α · polar(X)`` with ``X = R(M)`` and
+  ``ν(X) = <polar(X), X>``, the nuclear norm of X (exactly so when the polar
+  factor is exact). ``"polar_then_row"``: ``u = R(ν(M)^α · polar(M))``, in
+  which the factor cancels (but for eps). With ``center``, ``P`` is applied
+  first and last, and in ``"row_then_polar"`` again between ``R`` and the
+  polar step (the row scaling moves the units' mean off zero):
+  ``u = P(ν^α · polar(X))``, ``X = P(R(P(M)))``. Equivariant under unit
+  permutations and orthogonal maps of the features (and shared shifts with
+  ``center``).
 
   The polar factor is :func:`newton_schulz` of X (``polar="newton_schulz"``)
-  or :math:`X (X^\top X + \epsilon' I)^{-1/2}` (``polar="gram"``, the
-  spectral map of :func:`scale_by_right_spectral` with its ``relative_eps``,
-  ``inv_sqrt``, ``inv_sqrt_steps`` and ``gram``).
+  or ``X (Xᵀ X + ε' I)^(-1/2)`` (``polar="gram"``, the spectral map of
+  :func:`scale_by_right_spectral` with its ``relative_eps``, ``inv_sqrt``,
+  ``inv_sqrt_steps`` and ``gram``).
 
   Args:
     unit_axis: the axis of units, or a :class:`UnitDimensionNumbers`.
     order: which map comes first.
-    center: apply :math:`P` first and last (and between, see above).
+    center: apply ``P`` first and last (and between, see above).
     joint: units shared by several parameters (see :func:`scale_by_row_norm`).
     beta: momentum decay.
     eps: floor of the row norms and of the Frobenius normaliser, the damping
-      of ``polar="gram"``, and the floor of :math:`\nu`.
+      of ``polar="gram"``, and the floor of ``ν``.
     eps_form: ``"floor"`` (``max(||x||, eps)``) or ``"add"`` (``||x|| + eps``)
       for the row norms and the Newton-Schulz normaliser.
     alpha: power of the nuclear-norm factor.
-    nuclear_norm_axes: batch axes over which :math:`\nu` is summed, so that
+    nuclear_norm_axes: batch axes over which ``ν`` is summed, so that
       their matrices share one factor (Lau & Su's batched-expert hybrid sums
       over the experts of a tensor); default one factor per matrix. Needs
       the layout's ``batch_axis`` named, and no ``feature_axis``.

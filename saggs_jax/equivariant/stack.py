@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,13 +36,13 @@ def optimizer(
   learning_rate: optax.ScalarOrSchedule,
   weight_decay: optax.ScalarOrSchedule = 0.0,
 ) -> optax.GradientTransformation:
-  r"""A full optimizer from a ``scale_by_*`` rule, with decoupled weight decay.
+  """A full optimizer from a ``scale_by_*`` rule, with decoupled weight decay.
 
-  .. math:: W \leftarrow W (1 - \eta_t \lambda) - \eta_t\, u
+    W <- W (1 - η_t λ) - η_t u
 
-  where :math:`u` is the rule's update, :math:`\eta_t` the learning rate (a
-  float or an optax schedule) and :math:`\lambda` the weight decay. Like
-  ``optax.adamw``, ``update`` needs the params.
+  where ``u`` is the rule's update, ``η_t`` the learning rate (a float or an
+  optax schedule) and ``λ`` the weight decay. Like ``optax.adamw``, ``update``
+  needs the params.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -294,6 +294,7 @@ def symmetry_compatible(
     Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
     Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
   """
+  choices = _Choices.of(locals())
   matrices = tuple(r for r in ROLE_PATTERNS if r != "adamw")
   lrs = {
     **dict.fromkeys(REFERENCE_LEARNING_RATES, learning_rate),
@@ -301,24 +302,7 @@ def symmetry_compatible(
   }
   wds = {**dict.fromkeys(matrices, weight_decay), "adamw": adamw_weight_decay}
   return _stack(
-    settings={},
-    lrs={**lrs, **(learning_rates or {})},
-    wds={**wds, **(weight_decays or {})},
-    experts_transposed=False,
-    adamw_b2=0.999,
-    num_heads=num_heads,
-    num_kv_heads=num_kv_heads,
-    head_dim=head_dim,
-    tie_embeddings=tie_embeddings,
-    embedding=embedding,
-    lm_head=lm_head,
-    mlp=mlp,
-    down=down,
-    router=router,
-    stacked=stacked,
-    patterns=patterns,
-    beta=beta,
-    ns={"ns_coeffs": ns_coeffs, "ns_steps": ns_steps, "ns_dtype": ns_dtype, "ns_gram": ns_gram},
+    _DEFAULT, choices, {**lrs, **(learning_rates or {})}, {**wds, **(weight_decays or {})}
   )
 
 
@@ -380,6 +364,7 @@ def symmetry_compatible_reference(
     Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026; training
     scripts in timlautk/equivariant_optimizers.
   """
+  choices = _Choices.of(locals())
   matrices = ("query", "key_value", "output", "gate_up", "down", "experts")
   lrs: dict[str, optax.ScalarOrSchedule] = dict(REFERENCE_LEARNING_RATES)
   wds: dict[str, optax.ScalarOrSchedule] = dict(REFERENCE_WEIGHT_DECAYS)
@@ -394,107 +379,116 @@ def symmetry_compatible_reference(
     rates.update(overrides or {})
     if tie_embeddings and "embedding" not in (overrides or {}):
       rates["embedding"] = rates["lm_head"]
-  return _stack(
-    settings=REFERENCE,
-    lrs=lrs,
-    wds=wds,
-    experts_transposed=True,
-    adamw_b2=0.95,
-    num_heads=num_heads,
-    num_kv_heads=num_kv_heads,
-    head_dim=head_dim,
-    tie_embeddings=tie_embeddings,
-    embedding=embedding,
-    lm_head=lm_head,
-    mlp=mlp,
-    down=down,
-    router=router,
-    stacked=stacked,
-    patterns=patterns,
-    beta=beta,
-    ns={"ns_coeffs": ns_coeffs, "ns_steps": ns_steps, "ns_dtype": ns_dtype, "ns_gram": ns_gram},
-  )
+  return _stack(_REFERENCE, choices, lrs, wds)
+
+
+class _Preset(NamedTuple):
+  """Where the two builders differ beyond their defaults: the keyword arguments of each
+  rule by name (as :data:`REFERENCE`), the experts' matrix orientation (transposed:
+  Muon's shape factor of ``(E, in, out)`` experts) and AdamW's ``b2``."""
+
+  settings: Mapping[str, Mapping[str, Any]]
+  experts_transposed: bool
+  adamw_b2: float
+
+
+_DEFAULT = _Preset({}, experts_transposed=False, adamw_b2=0.999)
+_REFERENCE = _Preset(REFERENCE, experts_transposed=True, adamw_b2=0.95)
+
+
+class _Choices(NamedTuple):
+  """The arguments that both builders take alike and pass to :func:`_stack` unchanged."""
+
+  num_heads: int | None
+  num_kv_heads: int | None
+  head_dim: int | None
+  tie_embeddings: bool
+  embedding: str
+  lm_head: str
+  mlp: str
+  down: str
+  router: str
+  stacked: bool
+  patterns: Mapping[str, Patterns] | None
+  beta: float
+  ns_coeffs: _linalg.Coeffs
+  ns_steps: int
+  ns_dtype: Any
+  ns_gram: bool
+
+  @classmethod
+  def of(cls, args: Mapping[str, Any]) -> _Choices:
+    """The fields from a builder's arguments (its ``locals()``)."""
+    return cls(**{name: args[name] for name in cls._fields})
 
 
 def _stack(
-  *,
-  settings,
-  lrs,
-  wds,
-  experts_transposed,
-  adamw_b2,
-  num_heads,
-  num_kv_heads,
-  head_dim,
-  tie_embeddings,
-  embedding,
-  lm_head,
-  mlp,
-  down,
-  router,
-  stacked,
-  patterns,
-  beta,
-  ns,
-):
-  """The stack of both builders: each role's rule, with ``settings`` per rule name, under
-  :func:`optimizer` with its rate ``lrs[role]`` and decay ``wds[role]``, AdamW for the rest."""
+  preset: _Preset,
+  c: _Choices,
+  lrs: Mapping[str, optax.ScalarOrSchedule],
+  wds: Mapping[str, optax.ScalarOrSchedule],
+) -> optax.GradientTransformationExtraArgs:
+  """The stack of both builders: each role's rule, with ``preset.settings`` per rule name,
+  under :func:`optimizer` with its rate ``lrs[role]`` and decay ``wds[role]``, AdamW for
+  the rest."""
   roles = {**ROLE_PATTERNS}
-  for overrides in (patterns or {}, lrs, wds):
+  for overrides in (c.patterns or {}, lrs, wds):
     if unknown := set(overrides) - set(roles) - {"adamw"}:
       raise ValueError(
         f"Unknown roles {sorted(unknown)}; the roles are {sorted(roles) + ['adamw']}."
       )
-  roles.update({r: _as_patterns(p) for r, p in (patterns or {}).items()})
-  if down not in ("column", "polar"):
-    raise ValueError(f"down must be 'column' or 'polar', got {down!r}.")
-  layer = (0,) if stacked else ()
+  roles.update({r: _as_patterns(p) for r, p in (c.patterns or {}).items()})
+  if c.down not in ("column", "polar"):
+    raise ValueError(f"down must be 'column' or 'polar', got {c.down!r}.")
+  layer = (0,) if c.stacked else ()
+  ns = dict(ns_coeffs=c.ns_coeffs, ns_steps=c.ns_steps, ns_dtype=c.ns_dtype, ns_gram=c.ns_gram)
+
+  def settings(rule, **ns):  # the momentum, the preset's keywords, then the builder's ns_*
+    return {"beta": c.beta, **preset.settings.get(rule, {}), **ns}
 
   def polar(*axes, **kw):
-    return scale_by_polar(*axes, beta=beta, **{**settings.get("scale_by_polar", {}), **ns}, **kw)
+    return scale_by_polar(*axes, **settings("scale_by_polar", **ns), **kw)
 
   def units(kind, unit_axis, center=False, batch_axis=(), joint=()):
     dims = UnitDimensionNumbers(unit_axis, batch_axis=batch_axis)
     if kind == "row_norm":
-      return scale_by_row_norm(
-        dims, center=center, joint=joint, beta=beta, **settings.get("scale_by_row_norm", {})
-      )
+      return scale_by_row_norm(dims, center=center, joint=joint, **settings("scale_by_row_norm"))
     if kind == "hybrid":
-      return scale_by_hybrid(
-        dims, center=center, joint=joint, beta=beta, **{**settings.get("scale_by_hybrid", {}), **ns}
-      )
+      return scale_by_hybrid(dims, center=center, joint=joint, **settings("scale_by_hybrid", **ns))
     if kind == "left_spectral":
       return scale_by_left_spectral(
-        dims, center=center, joint=joint, beta=beta, **settings.get("scale_by_left_spectral", {})
+        dims, center=center, joint=joint, **settings("scale_by_left_spectral")
       )
     raise ValueError(f"Unknown rule {kind!r}.")
 
   def heads(n, axis):
-    if head_dim is not None:
-      return polar(batch_axes=layer, head_dim=head_dim, head_axis=axis)
+    if c.head_dim is not None:
+      return polar(batch_axes=layer, head_dim=c.head_dim, head_axis=axis)
     return polar(batch_axes=layer, num_heads=n, head_axis=axis)
 
-  if mlp == "polar":
+  if c.mlp == "polar":
     gate_up = down_rule = polar(batch_axes=layer)
   else:
-    gate_up = units(mlp, -1, batch_axis=layer, joint=roles["gate_up"])
-    down_rule = units(mlp, -2, batch_axis=layer) if down == "column" else polar(batch_axes=layer)
+    gate_up = units(c.mlp, -1, batch_axis=layer, joint=roles["gate_up"])
+    down_rule = (
+      units(c.mlp, -2, batch_axis=layer) if c.down == "column" else polar(batch_axes=layer)
+    )
   experts = layer + (len(layer),)
   rules = {
-    "embedding": units(lm_head, 0, center=True) if tie_embeddings else units(embedding, 0),
-    "lm_head": units(lm_head, 1, center=True),
-    "query": heads(num_heads, -1),
-    "key_value": heads(num_kv_heads or num_heads, -1),
-    "output": heads(num_heads, -2),
+    "embedding": units(c.lm_head, 0, center=True) if c.tie_embeddings else units(c.embedding, 0),
+    "lm_head": units(c.lm_head, 1, center=True),
+    "query": heads(c.num_heads, -1),
+    "key_value": heads(c.num_kv_heads or c.num_heads, -1),
+    "output": heads(c.num_heads, -2),
     "gate_up": gate_up,
     "down": down_rule,
-    "router": units(router, -1, center=True, batch_axis=layer),
-    "experts": polar(-1, -2, experts) if experts_transposed else polar(batch_axes=experts),
+    "router": units(c.router, -1, center=True, batch_axis=layer),
+    "experts": polar(-1, -2, experts) if preset.experts_transposed else polar(batch_axes=experts),
   }
-  default = optax.adamw(lrs["adamw"], b2=adamw_b2, weight_decay=wds["adamw"])
+  default = optax.adamw(lrs["adamw"], b2=preset.adamw_b2, weight_decay=wds["adamw"])
   tx = layerwise([(roles[r], optimizer(rules[r], lrs[r], wds[r])) for r in roles], default)
-  optional = {"router", "experts"} | ({"lm_head"} if tie_embeddings else set())
-  return _routed(tx, roles, set(patterns or ()), optional, len(layer))
+  optional = {"router", "experts"} | ({"lm_head"} if c.tie_embeddings else set())
+  return _routed(tx, roles, set(c.patterns or ()), optional, len(layer))
 
 
 def _routed(tx, roles, given, optional, stacked) -> optax.GradientTransformationExtraArgs:
