@@ -249,7 +249,8 @@ def test_store_skips_finished_runs_and_resumes(tmp_path):
 
 def test_every_run_config_carries_the_code_version():
   args = study.parse_args(study.build_parser(""), [])
-  setup = study.Setup(args, study.lm.ModelConfig(), None, None, [], "0123456789ab")
+  # The configs read neither the graph nor the corpus.
+  setup = study.Setup(args, study.lm.ModelConfig(), None, None, [], "0123456789ab")  # pyright: ignore[reportArgumentType]
   assert study.base_config(setup)["code"] == "0123456789ab"
   assert study.saggs_config(setup)["code"] == "0123456789ab"
 

@@ -411,17 +411,17 @@ ClipStep = Callable[
 ]
 
 
-def make_max_logits_step(
-  graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtraArgs
-) -> ClipStep:
+def make_max_logits_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> ClipStep:
   """A jitted ``step(params, opt_state, batch) -> (params, opt_state, loss, max logit)``.
 
   For chains that end in ``saggs.qk_clip``: the per-head max logits of the
   forward pass that gives the gradient (``loss_and_max_logits``) go to
   ``tx.update(..., max_logits=...)``, so the clip needs no second forward
-  pass; the last output is their maximum over layers and heads. Donates
-  ``params`` and ``opt_state`` as ``make_train_step`` does.
+  pass; the last output is their maximum over layers and heads. A ``tx``
+  without extra arguments ignores them. Donates ``params`` and ``opt_state``
+  as ``make_train_step`` does.
   """
+  tx = optax.with_extra_args_support(tx)
 
   def step(params, opt_state, batch):
     (loss, logits), grads = jax.value_and_grad(loss_and_max_logits, has_aux=True)(
