@@ -6,7 +6,7 @@ equivariant under that block's symmetry group and reports final
 validation-loss gains over AdamW of about 0.01-0.06 nats on 0.6B-3.5B
 parameter models. This script runs the comparison at toy scale: the LLaMA-style
 LM of ``saggs_jax.testing.lm`` (its default sizes: ~124k parameters) on bytes of the Python
-standard library, trained with
+standard library, trained with (built by ``saggs_jax.testing.optimizers``, shared with the study)
 
 * ``adamw``: ``optax.adamw`` on every parameter;
 * ``muon``: ``optax.contrib.muon`` with its defaults (quintic Newton-Schulz on
@@ -65,24 +65,10 @@ import pathlib
 import time
 
 import numpy as np
-import optax
 from matplotlib.figure import Figure
 
-from saggs_jax import equivariant as eqv
 from saggs_jax.testing import lm
-
-OPTIMIZERS = ("adamw", "muon", "stack", "reference")
-# Peak learning rates swept by default: for muon and stack the rate of the
-# matrix rules (their updates have about unit spectral norm per block or unit
-# norm per row, so rates are ~10x AdamW's). Centred on each optimizer's best
-# rate at the default model size and 200 steps (a 4-rate pilot, seed 0; stack and
-# reference: the 3-seed sweep in the docstring).
-DEFAULT_LRS = {
-  "adamw": (3e-3, 1e-2, 3e-2),
-  "muon": (0.02, 0.05, 0.1),
-  "stack": (0.02, 0.05, 0.1),
-  "reference": (0.02, 0.05, 0.1),
-}
+from saggs_jax.testing.optimizers import DEFAULT_LRS, OPTIMIZERS, floats, make_optimizer
 
 
 def parse_args() -> argparse.Namespace:
@@ -96,7 +82,7 @@ def parse_args() -> argparse.Namespace:
   for name in OPTIMIZERS:
     parser.add_argument(
       f"--lrs-{name}",
-      type=_floats,
+      type=floats,
       default=DEFAULT_LRS[name],
       help=f"comma-separated peak learning rates of {name} "
       f"(default {','.join(map(str, DEFAULT_LRS[name]))})",
@@ -125,44 +111,6 @@ def parse_args() -> argparse.Namespace:
   if unknown := set(args.optimizers) - set(OPTIMIZERS):
     parser.error(f"unknown optimizers {sorted(unknown)}; choose from {OPTIMIZERS}")
   return args
-
-
-def _floats(text: str) -> tuple[float, ...]:
-  return tuple(float(x) for x in text.split(",") if x.strip())
-
-
-def schedule(peak: float, args: argparse.Namespace) -> optax.Schedule:
-  """Linear warm-up to ``peak``, then cosine decay to ``peak / 10`` at the last step."""
-  return optax.warmup_cosine_decay_schedule(
-    0.0, peak, max(1, int(args.warmup * args.steps)), args.steps, peak / 10
-  )
-
-
-def make_optimizer(
-  name: str, lr: float, config: lm.ModelConfig, args: argparse.Namespace
-) -> optax.GradientTransformation:
-  wd, aux = args.weight_decay, schedule(args.aux_lr, args)
-  if name == "adamw":
-    return optax.adamw(schedule(lr, args), weight_decay=wd)
-  if name == "muon":
-    return optax.contrib.muon(
-      schedule(lr, args), weight_decay=wd, adam_learning_rate=aux, adam_weight_decay=wd
-    )
-  heads = dict(
-    num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim
-  )
-  if name == "reference":
-    scale = lr / eqv.REFERENCE_LEARNING_RATES["query"]
-    return eqv.symmetry_compatible_reference(
-      **heads,
-      learning_rates={
-        r: schedule(v * scale, args) for r, v in eqv.REFERENCE_LEARNING_RATES.items()
-      },
-      weight_decays=dict.fromkeys(eqv.REFERENCE_WEIGHT_DECAYS, wd),
-    )
-  return eqv.symmetry_compatible(
-    schedule(lr, args), adamw_learning_rate=aux, weight_decay=wd, adamw_weight_decay=wd, **heads
-  )
 
 
 def mean_history(histories: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

@@ -1,6 +1,6 @@
 r"""Kim (2026)'s imbalance experiment at GPT-2-small size, on one GPU.
 
-``study.py``'s ``imbalance`` experiment (the same runner, JSONL, tables and
+``saggs_jax.testing.study``'s ``imbalance`` experiment (the same runner, JSONL, tables and
 verdicts): every ``presets.llama`` pair rescaled by 8 and 1/8 at
 initialisation, then AdamW, AdamW + hard SAGGS and AdamW + soft SAGGS, on 4
 seeds (200-203), on the LLaMA-style byte LM of
@@ -37,7 +37,7 @@ run for hours on a CPU. At the end it prints one JSON line (also written to
 ``<out>/summary.json``): backend, device, precision, sizes, wall time and every
 verdict. ``--tiny`` runs the same pipeline on a model of about 10k parameters
 for 20 steps (under a minute on a CPU); the tests use it. Any flag of
-``study.py`` overrides these defaults. From the repository root::
+``examples/study.py`` overrides these defaults. From the repository root::
 
   python examples/gpu_study.py                 # on the GPU machine, ~5 minutes on one H200
   python examples/gpu_study.py --tiny          # CPU, seconds
@@ -52,7 +52,7 @@ from collections.abc import Sequence
 
 import jax
 
-import study
+from saggs_jax.testing import study
 
 GPU = {
   "d_model": 768,

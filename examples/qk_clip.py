@@ -15,12 +15,13 @@ optimizer is trained in two arms from the same initialisations and batches
   hard SAGGS on the Q/K pairs choosing the gauge the clip leaves open.
 
 The logits are measured in the training forward pass itself
-(``lm.loss_and_max_logits``: each attention layer sows ``saggs.max_logits``),
-so the clip costs one more ``q·kᵀ`` per layer and no second forward pass.
+(``lm.loss_and_max_logits``: each attention layer sows ``saggs.max_logits``;
+``lm.make_max_logits_step`` hands them to the clip), so the clip costs one
+more ``q·kᵀ`` per layer and no second forward pass.
 
 It prints a table (peak and final max logit on the training batches, as the
 clip sees them before each update, final validation loss, and the per-seed paired difference to ``none`` with its 95%
-t-interval, see ``stats.py``) and writes ``max_logit.png`` (the max logit over
+t-interval, see ``saggs_jax.testing.stats``) and writes ``max_logit.png`` (the max logit over
 training, mean over seeds) to ``--out``.
 
 τ is set by the logit scale of this tiny model: at initialisation its max
@@ -41,15 +42,13 @@ import argparse
 import pathlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm import tqdm
 
 import saggs_jax as saggs
-import stats
 from saggs_jax import equivariant as eqv
-from saggs_jax.testing import lm
+from saggs_jax.testing import lm, stats
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,21 +95,6 @@ def with_arm(opt, arm: str, config: lm.ModelConfig, tau: float):
   return saggs.chain(opt, saggs.saggs(qk), saggs.qk_clip(qk, tau))
 
 
-def make_step(graphdef, tx):
-  """``step(params, state, batch) -> (params, state, loss, max logit)``: the logits of the
-  forward pass that gives the gradient, passed to the clip, max over layers and heads."""
-
-  def step(params, state, batch):
-    (loss, logits), grads = jax.value_and_grad(lm.loss_and_max_logits, has_aux=True)(
-      params, graphdef, batch
-    )
-    updates, state = tx.update(grads, state, params, max_logits=logits)
-    top = jnp.max(jnp.stack(list(logits.values())))
-    return optax.apply_updates(params, updates), state, loss, top
-
-  return jax.jit(step, donate_argnums=(0, 1))
-
-
 def train(graphdef, params, step, tx, corpus, args, seed, bar):
   """``(max logit per step, final validation loss)`` of one run."""
   params = lm.donatable_copy(params)
@@ -141,7 +125,7 @@ def run(args, corpus, progress: bool = True):
       results[name] = {}
       for arm in arms:
         tx = with_arm(opt, arm, config, args.tau)
-        step = make_step(graphdef, tx)  # one compilation per optimizer and arm
+        step = lm.make_max_logits_step(graphdef, tx)  # one compilation per optimizer and arm
         bar.set_description(f"{name} / {arm}")
         runs = [
           train(graphdef, inits[s], step, tx, corpus, args, s, bar) for s in range(args.seeds)

@@ -229,10 +229,9 @@ def test_jit_traces_once_and_the_missing_argument_is_named():
 
 
 def test_example_lm_sows_logits_by_query_path_and_its_step_clips_them():
-  """examples/qk_clip.py's step on a tiny lm.LM: its sown logits, keyed as the clip reads
-  them, land on τ after an update with lr 0."""
-  sys.path.insert(0, str(ROOT / "examples"))
-  import qk_clip as example
+  """lm.make_max_logits_step (examples/qk_clip.py's step) on a tiny lm.LM, with the
+  example's clip arm: its sown logits, keyed as the clip reads them, land on τ after an
+  update with lr 0."""
   from saggs_jax.testing import lm
 
   config = lm.ModelConfig(
@@ -250,8 +249,9 @@ def test_example_lm_sows_logits_by_query_path_and_its_step_clips_them():
   first, second = (np.asarray(before[f"layers/{i}/attn/q_proj/kernel"]) for i in range(2))
   tau = float(np.median(first))
   assert second.max() < tau < first.max()
-  tx = example.with_arm(optax.adamw(0.0), "clip", config, tau)
-  new, _, _, top = example.make_step(graphdef, tx)(
+  qk = saggs.presets.llama(config.num_kv_heads, mlp=False)[:1]  # every layer's Q/K pair
+  tx = saggs.chain(optax.adamw(0.0), saggs.qk_clip(qk, tau))
+  new, _, _, top = lm.make_max_logits_step(graphdef, tx)(
     lm.donatable_copy(params), tx.init(params), tokens
   )
   assert float(top) == max(float(v.max()) for v in before.values())

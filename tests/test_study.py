@@ -1,26 +1,26 @@
-"""The study's statistics, verdicts and resumable runner (examples/stats.py, study.py).
+"""The study's statistics, verdicts and resumable runner (saggs_jax.testing.stats, study).
 
 The end-to-end check runs ``examples/gpu_study.py --tiny`` twice in
 subprocesses: the second run must train nothing, leave the JSONL byte for byte
-and print the same tables.
+and print the same tables. Without ``--tiny`` and a GPU the script must stop.
 """
 
 import inspect
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
+from saggs_jax.testing import stats, study
 from xla_env import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-import gpu_study  # noqa: E402  # pyright: ignore[reportMissingImports]
-import stats  # noqa: E402  # pyright: ignore[reportMissingImports]
-import study  # noqa: E402  # pyright: ignore[reportMissingImports]
+GPU_STUDY_SEEDS = 4  # examples/gpu_study.py's --seeds, which --tiny keeps
 
 # Published two-sided 95% quantiles t_{0.975, df} (e.g. NIST/SEMATECH e-Handbook, table 1.3.6.7.2).
 T_975 = {1: 12.706205, 3: 3.182446, 7: 2.364624, 9: 2.262157}
@@ -208,9 +208,12 @@ def test_source_hash_follows_the_sources(tmp_path):
   assert study.source_hash([file], [study.with_stage], ["jax 1"]) != before
   file.write_text("x = 2\n")
   assert study.source_hash([file], [study.adamw], ["jax 1"]) != before
-  # The run code covers the whole library package and the example model.
-  files = [f.name for f in study.run_files()]
-  assert {"__init__.py", "lm.py", "compare_optimizers.py", "stats.py"} - set(files) == {"stats.py"}
+  # The run code covers the whole library package, the example model and the optimizers,
+  # not the study's report and statistics.
+  files = study.run_files()
+  names = [f.name for f in files]
+  assert {"__init__.py", "transform.py", "lm.py", "optimizers.py"} <= set(names)
+  assert not {"study.py", "stats.py"} & set(names) and len(set(files)) == len(files)
   assert len(study.code_version()) == 12
   # The study's functions are read from the file as imported, which is unedited here.
   assert [study.function_source(f) for f in study.RUN_FUNCTIONS] == [
@@ -246,37 +249,42 @@ def test_store_skips_finished_runs_and_resumes(tmp_path):
 
 def test_every_run_config_carries_the_code_version():
   args = study.parse_args(study.build_parser(""), [])
-  setup = study.Setup(args, study.lm.ModelConfig(), None, None, [], "0123456789ab")
+  # The configs read neither the graph nor the corpus.
+  setup = study.Setup(args, study.lm.ModelConfig(), None, None, [], "0123456789ab")  # pyright: ignore[reportArgumentType]
   assert study.base_config(setup)["code"] == "0123456789ab"
   assert study.saggs_config(setup)["code"] == "0123456789ab"
 
 
-def _gpu_study_tiny(out):
+def _gpu_study(*flags, check=True):
   return subprocess.run(
-    [sys.executable, str(ROOT / "examples" / "gpu_study.py"), "--tiny", "--out", str(out)],
+    [sys.executable, str(ROOT / "examples" / "gpu_study.py"), *flags],
     cwd=ROOT,
     env=cpu_env(),
     capture_output=True,
     text=True,
     timeout=300,
-    check=True,
+    check=check,
   )
+
+
+def _gpu_study_tiny(out):
+  return _gpu_study("--tiny", "--out", str(out))
 
 
 def test_gpu_study_tiny_runs_then_resumes_without_training(tmp_path):
   first = _gpu_study_tiny(tmp_path)
   jsonl = (tmp_path / "runs.jsonl").read_text()
   records = [json.loads(line) for line in jsonl.splitlines()]
-  seeds = range(study.FIRST_SEED, study.FIRST_SEED + gpu_study.GPU["seeds"])
+  seeds = range(study.FIRST_SEED, study.FIRST_SEED + GPU_STUDY_SEEDS)
   assert sorted((r["experiment"], r["arm"], r["seed"]) for r in records) == sorted(
     ("imbalance", arm, seed) for arm in study.IMBALANCE_ARMS for seed in seeds
   )
   # The runs are keyed by the code and by the matmul precision gpu_study sets.
-  gpu_study.jax.config.update("jax_default_matmul_precision", "tensorfloat32")
+  jax.config.update("jax_default_matmul_precision", "tensorfloat32")
   try:
     code = study.code_version()
   finally:
-    gpu_study.jax.config.update("jax_default_matmul_precision", None)
+    jax.config.update("jax_default_matmul_precision", None)
   assert {r["config"]["code"] for r in records} == {code} and code != study.code_version()
   # The table holds the JSONL's numbers: each arm's mean ± sample std of the val loss.
   for arm in study.IMBALANCE_ARMS:
@@ -305,7 +313,6 @@ def test_gpu_study_tiny_runs_then_resumes_without_training(tmp_path):
 
 
 def test_gpu_study_stops_without_a_gpu():
-  if gpu_study.jax.default_backend() == "gpu":
-    pytest.skip("this machine has a GPU")  # the check is for machines without one
-  with pytest.raises(SystemExit, match=r"needs a GPU, but JAX's backend is 'cpu'.*jax\[cuda12\]"):
-    gpu_study.main([])
+  proc = _gpu_study("--out", "/nonexistent/never-written", check=False)  # JAX on the CPU
+  assert proc.returncode == 1 and proc.stdout == ""
+  assert re.search(r"needs a GPU, but JAX's backend is 'cpu'.*jax\[cuda12\]", proc.stderr)

@@ -405,6 +405,35 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) ->
   return jax.jit(train_step, donate_argnums=(0, 1))
 
 
+ClipStep = Callable[
+  [nnx.State, optax.OptState, jax.Array],
+  tuple[nnx.State, optax.OptState, jax.Array, jax.Array],
+]
+
+
+def make_max_logits_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> ClipStep:
+  """A jitted ``step(params, opt_state, batch) -> (params, opt_state, loss, max logit)``.
+
+  For chains that end in ``saggs.qk_clip``: the per-head max logits of the
+  forward pass that gives the gradient (``loss_and_max_logits``) go to
+  ``tx.update(..., max_logits=...)``, so the clip needs no second forward
+  pass; the last output is their maximum over layers and heads. A ``tx``
+  without extra arguments ignores them. Donates ``params`` and ``opt_state``
+  as ``make_train_step`` does.
+  """
+  tx = optax.with_extra_args_support(tx)
+
+  def step(params, opt_state, batch):
+    (loss, logits), grads = jax.value_and_grad(loss_and_max_logits, has_aux=True)(
+      params, graphdef, batch
+    )
+    updates, opt_state = tx.update(grads, opt_state, params, max_logits=logits)
+    top = jnp.max(jnp.stack(list(logits.values())))
+    return optax.apply_updates(params, updates), opt_state, loss, top
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
 @functools.cache  # one compilation per model graph, shared by every run that trains it
 def make_evaluate(graphdef: nnx.GraphDef) -> Callable[[nnx.State, jax.Array], jax.Array]:
   """A jitted ``evaluate(params, batches) -> mean loss`` over stacked batches (N, B, T + 1)."""
