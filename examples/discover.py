@@ -86,6 +86,7 @@ def main():
       for label, h in histories.items()
     ],
     ["run", "val loss @0", "val loss", "val ppl"],
+    floatfmt=".2f",  # one seed; the third decimal moves with the CPU model
   )
   png = args.out / "loss.png"
   lm.plot_curves(histories, png, title="Byte-level LM: discovered pairs against the preset")

@@ -144,14 +144,14 @@ def report(args, results) -> str:
         diff = "-"
       else:
         ci = stats.t_interval(list(stats.paired_differences(vals, base)))
-        diff = f"{ci.mean:+.4f} [{ci.low:+.4f}, {ci.high:+.4f}]"
+        diff = f"{ci.mean:+.2f} [{ci.low:+.2f}, {ci.high:+.2f}]"
       rows.append(
         (
           name,
           arm,
           float(tops.max(axis=1).mean()),
           float(tops[:, -1].mean()),
-          f"{mean:.4f} ± {std:.4f}",
+          f"{mean:.2f} ± {std:.2f}",
           diff,
         )
       )
@@ -165,7 +165,7 @@ def report(args, results) -> str:
       "val loss",
       "Δ val loss vs none (95% CI)",
     ],
-    floatfmt=".2f",
+    floatfmt=".1f",
   )
   steps = np.arange(1, args.steps + 1)
   args.out.mkdir(parents=True, exist_ok=True)
