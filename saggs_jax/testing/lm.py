@@ -388,6 +388,7 @@ TrainStep = Callable[
 ]
 
 
+@functools.lru_cache(maxsize=16)  # runs given the same graph and optimizer share one compilation
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> TrainStep:
   """A jitted ``train_step(params, opt_state, batch) -> (params, opt_state, loss)``.
 

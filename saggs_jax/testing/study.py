@@ -341,12 +341,15 @@ def imbalance_specs(setup: Setup, experiment: str) -> list[Spec]:
   factor = a.factor if experiment == "imbalance" else 1.0
   config = saggs_config(setup, steps=a.steps, factor=factor)
 
+  @functools.cache  # one optimizer per arm: its seeds share the compiled step (lm.train)
+  def optimizer(arm):  # and the transport degrees saggs.chain measures at its first init
+    stage = with_stage(arm, a, setup.pairs)
+    return adamw(a) if stage is None else saggs.chain(adamw(a), stage)
+
   def run(seed, arm, desc):
     _, params = lm.init_model(setup.config, seed=seed)
     params, _ = saggs.reparameterize(params, None, setup.pairs, factor)  # same function
-    stage = with_stage(arm, a, setup.pairs)
-    tx = adamw(a) if stage is None else saggs.chain(adamw(a), stage)
-    return train(setup, params, tx, steps=a.steps, seed=seed, desc=desc)
+    return train(setup, params, optimizer(arm), steps=a.steps, seed=seed, desc=desc)
 
   return [
     Spec(experiment, arm, seed, config, functools.partial(run, seed, arm))
