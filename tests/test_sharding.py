@@ -353,8 +353,8 @@ RUN_SECTIONS = textwrap.dedent(r"""
         fn()
       except Exception:
         check(False, traceback.format_exc())
-      for msg in failures:
-        print(f"[{section}] FAIL: {msg}")
+      for msg in failures:  # every line tagged (tracebacks span several)
+        print(f"[{section}] FAIL: {msg}".replace("\n", f"\n[{section}]   "))
       print(f"{section} {'FAILED' if failures else 'OK'}", flush=True)
 """)
 
