@@ -382,3 +382,16 @@ def jit_step(tx, params, state, grads):
   """``step`` as one compiled program (one compile per ``tx``): cheaper than eager for a
   one-off dtype or shape, and for many steps of one optimizer."""
   return step(tx, params, state, grads)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def train_scan(tx, params, batches):
+  """``params`` after one ``tx`` step on ``llama_loss`` per batch of ``batches`` (num, b, t + 1),
+  from ``tx.init(params)``, as one ``lax.scan`` program: one compile per ``tx`` (and shapes)."""
+
+  def body(carry, batch):
+    p, s = carry
+    p, _, s = step(tx, p, s, jax.grad(llama_loss)(p, batch))
+    return (p, s), None
+
+  return jax.lax.scan(body, (params, tx.init(params)), batches)[0][0]

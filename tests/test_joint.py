@@ -271,6 +271,8 @@ GAINS = [
 ]
 PAIRS = models.llama_pairs() + GAINS
 X = models.tokens(0)
+# One compiled canonicalize of the per-layer LLaMA params, shared by every test below.
+_canon_llama = jax.jit(lambda p: saggs.canonicalize(p, None, PAIRS)[0])
 
 
 def _side_norms_numpy(params, pairs):
@@ -295,11 +297,11 @@ def _side_norms_numpy(params, pairs):
 def test_llama_with_norm_gains_is_balanced_minimal_and_orbit_invariant():
   params = models.perturb(models.llama_init(0), PAIRS, seed=5)
   saggs.check_symmetry(models.llama_forward, params, PAIRS, X)
-  canon = jax.jit(lambda p: saggs.canonicalize(p, None, PAIRS)[0])
+  canon = _canon_llama
   balanced = canon(params)
   # Same function.
   np.testing.assert_allclose(
-    models.llama_forward(balanced, X), models.llama_forward(params, X), atol=2e-5
+    models.llama_apply(balanced, X), models.llama_apply(params, X), atol=2e-5
   )
   # Every declared symmetry balanced (NumPy norms over all tensors of each side).
   for key, imb in _side_norms_numpy(balanced, PAIRS).items():
@@ -330,9 +332,9 @@ def test_stacked_layers_with_norm_gains():
     saggs.Pair(g.a, g.b, axes=g.axes, stacked=0 if g.a.startswith("final") else 1) for g in GAINS
   ]
   params = models.perturb(models.llama_init(0, c), pairs, seed=7)
-  balanced, _ = saggs.canonicalize(params, None, pairs)
+  balanced = jax.jit(lambda p: saggs.canonicalize(p, None, pairs)[0])(params)  # one program
   np.testing.assert_allclose(
-    models.llama_forward(balanced, X, c), models.llama_forward(params, X, c), atol=2e-5
+    models.llama_apply(balanced, X, c=c), models.llama_apply(params, X, c=c), atol=2e-5
   )
   for key, imb in _side_norms_numpy(balanced, pairs).items():
     assert imb.shape[:1] == ((c.num_layers,) if key.startswith("layers") else (16,))
@@ -350,14 +352,8 @@ def test_equivalent_states_follow_one_trajectory_with_overlaps():
   factors = models.orbit_factors(p0, PAIRS, seed=8, low=0.3, high=3.0)
   p1, _ = models.reparam(p0, None, PAIRS, factors)
 
-  def run(opt, p):
-    def body(carry, batch):
-      p, s = carry
-      _, g = jax.value_and_grad(models.llama_loss)(p, batch)
-      u, s = opt.update(g, s, p)
-      return (optax.apply_updates(p, u), s), None
-
-    return jax.jit(lambda p: jax.lax.scan(body, (p, opt.init(p)), BATCHES)[0][0])(p)
+  def run(opt, p):  # one compile per optimizer, shared by p0 and p1
+    return models.train_scan(opt, p, BATCHES)
 
   def rel(a, b):
     a, b = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)]) for t in (a, b))
@@ -365,7 +361,7 @@ def test_equivalent_states_follow_one_trajectory_with_overlaps():
 
   assert rel(run(tx, p0), run(tx, p1)) <= 1e-4
   inner = optax.adamw(3e-3, weight_decay=0.1)
-  ends = [saggs.canonicalize(run(inner, p), None, PAIRS)[0] for p in (p0, p1)]
+  ends = [_canon_llama(run(inner, p)) for p in (p0, p1)]
   assert rel(*ends) > 1e-3
 
 
@@ -378,7 +374,7 @@ def test_checkpoint_restores_onto_the_joint_canonical_point(tmp_path):
     manager.wait_until_finished()
     restored, _, step = saggs.checkpoint.restore(manager, params, state, PAIRS)
   assert step == 3
-  expect, _ = saggs.canonicalize(params, None, PAIRS)
+  expect = _canon_llama(params)
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expect)):
     np.testing.assert_allclose(a, b, rtol=1e-6)
 
