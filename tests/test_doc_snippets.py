@@ -112,6 +112,7 @@ def free_port_in(low: int, high: int) -> int:
   raise RuntimeError(f"no free port in [{low}, {high})")
 
 
+@pytest.mark.heavy  # a two-process job, as tests/test_multiprocess.py: run by .ci/run
 def test_multi_host_guide_runs_as_two_processes(tmp_path):
   file = tmp_path / "multi_host.py"
   file.write_text(script(MULTI_HOST))

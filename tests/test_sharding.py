@@ -21,6 +21,11 @@ import pytest
 
 from xla_env import cpu_env
 
+# A minute and a half of 8-device compiles, every layout on both axis types: run by .ci/run
+# (pytest -m heavy); the default run keeps the mesh checks of test_qk_clip.py,
+# test_equivariant_sharding.py and test_pod_comms.py.
+pytestmark = pytest.mark.heavy
+
 TESTS = pathlib.Path(__file__).resolve().parent
 
 PRELUDE = textwrap.dedent(r"""
