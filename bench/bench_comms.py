@@ -1,9 +1,10 @@
 """What one update sends across devices, read from the compiled HLO.
 
 Seven 256 x 256 float32 matrices, their rows sharded over every device (FSDP),
-under ``jax.set_mesh`` (Auto axes). For each rule the table gives the number of
-collectives in the compiled update and the bytes of their outputs over the
-parameters' bytes. Deterministic: it compiles, it does not time.
+under ``jax.set_mesh`` (Auto axes). For each rule and each way of compiling the
+step (:data:`FORMS`) the table gives the number of collectives in the compiled
+update and the bytes of their outputs over the parameters' bytes.
+Deterministic: it compiles, it does not time.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/bench_comms.py
 
@@ -68,14 +69,25 @@ def collectives(hlo: str) -> list[tuple[str, int]]:
   return found
 
 
-def measure(tx: optax.GradientTransformation, params, shardings) -> tuple[int, float]:
+FORMS = {
+  # the updates sharded as the parameters by jit's out_shardings
+  "out_shardings": lambda tx, shardings: jax.jit(
+    lambda g, s, p: tx.update(g, s, p)[0], out_shardings=shardings
+  ),
+  # a training step: the updates added to the parameters, the partitioner placing both
+  "applied": lambda tx, _: jax.jit(lambda g, s, p: optax.apply_updates(p, tx.update(g, s, p)[0])),
+  # the updates returned bare: nothing tells the partitioner where they go
+  "bare": lambda tx, _: jax.jit(lambda g, s, p: tx.update(g, s, p)[0]),
+}
+
+
+def measure(tx: optax.GradientTransformation, params, shardings, form: str) -> tuple[int, float]:
   """Collectives of one jitted ``tx.update`` on sharded ``params`` (gradients
-  alike), the updates sharded as the parameters, and their output bytes over
-  the parameters' bytes."""
+  alike), compiled in one of :data:`FORMS`, and their output bytes over the
+  parameters' bytes."""
   p = jax.device_put(params, shardings)
   state = jax.jit(tx.init)(p)
-  step = jax.jit(lambda g, s, p: tx.update(g, s, p)[0], out_shardings=shardings)  # as the params
-  hlo = step.lower(p, state, p).compile().as_text() or ""
+  hlo = FORMS[form](tx, shardings).lower(p, state, p).compile().as_text() or ""
   found = collectives(hlo)
   return len(found), sum(b for _, b in found) / sum(x.nbytes for x in jax.tree.leaves(params))
 
@@ -107,11 +119,16 @@ def main():
     f"{jax.device_count()} {jax.default_backend()} devices, rows sharded, {args.count} "
     f"{args.size}x{args.size} float32 matrices; jax {jax.__version__}, optax {optax.__version__}\n"
   )
-  print("| rule | collectives | collective bytes / parameter bytes |\n|---|---|---|")
+  print(
+    "Collectives in the compiled update, and their bytes / the parameters' bytes, by how the"
+    " step is compiled\n(out_shardings: the updates sharded as the parameters; applied: added"
+    " to them; bare: returned as they are).\n"
+  )
+  print("| rule | " + " | ".join(FORMS) + " |\n|---|" + "---|" * len(FORMS))
   with jax.set_mesh(mesh):
     for name, tx in rules().items():
-      count, ratio = measure(tx, params, shardings)
-      print(f"| `{name}` | {count} | {ratio:.2f} |")
+      cells = (measure(tx, params, shardings, form) for form in FORMS)
+      print(f"| `{name}` | " + " | ".join(f"{n}, {r:.2f}" for n, r in cells) + " |")
 
 
 if __name__ == "__main__":

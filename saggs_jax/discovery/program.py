@@ -3,7 +3,8 @@
 ``pjit``, ``custom_jvp``/``custom_vjp``, ``remat`` and other calls are inlined; a
 ``scan`` becomes one iteration between a ``scan_slice`` of its ``xs`` and a
 ``scan_stack`` of its ``ys``; a ``cond`` becomes every branch inlined and a
-``select_n`` on the index. Nothing here knows what a primitive does.
+``select_n`` on the index. Nothing here knows what a primitive does; the
+equations' parameters are read through :mod:`saggs_jax.jaxpr_params`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-_SUB_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+from saggs_jax import jaxpr_params
 
 
 def _shape(var: jcore.Var | jcore.Literal) -> tuple[int, ...]:
@@ -79,26 +80,24 @@ class Program:
     for eqn in jaxpr.eqns:
       ins = [read(x) for x in eqn.invars]
       name = eqn.primitive.name
-      sub = next((eqn.params[k] for k in _SUB_JAXPR_PARAMS if k in eqn.params), None)
-      sub_consts = ()
-      if isinstance(sub, jcore.ClosedJaxpr):
-        sub, sub_consts = sub.jaxpr, sub.consts
+      body = jaxpr_params.call_body(eqn)
       if name == "scan":
         outs = self._scan(eqn, ins)
       elif name == "cond":
         outs = self._cond(eqn, ins)
-      elif isinstance(sub, jcore.Jaxpr) and len(sub.invars) == len(ins):
-        outs = self._inline(sub, ins, sub_consts)
+      elif body is not None:
+        outs = self._inline(body[0], ins, body[1])
       else:
+        jaxpr_params.check(eqn)
         outs = self._emit(name, ins, [_shape(v) for v in eqn.outvars], eqn.params)
       env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
   def _scan(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
     """One iteration: per-step slices of ``xs`` in, stacked ``ys`` out."""
-    body, nc, ncarry = eqn.params["jaxpr"], eqn.params["num_consts"], eqn.params["num_carry"]
+    body, consts, nc, ncarry = jaxpr_params.scan(eqn)
     xs = [self._emit("scan_slice", [i], [self.shapes[i][1:]], {})[0] for i in ins[nc + ncarry :]]
-    outs = self._inline(body.jaxpr, ins[: nc + ncarry] + xs, body.consts)
+    outs = self._inline(body, ins[: nc + ncarry] + xs, consts)
     ys = [
       self._emit("scan_stack", [o], [_shape(v)], {})[0]
       for o, v in zip(outs[ncarry:], eqn.outvars[ncarry:])
@@ -107,7 +106,7 @@ class Program:
 
   def _cond(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
     """Every branch inlined on the operands, their outputs chosen by ``select_n`` on the index."""
-    outs = [self._inline(b.jaxpr, ins[1:], b.consts) for b in eqn.params["branches"]]
+    outs = [self._inline(b, ins[1:], consts) for b, consts in jaxpr_params.cond_branches(eqn)]
     return [
       self._emit("select_n", [ins[0], *cases], [_shape(v)], {})[0]
       for cases, v in zip(zip(*outs), eqn.outvars)

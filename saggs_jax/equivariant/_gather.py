@@ -14,9 +14,12 @@ that each device holds whole matrices, orthogonalised locally, and moved back:
 The mesh comes from the context (``jax.set_mesh``). Under an Explicit mesh the
 types name the axes that shard the parameters: those carry the batch, and the
 update gets the parameter's sharding back. Under an Auto mesh the types do not
-say, so every mesh axis carries the batch, and the update is tied to the
-gradient's sharding with ``shard_alike`` (a hint the partitioner may
-override). Without a mesh nothing changes.
+say, so every mesh axis carries the batch and the partitioner places the update
+from where it is used: added to the parameters, or ``jit``'s ``out_shardings``.
+JAX 0.12 removed the one hint that could tie it to the gradient's sharding
+(``shard_alike``); an update returned bare from ``jit`` under an Auto mesh
+comes back replicated (bench/bench_comms.py counts the collectives of both
+uses). Without a mesh nothing changes.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from typing import cast
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.shard_alike import shard_alike
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -57,9 +59,8 @@ def in_place(fn: Callable[[list], list], leaves: list, like: list, axes: tuple[s
   mesh ``fn`` runs with Auto axes (its reshapes and gathers are the
   partitioner's to place) and each array comes back in the sharding of its
   array in ``like`` (the gradients, typed as the parameters); under an Auto
-  mesh each is tied to it with ``shard_alike``, which the partitioner may
-  still override (``jit``'s ``out_shardings``, or the parameters they are
-  added to, settle it)."""
+  mesh the partitioner places them (``jit``'s ``out_shardings``, or the
+  parameters they are added to, settle it)."""
   if not axes:
     return fn(leaves)
   mesh = jax.sharding.get_abstract_mesh()
@@ -70,9 +71,7 @@ def in_place(fn: Callable[[list], list], leaves: list, like: list, axes: tuple[s
       jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=out_sharding),
     )
     return auto(leaves)
-  # A hint, not a guarantee: on the seven FSDP matrices of bench/bench_comms.py, without it the
-  # partitioner sends the update back through 8 collectives (2.0x the parameter bytes), with it 2.
-  return [shard_alike(y, x)[0] for y, x in zip(fn(leaves), like)]
+  return fn(leaves)
 
 
 def locally(
