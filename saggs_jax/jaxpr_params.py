@@ -29,11 +29,12 @@ READS = MappingProxyType(
     "split": ("axis", "sizes"),
     "slice": ("start_indices", "limit_indices", "strides"),
     "dot_general": ("dimension_numbers",),
+    "unstack": ("axis",),  # jax >= 0.12
     **{p: ("axes",) for p in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")},
     **{p: ("axes",) for p in ("argmax", "argmin")},
   }
 )
-"""Per primitive, the parameters the discovery's propagation rules read."""
+"""Per primitive, the parameters the discovery reads (``check`` looks for them)."""
 
 CALLS = MappingProxyType(
   {

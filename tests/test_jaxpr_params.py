@@ -49,8 +49,12 @@ READ_CASES = {
 }
 
 
+if jax.__version_info__ >= (0, 12):  # older jaxes unpack with slice and squeeze
+  READ_CASES["unstack"] = (lambda x: list(x), {"axis": 0})
+
+
 def test_every_listed_read_is_traced_here():
-  assert set(READ_CASES) == set(jaxpr_params.READS)
+  assert set(READ_CASES) == set(jaxpr_params.READS) - ({"unstack"} - set(READ_CASES))
 
 
 @pytest.mark.parametrize("prim", sorted(READ_CASES))

@@ -99,7 +99,7 @@ SCRIPT = textwrap.dedent(r"""
       for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
         a, b = np.asarray(a), np.asarray(b)
         check(np.allclose(a, b, rtol=1e-5, atol=1e-5 * np.max(np.abs(b))),
-              f"{what} {jax.tree_util.keystr(kp)}: max diff {np.max(np.abs(a - b))}")
+              f"{what} {jax.tree_util.keystr(kp)}: max diff {np.max(np.abs(a - b))} max {np.max(np.abs(b))} at {np.unravel_index(np.argmax(np.abs(a - b)), a.shape)}: {a.flat[np.argmax(np.abs(a - b))]} vs {b.flat[np.argmax(np.abs(a - b))]}")
 
     def kept(got, shardings, what):
       for (kp, x), s in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(shardings)):

@@ -3,7 +3,8 @@
 ``pjit``, ``custom_jvp``/``custom_vjp``, ``remat`` and other calls are inlined; a
 ``scan`` becomes one iteration between a ``scan_slice`` of its ``xs`` and a
 ``scan_stack`` of its ``ys``; a ``cond`` becomes every branch inlined and a
-``select_n`` on the index. Nothing here knows what a primitive does; the
+``select_n`` on the index; jax 0.12's ``unstack`` becomes the ``split`` and
+``squeeze`` that older jaxes emit. Nothing here knows what a primitive does; the
 equations' parameters are read through :mod:`saggs_jax.jaxpr_params`.
 """
 
@@ -85,6 +86,8 @@ class Program:
         outs = self._scan(eqn, ins)
       elif name == "cond":
         outs = self._cond(eqn, ins)
+      elif name == "unstack":
+        outs = self._unstack(eqn, ins)
       elif body is not None:
         outs = self._inline(body[0], ins, body[1])
       else:
@@ -110,4 +113,17 @@ class Program:
     return [
       self._emit("select_n", [ins[0], *cases], [_shape(v)], {})[0]
       for cases, v in zip(zip(*outs), eqn.outvars)
+    ]
+
+  def _unstack(self, eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
+    """``unstack`` (jax >= 0.12 unpacks an array with it) as older jaxes wrote it: a ``split``
+    into ones along the axis, each part squeezed."""
+    axis, shape = jaxpr_params.param(eqn, "axis"), self.shapes[ins[0]]
+    one = shape[:axis] + (1,) + shape[axis + 1 :]
+    parts = self._emit(
+      "split", ins, [one] * shape[axis], {"axis": axis, "sizes": (1,) * shape[axis]}
+    )
+    return [
+      self._emit("squeeze", [i], [_shape(v)], {"dimensions": (axis,)})[0]
+      for i, v in zip(parts, eqn.outvars)
     ]
