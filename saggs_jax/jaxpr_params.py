@@ -1,6 +1,6 @@
 """The jaxpr equation parameters the library reads, in one place for every supported JAX.
 
-JAX renames equation parameters between releases: jax 0.12 replaced ``scan``'s
+JAX renames equation parameters between releases: jax 0.11 replaced ``scan``'s
 ``num_consts``/``num_carry`` with ``ft_in`` (the flat trees of consts, carry and
 ``xs``) and hands sub-jaxprs over open, their constants hoisted to inputs. Every
 read of a parameter goes through this module, so a jax that renames one fails
@@ -99,7 +99,7 @@ class Scan(NamedTuple):
 def scan(eqn: jcore.JaxprEqn) -> Scan:
   """The body and the input counts of a ``scan`` equation."""
   body, consts = opened(param(eqn, "jaxpr"))
-  if "ft_in" in eqn.params:  # jax >= 0.12: a tuple of flat trees, (consts, carry, xs)
+  if "ft_in" in eqn.params:  # jax >= 0.11: a tuple of flat trees, (consts, carry, xs)
     consts_tree, carry_tree, _ = eqn.params["ft_in"].unpack()
     num_consts, num_carry = len(consts_tree), len(carry_tree)
   else:
