@@ -153,7 +153,7 @@ class Probe:
       bits = min(jnp.finfo(d).bits for d in dtypes if jnp.issubdtype(d, jnp.floating))
       rtol = 3e-2 if bits <= 16 else 1e-4
     self.scale = max(
-      max(float(jnp.max(jnp.abs(r))) for r in self.reference), np.finfo(np.float32).tiny
+      max(float(jnp.max(jnp.abs(r))) for r in self.reference), float(np.finfo(np.float32).tiny)
     )
     self.tolerance = atol / self.scale + rtol
 
@@ -170,7 +170,7 @@ class Probe:
     return self.deviation(scale_tree(plan, self.params, factors, 1.0))
 
   def exact(self, plan: Plan, factors) -> bool:
-    return self(plan, factors) <= self.tolerance
+    return bool(self(plan, factors) <= self.tolerance)
 
 
 def _side(members: tuple[str, ...]) -> str:

@@ -71,10 +71,9 @@ def check(eqn: jcore.JaxprEqn) -> None:
 
 
 def opened(jaxpr: Any) -> tuple[jcore.Jaxpr, Sequence[Any]]:
-  """A sub-jaxpr and its constants: a ``ClosedJaxpr``'s, or an open one's (none)."""
-  if isinstance(jaxpr, jcore.ClosedJaxpr):
-    return jaxpr.jaxpr, jaxpr.consts
-  return jaxpr, ()
+  """A jaxpr and its constants: a ``ClosedJaxpr``'s, or an open one's (none). Read by
+  attribute: jax 0.12 folds ``ClosedJaxpr`` into ``Jaxpr``, which then has both."""
+  return getattr(jaxpr, "jaxpr", jaxpr), getattr(jaxpr, "consts", ())
 
 
 def call_body(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, Sequence[Any]] | None:

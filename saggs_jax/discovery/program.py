@@ -44,13 +44,14 @@ class Program:
     zeros: the constants (literals, closed-over arrays) that are all zero.
   """
 
-  def __init__(self, closed: jcore.ClosedJaxpr, num_leaves: int):
+  def __init__(self, closed: Any, num_leaves: int):
     self.eqns: list[Eqn] = []
     self.shapes: list[tuple[int, ...]] = []
     self.zeros: set[int] = set()
-    ids = [self._new(_shape(v)) for v in closed.jaxpr.invars]
+    jaxpr, consts = jaxpr_params.opened(closed)
+    ids = [self._new(_shape(v)) for v in jaxpr.invars]
     self.leaf_ids, self.input_ids = ids[:num_leaves], ids[num_leaves:]
-    self.outputs = set(self._inline(closed.jaxpr, ids, closed.consts))
+    self.outputs = set(self._inline(jaxpr, ids, consts))
 
   def _new(self, shape: Sequence[int]) -> int:
     self.shapes.append(tuple(shape))

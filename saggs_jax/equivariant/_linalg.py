@@ -117,7 +117,7 @@ def newton_schulz(
   x: jax.Array,
   coeffs: Coeffs = "polar_express",
   steps: int = 5,
-  dtype: jnp.dtype = jnp.bfloat16,
+  dtype: jax.typing.DTypeLike = jnp.bfloat16,
   eps: float = 1e-7,
   eps_form: EpsForm = "floor",
   gram: bool = False,
