@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from saggs_jax import paths
+from saggs_jax.diagnostics import default_rtol
 from saggs_jax.discovery import declarations
 from saggs_jax.discovery.candidates import Analysis, Candidate, group_options
 from saggs_jax.discovery.confirmation import Checker, confirm
@@ -19,6 +20,10 @@ from saggs_jax.discovery.result import Discovery
 _UNCONFIRMED = (
   "unconfirmed: rescaling side a alone does not change the output on the example"
   " inputs, even with all-zero parameters drawn at random, so no check could fail"
+)
+_ABSTRACT = (
+  "unconfirmed: the parameters are abstract (jax.ShapeDtypeStruct or tracers), so no"
+  " numerical check ran; call discover with concrete parameters to confirm"
 )
 _REFUTED = "the jaxpr suggests it, but random factors change the output"
 
@@ -82,12 +87,8 @@ def discover(
   """
   if rtol is not None and not rtol >= 0:  # NaN too
     raise ValueError(f"rtol must be a non-negative number, got {rtol!r}.")
-  # Only inexact arrays are parameters; the rest (flags, activation functions, integer
-  # buffers of an Equinox module) stays static, as under eqx.filter.
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-  traced = [
-    isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact) for _, x in flat
-  ]
+  traced = [is_parameter(x) for _, x in flat]
   names = [paths.path_str(k) for (k, _), t in zip(flat, traced) if t]
   leaves = [x for (_, x), t in zip(flat, traced) if t]
 
@@ -110,21 +111,42 @@ def discover(
   ):
     groups_of[declarations.key(units, analysis.names, inst)].append(inst)
   pairs, rejections, confirmed = [], list(analysis.rejected), []
-  if groups_of:  # the check compiles the model: only when there is something to check
-    checker = Checker(fn, leaves, example_args, example_kwargs, rtol, seed, units)
+  concrete = not any(isinstance(x, (jax.ShapeDtypeStruct, jax.core.Tracer)) for x in leaves)
+  confirmation = "parameters" if concrete else "none"
+  if not concrete:
+    rejections += [_rejection(analysis, i, _ABSTRACT) for g in groups_of.values() for i in g]
+  elif groups_of:  # the check compiles the model: only when there is something to check
+    rtol = default_rtol(leaves + list(closed.out_avals)) if rtol is None else rtol
+    checker = Checker(
+      fn, leaves, example_args, example_kwargs, rtol, seed, units, analysis.candidates
+    )
     for instances in groups_of.values():
       sizes = [analysis.shapes[unit][axis] for unit, axis in instances[0].a + instances[0].b]
       options = group_options(sizes, set().union(*(i.splits for i in instances)))
       passed, failed = confirm(checker, instances, options)
       for insts, groups, tested in passed:
-        if not (tested or checker.could_fail(insts, groups)):
+        if not tested:
           rejections += [_rejection(analysis, i, _UNCONFIRMED) for i in insts]
           continue
         confirmed.append(insts)
         pairs += declarations.declare(units, analysis.names, analysis.shapes, insts, groups)
       rejections += [_rejection(analysis, i, _REFUTED) for i in failed]
+    confirmation = "parameters" if checker.first_order else "parameters, finite only"
   return Discovery(
-    pairs, declarations.rejected(rejections), declarations.roles(analysis, names, shapes, confirmed)
+    pairs,
+    declarations.rejected(rejections),
+    declarations.roles(analysis, names, shapes, confirmed),
+    confirmation,
+  )
+
+
+def is_parameter(leaf: Any) -> bool:
+  """Whether a leaf of the parameter tree is a parameter: an inexact array, concrete
+  (``jax.Array``, ``np.ndarray``) or abstract (``jax.ShapeDtypeStruct``, a tracer). Every
+  other leaf (flags, activation functions, integer buffers of an Equinox module, Python
+  scalars) is static, as under ``eqx.filter``."""
+  return isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) and bool(
+    jnp.issubdtype(leaf.dtype, jnp.inexact)
   )
 
 
