@@ -26,7 +26,6 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
 import models  # noqa: E402  (the plain-JAX LLaMA of the tests)
-
 from saggs_jax.discovery import discover  # noqa: E402
 
 SIZES = {

@@ -42,20 +42,29 @@ def discover(
   traced on abstract shapes, proposes every rescaling of one parameter that
   another cancels (see the module docstring), and keeps those that random
   factors in [1/4, 4] leave exact on the example inputs: the outputs agree to
-  ``rtol * max|output|`` with full-precision matmuls. All instances of one
-  candidate (every layer) are checked at once, at the finest grouping the
-  jaxpr suggests that is exact (per channel, per head, per KV head), on
-  ``params`` with all-zero leaves drawn at random, and only where the check
-  could have failed. Blocks of a fused leaf enter pairs as
-  :class:`~saggs_jax.Block` members.
+  ``rtol * max|output|`` with full-precision matmuls, and their tangent along the
+  rescaling is at most ``rtol`` times the change that side a makes alone (the
+  power to see a candidate that moves the outputs little, tiny attention logits
+  at init std 0.02, say). All instances of one candidate (every layer) are
+  checked at once, at the finest grouping the jaxpr suggests that is exact (per
+  channel, per head, per KV head), on ``params`` with all-zero leaves drawn at
+  random, and only where the check could have failed. Blocks of a fused leaf
+  enter pairs as :class:`~saggs_jax.Block` members.
+
+  The check needs the parameters' values; with abstract ones (``jax.ShapeDtypeStruct``
+  leaves, or tracers under ``jax.jit``) only the jaxpr is read, nothing is
+  allocated at the parameters' size, and every candidate is reported as
+  unconfirmed (``confirmation == "none"``). On a large model, confirm with its
+  values on the smallest inputs that can fail: one short sequence.
 
   Args:
     apply_fn: ``apply_fn(params, *example_args, **example_kwargs)``, returning
       an array or a pytree.
     params: the parameter tree (an ``nnx.State``, a Linen dict, an Equinox
-      module): its inexact arrays are the parameters, every other leaf (flags,
-      activation functions, integer buffers) is static, as under ``eqx.filter``.
-    *example_args: small example inputs (a batch of 2 short sequences is enough).
+      module): its inexact arrays, concrete or abstract (see :func:`is_parameter`),
+      are the parameters; every other leaf (flags, activation functions, integer
+      buffers) is static, as under ``eqx.filter``.
+    *example_args: small example inputs (one short sequence is enough).
     rtol: relative tolerance of the numerical check (>= 0); default 1e-4 in
       float32, 3e-2 with 16-bit parameters or outputs.
     seed: seed of the random factors.
@@ -68,7 +77,10 @@ def discover(
     patterns of each role of :func:`saggs_jax.equivariant.symmetry_compatible`
     found (attention from the Q/K and V/O pairs, MLP up/gate/down from the MLP
     pairs, stacked experts, the embedding read by a gather on the inputs, the
-    LM head producing the output), for ``symmetry_compatible(patterns=...)``.
+    LM head producing the output), for ``symmetry_compatible(patterns=...)``;
+    ``.confirmation`` says which check ran (``"parameters"``, ``"parameters,
+    finite only"`` for a model that cannot be differentiated forward, or
+    ``"none"`` for abstract parameters).
 
   Raises:
     ValueError: ``rtol`` is negative or NaN.
@@ -83,7 +95,10 @@ def discover(
     Discovery(pairs=[
         Pair(a='up', b='down', axes=(1, 0), groups=None, stacked=0, follow_a=(), follow_b=(),
              name='ReLU MLP up/down (positive factors)'),
-    ], rejected=[], roles={'gate_up': ('up',), 'down': ('down',)})
+    ], rejected=[], roles={'gate_up': ('up',), 'down': ('down',)}, confirmation='parameters')
+    >>> shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    >>> discover(mlp, shapes, jnp.ones((2, 3))).confirmation  # traced only: nothing confirmed
+    'none'
   """
   if rtol is not None and not rtol >= 0:  # NaN too
     raise ValueError(f"rtol must be a non-negative number, got {rtol!r}.")
