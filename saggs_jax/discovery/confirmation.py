@@ -3,20 +3,21 @@
 Every instance's members get per-group factors ``c = exp(u)``, ``u`` uniform in
 ``[-log 4, log 4]``, side a ``c`` and side b ``1/c``; with exponents ``t = (t_a, t_b)`` the
 model is ``f(t) = f(A c^t_a, B c^-t_b)``. The candidate is exact at that grouping when the
-outputs stay put on two counts (largest entries, relative to ``max|f(0)|``):
+outputs stay put on two counts (largest entries, relative to ``max|f(0, 0)|``):
 
-* finite: ``|f(1, 1) - f(0)| <= rtol``;
+* finite: ``|f(1, 1) - f(0, 0)| <= rtol``;
 * first order: the tangent along the orbit at the moved point, ``d/ds f(1 + s, 1 + s)``, is
-  at most ``rtol`` times the change side a makes alone, ``|f(1, 0) - f(0)|``.
+  at most ``rtol`` times the change side a makes alone, ``|f(1, 0) - f(0, 0)|``.
 
 The finite count catches what a derivative cannot see (a clip that the moved values cross);
 the first-order count has the power the finite one lacks where a candidate moves the outputs
 little next to their size: at init std 0.02 (norm gains included) attention logits are
 ~1e-3, and Q/K rescaled per channel, a wrong grouping under RoPE, moves an LM's logits by
-~1e-5 of their size, under any fixed tolerance of the finite count, whose float32 noise is
-~1e-7 of that size whatever moved. A tangent carries no roundoff of the values it does not
-touch: along an exact orbit it cancels to float32 precision relative to the terms that
-cancel, which scale with the one-sided change, however small both are. The one-sided change
+~1e-5 of their size: under the finite count's tolerance (1e-4), and only ~100 times its
+float32 noise (~1e-7 of that size, whatever moved), so no fixed tolerance separates the
+two. A tangent carries no roundoff of the values it does not touch: along an exact orbit
+it cancels to float32 precision relative to the terms that cancel, which scale with the
+one-sided change, however small both are. The one-sided change
 also tells whether the check could fail at all: behind a constant zero it is exactly zero. A
 model that cannot be differentiated forward (a ``custom_vjp`` function) is checked on the
 finite count alone, side a alone then having to move the outputs past ``rtol``.
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from saggs_jax.diagnostics import Probe
 from saggs_jax.discovery.candidates import Candidate, Unit
 
 
@@ -55,8 +57,10 @@ class Checker:
   projection, an adaLN-Zero gate) cuts the path it sits on, and every factor behind it would
   pass. Such leaves are drawn at random instead, at the RMS of the non-zero leaves of their
   rank; symmetries are structural, so what is exact on these parameters is exact on any.
-  One jitted check, compiled once, scales inside the computation every (unit, axis) that a
-  candidate scales, each by its own log-factors (zero where a check leaves it alone).
+  The finite count runs the model on copies of the moved leaves (one compilation, shared with
+  every check); the first-order count, only where the finite one passes, is one jitted
+  ``jax.jvp`` that scales inside the computation every (unit, axis) that some candidate
+  scales, by zero log-factors but for the candidate checked (one compilation too).
   """
 
   def __init__(
@@ -75,6 +79,7 @@ class Checker:
     self.units = units
     self.rng = np.random.default_rng(seed)
     self.leaves = live(leaves, self.rng)
+    self.probe = Probe(apply_fn, self.leaves, args, kwargs, rtol=rtol)
     self.outputs = lambda leaves: [
       o.astype(jnp.float32)
       for o in jax.tree.leaves(apply_fn(leaves, *args, **kwargs))
@@ -85,84 +90,104 @@ class Checker:
       for (unit, axis), _ in inst.scaled:
         self.slots.setdefault((unit, axis, inst.stacked), len(self.slots))
     self.first_order = True  # False once the model cannot be differentiated forward
-    self._compiled = None
-    # The outputs unscaled (zero exponents), by the same computation as the checks.
-    self.base = self._run(
-      [np.zeros((2,) + self._log_shape(*k), np.float32) for k in self.slots], (0.0, 0.0)
-    )[0]
-    self.scale = max(max(float(np.max(np.abs(b))) for b in self.base), np.finfo(np.float32).tiny)
-    self.tolerance = rtol
+    self._orbit_fn = None
+
+  def _deviation(self, instances: list[Candidate], logs: list, signs: tuple[int, ...]) -> float:
+    """The finite count: the outputs' change when the members of ``signs`` take their factors
+    (``logs``: per instance, the log-factors per copy and group), the moved leaves copied."""
+    changed = {}
+    for inst, u in zip(instances, logs):
+      for (unit, axis), sign in inst.scaled:
+        if sign not in signs:
+          continue
+        leaf, part = self.units[unit]
+        x = changed.get(leaf)
+        x = np.array(self.leaves[leaf], np.float32) if x is None else x
+        block = (slice(None),) * part.axis + (slice(part.lo, part.hi),) if part else ()
+        x[block] = x[block] * _expand(np.exp(sign * u), x[block].shape, axis, inst.stacked)
+        changed[leaf] = x
+    leaves = [
+      jnp.asarray(changed[i], x.dtype) if i in changed else x for i, x in enumerate(self.leaves)
+    ]
+    return self.probe.deviation(leaves)
 
   def _log_shape(self, unit: int, axis: int, stacked: int) -> tuple[int, ...]:
-    """The log-factors of a slot: per copy (the stacked axes) and channel."""
+    """A slot's log-factors: per copy (the stacked axes) and channel."""
     shape = _unit_shape(self.leaves, self.units[unit])
     return shape[:stacked] + (shape[axis],)
 
   def _scaled(self, leaves: list, logs: list, t: jax.Array) -> list:
-    """``leaves`` with each slot's unit scaled along its axis by ``exp(t[0] * log[0] + t[1] *
-    log[1])``: side a's and side b's log-factors (signs included), ``t`` their exponents."""
+    """``leaves`` with each slot's unit scaled along its axis by ``exp(t * log)`` (``log``: its
+    log-factors per copy and channel, signs included), inside the computation."""
     leaves = list(leaves)
     for (unit, axis, stacked), log in zip(self.slots, logs):
       leaf, part = self.units[unit]
       x = leaves[leaf]
       block = (slice(None),) * part.axis + (slice(part.lo, part.hi),) if part else ()
       v = x[block]
-      shape = v.shape[:stacked] + (1,) * (axis - stacked) + (v.shape[axis],)
-      factor = jnp.exp(t[0] * log[0] + t[1] * log[1]).reshape(shape + (1,) * (v.ndim - axis - 1))
+      factor = _expand(jnp.exp(t * log), v.shape, axis, stacked)
       v = (v.astype(jnp.float32) * factor).astype(x.dtype)
       leaves[leaf] = x.at[block].set(v) if part else v
     return leaves
 
-  def _check(self):
-    """The jitted ``(leaves, logs, t) -> (outputs, orbit)``: the outputs at exponents ``t`` and
-    the largest entry of their tangent along the orbit, ``t -> t + (s, s)`` (NaN without the
-    first-order count)."""
-    if self._compiled is None:
-      first_order = self.first_order
+  def _orbit(self, instances: list[Candidate], logs: list) -> float | None:
+    """The first-order count: the largest entry of the outputs' tangent along the orbit at the
+    moved point, ``d/ds f(A c^(1+s), B c^-(1+s))``; None if the model cannot be differentiated
+    forward. One jitted function scales every slot, by zero log-factors where ``instances``
+    have no member."""
+    slot_logs = [np.zeros(self._log_shape(*key), np.float32) for key in self.slots]
+    for inst, u in zip(instances, logs):
+      for (unit, axis), sign in inst.scaled:
+        log = slot_logs[self.slots[unit, axis, inst.stacked]]
+        log += sign * np.repeat(u, log.shape[-1] // u.shape[-1], axis=-1)
+    if self._orbit_fn is None:
 
-      def check(leaves, logs, t):
-        def f(t):
-          return self.outputs(self._scaled(leaves, logs, t))
+      def orbit(leaves, logs):
+        tangent = jax.jvp(
+          lambda t: self.outputs(self._scaled(leaves, logs, t)),
+          (jnp.float32(1),),
+          (jnp.float32(1),),
+        )[1]
+        return jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in tangent]))
 
-        if not first_order:
-          return f(t), jnp.float32(jnp.nan)
-        out, tangent = jax.jvp(f, (t,), (jnp.ones(2, jnp.float32),))
-        return out, jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in tangent]))
-
-      self._compiled = jax.jit(check)
-    return self._compiled
-
-  def _run(self, logs: list, t) -> tuple[list[np.ndarray], float]:
+      self._orbit_fn = jax.jit(orbit)
     with jax.default_matmul_precision("highest"):
       try:
-        out, orbit = self._check()(self.leaves, logs, jnp.asarray(t, jnp.float32))
+        return float(self._orbit_fn(self.leaves, slot_logs)) / self.probe.scale
       except TypeError:  # jvp of a custom_vjp function: the finite count alone
-        if not self.first_order:
-          raise
-        self.first_order, self._compiled = False, None
-        return self._run(logs, t)
-    return [np.asarray(o) for o in out], float(orbit)
-
-  def _moved(self, out: list[np.ndarray]) -> float:
-    """The largest change of the outputs from the unscaled ones, relative to their size."""
-    return max(float(np.max(np.abs(o - b))) for o, b in zip(out, self.base)) / self.scale
+        self.first_order = False
+        return None
 
   def check(self, instances: list[Candidate], groups: int) -> Verdict:
-    """Whether random per-group factors on every instance leave the outputs in place."""
-    logs = [np.zeros((2,) + self._log_shape(*key), np.float32) for key in self.slots]
-    for inst in instances:
-      stacked_shape = tuple(self.leaves[self.units[inst.a[0][0]].leaf].shape[: inst.stacked])
-      u = self.rng.uniform(-np.log(4), np.log(4), stacked_shape + (groups,))
-      for (unit, axis), sign in inst.scaled:
-        log = logs[self.slots[unit, axis, inst.stacked]]
-        log[int(sign < 0)] += sign * np.repeat(u, log.shape[-1] // groups, axis=-1)
-    tol = self.tolerance
-    out, orbit = self._run(logs, (1.0, 1.0))
-    orbit /= self.scale
-    one_sided = self._moved(self._run(logs, (1.0, 0.0))[0])
-    if self.first_order:  # NaN fails every comparison
-      return Verdict(self._moved(out) <= tol and orbit <= tol * one_sided, one_sided > 0)
-    return Verdict(self._moved(out) <= tol, one_sided > tol)
+    """Whether random per-group factors on every instance leave the outputs in place: the
+    finite count first, the first-order one only where it passes."""
+    logs = [
+      self.rng.uniform(
+        -np.log(4),
+        np.log(4),
+        tuple(self.leaves[self.units[i.a[0][0]].leaf].shape[: i.stacked]) + (groups,),
+      )
+      for i in instances
+    ]
+    tol = self.probe.tolerance
+    if not self._deviation(instances, logs, (1, -1)) <= tol:  # NaN fails
+      return Verdict(False, False)
+    one_sided = self._deviation(instances, logs, (1,))
+    orbit = self._orbit(instances, logs) if self.first_order else None
+    if orbit is None:
+      return Verdict(True, one_sided > tol)
+    return Verdict(orbit <= tol * one_sided, one_sided > 0)
+
+
+def _expand(factors, shape: tuple[int, ...], axis: int, stacked: int):
+  """Per-group ``factors`` (stacked..., groups) as a multiplier of a leaf of ``shape``
+  (NumPy or JAX arrays)."""
+  n = shape[axis]
+  xp = np if isinstance(factors, np.ndarray) else jnp
+  factors = xp.repeat(factors, n // factors.shape[-1], axis=-1)
+  return factors.reshape(
+    factors.shape[:-1] + (1,) * (axis - stacked) + (n,) + (1,) * (len(shape) - axis - 1)
+  )
 
 
 def _unit_shape(leaves: list, unit: Unit) -> tuple[int, ...]:
