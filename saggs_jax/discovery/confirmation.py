@@ -6,8 +6,8 @@ model is ``f(t) = f(A c^t_a, B c^-t_b)``. The candidate is exact at that groupin
 outputs stay put on two counts (largest entries, relative to ``max|f(0, 0)|``):
 
 * finite: ``|f(1, 1) - f(0, 0)| <= rtol``;
-* first order: the tangent along the orbit at the moved point, ``d/ds f(1 + s, 1 + s)``, is
-  at most ``rtol`` times the change side a makes alone, ``|f(1, 0) - f(0, 0)|``.
+* first order: the tangent along the orbit, ``d/ds f(s, s)`` at ``s = 0``, is at most
+  ``rtol`` times the change side a makes alone, ``|f(1, 0) - f(0, 0)|``.
 
 The finite count catches what a derivative cannot see (a clip that the moved values cross);
 the first-order count has the power the finite one lacks where a candidate moves the outputs
@@ -59,8 +59,8 @@ class Checker:
   rank; symmetries are structural, so what is exact on these parameters is exact on any.
   The finite count runs the model on copies of the moved leaves (one compilation, shared with
   every check); the first-order count, only where the finite one passes, is one jitted
-  ``jax.jvp`` that scales inside the computation every (unit, axis) that some candidate
-  scales, by zero log-factors but for the candidate checked (one compilation too).
+  ``jax.jvp`` whose tangent moves every (unit, axis) that some candidate scales, by zero
+  log-factors but for the candidate checked (one compilation too).
   """
 
   def __init__(
@@ -116,24 +116,22 @@ class Checker:
     shape = _unit_shape(self.leaves, self.units[unit])
     return shape[:stacked] + (shape[axis],)
 
-  def _scaled(self, leaves: list, logs: list, t: jax.Array) -> list:
-    """``leaves`` with each slot's unit scaled along its axis by ``exp(t * log)`` (``log``: its
-    log-factors per copy and channel, signs included), inside the computation."""
-    leaves = list(leaves)
+  def _direction(self, leaves: list, logs: list) -> list:
+    """The tangent of ``leaves`` along the orbit: each slot's unit times its log-factors along
+    its axis (``log``: per copy and channel, signs included), zero elsewhere."""
+    tangents = [jnp.zeros_like(x) for x in leaves]
     for (unit, axis, stacked), log in zip(self.slots, logs):
       leaf, part = self.units[unit]
-      x = leaves[leaf]
       block = (slice(None),) * part.axis + (slice(part.lo, part.hi),) if part else ()
-      v = x[block]
-      factor = _expand(jnp.exp(t * log), v.shape, axis, stacked)
-      v = (v.astype(jnp.float32) * factor).astype(x.dtype)
-      leaves[leaf] = x.at[block].set(v) if part else v
-    return leaves
+      v = leaves[leaf][block]
+      d = (v.astype(jnp.float32) * _expand(log, v.shape, axis, stacked)).astype(v.dtype)
+      tangents[leaf] = tangents[leaf].at[block].add(d) if part else tangents[leaf] + d
+    return tangents
 
   def _orbit(self, instances: list[Candidate], logs: list) -> float | None:
-    """The first-order count: the largest entry of the outputs' tangent along the orbit at the
-    moved point, ``d/ds f(A c^(1+s), B c^-(1+s))``; None if the model cannot be differentiated
-    forward. One jitted function scales every slot, by zero log-factors where ``instances``
+    """The first-order count: the largest entry of the outputs' tangent along the orbit,
+    ``d/ds f(A c^s, B c^-s)`` at ``s = 0``; None if the model cannot be differentiated
+    forward. One jitted function moves every slot, by zero log-factors where ``instances``
     have no member."""
     slot_logs = [np.zeros(self._log_shape(*key), np.float32) for key in self.slots]
     for inst, u in zip(instances, logs):
@@ -143,11 +141,7 @@ class Checker:
     if self._orbit_fn is None:
 
       def orbit(leaves, logs):
-        tangent = jax.jvp(
-          lambda t: self.outputs(self._scaled(leaves, logs, t)),
-          (jnp.float32(1),),
-          (jnp.float32(1),),
-        )[1]
+        tangent = jax.jvp(self.outputs, (leaves,), (self._direction(leaves, logs),))[1]
         return jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in tangent]))
 
       self._orbit_fn = jax.jit(orbit)

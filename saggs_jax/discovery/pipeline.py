@@ -61,7 +61,7 @@ def discover(
     apply_fn: ``apply_fn(params, *example_args, **example_kwargs)``, returning
       an array or a pytree.
     params: the parameter tree (an ``nnx.State``, a Linen dict, an Equinox
-      module): its inexact arrays, concrete or abstract (see :func:`is_parameter`),
+      module): its inexact arrays, concrete or abstract (see ``is_parameter``),
       are the parameters; every other leaf (flags, activation functions, integer
       buffers) is static, as under ``eqx.filter``.
     *example_args: small example inputs (one short sequence is enough).
