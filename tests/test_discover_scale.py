@@ -8,6 +8,7 @@ grouping from the others, on scanned layers as on unrolled ones, and find the LL
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -93,3 +94,39 @@ def test_the_confirmation_is_part_of_the_result():
   with pytest.raises(ValueError, match="confirmation must be one of"):
     Discovery(confirmation="maybe")
   assert Discovery(confirmation="none") != Discovery()
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_abstract_parameters_are_confirmed_on_a_reduced_copy(stacked):
+  # A wider, deeper GQA LLaMA as shapes, confirmed on SMALL (2 KV heads of 4 query heads,
+  # 3 layers): the pairs are the preset of the big one, with its own head counts.
+  big = models.Config(
+    vocab=48, d_model=128, num_layers=5, num_heads=8, num_kv_heads=4, head_dim=16, mlp_hidden=200
+  )
+  b, s = (dataclasses.replace(c, stacked=stacked) for c in (big, SMALL))
+  found = discover(
+    functools.partial(models.llama_forward, c=b),
+    abstract(jax.eval_shape(lambda: models.llama_init(0, b))),
+    models.tokens(0, 1, 8, b),
+    reduced=(
+      functools.partial(models.llama_forward, c=s),
+      small_init(s),
+      models.tokens(0, 1, 8, s),
+    ),
+  )
+  assert found.confirmation == "reduced"
+  assert unnamed(models.llama_pairs(b)) <= unnamed(found)
+  assert len(found) == 6 and len(found.rejected) == 1  # norm gains too; the SiLU gate
+
+
+def test_a_reduced_copy_of_another_head_structure_confirms_nothing_it_cannot_map():
+  mha = dataclasses.replace(SMALL, num_kv_heads=4)  # per head here, per KV head in SMALL
+  found = discover(
+    lambda p, t: models.llama_forward(p, t, mha),
+    abstract(jax.eval_shape(lambda: models.llama_init(0, mha))),
+    models.tokens(0, 1, 8, mha),
+    reduced=(lambda p, t: models.llama_forward(p, t, SMALL), small_init(SMALL), models.tokens()),
+  )
+  reasons = {(r.a, r.b): r.reason for r in found.rejected}
+  assert "other groupings" in reasons["q_proj/kernel", "k_proj/kernel"]
+  assert ("q_proj/kernel", "k_proj/kernel") not in {(p.a, p.b) for p in found}

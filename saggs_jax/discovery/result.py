@@ -27,6 +27,10 @@ CONFIRMATIONS = {
     "numerically, on the given parameters and example inputs, finite moves only (the model"
     " cannot be differentiated forward: a custom_vjp function)"
   ),
+  "reduced": (
+    "numerically, on a width-reduced copy of the model (reduced=), each pair at the grouping"
+    " of the same rank"
+  ),
   "none": "not checked (abstract parameters): no pair is confirmed",
 }
 
@@ -40,8 +44,9 @@ class Discovery(collections.abc.Sequence):
   :func:`saggs_jax.equivariant.symmetry_compatible` to path patterns
   (``patterns=discovery.roles`` routes a model of any naming). ``confirmation`` says how the
   pairs were checked, one of :data:`CONFIRMATIONS`: ``"parameters"`` (on the given parameters
-  and example inputs), ``"parameters, finite only"``, or ``"none"`` (the parameters were
-  abstract: nothing is confirmed, every candidate is in ``rejected``).
+  and example inputs), ``"parameters, finite only"``, ``"reduced"`` (on a width-reduced copy
+  of an abstract model), or ``"none"`` (the parameters were abstract: nothing is confirmed,
+  every candidate is in ``rejected``).
   """
 
   def __init__(
