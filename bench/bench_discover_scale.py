@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
-import models  # noqa: E402  (the plain-JAX LLaMA of the tests)
+import models  # noqa: E402  # pyright: ignore[reportMissingImports]  (the tests' plain-JAX LLaMA)
 from saggs_jax.discovery import discover  # noqa: E402
 
 SIZES = {
@@ -88,7 +88,7 @@ def llama_shapes(c: models.Config) -> dict:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
   parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
   parser.add_argument("--layers", type=int, default=None, help="override num_layers")
   parser.add_argument("--scanned", action="store_true", help="layers stacked, run by lax.scan")

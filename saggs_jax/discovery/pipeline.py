@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import core
 
 from saggs_jax import paths
 from saggs_jax.diagnostics import default_rtol
@@ -158,7 +159,7 @@ class _Traced(NamedTuple):
 
   @property
   def concrete(self) -> bool:
-    return not any(isinstance(x, (jax.ShapeDtypeStruct, jax.core.Tracer)) for x in self.leaves)
+    return not any(isinstance(x, (jax.ShapeDtypeStruct, core.Tracer)) for x in self.leaves)
 
 
 def _trace(apply_fn, params, args, kwargs) -> _Traced:
@@ -226,14 +227,15 @@ def _translate(found: _Traced, small: _Traced, small_outcomes: list) -> list:
   outcomes = []
   for key, instances in found.groups_of.items():
     k = small_key.get(_kind(key))
+    done = there[k] if k is not None else []
     options, reason = _options(found, instances), _NOT_IN_REDUCED
-    if len(there[k]) == 1 and there[k][0][2] is None:
+    if k is not None and len(done) == 1 and done[0][2] is None:
       small_options = _options(small, small.groups_of[k])
       if len(small_options) == len(options):
-        outcomes.append((instances, options[small_options.index(there[k][0][1])], None))
+        outcomes.append((instances, options[small_options.index(done[0][1])], None))
         continue
       reason = _NO_MATCH
-    elif there[k] and all(r == _REFUTED for *_, r in there[k]):
+    elif done and all(r == _REFUTED for *_, r in done):
       reason = _REFUTED
     outcomes.append((instances, 0, reason))
   return outcomes
