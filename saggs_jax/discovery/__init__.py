@@ -44,7 +44,8 @@ are drawn at random first, and a candidate counts as confirmed only if the
 check could have failed: a finer grouping failed, or side a rescaled alone
 moves the outputs past the tolerance. Nothing unconfirmed is returned; what
 could not be tested is rejected as unconfirmed (all of it with abstract
-parameters, ``jax.ShapeDtypeStruct`` leaves, which are traced only), and a factor that reaches
+parameters, ``jax.ShapeDtypeStruct`` leaves, which are traced only, unless a
+width-reduced copy of the model is given to confirm on: ``reduced=``), and a factor that reaches
 another parameter but is no longer exact there (whatever made it so, an
 unknown primitive included) is rejected with the reason. Declarations use path
 patterns relative to each instance's enclosing module, so one
