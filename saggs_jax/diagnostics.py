@@ -149,9 +149,7 @@ class Probe:
 
     self.fn, self.params, self.reference = fn, params, fn(params)
     if rtol is None:
-      dtypes = [x.dtype for x in jax.tree.leaves((params, jax.eval_shape(jitted, params)))]
-      bits = min(jnp.finfo(d).bits for d in dtypes if jnp.issubdtype(d, jnp.floating))
-      rtol = 3e-2 if bits <= 16 else 1e-4
+      rtol = default_rtol(jax.tree.leaves((params, jax.eval_shape(jitted, params))))
     self.scale = max(
       max(float(jnp.max(jnp.abs(r))) for r in self.reference), float(np.finfo(np.float32).tiny)
     )
@@ -171,6 +169,13 @@ class Probe:
 
   def exact(self, plan: Plan, factors) -> bool:
     return bool(self(plan, factors) <= self.tolerance)
+
+
+def default_rtol(arrays) -> float:
+  """The relative tolerance of a symmetry check on ``arrays`` (parameters and outputs, arrays
+  or shapes): 3e-2 if any floating one is 16-bit, else 1e-4."""
+  bits = min(jnp.finfo(x.dtype).bits for x in arrays if jnp.issubdtype(x.dtype, jnp.floating))
+  return 3e-2 if bits <= 16 else 1e-4
 
 
 def _side(members: tuple[str, ...]) -> str:

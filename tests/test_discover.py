@@ -328,6 +328,8 @@ def test_report_lists_found_and_rejected():
       "Rejected 1:",
       "  'up/kernel' against 'down/kernel': a normalization between them makes what follows side a"
       " invariant to its scale, so nothing compensates a factor on side b",
+      "Confirmation: numerically, on the given parameters and example inputs (finite moves and"
+      " first order).",
     ]
   )
 

@@ -179,5 +179,7 @@ def test_report_names_block_sides():
   assert Discovery([Pair(q, k, axes=(1, 1), groups=2, name="attention Q/K")]).report() == (
     "Found 1 symmetry:\n"
     f"  attention Q/K: {q!r} (axis 1) x c  against  {k!r} (axis 1) x 1/c; 2 groups\n"
-    "Rejected 0:"
+    "Rejected 0:\n"
+    "Confirmation: numerically, on the given parameters and example inputs (finite moves and"
+    " first order)."
   )

@@ -36,12 +36,16 @@ travels through the program:
 
 Every candidate is then confirmed numerically: all its instances (every layer)
 get random factors at once and the outputs must agree to ``rtol`` (float32,
-full-precision matmuls); the finest exact grouping wins. The check runs where
+full-precision matmuls), and so must their tangent along the rescaling, relative
+to the change side a makes alone, which keeps the check's power where a
+candidate moves the outputs little; the finest exact grouping wins. The check runs where
 every path is live: all-zero leaves (a zero-initialised output projection)
 are drawn at random first, and a candidate counts as confirmed only if the
 check could have failed: a finer grouping failed, or side a rescaled alone
 moves the outputs past the tolerance. Nothing unconfirmed is returned; what
-could not be tested is rejected as unconfirmed, and a factor that reaches
+could not be tested is rejected as unconfirmed (all of it with abstract
+parameters, ``jax.ShapeDtypeStruct`` leaves, which are traced only, unless a
+width-reduced copy of the model is given to confirm on: ``reduced=``), and a factor that reaches
 another parameter but is no longer exact there (whatever made it so, an
 unknown primitive included) is rejected with the reason. Declarations use path
 patterns relative to each instance's enclosing module, so one

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import core
 
 from saggs_jax import paths
+from saggs_jax.diagnostics import default_rtol
 from saggs_jax.discovery import declarations
 from saggs_jax.discovery.candidates import Analysis, Candidate, group_options
 from saggs_jax.discovery.confirmation import Checker, confirm
@@ -19,6 +21,17 @@ from saggs_jax.discovery.result import Discovery
 _UNCONFIRMED = (
   "unconfirmed: rescaling side a alone does not change the output on the example"
   " inputs, even with all-zero parameters drawn at random, so no check could fail"
+)
+_ABSTRACT = (
+  "unconfirmed: the parameters are abstract (jax.ShapeDtypeStruct or tracers), so no"
+  " numerical check ran; call discover with concrete parameters to confirm"
+)
+_NOT_IN_REDUCED = (
+  "unconfirmed: the reduced copy of the model (reduced=) does not confirm it in every layer"
+)
+_NO_MATCH = (
+  "unconfirmed: the reduced copy of the model (reduced=) has other groupings to choose from"
+  " (keep its head and KV-head structure: GQA for GQA, heads > 1)"
 )
 _REFUTED = "the jaxpr suggests it, but random factors change the output"
 
@@ -29,6 +42,7 @@ def discover(
   *example_args,
   rtol: float | None = None,
   seed: int = 0,
+  reduced: tuple | None = None,
   **example_kwargs,
 ) -> Discovery:
   """Finds the exact rescaling symmetries of ``apply_fn`` in ``params``.
@@ -37,23 +51,37 @@ def discover(
   traced on abstract shapes, proposes every rescaling of one parameter that
   another cancels (see the module docstring), and keeps those that random
   factors in [1/4, 4] leave exact on the example inputs: the outputs agree to
-  ``rtol * max|output|`` with full-precision matmuls. All instances of one
-  candidate (every layer) are checked at once, at the finest grouping the
-  jaxpr suggests that is exact (per channel, per head, per KV head), on
-  ``params`` with all-zero leaves drawn at random, and only where the check
-  could have failed. Blocks of a fused leaf enter pairs as
-  :class:`~saggs_jax.Block` members.
+  ``rtol * max|output|`` with full-precision matmuls, and their tangent along the
+  rescaling is at most ``rtol`` times the change that side a makes alone (the
+  power to see a candidate that moves the outputs little, tiny attention logits
+  at init std 0.02, say). All instances of one candidate (every layer) are
+  checked at once, at the finest grouping the jaxpr suggests that is exact (per
+  channel, per head, per KV head), on ``params`` with all-zero leaves drawn at
+  random, and only where the check could have failed. Blocks of a fused leaf
+  enter pairs as :class:`~saggs_jax.Block` members.
+
+  The check needs the parameters' values; with abstract ones (``jax.ShapeDtypeStruct``
+  leaves, or tracers under ``jax.jit``) only the jaxpr is read, nothing is
+  allocated at the parameters' size, and every candidate is reported as
+  unconfirmed (``confirmation == "none"``). On a large model, confirm with its
+  values on the smallest inputs that can fail: one short sequence.
 
   Args:
     apply_fn: ``apply_fn(params, *example_args, **example_kwargs)``, returning
       an array or a pytree.
     params: the parameter tree (an ``nnx.State``, a Linen dict, an Equinox
-      module): its inexact arrays are the parameters, every other leaf (flags,
-      activation functions, integer buffers) is static, as under ``eqx.filter``.
-    *example_args: small example inputs (a batch of 2 short sequences is enough).
+      module): its inexact arrays, concrete or abstract (see ``is_parameter``),
+      are the parameters; every other leaf (flags, activation functions, integer
+      buffers) is static, as under ``eqx.filter``.
+    *example_args: small example inputs (one short sequence is enough).
     rtol: relative tolerance of the numerical check (>= 0); default 1e-4 in
       float32, 3e-2 with 16-bit parameters or outputs.
     seed: seed of the random factors.
+    reduced: with abstract ``params``, ``(apply_fn, params, *args)`` of a copy of the model
+      reduced in width and depth (fewer heads, channels, layers; the same paths, and the
+      same head structure: GQA for GQA), with concrete parameters: the candidates are
+      confirmed on it, each at the grouping of the same rank (per head there is per head
+      here), and ``confirmation == "reduced"``.
     **example_kwargs: keyword inputs of ``apply_fn``.
 
   Returns:
@@ -63,7 +91,10 @@ def discover(
     patterns of each role of :func:`saggs_jax.equivariant.symmetry_compatible`
     found (attention from the Q/K and V/O pairs, MLP up/gate/down from the MLP
     pairs, stacked experts, the embedding read by a gather on the inputs, the
-    LM head producing the output), for ``symmetry_compatible(patterns=...)``.
+    LM head producing the output), for ``symmetry_compatible(patterns=...)``;
+    ``.confirmation`` says which check ran (``"parameters"``, ``"parameters,
+    finite only"`` for a model that cannot be differentiated forward, or
+    ``"none"`` for abstract parameters).
 
   Raises:
     ValueError: ``rtol`` is negative or NaN.
@@ -78,16 +109,63 @@ def discover(
     Discovery(pairs=[
         Pair(a='up', b='down', axes=(1, 0), groups=None, stacked=0, follow_a=(), follow_b=(),
              name='ReLU MLP up/down (positive factors)'),
-    ], rejected=[], roles={'gate_up': ('up',), 'down': ('down',)})
+    ], rejected=[], roles={'gate_up': ('up',), 'down': ('down',)}, confirmation='parameters')
+    >>> shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    >>> discover(mlp, shapes, jnp.ones((2, 3))).confirmation  # traced only: nothing confirmed
+    'none'
   """
   if rtol is not None and not rtol >= 0:  # NaN too
     raise ValueError(f"rtol must be a non-negative number, got {rtol!r}.")
-  # Only inexact arrays are parameters; the rest (flags, activation functions, integer
-  # buffers of an Equinox module) stays static, as under eqx.filter.
+  found = _trace(apply_fn, params, example_args, example_kwargs)
+  analysis = found.analysis
+  if found.concrete:
+    outcomes, first_order = _check(found, example_args, example_kwargs, rtol, seed)
+    confirmation = "parameters" if first_order else "parameters, finite only"
+  elif reduced is not None:
+    small_fn, small_params, *small_args = reduced
+    small = _trace(small_fn, small_params, small_args, {})
+    if not small.concrete:
+      raise ValueError("discover: reduced=(apply_fn, params, *args) needs concrete parameters.")
+    outcomes = _translate(found, small, _check(small, small_args, {}, rtol, seed)[0])
+    confirmation = "reduced"
+  else:
+    outcomes = [(insts, 0, _ABSTRACT) for insts in found.groups_of.values()]
+    confirmation = "none"
+  pairs, rejections, confirmed = [], list(analysis.rejected), []
+  for insts, groups, reason in outcomes:
+    if reason is None:
+      confirmed.append(insts)
+      pairs += declarations.declare(analysis.units, analysis.names, analysis.shapes, insts, groups)
+    else:
+      rejections += [_rejection(analysis, i, reason) for i in insts]
+  return Discovery(
+    pairs,
+    declarations.rejected(rejections),
+    declarations.roles(analysis, found.names, found.shapes, confirmed),
+    confirmation,
+  )
+
+
+class _Traced(NamedTuple):
+  """A model read: its function on a list of parameter leaves, and the candidates by kind."""
+
+  fn: Callable[..., Any]
+  leaves: list
+  names: list[str]
+  shapes: list[tuple[int, ...]]
+  out_avals: list
+  analysis: Analysis
+  groups_of: dict[tuple, list[Candidate]]  # declarations.key -> instances, in tree order
+
+  @property
+  def concrete(self) -> bool:
+    return not any(isinstance(x, (jax.ShapeDtypeStruct, core.Tracer)) for x in self.leaves)
+
+
+def _trace(apply_fn, params, args, kwargs) -> _Traced:
+  """``apply_fn(params, *args, **kwargs)`` traced on shapes and analysed."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-  traced = [
-    isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.inexact) for _, x in flat
-  ]
+  traced = [is_parameter(x) for _, x in flat]
   names = [paths.path_str(k) for (k, _), t in zip(flat, traced) if t]
   leaves = [x for (_, x), t in zip(flat, traced) if t]
 
@@ -97,11 +175,10 @@ def discover(
     return apply_fn(tree, *args, **kwargs)
 
   abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-  closed = jax.make_jaxpr(lambda p, a, k: fn(p, *a, **k))(abstract, example_args, example_kwargs)
+  closed = jax.make_jaxpr(lambda p, a, k: fn(p, *a, **k))(abstract, args, kwargs)
   shapes = [tuple(x.shape) for x in leaves]
   floating = [bool(jnp.issubdtype(x.dtype, jnp.floating)) for x in leaves]
   analysis = Analysis(closed, names, shapes, floating)
-
   units = analysis.units
   groups_of: dict[tuple, list[Candidate]] = collections.defaultdict(list)
   for inst in sorted(
@@ -109,22 +186,75 @@ def discover(
     key=lambda i: (units[i.a[0][0]].leaf, i.a[0][0]),
   ):
     groups_of[declarations.key(units, analysis.names, inst)].append(inst)
-  pairs, rejections, confirmed = [], list(analysis.rejected), []
-  if groups_of:  # the check compiles the model: only when there is something to check
-    checker = Checker(fn, leaves, example_args, example_kwargs, rtol, seed, units)
-    for instances in groups_of.values():
-      sizes = [analysis.shapes[unit][axis] for unit, axis in instances[0].a + instances[0].b]
-      options = group_options(sizes, set().union(*(i.splits for i in instances)))
-      passed, failed = confirm(checker, instances, options)
-      for insts, groups, tested in passed:
-        if not (tested or checker.could_fail(insts, groups)):
-          rejections += [_rejection(analysis, i, _UNCONFIRMED) for i in insts]
-          continue
-        confirmed.append(insts)
-        pairs += declarations.declare(units, analysis.names, analysis.shapes, insts, groups)
-      rejections += [_rejection(analysis, i, _REFUTED) for i in failed]
-  return Discovery(
-    pairs, declarations.rejected(rejections), declarations.roles(analysis, names, shapes, confirmed)
+  return _Traced(fn, leaves, names, shapes, list(closed.out_avals), analysis, dict(groups_of))
+
+
+def _options(found: _Traced, instances: list[Candidate]) -> list[int]:
+  """The groupings to try for a kind of candidate, finest first."""
+  sizes = [found.analysis.shapes[unit][axis] for unit, axis in instances[0].a + instances[0].b]
+  return group_options(sizes, set().union(*(i.splits for i in instances)))
+
+
+def _check(found: _Traced, args, kwargs, rtol, seed) -> tuple[list, bool]:
+  """``(instances, groups, reason)`` per outcome (``reason`` None where confirmed), and
+  whether the first-order count ran; the numerical check on ``found``'s parameters."""
+  if not found.groups_of:  # the check compiles the model: only when there is something to check
+    return [], True
+  rtol = default_rtol(found.leaves + found.out_avals) if rtol is None else rtol
+  analysis = found.analysis
+  checker = Checker(
+    found.fn, found.leaves, args, kwargs, rtol, seed, analysis.units, analysis.candidates
+  )
+  outcomes = []
+  for instances in found.groups_of.values():
+    passed, failed = confirm(checker, instances, _options(found, instances))
+    outcomes += [
+      (insts, groups, None if tested else _UNCONFIRMED) for insts, groups, tested in passed
+    ]
+    outcomes += [([i], 0, _REFUTED) for i in failed]
+  return outcomes, checker.first_order
+
+
+def _translate(found: _Traced, small: _Traced, small_outcomes: list) -> list:
+  """``found``'s candidates as a width-reduced copy's outcomes confirm them: a kind confirmed
+  there in every instance at once is confirmed here at the grouping of the same rank among
+  its options (per channel, per head, per KV head, ..., one group), if both have as many."""
+  small_key = {_kind(k): k for k in small.groups_of}
+  key_of = {id(i): k for k, insts in small.groups_of.items() for i in insts}
+  there = collections.defaultdict(list)
+  for outcome in small_outcomes:
+    there[key_of[id(outcome[0][0])]].append(outcome)
+  outcomes = []
+  for key, instances in found.groups_of.items():
+    k = small_key.get(_kind(key))
+    done = there[k] if k is not None else []
+    options, reason = _options(found, instances), _NOT_IN_REDUCED
+    if k is not None and len(done) == 1 and done[0][2] is None:
+      small_options = _options(small, small.groups_of[k])
+      if len(small_options) == len(options):
+        outcomes.append((instances, options[small_options.index(done[0][1])], None))
+        continue
+      reason = _NO_MATCH
+    elif done and all(r == _REFUTED for *_, r in done):
+      reason = _REFUTED
+    outcomes.append((instances, 0, reason))
+  return outcomes
+
+
+def _kind(key: tuple) -> tuple:
+  """A kind's key without sizes (a fused leaf's blocks by index), to match a reduced copy."""
+  name, rel, parts, counts, axes, stacked = key
+  parts = tuple(p and (p.axis, p.bounds.index((p.lo, p.hi)), len(p.bounds)) for p in parts)
+  return name, rel, parts, counts, axes, stacked
+
+
+def is_parameter(leaf: Any) -> bool:
+  """Whether a leaf of the parameter tree is a parameter: an inexact array, concrete
+  (``jax.Array``, ``np.ndarray``) or abstract (``jax.ShapeDtypeStruct``, a tracer). Every
+  other leaf (flags, activation functions, integer buffers of an Equinox module, Python
+  scalars) is static, as under ``eqx.filter``."""
+  return isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) and bool(
+    jnp.issubdtype(leaf.dtype, jnp.inexact)
   )
 
 

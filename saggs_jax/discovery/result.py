@@ -18,6 +18,23 @@ class Rejected(NamedTuple):
   reason: str
 
 
+# How the pairs were confirmed (``Discovery.confirmation``), as the report says it.
+CONFIRMATIONS = {
+  "parameters": (
+    "numerically, on the given parameters and example inputs (finite moves and first order)"
+  ),
+  "parameters, finite only": (
+    "numerically, on the given parameters and example inputs, finite moves only (the model"
+    " cannot be differentiated forward: a custom_vjp function)"
+  ),
+  "reduced": (
+    "numerically, on a width-reduced copy of the model (reduced=), each pair at the grouping"
+    " of the same rank"
+  ),
+  "none": "not checked (abstract parameters): no pair is confirmed",
+}
+
+
 class Discovery(collections.abc.Sequence):
   """What :func:`~saggs_jax.discover` found: a sequence of :class:`~saggs_jax.Pair`, and what it rejected.
 
@@ -25,7 +42,11 @@ class Discovery(collections.abc.Sequence):
   ``saggs.check_symmetry``). ``repr`` is Python that rebuilds it;
   :meth:`report` is a readable summary. ``roles`` maps the roles of
   :func:`saggs_jax.equivariant.symmetry_compatible` to path patterns
-  (``patterns=discovery.roles`` routes a model of any naming).
+  (``patterns=discovery.roles`` routes a model of any naming). ``confirmation`` says how the
+  pairs were checked, one of :data:`CONFIRMATIONS`: ``"parameters"`` (on the given parameters
+  and example inputs), ``"parameters, finite only"``, ``"reduced"`` (on a width-reduced copy
+  of an abstract model), or ``"none"`` (the parameters were abstract: nothing is confirmed,
+  every candidate is in ``rejected``).
   """
 
   def __init__(
@@ -33,8 +54,12 @@ class Discovery(collections.abc.Sequence):
     pairs: Sequence[Pair] = (),
     rejected: Sequence[Rejected] = (),
     roles: dict[str, tuple[str, ...]] | None = None,
+    confirmation: str = "parameters",
   ):
+    if confirmation not in CONFIRMATIONS:
+      raise ValueError(f"confirmation must be one of {list(CONFIRMATIONS)}, got {confirmation!r}.")
     self.pairs, self.rejected, self.roles = tuple(pairs), tuple(rejected), dict(roles or {})
+    self.confirmation = confirmation
 
   def __getitem__(self, i):
     return self.pairs[i]
@@ -48,6 +73,7 @@ class Discovery(collections.abc.Sequence):
       and self.pairs == other.pairs
       and self.rejected == other.rejected
       and self.roles == other.roles
+      and self.confirmation == other.confirmation
     )
 
   def __repr__(self):
@@ -55,7 +81,10 @@ class Discovery(collections.abc.Sequence):
       return "".join(f"\n    {x!r}," for x in items) + ("\n" if items else "")
 
     roles = f", roles={self.roles!r}" if self.roles else ""
-    return f"Discovery(pairs=[{block(self.pairs)}], rejected=[{block(self.rejected)}]{roles})"
+    return (
+      f"Discovery(pairs=[{block(self.pairs)}], rejected=[{block(self.rejected)}]{roles},"
+      f" confirmation={self.confirmation!r})"
+    )
 
   def report(self) -> str:
     """Found and rejected symmetries, one line each."""
@@ -77,6 +106,7 @@ class Discovery(collections.abc.Sequence):
       )
     lines.append(f"Rejected {len(self.rejected)}:")
     lines += [f"  {r.a!r} against {r.b!r}: {r.reason}" for r in self.rejected]
+    lines.append(f"Confirmation: {CONFIRMATIONS[self.confirmation]}.")
     return "\n".join(lines)
 
   __str__ = report
