@@ -14,12 +14,16 @@ RSS of each, their ratio, and the peak difference as a share of the state:
 * ``restore``: ``saggs.checkpoint.restore(..., pairs, tx=tx)`` (checksums
   verified, canonicalised by the degrees measured on ``tx``) against
   ``manager.restore(step, args=StandardRestore(abstract))``; ``restore-raw`` is
-  the saggs restore with ``canonicalize=False``.
+  the saggs restore with ``canonicalize=False`` (against the same Orbax restore).
+  The degrees are measured by a probe history on the parameters' shapes
+  (``saggs.degrees.measure``), whose cost ``restore`` includes: ``--ops
+  restore-raw`` leaves it out.
 
 Targets are abstract (``jax.ShapeDtypeStruct``) on both sides, as a restart
 builds them (``jax.eval_shape(tx.init, params)``).
 
-  python bench/bench_checkpoint.py                       # 201M parameters, 3 rounds
+  python bench/bench_checkpoint.py                        # 201M parameters, 3 rounds
+  python bench/bench_checkpoint.py --ops restore-raw      # without canonicalising
   python bench/bench_checkpoint.py --layers 2 --rounds 1  # a quick look
 """
 
@@ -123,6 +127,13 @@ def main():
   parser.add_argument("--width", type=int, default=4096)
   parser.add_argument("--layers", type=int, default=6)
   parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument(
+    "--ops",
+    nargs="+",
+    default=["restore", "restore-raw"],
+    choices=["restore", "restore-raw"],
+    help="the restores to time (saving is always timed)",
+  )
   parser.add_argument("--child", nargs=3, metavar=("OP", "KIND", "DIR"), help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
@@ -140,8 +151,8 @@ def main():
         directory = root / kind
         shutil.rmtree(directory, ignore_errors=True)
         results.setdefault(("save", kind), []).append(run("save", kind, directory, args))
-      for op in ("restore", "restore-raw"):
-        for kind in order if op == "restore" else ("saggs",):
+      for op in args.ops:
+        for kind in order if op == "restore" or "restore" not in args.ops else ("saggs",):
           results.setdefault((op, kind), []).append(run(op, kind, root / kind, args))
   finally:
     shutil.rmtree(root, ignore_errors=True)
@@ -153,9 +164,9 @@ def main():
     f"{'':12} {'saggs s':>8} {'Orbax s':>8} {'ratio':>6} {'saggs GiB':>10} {'Orbax GiB':>10}"
     f" {'diff/state':>10}"
   )
-  for op in ("save", "restore", "restore-raw"):
+  for op in ("save", *args.ops):
     t, m = median(op, "saggs", "seconds"), median(op, "saggs", "peak_gb")
-    base = "save" if op == "save" else "restore"
+    base = "save" if op == "save" else next(o for o in args.ops if (o, "orbax") in results)
     t0, m0 = median(base, "orbax", "seconds"), median(base, "orbax", "peak_gb")
     print(
       f"{op:12} {t:8.2f} {t0:8.2f} {t / t0:6.2f} {m:10.2f} {m0:10.2f} {(m - m0) / state_gb:10.3f}"
