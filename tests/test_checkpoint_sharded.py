@@ -20,7 +20,8 @@ from xla_env import cpu_env
 TESTS = pathlib.Path(__file__).resolve().parent
 
 
-@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+# Half a minute each: Auto runs by default, Explicit with the heavy checks of .ci/run.
+@pytest.mark.parametrize("axis_type", ["Auto", pytest.param("Explicit", marks=pytest.mark.heavy)])
 def test_sharded_save_and_restore_gather_nothing(axis_type):
   proc = subprocess.run(
     [sys.executable, str(TESTS / "checkpoint_sharded_worker.py"), axis_type],
