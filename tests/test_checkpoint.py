@@ -974,3 +974,19 @@ def test_restore_refuses_a_tx_that_did_not_make_the_state(manager):
   saggs.checkpoint.save(manager, 2, params, wrapped.init(params))
   with pytest.raises(TypeError, match="tx holds a SAGGS stage inside another transformation"):
     saggs.checkpoint.restore(manager, params, wrapped.init(params), UP_DOWN, tx=wrapped)
+
+
+def test_restore_canonicalizes_in_place_on_abstract_7b_shapes():
+  """The restore's canonicalisation, compiled on an abstract 7B state (Adam-shaped, of a
+  type whose degrees its type fixes): every output overwrites its donated input, and its
+  temporaries stay under 5% of the state, so restoring peaks where Orbax's restore does."""
+  params, adam = _abstract_llama_state()
+  state = optax.ScaleByBeliefState(adam.count, adam.mu, adam.nu)
+  pairs = saggs.presets.llama(num_kv_heads=32, stacked=1)
+  specs, treedef = jax.tree.flatten((params, state))
+  program = saggs.checkpoint._canonicalizer(tuple(pairs), None, -1, None, treedef, tuple(specs))
+  memory = program.memory_analysis()
+  nbytes = sum(x.size * x.dtype.itemsize for x in specs)
+  assert nbytes > 80e9
+  fresh = memory.output_size_in_bytes - memory.alias_size_in_bytes  # outputs not in place
+  assert fresh + memory.temp_size_in_bytes <= 0.05 * nbytes
