@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import cast
 
 
 def build(width: int, layers: int):
@@ -54,8 +55,11 @@ def build(width: int, layers: int):
   abstract_params = {str(i): {"up": shape, "down": shape} for i in range(layers)}
   # tx.init would also measure the degrees (a probe history on the parameters' shapes):
   # the state's layout is that of the optimizer's and the SAGGS stage's inits.
-  stage = saggs.saggs(pairs, every=100)
-  abstract_state = jax.eval_shape(lambda p: (*tx.optimizer.init(p), stage.init(p)), abstract_params)
+  stage, optimizer = saggs.saggs(pairs, every=100), tx.optimizer
+  assert optimizer is not None
+  abstract_state = jax.eval_shape(
+    lambda p: (*cast(tuple, optimizer.init(p)), stage.init(p)), abstract_params
+  )
   return pairs, tx, abstract_params, abstract_state
 
 
@@ -102,9 +106,9 @@ def child(op: str, kind: str, directory: str, width: int, layers: int) -> dict:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
     if kind == "saggs":
-      out = saggs.checkpoint.restore(manager, *target, pairs, canonicalize=op == "restore", tx=tx)[
-        :2
-      ]
+      out = saggs.checkpoint.restore(
+        manager, target[0], target[1], pairs, canonicalize=op == "restore", tx=tx
+      )[:2]
     else:
       items = {"params": target[0], "opt_state": target[1]}
       out = manager.restore(1, args=ocp.args.StandardRestore(items))
@@ -123,7 +127,7 @@ def run(op, kind, directory, args) -> dict:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
   parser.add_argument("--width", type=int, default=4096)
   parser.add_argument("--layers", type=int, default=6)
   parser.add_argument("--rounds", type=int, default=3)
@@ -137,7 +141,8 @@ def main():
   parser.add_argument("--child", nargs=3, metavar=("OP", "KIND", "DIR"), help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
-    print(json.dumps(child(*args.child, args.width, args.layers)))
+    op, kind, directory = args.child
+    print(json.dumps(child(op, kind, directory, args.width, args.layers)))
     return
   params = 2 * args.layers * args.width**2
   state_gb = 3 * 4 * params / 2**30  # params, mu, nu

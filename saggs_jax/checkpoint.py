@@ -416,7 +416,7 @@ def _made_by(tx: optax.GradientTransformation, params: Any, opt_state: Any) -> t
       )
   ours, theirs = layout(made), layout(part)
   first = _first_difference(theirs, ours)
-  if part is None or first is not None:
+  if first is not None:  # a chain's state that is no tuple lacks all of it
     raise ValueError(
       f"tx does not make this opt_state: at {first!r}, {name}.init(params) gives"
       f" {ours.get(first, 'nothing')}, opt_state holds {theirs.get(first, 'nothing')}." + _TX_FIX

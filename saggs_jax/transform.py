@@ -499,7 +499,7 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
   # saggs_jax.checkpoint.restore transports a saved chain state by.
   optimizer = optax.GradientTransformationExtraArgs(
     lambda params: tuple(t.init(params) for t in stages[:first]),
-    lambda g, s, p=None, **extra: run(stages[:first], g, s, p, extra),
+    lambda updates, state, params=None, **extra: run(stages[:first], updates, state, params, extra),
   )
   measured = {}
 
