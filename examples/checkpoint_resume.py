@@ -106,7 +106,7 @@ def resume(args, arm, managers, target, pairs):
   adamw = optax.adamw(args.lr, weight_decay=args.weight_decay)
   manager = managers["as_is" if arm == "control" else "rescaled"]
   params, opt_state, _ = saggs.checkpoint.restore(
-    manager, *target, pairs=pairs, canonicalize=arm.endswith("canonicalized")
+    manager, *target, pairs=pairs, canonicalize=arm.endswith("canonicalized"), tx=adamw
   )
   stage = {
     "rescaled + SAGGS": saggs.saggs(pairs, every=args.every),

@@ -3,7 +3,10 @@
 Two checkpoints that are equivalent (same function, moments transported)
 restart AdamW onto different trajectories. :func:`restore` with ``pairs``
 canonicalizes the restored state (:func:`saggs_jax.canonicalize`), so runs
-restarted from either follow the same trajectory.
+restarted from either follow the same trajectory. It moves each moment by the
+degree measured on the optimizer that made it (``tx=``): a state type does not
+fix its degrees (``optax.adamax`` keeps degree 1 in Adam's ``nu``), and one
+that optax reuses so (:data:`AMBIGUOUS`) is refused without ``tx``.
 
 :func:`save` writes three items: ``state`` (the params and the optimizer state,
 SAGGS stage state included), ``layout``, a small JSON record of every leaf's
@@ -16,7 +19,10 @@ arrays and recomputes their checksums: Orbax's data files carry none, so a
 corrupted file would otherwise restore silently wrong values. Neither the files
 nor the caller's state are touched by a failed restore. Checksums are computed
 on the devices that hold the arrays (jitted integer sums), so sharded and
-multi-process states are hashed without gathering them. Typed PRNG keys
+multi-process states are hashed without gathering them, in one fused
+reduction per array (no full-size temporary). Canonicalising is one program
+compiled for the target's shapes and shardings before any array is read, which
+updates the restored arrays in place. Typed PRNG keys
 (``jax.random.key``) are stored as their raw ``key_data`` and rewrapped with
 the target's implementation. Use a manager dedicated to these two functions
 (the items are fixed).
@@ -32,7 +38,7 @@ Example::
   >>> manager = ocp.CheckpointManager(tempfile.mkdtemp())
   >>> saggs.checkpoint.save(manager, 7, params, opt_state)
   True
-  >>> params, opt_state, step = saggs.checkpoint.restore(manager, params, opt_state, pairs)
+  >>> params, opt_state, step = saggs.checkpoint.restore(manager, params, opt_state, pairs, tx=tx)
   >>> float(params["up"][0, 0]), float(params["down"][0, 0]), step
   (2.0, 2.0, 7)
   >>> manager.close()
@@ -49,10 +55,12 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 
 from saggs_jax import canonical, paths
 from saggs_jax.pairs import Pair, as_pairs, resolve
+from saggs_jax.transform import SaggsState
 
 Layout = dict[str, str]  # path -> "float32[3, 4]", "key<fry>[]" or an empty node "EmptyState()"
 Checksums = dict[str, list[int]]  # path -> two uint32 hashes
@@ -110,15 +118,21 @@ def check_layout(saved: Layout, target: Any, what: str = "The checkpoint") -> No
     ValueError: The checkpoint does not fit the target at 'w': float32[2, 3] there, the target float32[2, 4]. ...
   """
   expected = layout(target)
-  differing = [p for p in expected if saved.get(p) != expected[p]]
-  differing += [p for p in saved if p not in expected]
-  if differing:
-    first = differing[0]
+  first = _first_difference(saved, expected)
+  if first is not None:
     raise ValueError(
       f"{what} does not fit the target at {first!r}: {saved.get(first, 'nothing')} there, the"
       f" target {expected.get(first, 'nothing')}. Was it saved with other pairs, another"
       " optimizer chain or other dtypes? Nothing was restored."
     )
+
+
+def _first_difference(saved: Layout, expected: Layout) -> str | None:
+  """The first path of ``expected`` (in order) that ``saved`` lacks or has otherwise, else
+  the first only ``saved`` has, else None."""
+  differing = [p for p in expected if saved.get(p) != expected[p]]
+  differing += [p for p in saved if p not in expected]
+  return differing[0] if differing else None
 
 
 # ---------------------------------------------------------------------------
@@ -169,9 +183,15 @@ def _positions(shape: tuple[int, ...]) -> jax.Array:
 def _checksum(x: jax.Array) -> jax.Array:
   words = _words(x)
   positions = _positions(words.shape)
-  return jnp.stack(
-    [jnp.sum(_mix(words ^ _mix(positions + jnp.uint32(seed))), dtype=jnp.uint32) for seed in _SEEDS]
+  terms = [_mix(words ^ _mix(positions + jnp.uint32(seed))) for seed in _SEEDS]
+  # Both sums in one variadic reduction, into which XLA fuses the terms: two jnp.sums
+  # each wrote their terms to a full-size uint32 temporary first (XLA:CPU splits a
+  # long sum into a reduce-window that no producer fuses into), 2x the state in all.
+  zeros = [jnp.uint32(0)] * len(terms)
+  sums = jax.lax.reduce(
+    terms, zeros, lambda a, b: [x + y for x, y in zip(a, b)], tuple(range(words.ndim))
   )
+  return jnp.stack(sums)
 
 
 _checksum_all = jax.jit(lambda leaves: {path: _checksum(x) for path, x in leaves.items()})
@@ -208,6 +228,13 @@ def checksums(tree: Any) -> Checksums:
 
 def _verify(saved: Checksums, restored: Any, what: str) -> None:
   read = checksums(restored)
+  unchecked = [p for p in read if p not in saved]
+  if unchecked:
+    raise ValueError(
+      f"{what} has no checksum for the array at {unchecked[0]!r}: its checksums file was"
+      " edited or truncated, so that array cannot be verified. Nothing was restored;"
+      " restore another step."
+    )
   corrupted = [p for p in saved if read.get(p) != saved[p]]
   if corrupted:
     others = f" (and {len(corrupted) - 1} more arrays)" if len(corrupted) > 1 else ""
@@ -328,6 +355,109 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
   )
 
 
+# ---------------------------------------------------------------------------
+# Canonicalising a restored state moves its moments, each by its degree. A state type
+# registers the degrees it has where optax usually puts it, but optax reuses these
+# types for moments of other degrees: optax.adamax and adamaxw keep an infinity norm
+# (degree 1) in Adam's nu; the trace of rmsprop(centered=True, momentum=...), or of any
+# optimizer chained before optax.trace, holds normalised updates (degree 0), and lars's
+# follows a trust ratio (degree -1). Only the optimizer tells, so restore measures the
+# degrees on it (saggs_jax.degrees.measure) and refuses these types without it.
+
+AMBIGUOUS = (optax.ScaleByAdamState, optax.TraceState)
+"""State types whose degrees depend on the optimizer that made them: :func:`restore`
+canonicalises them only given that optimizer (``tx=``)."""
+
+_TX_FIX = (
+  " Pass the optimizer that made opt_state, e.g. the saggs.chain you train with:"
+  " saggs.checkpoint.restore(manager, params, opt_state, pairs, tx=tx); or restore with"
+  " canonicalize=False. Nothing was restored."
+)
+
+
+def _nodes(tree: Any, types: tuple[type, ...]) -> list[tuple[str, Any]]:
+  """``(path, node)`` for every node of ``tree`` of one of ``types``, outermost first."""
+  found = paths.leaves_with_paths(tree, is_leaf=lambda x: isinstance(x, types))
+  return [(p, x) for p, x in found if isinstance(x, types)]
+
+
+def _refuse_ambiguous(opt_state: Any) -> None:
+  found = _nodes(opt_state, AMBIGUOUS)
+  if found:
+    path, node = found[0]
+    others = f" (and {len(found) - 1} more such states)" if len(found) > 1 else ""
+    raise TypeError(
+      f"Cannot canonicalize opt_state without its optimizer: {type(node).__name__} at"
+      f" {'opt_state/' + path if path else 'opt_state'}{others} has the degrees of the"
+      " optimizer that made it (optax.adamax keeps degree 1 in ScaleByAdamState.nu, a"
+      " trace after a normaliser degree 0), so its registered degrees may move it wrongly."
+      + _TX_FIX
+    )
+
+
+def _made_by(tx: optax.GradientTransformation, params: Any, opt_state: Any) -> tuple[Any, ...]:
+  """``(optimizer, n, treedef)``: ``opt_state[:n]`` (all of it when ``n`` is -1) is what
+  ``optimizer`` makes, in the structure ``treedef``; the rest are the states of a
+  :func:`saggs_jax.chain`'s symmetry stages."""
+  optimizer = getattr(tx, "optimizer", None)  # a saggs.chain: the stages before its symmetry
+  if optimizer is not None:
+    made = jax.eval_shape(optimizer.init, params)
+    part, n = (opt_state[: len(made)], len(made)) if isinstance(opt_state, tuple) else (None, 0)
+    name = "tx.optimizer"
+  else:
+    optimizer, part, n, name = tx, opt_state, -1, "tx"
+    made = jax.eval_shape(tx.init, params)
+    if _nodes(made, (SaggsState,)):
+      raise TypeError(
+        "tx holds a SAGGS stage inside another transformation: its degrees would be measured"
+        " through a stage that balances its probe histories onto one point. Pass the"
+        " saggs.chain itself, or the optimizer stages before its symmetry stage."
+        " Nothing was restored."
+      )
+  ours, theirs = layout(made), layout(part)
+  first = _first_difference(theirs, ours)
+  if first is not None:  # a chain's state that is no tuple lacks all of it
+    raise ValueError(
+      f"tx does not make this opt_state: at {first!r}, {name}.init(params) gives"
+      f" {ours.get(first, 'nothing')}, opt_state holds {theirs.get(first, 'nothing')}." + _TX_FIX
+    )
+  return optimizer, n, jax.tree.structure(made)
+
+
+def _canonical(params, opt_state, pairs, tx, n, treedef):
+  """:func:`saggs_jax.canonicalize` by ``tx``'s degrees (the registered ones without it) on
+  ``opt_state[:n]``, laid out as ``tx.init`` lays it out (``treedef``); the rest unmoved."""
+  if tx is None:
+    return canonical.canonicalize(params, opt_state, pairs)
+  part = opt_state if n < 0 else opt_state[:n]
+  params, moved = canonical.canonicalize(
+    params, treedef.unflatten(jax.tree.leaves(part)), pairs, tx
+  )
+  moved = jax.tree.structure(part).unflatten(jax.tree.leaves(moved))  # nnx boxes and all
+  return params, moved if n < 0 else (*moved, *opt_state[n:])
+
+
+def _spec(x) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+
+
+@functools.lru_cache(maxsize=16)
+def _canonicalizer(pairs: tuple[Pair, ...], tx, n: int, made_treedef, treedef, specs: tuple):
+  """The restore's canonicalisation compiled for the target (``treedef``, ``specs``):
+  in place (the restored arrays are donated) and onto the target's shardings.
+
+  Lowered on abstract values before any array is read, so a ``tx`` whose degrees cannot
+  be measured fails first."""
+  shardings = [s.sharding for s in specs]
+  out = None if None in shardings else jax.tree.unflatten(treedef, shardings)
+  fn = jax.jit(
+    lambda p, s: _canonical(p, s, pairs, tx, n, made_treedef),
+    out_shardings=out,
+    donate_argnums=(0, 1),
+  )
+  return fn.lower(*jax.tree.unflatten(treedef, specs)).compile()
+
+
 def restore(
   manager: ocp.CheckpointManager,
   params: Any,
@@ -335,8 +465,19 @@ def restore(
   pairs: Sequence[Pair] | None = None,
   step: int | None = None,
   canonicalize: bool = True,
+  *,
+  tx: optax.GradientTransformation | None = None,
 ) -> tuple[Any, Any, int]:
   """Restores a checkpoint written by :func:`save`, in the structure of the target.
+
+  With ``pairs``, the state is canonicalised: the parameters balanced
+  (:func:`saggs_jax.canonicalize`) and every moment moved by its degree, as
+  measured on ``tx`` (:func:`saggs_jax.degrees.measure`), the optimizer that
+  made ``opt_state``. A state type whose degrees depend on that optimizer
+  (:data:`AMBIGUOUS`: Adam's state, which ``optax.adamax`` also uses with an
+  infinity norm of degree 1 in ``nu``; a trace, which may follow a normaliser)
+  is refused without ``tx``; other registered types move by their registered
+  degrees.
 
   Args:
     manager: the ``orbax.checkpoint.CheckpointManager`` it was saved with.
@@ -347,31 +488,39 @@ def restore(
       the restored state is mapped to its canonical (norm-balanced) form.
     step: the step to restore (an int); default the latest.
     canonicalize: canonicalize when ``pairs`` is given.
+    tx: the optimizer that made ``opt_state``: the :func:`saggs_jax.chain` it
+      trains with (its state's optimizer entries move by the degrees of the
+      stages before its symmetry stage; their own states hold no moments), or
+      any optax transformation whose ``init(params)`` has ``opt_state``'s layout.
+      Only used to canonicalize.
 
   Returns:
     ``(params, opt_state, step)``.
 
   Raises:
-    TypeError: ``step`` is not an int, or the target is an nnx object or
-      ``nnx.state(optimizer)`` (see :func:`save`).
+    TypeError: ``step`` is not an int, the target is an nnx object or
+      ``nnx.state(optimizer)`` (see :func:`save`), ``opt_state`` holds an
+      :data:`AMBIGUOUS` state and no ``tx`` is given, or a degree measured on
+      ``tx`` transports no leaf (see :func:`saggs_jax.degrees.measure`).
     FileNotFoundError: the manager holds no checkpoint ``step`` (or none at all).
     ValueError: the checkpoint was not written by :func:`save` (it lacks the
       layout and checksums), its layout differs from the target's (the
-      message names the first differing path), or ``pairs`` do not resolve
-      on ``params``: raised before any array is read. Or the arrays could not
-      be read, or one read back does not match its checksum (the message
-      names it).
+      message names the first differing path), ``tx`` does not make
+      ``opt_state``, or ``pairs`` do not resolve on ``params``: raised before
+      any array is read. Or the arrays could not be read, or one read back
+      does not match its checksum or has none (the message names it).
 
   Example::
 
     >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, saggs_jax as saggs
     >>> pairs = [saggs.Pair("q", "k")]
     >>> params = {"q": jnp.full((2, 2), 4.0), "k": jnp.ones((2, 2))}
-    >>> opt_state = optax.adam(1e-3).init(params)
+    >>> tx = optax.adam(1e-3)
     >>> manager = ocp.CheckpointManager(tempfile.mkdtemp())
-    >>> saggs.checkpoint.save(manager, 3, params, opt_state)
+    >>> saggs.checkpoint.save(manager, 3, params, tx.init(params))
     True
-    >>> restored, opt_state, step = saggs.checkpoint.restore(manager, params, opt_state, pairs)
+    >>> restored, opt_state, step = saggs.checkpoint.restore(
+    ...     manager, params, tx.init(params), pairs, tx=tx)
     >>> step, float(restored["q"][0, 0]), float(restored["k"][0, 0])  # canonicalised
     (3, 2.0, 2.0)
     >>> manager.close()
@@ -402,6 +551,16 @@ def restore(
       " or save with saggs_jax.checkpoint.save. Nothing was restored."
     ) from e
   check_layout(saved["layout"], target, what)
+  arrays = _arrays((params, opt_state))
+  specs, treedef = jax.tree.flatten(jax.tree.map(_spec, arrays))
+  canonicalizer = None
+  if balanced_by is not None:
+    optimizer, n, made = None, -1, None
+    if tx is not None and opt_state is not None:
+      optimizer, n, made = _made_by(tx, *arrays)
+    else:
+      _refuse_ambiguous(opt_state)
+    canonicalizer = _canonicalizer(as_pairs(balanced_by), optimizer, n, made, treedef, tuple(specs))
   abstract = jax.tree.map(lambda x: _abstract(x) if paths.is_array(x) else None, target)
   try:
     state = manager.restore(
@@ -415,17 +574,7 @@ def restore(
   _verify(saved["checksums"], state, what)
   state = _unstorable(target, state)
   arrays = state["params"], state["opt_state"]
-  if balanced_by is not None:
-    shardings, treedef = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, arrays))
-    arrays = _canonicalizer(as_pairs(balanced_by), treedef, tuple(shardings))(*arrays)
+  if canonicalizer is not None:
+    arrays = canonicalizer(*arrays)
   params, opt_state = _with_statics((params, opt_state), arrays)
   return params, opt_state, step
-
-
-@functools.lru_cache(maxsize=16)
-def _canonicalizer(pairs: tuple[Pair, ...], treedef, shardings: tuple):
-  """``canonicalize`` as one compiled program whose outputs keep the target's shardings."""
-  return jax.jit(
-    lambda p, s: canonical.canonicalize(p, s, pairs),
-    out_shardings=jax.tree.unflatten(treedef, shardings),
-  )

@@ -432,7 +432,35 @@ def soft(
   return scale_by_saggs(pairs, strength=strength, every=every, axis_name=axis_name)
 
 
-def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+class Chain(optax.GradientTransformationExtraArgs):
+  """What :func:`chain` returns: an optax transformation that also names its optimizer.
+
+  Attributes:
+    optimizer: the stages before the first symmetry stage, as one transformation
+      whose state is the chain state's first entries (``tx.init(params)[:n]``, one
+      per such stage); None when no stage is a symmetry stage. The later entries
+      are the symmetry stages' own states, which hold no moments.
+      :func:`saggs_jax.checkpoint.restore` transports a saved chain state by the
+      degrees measured on it.
+
+  Example::
+
+    >>> import jax.numpy as jnp, optax, saggs_jax as saggs
+    >>> tx = saggs.chain(optax.adamax(1e-3), saggs.saggs([saggs.Pair("q", "k")]))
+    >>> params = {"q": jnp.ones((2, 2)), "k": jnp.ones((2, 2))}
+    >>> len(tx.init(params)), len(tx.optimizer.init(params))
+    (2, 1)
+  """
+
+  optimizer: optax.GradientTransformationExtraArgs | None
+
+  def __new__(cls, init, update, optimizer=None) -> Chain:
+    self = super().__new__(cls, init, update)
+    self.optimizer = optimizer
+    return self
+
+
+def chain(*transforms: optax.GradientTransformation) -> Chain:
   """``optax.chain`` whose symmetry stages also transport earlier stages' moments.
 
   The state is a tuple of stage states, as with ``optax.chain``. When a
@@ -456,8 +484,8 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
     for t in transforms
   ]
   symmetric = [isinstance(t, SymmetryTransformation) for t in stages]
+  first = symmetric.index(True) if any(symmetric) else len(stages)
   if any(symmetric):
-    first = symmetric.index(True)
     if first == 0 or not all(symmetric[first:]):
       raise ValueError(
         f"saggs_jax.chain: the symmetry stage at position {first} must come after the optimizer"
@@ -467,6 +495,12 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
         " saggs_jax.chain(optax.adamw(...), saggs_jax.saggs(pairs))."
       )
 
+  # The optimizer stages alone: what a symmetry stage measures degrees on, and what
+  # saggs_jax.checkpoint.restore transports a saved chain state by.
+  optimizer = optax.GradientTransformationExtraArgs(
+    lambda params: tuple(t.init(params) for t in stages[:first]),
+    lambda updates, state, params=None, **extra: run(stages[:first], updates, state, params, extra),
+  )
   measured = {}
 
   def degrees(n, params):
@@ -484,12 +518,7 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
       tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)),
     )
     if layout not in measured:
-      first = symmetric.index(True)
-      prior = optax.GradientTransformationExtraArgs(
-        lambda params: tuple(t.init(params) for t in stages[:first]),
-        lambda g, s, p=None, **extra: run(stages[:first], g, s, p, extra),
-      )
-      found = measure(prior, params, stages[n].resolve(params))
+      found = measure(optimizer, params, stages[n].resolve(params))
       measured[layout] = None if found is None else (*found, *(None,) * (n - first))
     return measured[layout]
 
@@ -521,4 +550,4 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
       raise ValueError(f"State has {len(state)} stages but the chain has {len(stages)}.")
     return run(stages, updates, state, params, extra_args)
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  return Chain(init, update, optimizer if any(symmetric) else None)

@@ -180,7 +180,9 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
     fresh = jax.tree.map(global_array, models.llama_init(1))  # another state, same layout
     for variant in ("plain", "rescaled"):
       manager = ocp.CheckpointManager(directory / variant)
-      params, state, step_number = saggs.checkpoint.restore(manager, fresh, init(fresh), pairs)
+      params, state, step_number = saggs.checkpoint.restore(
+        manager, fresh, init(fresh), pairs, tx=tx
+      )
       manager.close()
       log(f"restored {variant}")
       assert step_number == BEFORE, step_number

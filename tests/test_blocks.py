@@ -306,9 +306,12 @@ def manager(tmp_path):
   mngr.close()
 
 
+def _chain_tx(pairs):
+  return saggs.chain(optax.adamw(1e-2), saggs.saggs(pairs, every=1))
+
+
 def _chain_state(pairs, params):
-  tx = saggs.chain(optax.adamw(1e-2), saggs.saggs(pairs, every=1))
-  return models.random_like(tx.init(params), 6)
+  return models.random_like(_chain_tx(pairs).init(params), 6)
 
 
 def test_checkpoint_round_trip_and_the_layout_names_blocks(manager):
@@ -322,7 +325,7 @@ def test_checkpoint_round_trip_and_the_layout_names_blocks(manager):
   target = saggs.reparameterize(gpt2_init(1), _chain_state(GPT2_PAIRS, params), GPT2_PAIRS, factor)
   got = saggs.checkpoint.restore(manager, *target, canonicalize=False)
   chex.assert_trees_all_equal(got[:2], (params, state))
-  got = saggs.checkpoint.restore(manager, *target, pairs=GPT2_PAIRS)[:2]
+  got = saggs.checkpoint.restore(manager, *target, pairs=GPT2_PAIRS, tx=_chain_tx(GPT2_PAIRS))[:2]
   chex.assert_trees_all_close(
     got, saggs.canonicalize(params, state, GPT2_PAIRS), rtol=1e-5, atol=1e-6
   )

@@ -372,7 +372,7 @@ def test_checkpoint_restores_onto_the_joint_canonical_point(tmp_path):
   with ocp.CheckpointManager(tmp_path) as manager:
     saggs.checkpoint.save(manager, 3, params, state)
     manager.wait_until_finished()
-    restored, _, step = saggs.checkpoint.restore(manager, params, state, PAIRS)
+    restored, _, step = saggs.checkpoint.restore(manager, params, state, PAIRS, tx=tx)
   assert step == 3
   expect = _canon_llama(params)
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expect)):

@@ -99,7 +99,7 @@ def checkpoints(tmp_path_factory):
     saggs.checkpoint.save(manager, WARMUP, *state)
     out[name] = {
       "raw": saggs.checkpoint.restore(manager, *target, canonicalize=False)[:2],
-      "canonical": saggs.checkpoint.restore(manager, *target, PAIRS)[:2],
+      "canonical": saggs.checkpoint.restore(manager, *target, PAIRS, tx=tx)[:2],
     }
     manager.close()
     chex.assert_trees_all_equal(out[name]["raw"], state)

@@ -385,7 +385,7 @@ def check_checkpoint_round_trip(zoo: Zoo, tmp_dir):
   assert step == 3
   for got, want in zip(jax.tree.leaves((raw, raw_state)), jax.tree.leaves((params, state))):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  canon, _, _ = saggs.checkpoint.restore(manager, *target, pairs=found(zoo))
+  canon, _, _ = saggs.checkpoint.restore(manager, *target, pairs=found(zoo), tx=tx)
   dev = deviation(zoo, canon)
   assert dev < EXACT, f"{zoo.name}: the restored state's logits differ by {dev:.2e}"
   after = np.max(np.abs(log_imbalance(leaves(canon), atom_list)))
