@@ -6,9 +6,9 @@ import jaxlib
 
 # LLVM's optimisation passes, the newer fusion emitters and splitting a program into
 # several LLVM modules all cost more compile time than tiny programs that run once
-# can win back. XLA aborts on a flag it does not know, and jaxlib 0.12's has no switch for
-# the fusion emitters (they are the only ones).
-_OLD_EMITTERS = tuple(int(v) for v in jaxlib.__version__.split(".")[:2]) < (0, 12)
+# can win back. XLA aborts on a flag it does not know, and from jaxlib 0.11 on it has no
+# switch for the fusion emitters (they are the only ones).
+_OLD_EMITTERS = tuple(int(v) for v in jaxlib.__version__.split(".")[:2]) < (0, 11)
 FAST_COMPILE = " ".join(
   ["--xla_backend_optimization_level=0", "--xla_cpu_parallel_codegen_split_count=1"]
   + ["--xla_cpu_use_fusion_emitters=false"] * _OLD_EMITTERS
