@@ -10,15 +10,31 @@ the parameters ``T_c p`` and the gradients ``g / c`` on side A, ``g c`` on
 side B must hold the transported state ``s * m**-k``, ``m`` being the
 multiplier of the leaf's parameter (``c`` on A, ``1 / c`` on B).
 
-:func:`measure` runs the optimizer on a short probe history and on its
-equivalent, and reads for each state leaf the degree ``k`` for which the two
-agree: the registered one if it fits, else the first of :data:`CANDIDATES`.
-A leaf that no degree fits comes from a stage that does not commute with the
-rescaling on the probe (clipping by a global or block norm when it clips, a
-trust ratio or a norm taken over a leaf whose groups move apart, weight decay
-added before a normaliser or a moment) and is refused with a TypeError naming
-its state type and path. The probe runs once per parameter layout, outside
-the training step, on the parameters' shapes.
+A degree is a property of the optimizer and of how the groups lie in each
+leaf, not of the leaves' sizes. So :func:`measure` runs the probe on a
+*proxy* (:func:`proxy`): the same tree, dtypes and pairs with every axis cut
+to a few entries per run of constant multiplier, each pair instance to
+:data:`GROUPS` groups and stacked axes to two copies, a few kilobytes per
+leaf whatever the model's width. It runs the optimizer there on a probe
+history and on its equivalent, and reads for each state leaf the degree ``k``
+for which the two agree: the registered one if it fits, else the first of
+:data:`CANDIDATES`. A leaf that stays zero where its parameter moves (a
+``MultiSteps`` that has not stepped yet, a learning rate that starts at 0)
+fits every degree and decides none: the history grows through :data:`STEPS`
+until each such leaf has moved; one still zero after the longest is refused,
+as is a leaf that no degree fits, which comes from a stage that does not
+commute with the rescaling on the probe (clipping by a global or block norm
+when it clips, a trust ratio or a norm taken over a leaf whose groups move
+apart, weight decay added before a normaliser or a moment). Each refusal is a
+TypeError naming the state type and path. An optimizer whose state layout
+depends on the leaves' sizes (Adafactor factoring only large axes) is
+checked against its abstract state at full size and refused where the proxy
+differs from it.
+
+Results are kept per optimizer (weakly, by its ``update`` function) and proxy
+layout, so a chain's stages, its updates and ``canonicalize`` do not probe
+again; models that differ only in width share one proxy. Nothing of the
+model's size is made: the full-size checks run on abstract values.
 """
 
 from __future__ import annotations
@@ -26,35 +42,44 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+import weakref
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import core
 
+from saggs_jax import paths
 from saggs_jax.balance import Factors, scale_tree
-from saggs_jax.pairs import Plan
+from saggs_jax.pairs import Plan, Slot
 from saggs_jax.transport import AS_REGISTERED, transport
 
 CANDIDATES = (1, 2, 0, -1, -2, 3, 4)
 """Degrees tried, in order, for a leaf whose registered degree does not fit."""
 
-STEPS = 2
-"""Length of the probe history: enough for ``MultiSteps(every_k_schedule=2)`` to step."""
+STEPS = (3, 7, 31, 127)
+"""Lengths of the probe history, tried in turn while some leaf stays zero. Pairwise coprime
+(Mersenne primes): a ``MultiSteps(every_k_schedule=k)`` steps within the longest for every
+``k <= 127``, and its accumulator, zero right after each step, is nonzero after one of any
+two of them."""
 
+KEEP = 2
+"""Entries a proxy keeps of each run of indices along which no multiplier changes."""
 
-def _like(spec, rng: np.random.Generator):
-  """Values of magnitude in [0.5, 1) and either sign (zeros for a non-float leaf): away from
-  zero, so that an epsilon added to a moment stays negligible. Made on the host: no compile."""
+GROUPS = 3
+"""Groups a proxy keeps of each pair instance (factors alternate above and below 1)."""
 
-  def leaf(x):
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-      return np.zeros(x.shape, x.dtype)
-    return (rng.choice([-1.0, 1.0], x.shape) * rng.uniform(0.5, 1.0, x.shape)).astype(x.dtype)
+FAST_COMPILE = {
+  "xla_backend_optimization_level": 0,
+  "xla_cpu_use_fusion_emitters": False,
+  "xla_cpu_parallel_codegen_split_count": 1,
+}
+"""XLA options of the probe's compile on CPU (ignored elsewhere)."""
 
-  return jax.tree.map(leaf, spec)
+# optimizer update function -> {proxy layout: degrees}; weak, so an optimizer's entry goes
+# with it. A value depends only on its key: a hit skips work and changes no result.
+_MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def probe_factors(plan: Plan) -> Factors:
@@ -68,19 +93,137 @@ def probe_factors(plan: Plan) -> Factors:
   return out
 
 
-def _probe_dtype(x):
+def _group_of(slot: Slot, n: int) -> np.ndarray:
+  """The group of each index of ``slot``'s axis (of length ``n``), -1 outside its tiling."""
+  start, stop = slot.tiled(n)
+  index = np.arange(n)
+  inside = (index >= start) & (index < stop)
+  return np.where(inside, (index - start) // max(1, (stop - start) // slot.groups), -1)
+
+
+def _kept(n: int, axis: int, slots: tuple[Slot, ...], groups: dict[str, int]) -> np.ndarray:
+  """The indices of ``axis`` (length ``n``) a proxy keeps: of each instance's first
+  ``groups[key]`` groups (and stacked copies), the first :data:`KEEP` of every run of
+  indices that all slots treat alike."""
+  index = np.arange(n)
+  keep = np.ones(n, bool)
+  signature = []
+  for s in slots:
+    if axis < s.stacked:  # every copy has its own factors
+      signature.append(index)
+      keep &= index < KEEP
+    if s.block is not None and s.block[0] == axis:
+      signature.append((index >= s.block[1]) & (index < s.block[2]))
+    if s.axis == axis:
+      group = _group_of(s, n)
+      signature.append(group)
+      keep &= group < groups[s.key]
+  if signature:
+    sig = np.stack(signature, axis=1)
+    starts = np.concatenate([[True], np.any(sig[1:] != sig[:-1], axis=1)])
+  else:
+    starts = index == 0
+  run_start = np.maximum.accumulate(np.where(starts, index, 0))
+  return np.flatnonzero(keep & (index - run_start < KEEP))
+
+
+def proxy(plan: Plan) -> Plan:
+  """A small plan with the layout of ``plan``: same paths, ranks, pairs and slots, every
+  axis cut by :func:`_kept` (each instance to :data:`GROUPS` groups of at most :data:`KEEP`
+  entries, stacked axes to :data:`KEEP` copies, other axes to :data:`KEEP` entries).
+
+  Raises:
+    TypeError: a layout whose cut leaves some slot with unequal groups (a group axis cut
+      inside its groups by another pair's blocks).
+  """
+  groups = {  # factor_shape is stacked_shape + (groups,), or stacked_shape for axes=None
+    i.key: min(GROUPS, i.factor_shape[i.pair.stacked])
+    if len(i.factor_shape) > i.pair.stacked
+    else 1
+    for i in plan.instances
+  }
+  kept = {
+    path: [_kept(n, a, plan.slots.get(path, ()), groups) for a, n in enumerate(shape)]
+    for path, shape in plan.shapes.items()
+  }
+
+  def span(path, block):
+    if block is None:
+      return None
+    axis, start, stop = block
+    k = kept[path][axis]
+    return axis, int(np.sum(k < start)), int(np.sum(k < stop))
+
+  slots = {}
+  for path, found in plan.slots.items():
+    new = []
+    for s in found:
+      cut = dataclasses.replace(s, groups=groups[s.key], block=span(path, s.block))
+      if s.axis is not None:  # the cut groups must tile as the originals did
+        k = kept[path][s.axis]
+        if not np.array_equal(_group_of(s, plan.shapes[path][s.axis])[k], _group_of(cut, len(k))):
+          raise TypeError(
+            f"Cannot measure transport degrees for {path!r} {plan.shapes[path]}: the groups"
+            f" of {s.key!r} along axis {s.axis} do not survive cutting the leaf to a small"
+            " proxy (another pair's blocks split them)."
+          )
+      new.append(cut)
+    slots[path] = tuple(new)
+  instances = tuple(
+    dataclasses.replace(
+      i,
+      factor_shape=tuple(min(d, KEEP) for d in i.factor_shape[: i.pair.stacked])
+      + (groups[i.key],) * (len(i.factor_shape) - i.pair.stacked),
+    )
+    for i in plan.instances
+  )
+  return Plan(
+    instances,
+    slots,
+    {path: tuple(len(k) for k in kept[path]) for path in plan.shapes},
+    {name: part._replace(block=span(part.path, part.block)) for name, part in plan.parts.items()},
+  )
+
+
+def _probe_dtype(dtype):
   """16-bit floats probe in float32: their rounding, amplified where two probe gradients
   cancel in a moment, would hide the degree; a degree does not depend on the precision."""
-  dtype = jnp.result_type(x)
   return jnp.float32 if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4 else dtype
 
 
-def _close(wanted, got, dtype) -> jax.Array:
-  """Per row of ``wanted``: whether it is ``got`` up to ``dtype``'s rounding."""
-  rtol = max(1e-4, 8 * float(jnp.finfo(dtype).eps))
-  got = got.astype(jnp.float32)
-  ok = jnp.abs(wanted - got) <= rtol * (jnp.abs(got) + 1e-2 * jnp.max(jnp.abs(got), initial=0))
-  return jnp.all(ok.reshape(len(wanted), -1), axis=1)
+def _cut(params: Any, small: Plan) -> Any:
+  """``params`` as abstract leaves of the proxy's shapes (other leaves as they are)."""
+
+  def leaf(key_path, x):
+    shape = small.shapes.get(paths.path_str(key_path))
+    if shape is None or not paths.is_array(x):
+      return x
+    return jax.ShapeDtypeStruct(shape, _probe_dtype(jnp.result_type(x)))
+
+  return jax.tree_util.tree_map_with_path(leaf, params)
+
+
+def _abstract(params: Any) -> Any:
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) if paths.is_array(x) else x,
+    params,
+  )
+
+
+def _random(spec: Any, rng: np.random.Generator, *lead: int) -> Any:
+  """Host arrays like ``spec`` (with leading axes ``lead``) of entries of magnitude in
+  [0.5, 1) and either sign (zeros for a non-float leaf): away from zero, so that an epsilon
+  added to a moment stays negligible. Proxy-sized, and made on the host: nothing to compile."""
+
+  def leaf(x):
+    if not isinstance(x, jax.ShapeDtypeStruct):
+      return x
+    shape = lead + x.shape
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+      return np.zeros(shape, x.dtype)
+    return (rng.choice([-1.0, 1.0], shape) * rng.uniform(0.5, 1.0, shape)).astype(x.dtype)
+
+  return jax.tree.map(leaf, spec)
 
 
 def _owner(state, key_path):
@@ -100,13 +243,95 @@ def _owner(state, key_path):
   return owner
 
 
+def _where(state, key_path) -> str:
+  return f"{type(_owner(state, key_path)).__name__} at opt_state{jax.tree_util.keystr(key_path)}"
+
+
+def _probe(tx, spec, plan):
+  """The compiled ``probe(steps)``, or None if the optimizer closes over values traced
+  outside it. ``probe(steps)`` runs the history of ``steps`` updates from probe parameters
+  with probe gradients, and gives, for each float state leaf after ``steps`` updates,
+  its value on the history, on the equivalent history, transported by the registered
+  degree, and the multiplier of its parameter (see :func:`_fits`)."""
+
+  def both(a, b):
+    return jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)
+
+  def probe(steps, p, history):  # every array made in here: none comes from a trace outside
+    factors = probe_factors(plan)
+    value = jnp.ones([], jnp.float32)  # the loss, invariant under the symmetry (polyak_sgd)
+    sides = both(p, scale_tree(plan, p, factors, 1.0))
+
+    def step(i, states):
+      g = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), history)
+      grads = both(g, scale_tree(plan, g, factors, -1.0))
+      return jax.vmap(lambda s, p, g: tx.update(g, s, p, value=value)[1])(states, sides, grads)
+
+    try:  # one vmapped history compiles the update once for both sides
+      states = jax.lax.fori_loop(0, steps, step, jax.vmap(tx.init)(sides))
+    except Exception as e:  # e.g. an update that needs more than the gradients and a value
+      raise TypeError(
+        f"Cannot transport {type(tx.init(p)).__name__} at opt_state: its degrees are measured"
+        " on a probe history (gradients laid out like the parameters, extra argument"
+        f" value=1), on which the optimizer fails: {type(e).__name__}: {e}"
+      ) from e
+    state, moved = (jax.tree.map(lambda x, i=i: x[i], states) for i in (0, 1))
+    ones = jax.tree.map(jnp.ones_like, state)
+    mult = transport(plan, ones, factors, degrees=jax.tree.map(lambda _: 1, state))
+    out = (state, moved, transport(plan, state, factors), mult)
+    return [[x for x in jax.tree.leaves(t) if jnp.issubdtype(x.dtype, jnp.inexact)] for t in out]
+
+  # Traced and compiled on its own, so that it runs now even while an init or an update is
+  # being traced: a value it closes over from that trace would become one more input. XLA's
+  # cheapest code generation: the program is tiny and runs a few times.
+  rng = np.random.default_rng(0)
+  args = _random(spec, rng), _random(spec, rng, STEPS[-1])
+  traced = jax.jit(probe).trace(jax.ShapeDtypeStruct((), jnp.int32), *args)
+  if len(traced.jaxpr.jaxpr.invars) != 1 + len(jax.tree.leaves(args)):
+    return None
+  compiled = traced.lower().compile(FAST_COMPILE)
+  return lambda steps: compiled(steps, *args)
+
+
+def _fits(state, moved, registered, mult) -> tuple[np.ndarray, bool]:
+  """Whether ``moved`` (a leaf after the equivalent history) is ``state`` transported by
+  its registered degree (``registered``) and by each of :data:`CANDIDATES` (``state`` times
+  the multiplier ``mult`` to that power), up to the leaf's rounding; and whether it fits
+  them all though the multiplier is not 1 (zero where its parameter moves: no evidence)."""
+  rtol = max(1e-4, 8 * float(np.finfo(state.dtype).eps))
+  s, t, r, m = (np.asarray(x, np.float64) for x in (state, moved, registered, mult))
+  k = np.asarray(CANDIDATES, np.float64).reshape((-1,) + (1,) * s.ndim)
+  wanted = np.concatenate([r[None], s * m**k])
+  ok = np.abs(wanted - t) <= rtol * (np.abs(t) + 1e-2 * np.max(np.abs(t), initial=0))
+  fits = ok.reshape(len(wanted), -1).all(axis=1)
+  return fits, bool(fits.all() and np.any(np.abs(m - 1) > 1e-3))
+
+
+def _same_layout(small_state, state) -> str | None:
+  """The path of a leaf of ``small_state`` (the proxy's) laid out otherwise than its leaf in
+  ``state`` (full size): another rank, or size 1 along an axis the other does not have
+  size 1. None if every leaf corresponds."""
+  if jax.tree.structure(small_state) != jax.tree.structure(state):
+    return ""
+  for (key_path, small), full in zip(
+    jax.tree_util.tree_flatten_with_path(small_state)[0], jax.tree.leaves(state)
+  ):
+    if [n == 1 for n in np.shape(small)] != [n == 1 for n in np.shape(full)]:
+      return jax.tree_util.keystr(key_path)
+  return None
+
+
 def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
   """The degree of every leaf of ``tx.init(params)``, as :func:`transport` takes them.
+
+  Measured on the :func:`proxy` of ``plan`` (see the module doc), once per optimizer and
+  proxy layout; the full-size parameters are only read for their shapes and dtypes.
 
   Args:
     tx: the optimizer whose state is transported (the stages before a symmetry
       stage).
-    params: the parameters, or anything with their shapes and dtypes.
+    params: the parameters, or anything with their shapes and dtypes (abstract
+      ``jax.ShapeDtypeStruct`` leaves, tracers).
     plan: the resolved pairs.
 
   Returns:
@@ -114,76 +339,61 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
     a measured degree; None when no parameter is declared.
 
   Raises:
-    TypeError: a leaf that no degree fits, or a state the registered rules
-      refuse; the message names the state type and the path.
+    TypeError: a leaf that no degree fits, one the probe never moves, a state
+      the registered rules refuse, or one whose layout depends on the leaves'
+      sizes so that the proxy's differs; the message names the state type and the path.
 
   Example::
 
-    >>> import jax.numpy as jnp, optax, saggs_jax as saggs
+    >>> import jax, jax.numpy as jnp, optax, saggs_jax as saggs
     >>> from saggs_jax.degrees import measure
     >>> from saggs_jax.pairs import resolve
-    >>> params = {"q": jnp.ones((2, 3)), "k": jnp.ones((4, 3))}
+    >>> params = {"q": jax.ShapeDtypeStruct((4096, 512), jnp.float32),
+    ...           "k": jax.ShapeDtypeStruct((1024, 512), jnp.float32)}
     >>> state_degrees = measure(optax.adamax(1e-3), params, resolve(saggs.Pair("q", "k"), params))
     >>> state_degrees[0].nu["q"], state_degrees[0].mu["q"]  # nu: an infinity norm
     (1, 'as registered')
   """
   if not plan.slots:
     return None
-  # Under a jit trace (an init or a first update being traced) the probe still runs now.
-  with jax.ensure_compile_time_eval():
-    return _measure(tx, params, plan)
+  cache_key, tx = tx.update, optax.with_extra_args_support(tx)
+  state = jax.eval_shape(tx.init, _abstract(params))
+  # The registered rules first, at full size and abstractly: an unregistered image refuses.
+  factors = {i.key: jax.ShapeDtypeStruct(i.factor_shape, jnp.float32) for i in plan.instances}
+  jax.eval_shape(lambda s, f: transport(plan, s, f), state, factors)
+  small = proxy(plan)
+  spec = _cut(params, small)
+  mismatch = _same_layout(jax.eval_shape(tx.init, spec), state)
+  if mismatch is not None:
+    raise TypeError(
+      f"Cannot measure the transport degrees of {type(state).__name__} at"
+      f" opt_state{mismatch}: its layout depends on the parameters' sizes (as Adafactor"
+      " factors only axes of at least min_dim_size_to_factor), so the small proxy the"
+      " degrees are measured on holds another layout than the full-size state. Keep that"
+      " layout independent of the sizes (optax.adafactor(..., factored=False))."
+    )
+  layout = (
+    jax.tree.structure(spec),
+    tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(spec)),
+    tuple(small.slots.items()),
+    tuple((i.key, i.factor_shape) for i in small.instances),
+  )
+  try:
+    known = _MEASURED.setdefault(cache_key, {})
+  except TypeError:  # not weakly referable (a bound method, a callable object): no cache
+    known = {}
+  if layout not in known:
+    found = _decide(tx, spec, small)
+    if found is None:
+      return None
+    known[layout] = found
+  return jax.tree.structure(state).unflatten(known[layout])
 
 
-def _measure(tx, params, plan):
-  spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), _probe_dtype(x)), params)
-  tx = optax.with_extra_args_support(tx)
-  factors = probe_factors(plan)
-  found = {}
-
-  def history(p, grads):
-    state = tx.init(p)
-    for g in grads:  # value: the loss, invariant under the symmetry (polyak_sgd, plateaus)
-      _, state = tx.update(g, state, p, value=jnp.ones([], jnp.float32))
-    return state
-
-  def probe(params, grads, factors):  # arguments, not constants: staged, compiled once
-    # The registered rules first: an unregistered image refuses before any step runs.
-    start = tx.init(params)
-    transport(plan, start, factors)
-    both = lambda a, b: jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)  # noqa: E731
-    try:  # one vmapped history compiles the update once for both
-      states = jax.vmap(history)(
-        both(params, scale_tree(plan, params, factors, 1.0)),
-        [both(g, scale_tree(plan, g, factors, -1.0)) for g in grads],
-      )
-    except Exception as e:  # e.g. an update that needs more than the gradients and a value
-      raise TypeError(
-        f"Cannot transport {type(start).__name__} at opt_state: its degrees are measured on a"
-        " probe history (gradients laid out like the parameters, extra argument value=1),"
-        f" on which the optimizer fails: {type(e).__name__}: {e}"
-      ) from e
-    state, moved = (jax.tree.map(lambda x, i=i: x[i], states) for i in (0, 1))
-    registered = transport(plan, state, factors)
-    ones = jax.tree.map(jnp.ones_like, state)
-    mult = transport(plan, ones, factors, degrees=jax.tree.map(lambda _: 1, state))
-    leaves, found["treedef"] = jax.tree_util.tree_flatten_with_path(state)
-    found["paths"], found["state"] = [k for k, _ in leaves], state
-    powers = jnp.asarray(CANDIDATES, jnp.float32)
-    verdicts = []
-    for (_, s), m, r, t in zip(leaves, *(jax.tree.leaves(x) for x in (mult, registered, moved))):
-      if not jnp.issubdtype(s.dtype, jnp.inexact):
-        verdicts.append(jnp.ones(1 + len(CANDIDATES), bool))
-        continue
-      k = powers.reshape((-1,) + (1,) * s.ndim)
-      wanted = jnp.concatenate(
-        [r[None].astype(jnp.float32), s.astype(jnp.float32) * m.astype(jnp.float32) ** k]
-      )
-      verdicts.append(_close(wanted, t, s.dtype))
-    return jnp.stack(verdicts) if verdicts else jnp.zeros((0, 1 + len(CANDIDATES)), bool)
-
-  rng = np.random.default_rng(0)
-  verdicts = jax.jit(probe)(_like(spec, rng), [_like(spec, rng) for _ in range(STEPS)], factors)
-  if isinstance(verdicts, core.Tracer):
+def _decide(tx, spec, small):
+  """The degree of each state leaf of the proxy, in flatten order (see :func:`measure`)."""
+  probe = _probe(tx, spec, small)
+  if probe is None:
     # The optimizer closes over values traced outside, as when optax.inject_hyperparams
     # wraps a whole saggs.chain (its hyperparameters are then tracers in init and update).
     warnings.warn(
@@ -193,26 +403,42 @@ def _measure(tx, params, plan):
       " trace after a normaliser. Put inject_hyperparams inside the chain:"
       " saggs.chain(optax.inject_hyperparams(optax.adamw)(...), saggs.saggs(pairs)).",
       UserWarning,
-      stacklevel=4,
+      stacklevel=5,
     )
     return None
-  verdicts = np.asarray(verdicts)
-  degrees = []
-  for key_path, v in zip(found["paths"], verdicts):
-    if v[0]:
-      degrees.append(AS_REGISTERED)
-    elif v[1:].any():
-      degrees.append(CANDIDATES[int(np.argmax(v[1:]))])
-    else:
-      owner = _owner(found["state"], key_path)
-      raise TypeError(
-        f"Cannot transport {type(owner).__name__} at opt_state{jax.tree_util.keystr(key_path)}:"
-        " after an equivalent history (parameters T_c p, gradients g / c on side A and g * c"
-        " on side B) this leaf is not the transported one for any degree in"
-        f" {sorted(CANDIDATES)}, so a stage before it does not commute with the rescaling"
-        " (clipping by a global or block norm when it clips, a trust ratio or norm over a"
-        " leaf whose groups move apart, weight decay added before a moment or a normaliser)."
-        " Drop or move that stage, or declare the pairs with one group per tensor"
-        " (axes=None) when a per-tensor norm is the cause."
-      )
-  return found["treedef"].unflatten(degrees)
+  state = jax.eval_shape(tx.init, spec)
+  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  floats = [n for n, (_, x) in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  decided: dict[int, Any] = {n: AS_REGISTERED for n in range(len(leaves)) if n not in floats}
+  for steps in STEPS:
+    for n, *values in zip(floats, *probe(np.int32(steps))):
+      fits, undecided = _fits(*values)
+      if n in decided or undecided:
+        continue
+      if fits[0]:
+        decided[n] = AS_REGISTERED
+      elif fits[1:].any():
+        decided[n] = CANDIDATES[int(np.argmax(fits[1:]))]
+      else:
+        key_path = leaves[n][0]
+        raise TypeError(
+          f"Cannot transport {_where(state, key_path)}:"
+          " after an equivalent history (parameters T_c p, gradients g / c on side A and"
+          " g * c on side B) this leaf is not the transported one for any degree in"
+          f" {sorted(CANDIDATES)}, so a stage before it does not commute with the rescaling"
+          " (clipping by a global or block norm when it clips, a trust ratio or norm over a"
+          " leaf whose groups move apart, weight decay added before a moment or a"
+          " normaliser). Drop or move that stage, or declare the pairs with one group per"
+          " tensor (axes=None) when a per-tensor norm is the cause."
+        )
+    if len(decided) == len(leaves):
+      return [decided[n] for n in range(len(leaves))]
+  key_path = leaves[min(set(range(len(leaves))) - set(decided))][0]
+  raise TypeError(
+    f"Cannot transport {_where(state, key_path)}: this leaf stays"
+    f" zero where its parameter moves through {STEPS[-1]} probe updates, so no degree is"
+    " measured for it (a learning rate that is zero for that long, a MultiSteps that"
+    " accumulates more updates, a mask or a stage that zeroes it). Give the optimizer a"
+    f" schedule that is nonzero within {STEPS[-1]} updates, or leave the leaf out of the"
+    " pairs."
+  )

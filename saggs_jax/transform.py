@@ -32,6 +32,7 @@ from saggs_jax.balance import (
   scale_tree,
 )
 from saggs_jax.degrees import measure
+from saggs_jax.numerics import is_explicit
 from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
 from saggs_jax.transport import register_transport, transport
 
@@ -345,7 +346,13 @@ def scale_by_saggs(
       # optax.tree.map_params traces init on a leafless placeholder for the params to
       # find the params-shaped parts of a state; the factors are not one of them.
       return SaggsState(count, jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32))
-    return SaggsState(count, *_no_balancing(lambda p: factors_of(p, axis_name=None), params))
+    if any(is_explicit(x) for x in jax.tree.leaves(params)):  # their sharding comes from tracing
+      return SaggsState(count, *_no_balancing(lambda p: factors_of(p, axis_name=None), params))
+    # Else their type is the plan's: float32 factors of each instance's factor_shape, the
+    # ones _no_balancing would find by tracing the norms of every leaf at full size.
+    plan = resolve(pairs, params)
+    factors = {i.key: jnp.ones(i.factor_shape, jnp.float32) for i in plan.instances}
+    return SaggsState(count, factors, jnp.zeros([], jnp.float32))
 
   def start(state, params):  # -> the plan, the next count, and the params, checked present
     if params is None:
@@ -467,10 +474,15 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
         " saggs_jax.chain(optax.adamw(...), saggs_jax.saggs(pairs))."
       )
 
-  measured = {}
+  # The optimizer stages alone, built once: measure keeps their degrees per layout.
+  first = symmetric.index(True) if any(symmetric) else len(stages)
+  optimizer = optax.GradientTransformationExtraArgs(
+    lambda params: tuple(t.init(params) for t in stages[:first]),
+    lambda g, s, p=None, **extra: run(stages[:first], g, s, p, extra),
+  )
 
   def degrees(n, params):
-    """The degrees of the states before stage ``n`` (a symmetry stage), once per layout.
+    """The degrees of the states before stage ``n`` (a symmetry stage).
 
     They are measured on the optimizer stages alone: a symmetry stage between them and
     stage ``n`` holds no moments (its state's rule keeps it as it is) and only moves
@@ -478,20 +490,8 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
     arguments (a qk_clip's logits)."""
     if stages[n].resolve is None:
       return None
-    layout = (
-      n,
-      jax.tree.structure(params),
-      tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)),
-    )
-    if layout not in measured:
-      first = symmetric.index(True)
-      prior = optax.GradientTransformationExtraArgs(
-        lambda params: tuple(t.init(params) for t in stages[:first]),
-        lambda g, s, p=None, **extra: run(stages[:first], g, s, p, extra),
-      )
-      found = measure(prior, params, stages[n].resolve(params))
-      measured[layout] = None if found is None else (*found, *(None,) * (n - first))
-    return measured[layout]
+    found = measure(optimizer, params, stages[n].resolve(params))
+    return None if found is None else (*found, *(None,) * (n - first))
 
   def init(params):
     if jax.tree.leaves(params):  # not optax.tree.map_params' leafless placeholder
