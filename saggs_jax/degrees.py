@@ -75,7 +75,7 @@ FAST_COMPILE = {
   "xla_cpu_use_fusion_emitters": False,
   "xla_cpu_parallel_codegen_split_count": 1,
 }
-"""XLA options of the probe's compile on CPU (ignored elsewhere)."""
+"""XLA options of the probe's compile on CPU: its cheapest code generation."""
 
 # optimizer update function -> {proxy layout: degrees}; weak, so an optimizer's entry goes
 # with it. A value depends only on its key: a hit skips work and changes no result.
@@ -289,7 +289,7 @@ def _probe(tx, spec, plan):
   traced = jax.jit(probe).trace(jax.ShapeDtypeStruct((), jnp.int32), *args)
   if len(traced.jaxpr.jaxpr.invars) != 1 + len(jax.tree.leaves(args)):
     return None
-  compiled = traced.lower().compile(FAST_COMPILE)
+  compiled = traced.lower().compile(FAST_COMPILE if jax.default_backend() == "cpu" else None)
   return lambda steps: compiled(steps, *args)
 
 
@@ -307,17 +307,17 @@ def _fits(state, moved, registered, mult) -> tuple[np.ndarray, bool]:
   return fits, bool(fits.all() and np.any(np.abs(m - 1) > 1e-3))
 
 
-def _same_layout(small_state, state) -> str | None:
-  """The path of a leaf of ``small_state`` (the proxy's) laid out otherwise than its leaf in
-  ``state`` (full size): another rank, or size 1 along an axis the other does not have
-  size 1. None if every leaf corresponds."""
+def _same_layout(small_state, state) -> tuple | None:
+  """The key path of a leaf of ``small_state`` (the proxy's) laid out otherwise than its leaf
+  in ``state`` (full size): another rank, or size 1 along an axis the other does not have
+  size 1; ``()`` if the trees differ. None if every leaf corresponds."""
   if jax.tree.structure(small_state) != jax.tree.structure(state):
-    return ""
+    return ()
   for (key_path, small), full in zip(
     jax.tree_util.tree_flatten_with_path(small_state)[0], jax.tree.leaves(state)
   ):
     if [n == 1 for n in np.shape(small)] != [n == 1 for n in np.shape(full)]:
-      return jax.tree_util.keystr(key_path)
+      return key_path
   return None
 
 
@@ -366,11 +366,11 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
   mismatch = _same_layout(jax.eval_shape(tx.init, spec), state)
   if mismatch is not None:
     raise TypeError(
-      f"Cannot measure the transport degrees of {type(state).__name__} at"
-      f" opt_state{mismatch}: its layout depends on the parameters' sizes (as Adafactor"
-      " factors only axes of at least min_dim_size_to_factor), so the small proxy the"
-      " degrees are measured on holds another layout than the full-size state. Keep that"
-      " layout independent of the sizes (optax.adafactor(..., factored=False))."
+      f"Cannot measure the transport degrees of {_where(state, mismatch)}: its layout"
+      " depends on the parameters' sizes (as Adafactor factors only axes of at least"
+      " min_dim_size_to_factor), so the small proxy the degrees are measured on holds"
+      " another layout than the full-size state. Keep that layout independent of the"
+      " sizes (optax.adafactor(..., factored=False))."
     )
   layout = (
     jax.tree.structure(spec),
