@@ -248,16 +248,19 @@ def _where(state, key_path) -> str:
 
 
 def _probe(tx, spec, plan):
-  """The compiled ``probe(steps)``, or None if the optimizer closes over values traced
-  outside it. ``probe(steps)`` runs the history of ``steps`` updates from probe parameters
+  """The compiled ``probe(steps, seeds=None)``, or None if the optimizer closes over values
+  traced outside it. ``probe`` runs the history of ``steps`` updates from probe parameters
   with probe gradients, and gives, for each float state leaf after ``steps`` updates,
   its value on the history, on the equivalent history, transported by the registered
-  degree, and the multiplier of its parameter (see :func:`_fits`)."""
+  degree, and the multiplier of its parameter (see :func:`_fits`). ``seeds`` maps float
+  leaves (by their index among them) to the values they start from on either side, in
+  place of ``init``'s."""
 
   def both(a, b):
     return jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)
 
-  def probe(steps, p, history):  # every array made in here: none comes from a trace outside
+  def probe(steps, p, history, seeds, seeded):  # every array made in here: none comes
+    # from a trace outside
     factors = probe_factors(plan)
     value = jnp.ones([], jnp.float32)  # the loss, invariant under the symmetry (polyak_sgd)
     sides = both(p, scale_tree(plan, p, factors, 1.0))
@@ -268,7 +271,11 @@ def _probe(tx, spec, plan):
       return jax.vmap(lambda s, p, g: tx.update(g, s, p, value=value)[1])(states, sides, grads)
 
     try:  # one vmapped history compiles the update once for both sides
-      states = jax.lax.fori_loop(0, steps, step, jax.vmap(tx.init)(sides))
+      start, treedef = jax.tree.flatten(jax.vmap(tx.init)(sides))
+      floats = [j for j, x in enumerate(start) if jnp.issubdtype(x.dtype, jnp.inexact)]
+      for n, j in enumerate(floats):
+        start[j] = jnp.where(seeded[n], seeds[n], start[j])
+      states = jax.lax.fori_loop(0, steps, step, treedef.unflatten(start))
     except Exception as e:  # e.g. an update that needs more than the gradients and a value
       raise TypeError(
         f"Cannot transport {type(tx.init(p)).__name__} at opt_state: its degrees are measured"
@@ -279,18 +286,30 @@ def _probe(tx, spec, plan):
     ones = jax.tree.map(jnp.ones_like, state)
     mult = transport(plan, ones, factors, degrees=jax.tree.map(lambda _: 1, state))
     out = (state, moved, transport(plan, state, factors), mult)
-    return [[x for x in jax.tree.leaves(t) if jnp.issubdtype(x.dtype, jnp.inexact)] for t in out]
+    return [[x for x in jax.tree.leaves(t) if _is_float(x)] for t in out]
 
   # Traced and compiled on its own, so that it runs now even while an init or an update is
   # being traced: a value it closes over from that trace would become one more input. XLA's
   # cheapest code generation: the program is tiny and runs a few times.
   rng = np.random.default_rng(0)
-  args = _random(spec, rng), _random(spec, rng, STEPS[-1])
+  floats = [x for x in jax.tree.leaves(jax.eval_shape(tx.init, spec)) if _is_float(x)]
+  zeros = [np.zeros((2, *x.shape), x.dtype) for x in floats]
+  args = _random(spec, rng), _random(spec, rng, STEPS[-1]), zeros, np.zeros(len(zeros), bool)
   traced = jax.jit(probe).trace(jax.ShapeDtypeStruct((), jnp.int32), *args)
   if len(traced.jaxpr.jaxpr.invars) != 1 + len(jax.tree.leaves(args)):
     return None
   compiled = traced.lower().compile(FAST_COMPILE if jax.default_backend() == "cpu" else None)
-  return lambda steps: compiled(steps, *args)
+
+  def run(steps, seeds=None):
+    seeds = seeds or {}
+    start = [seeds.get(n, z) for n, z in enumerate(zeros)]
+    return compiled(np.int32(steps), *args[:2], start, np.isin(np.arange(len(zeros)), list(seeds)))
+
+  return run
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def _fits(state, moved, registered, mult) -> tuple[np.ndarray, bool]:
@@ -408,11 +427,12 @@ def _decide(tx, spec, small):
     return None
   state = jax.eval_shape(tx.init, spec)
   leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-  floats = [n for n, (_, x) in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  floats = [n for n, (_, x) in enumerate(leaves) if _is_float(x)]
   decided: dict[int, Any] = {n: AS_REGISTERED for n in range(len(leaves)) if n not in floats}
   for steps in STEPS:
-    for n, *values in zip(floats, *probe(np.int32(steps))):
-      fits, undecided = _fits(*values)
+    values = list(zip(*probe(steps)))
+    for i, n in enumerate(floats):
+      fits, undecided = _fits(*values[i])
       if n in decided or undecided:
         continue
       if fits[0]:
@@ -420,9 +440,8 @@ def _decide(tx, spec, small):
       elif fits[1:].any():
         decided[n] = CANDIDATES[int(np.argmax(fits[1:]))]
       else:
-        key_path = leaves[n][0]
         raise TypeError(
-          f"Cannot transport {_where(state, key_path)}:"
+          f"Cannot transport {_where(state, leaves[n][0])}:"
           " after an equivalent history (parameters T_c p, gradients g / c on side A and"
           " g * c on side B) this leaf is not the transported one for any degree in"
           f" {sorted(CANDIDATES)}, so a stage before it does not commute with the rescaling"
@@ -433,12 +452,61 @@ def _decide(tx, spec, small):
         )
     if len(decided) == len(leaves):
       return [decided[n] for n in range(len(leaves))]
-  key_path = leaves[min(set(range(len(leaves))) - set(decided))][0]
-  raise TypeError(
-    f"Cannot transport {_where(state, key_path)}: this leaf stays"
-    f" zero where its parameter moves through {STEPS[-1]} probe updates, so no degree is"
-    " measured for it (a learning rate that is zero for that long, a MultiSteps that"
-    " accumulates more updates, a mask or a stage that zeroes it). Give the optimizer a"
-    f" schedule that is nonzero within {STEPS[-1]} updates, or leave the leaf out of the"
-    " pairs."
-  )
+  pending = [i for i, n in enumerate(floats) if n not in decided]
+  unchecked = []
+  for i, (agree, registered) in _seeded(probe, pending, [values[i][3] for i in pending]).items():
+    where = _where(state, leaves[floats[i]][0])
+    if len(agree) == 1:
+      decided[floats[i]] = agree[0]
+    elif agree is CANDIDATES or registered:
+      # Back at zero (nothing to transport), or its updates are homogeneous in it whatever its
+      # degree: the probe cannot tell, the state type's meaning does. Said, not silent.
+      decided[floats[i]] = AS_REGISTERED
+      unchecked += [] if agree is CANDIDATES else [where]
+    else:
+      raise TypeError(
+        f"Cannot transport {where}: this leaf stays zero where its parameter moves through"
+        f" {STEPS[-1]} probe updates from init (a learning rate that is zero for that long,"
+        " a MultiSteps that accumulates more updates, a mask or a stage that zeroes what"
+        " reaches it), and started elsewhere no degree, or several but not its registered"
+        " one, keeps the two histories equal. Give the optimizer a schedule that is nonzero"
+        f" within {STEPS[-1]} updates, or leave the leaf out of the pairs."
+      )
+  if unchecked:
+    warnings.warn(
+      f"saggs_jax: {', '.join(unchecked)} stay zero through {STEPS[-1]} probe updates from"
+      " init, and started elsewhere their updates keep them homogeneous in any degree (as"
+      " AdaDelta's e_x at eps=0, or a trace after a learning rate that is zero for longer),"
+      " so they move by the degrees their state types register, which the probe cannot"
+      " check.",
+      UserWarning,
+      stacklevel=4,
+    )
+  return [decided[n] for n in range(len(leaves))]
+
+
+def _seeded(probe, pending: list[int], mults: list[np.ndarray]) -> dict[int, tuple]:
+  """For each float leaf in ``pending`` (multipliers ``mults``) that stays zero from ``init``,
+  started at positive values on side A and at those transported by each candidate on side B:
+  the candidates after which the two histories still agree (:data:`CANDIDATES` itself for a
+  leaf back at zero: it holds nothing to transport), and whether its registered degree is
+  among them."""
+  rng = np.random.default_rng(1)
+  start = [rng.uniform(0.5, 1.0, m.shape).astype(m.dtype) for m in mults]
+  agree = {i: [] for i in pending}
+  registered, zero = set(), set(pending)
+  for k in CANDIDATES:
+    seeds = {
+      i: np.stack([x, x * np.asarray(m, np.float64) ** k]).astype(x.dtype)
+      for i, x, m in zip(pending, start, mults)
+    }
+    values = list(zip(*probe(STEPS[0], seeds)))
+    for i in pending:
+      fits, undecided = _fits(*values[i])
+      if not undecided:
+        zero.discard(i)
+        if fits[1 + CANDIDATES.index(k)]:
+          agree[i].append(k)
+          if fits[0]:
+            registered.add(i)
+  return {i: (CANDIDATES if i in zero else ks, i in registered) for i, ks in agree.items()}
