@@ -448,7 +448,8 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
   ``nu -> nu / c**2`` on the A side, the inverse on the B side; see
   :func:`saggs_jax.register_transport`), each leaf by the degree it has at its
   place in the chain: ``init`` (or the first update of a parameter layout)
-  measures them on a short probe history (:func:`saggs_jax.degrees.measure`)
+  measures them on a probe history of a small proxy of the parameters, from
+  their shapes alone and once per layout (:func:`saggs_jax.degrees.measure`),
   and raises a TypeError naming the state and the path of a leaf that no
   degree transports, as when a stage before it clips by a global norm.
 
