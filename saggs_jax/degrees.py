@@ -21,12 +21,15 @@ for which the two agree: the registered one if it fits, else the first of
 :data:`CANDIDATES`. A leaf that stays zero where its parameter moves (a
 ``MultiSteps`` that has not stepped yet, a learning rate that starts at 0)
 fits every degree and decides none: the history grows through :data:`STEPS`
-until each such leaf has moved; one still zero after the longest is refused,
-as is a leaf that no degree fits, which comes from a stage that does not
-commute with the rescaling on the probe (clipping by a global or block norm
-when it clips, a trust ratio or a norm taken over a leaf whose groups move
-apart, weight decay added before a normaliser or a moment). Each refusal is a
-TypeError naming the state type and path. An optimizer whose state layout
+until each such leaf has moved; one still zero after the longest starts from
+positive values instead (transported by each candidate on the other side),
+and the one candidate that keeps both histories equal is its degree (a leaf
+whose updates keep any degree, as AdaDelta's ``e_x`` at ``eps=0``, keeps the
+registered one and warns). A leaf that no degree fits is refused: it comes
+from a stage that does not commute with the rescaling on the probe (clipping
+by a global or block norm when it clips, a trust ratio or a norm taken over a
+leaf whose groups move apart, weight decay added before a normaliser or a
+moment). Each refusal is a TypeError naming the state type and path. An optimizer whose state layout
 depends on the leaves' sizes (Adafactor factoring only large axes) is
 checked against its abstract state at full size and refused where the proxy
 differs from it.
@@ -248,19 +251,18 @@ def _where(state, key_path) -> str:
 
 
 def _probe(tx, spec, plan):
-  """The compiled ``probe(steps, seeds=None)``, or None if the optimizer closes over values
-  traced outside it. ``probe`` runs the history of ``steps`` updates from probe parameters
-  with probe gradients, and gives, for each float state leaf after ``steps`` updates,
-  its value on the history, on the equivalent history, transported by the registered
-  degree, and the multiplier of its parameter (see :func:`_fits`). ``seeds`` maps float
-  leaves (by their index among them) to the values they start from on either side, in
-  place of ``init``'s."""
+  """``probe(steps, seeds={})``: runs the history of ``steps`` updates from probe parameters
+  with probe gradients and gives, for each float state leaf after them, its value on the
+  history, on the equivalent history, transported by the registered degree, and the
+  multiplier of its parameter (see :func:`_fits`); None if the optimizer closes over values
+  traced outside it. ``seeds`` maps float leaves (by their index among them) to the values
+  they start from on either side, in place of ``init``'s. Compiled once per set of seeded
+  leaves."""
 
   def both(a, b):
     return jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)
 
-  def probe(steps, p, history, seeds, seeded):  # every array made in here: none comes
-    # from a trace outside
+  def probe(steps, p, history, seeds):  # every array is made in here: none in a trace outside
     factors = probe_factors(plan)
     value = jnp.ones([], jnp.float32)  # the loss, invariant under the symmetry (polyak_sgd)
     sides = both(p, scale_tree(plan, p, factors, 1.0))
@@ -272,9 +274,9 @@ def _probe(tx, spec, plan):
 
     try:  # one vmapped history compiles the update once for both sides
       start, treedef = jax.tree.flatten(jax.vmap(tx.init)(sides))
-      floats = [j for j, x in enumerate(start) if jnp.issubdtype(x.dtype, jnp.inexact)]
-      for n, j in enumerate(floats):
-        start[j] = jnp.where(seeded[n], seeds[n], start[j])
+      floats = [j for j, x in enumerate(start) if _is_float(x)]
+      for n, seed in seeds.items():
+        start[floats[n]] = seed
       states = jax.lax.fori_loop(0, steps, step, treedef.unflatten(start))
     except Exception as e:  # e.g. an update that needs more than the gradients and a value
       raise TypeError(
@@ -288,24 +290,29 @@ def _probe(tx, spec, plan):
     out = (state, moved, transport(plan, state, factors), mult)
     return [[x for x in jax.tree.leaves(t) if _is_float(x)] for t in out]
 
-  # Traced and compiled on its own, so that it runs now even while an init or an update is
-  # being traced: a value it closes over from that trace would become one more input. XLA's
-  # cheapest code generation: the program is tiny and runs a few times.
   rng = np.random.default_rng(0)
-  floats = [x for x in jax.tree.leaves(jax.eval_shape(tx.init, spec)) if _is_float(x)]
-  zeros = [np.zeros((2, *x.shape), x.dtype) for x in floats]
-  args = _random(spec, rng), _random(spec, rng, STEPS[-1]), zeros, np.zeros(len(zeros), bool)
-  traced = jax.jit(probe).trace(jax.ShapeDtypeStruct((), jnp.int32), *args)
-  if len(traced.jaxpr.jaxpr.invars) != 1 + len(jax.tree.leaves(args)):
-    return None
-  compiled = traced.lower().compile(FAST_COMPILE if jax.default_backend() == "cpu" else None)
+  inputs = _random(spec, rng), _random(spec, rng, STEPS[-1])
+  compiled = {}
+
+  def compile(seeds):
+    """Traced and compiled on its own, so that it runs now even while an init or an update
+    is being traced: a value it closes over from that trace would become one more input.
+    XLA's cheapest code generation: the program is tiny and runs a few times."""
+    args = jax.ShapeDtypeStruct((), jnp.int32), *inputs, seeds
+    traced = jax.jit(probe).trace(*args)
+    if len(traced.jaxpr.jaxpr.invars) != len(jax.tree.leaves(args)):
+      return None
+    return traced.lower().compile(FAST_COMPILE if jax.default_backend() == "cpu" else None)
 
   def run(steps, seeds=None):
     seeds = seeds or {}
-    start = [seeds.get(n, z) for n, z in enumerate(zeros)]
-    return compiled(np.int32(steps), *args[:2], start, np.isin(np.arange(len(zeros)), list(seeds)))
+    key = tuple(sorted(seeds))
+    if key not in compiled:
+      compiled[key] = compile(seeds)
+    return compiled[key](np.int32(steps), *inputs, seeds)
 
-  return run
+  compiled[()] = compile({})
+  return None if compiled[()] is None else run
 
 
 def _is_float(x) -> bool:
