@@ -282,7 +282,8 @@ def _probe(tx, spec, plan):
       raise TypeError(
         f"Cannot transport {type(tx.init(p)).__name__} at opt_state: its degrees are measured"
         " on a probe history (gradients laid out like the parameters, extra argument"
-        f" value=1), on which the optimizer fails: {type(e).__name__}: {e}"
+        " value=1, on a proxy with every axis cut to a few entries per group:"
+        f" saggs_jax.degrees.proxy), on which the optimizer fails: {type(e).__name__}: {e}"
       ) from e
     state, moved = (jax.tree.map(lambda x, i=i: x[i], states) for i in (0, 1))
     ones = jax.tree.map(jnp.ones_like, state)
