@@ -138,6 +138,16 @@ def proxy(plan: Plan) -> Plan:
   Raises:
     TypeError: a layout whose cut leaves some slot with unequal groups (a group axis cut
       inside its groups by another pair's blocks).
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp, saggs_jax as saggs
+    >>> from saggs_jax.pairs import resolve
+    >>> params = {"q": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
+    ...           "k": jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
+    >>> small = proxy(resolve(saggs.Pair("q", "k", axes=(1, 1), groups=8), params))
+    >>> small.shapes, small.instances[0].factor_shape  # 3 of the 8 groups, 2 entries each
+    ({'k': (2, 6), 'q': (2, 6)}, (3,))
   """
   groups = {  # factor_shape is stacked_shape + (groups,), or stacked_shape for axes=None
     i.key: min(GROUPS, i.factor_shape[i.pair.stacked])
