@@ -260,27 +260,38 @@ def _where(state, key_path) -> str:
   return f"{type(_owner(state, key_path)).__name__} at opt_state{jax.tree_util.keystr(key_path)}"
 
 
-def _probe(tx, spec, plan):
-  """``probe(steps, seeds={})``: runs the history of ``steps`` updates from probe parameters
-  with probe gradients and gives, for each float state leaf after them, its value on the
-  history, on the equivalent history, transported by the registered degree, and the
-  multiplier of its parameter (see :func:`_fits`); None if the optimizer closes over values
-  traced outside it. ``seeds`` maps float leaves (by their index among them) to the values
-  they start from on either side, in place of ``init``'s. Compiled once per set of seeded
-  leaves."""
-
-  def both(a, b):
-    return jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)
-
-  def probe(steps, p, history, seeds):  # every array is made in here: none in a trace outside
+def _multipliers(plan: Plan, spec: Any, state: Any) -> tuple[Any, list, list]:
+  """Per leaf of ``spec`` (the parameters) what the probe factors multiply it by; per float
+  leaf of ``state`` what they multiply it by as a moment of degree 1 and of its registered
+  degree. Transport multiplies entry by entry, so these say all it does to a state. Small and
+  evaluated now (also inside a trace): no program of the model's size or of its own."""
+  with jax.ensure_compile_time_eval():
     factors = probe_factors(plan)
+
+    def ones(tree):
+      return jax.tree.map(lambda x: np.ones(x.shape, x.dtype) if _is_float(x) else x, tree)
+
+    params = jax.tree.map(np.asarray, scale_tree(plan, ones(spec), factors, 1.0))
+    degree_1 = transport(plan, ones(state), factors, degrees=jax.tree.map(lambda _: 1, state))
+    registered = transport(plan, ones(state), factors)
+  floats = lambda t: [np.asarray(x) for x in jax.tree.leaves(t) if _is_float(x)]  # noqa: E731
+  return params, floats(degree_1), floats(registered)
+
+
+def _probe(tx, spec, param_mult):
+  """``probe(steps, seeds={})``: runs the history of ``steps`` updates from probe parameters
+  with probe gradients, and the equivalent history (parameters times ``param_mult``,
+  gradients divided by it), and gives each float state leaf after both; None if the
+  optimizer closes over values traced outside it. ``seeds`` maps float leaves (by their
+  index among them) to the values they start from on either side, in place of ``init``'s.
+  Compiled once per set of seeded leaves."""
+
+  def probe(steps, sides, grads, seeds):  # every array is made in here: none in a trace outside
     value = jnp.ones([], jnp.float32)  # the loss, invariant under the symmetry (polyak_sgd)
-    sides = both(p, scale_tree(plan, p, factors, 1.0))
 
     def step(i, states):
-      g = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), history)
-      grads = both(g, scale_tree(plan, g, factors, -1.0))
-      return jax.vmap(lambda s, p, g: tx.update(g, s, p, value=value)[1])(states, sides, grads)
+      g = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), grads)
+      return jax.vmap(lambda s, p, g: tx.update(g, s, p, value=value)[1])(states, sides, g)
 
     try:  # one vmapped history compiles the update once for both sides
       start, treedef = jax.tree.flatten(jax.vmap(tx.init)(sides))
@@ -290,19 +301,26 @@ def _probe(tx, spec, plan):
       states = jax.lax.fori_loop(0, steps, step, treedef.unflatten(start))
     except Exception as e:  # e.g. an update that needs more than the gradients and a value
       raise TypeError(
-        f"Cannot transport {type(tx.init(p)).__name__} at opt_state: its degrees are measured"
-        " on a probe history (gradients laid out like the parameters, extra argument"
-        " value=1, on a proxy with every axis cut to a few entries per group:"
+        f"Cannot transport {type(jax.eval_shape(tx.init, spec)).__name__} at opt_state: its"
+        " degrees are measured on a probe history (gradients laid out like the parameters,"
+        " extra argument value=1, on a proxy with every axis cut to a few entries per group:"
         f" saggs_jax.degrees.proxy), on which the optimizer fails: {type(e).__name__}: {e}"
       ) from e
-    state, moved = (jax.tree.map(lambda x, i=i: x[i], states) for i in (0, 1))
-    ones = jax.tree.map(jnp.ones_like, state)
-    mult = transport(plan, ones, factors, degrees=jax.tree.map(lambda _: 1, state))
-    out = (state, moved, transport(plan, state, factors), mult)
-    return [[x for x in jax.tree.leaves(t) if _is_float(x)] for t in out]
+    return [[x[i] for x in jax.tree.leaves(states) if _is_float(x)] for i in (0, 1)]
 
   rng = np.random.default_rng(0)
-  inputs = _random(spec, rng), _random(spec, rng, STEPS[-1])
+  p, history = _random(spec, rng), _random(spec, rng, STEPS[-1])
+
+  def both(x, m, power):  # side A, side B: the new axis just before the parameter's axes
+    if not isinstance(x, np.ndarray):
+      return x
+    b = (x * m**power).astype(x.dtype) if _is_float(x) else x
+    return np.stack([x, b], axis=x.ndim - np.ndim(m))
+
+  inputs = (  # the sides' parameters, and their gradients (steps, side, ...)
+    jax.tree.map(lambda x, m: both(x, m, 1), p, param_mult),
+    jax.tree.map(lambda x, m: both(x, m, -1), history, param_mult),
+  )
   compiled = {}
 
   def compile(seeds):
@@ -330,15 +348,16 @@ def _is_float(x) -> bool:
   return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def _fits(state, moved, registered, mult) -> tuple[np.ndarray, bool]:
+def _fits(state, moved, mult, registered) -> tuple[np.ndarray, bool]:
   """Whether ``moved`` (a leaf after the equivalent history) is ``state`` transported by
-  its registered degree (``registered``) and by each of :data:`CANDIDATES` (``state`` times
-  the multiplier ``mult`` to that power), up to the leaf's rounding; and whether it fits
-  them all though the multiplier is not 1 (zero where its parameter moves: no evidence)."""
+  its registered degree (times ``registered``) and by each of :data:`CANDIDATES` (times the
+  multiplier ``mult`` of degree 1 to that power), up to the leaf's rounding; and whether it
+  fits them all though the multiplier is not 1 (zero where its parameter moves: no
+  evidence)."""
   rtol = max(1e-4, 8 * float(np.finfo(state.dtype).eps))
-  s, t, r, m = (np.asarray(x, np.float64) for x in (state, moved, registered, mult))
+  s, t, m, r = (np.asarray(x, np.float64) for x in (state, moved, mult, registered))
   k = np.asarray(CANDIDATES, np.float64).reshape((-1,) + (1,) * s.ndim)
-  wanted = np.concatenate([r[None], s * m**k])
+  wanted = np.concatenate([(s * r)[None], s * m**k])
   ok = np.abs(wanted - t) <= rtol * (np.abs(t) + 1e-2 * np.max(np.abs(t), initial=0))
   fits = ok.reshape(len(wanted), -1).all(axis=1)
   return fits, bool(fits.all() and np.any(np.abs(m - 1) > 1e-3))
@@ -429,7 +448,9 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
 
 def _decide(tx, spec, small):
   """The degree of each state leaf of the proxy, in flatten order (see :func:`measure`)."""
-  probe = _probe(tx, spec, small)
+  state = jax.eval_shape(tx.init, spec)
+  param_mult, mults, registered = _multipliers(small, spec, state)
+  probe = _probe(tx, spec, param_mult)
   if probe is None:
     # The optimizer closes over values traced outside, as when optax.inject_hyperparams
     # wraps a whole saggs.chain (its hyperparameters are then tracers in init and update).
@@ -443,12 +464,11 @@ def _decide(tx, spec, small):
       stacklevel=5,
     )
     return None
-  state = jax.eval_shape(tx.init, spec)
   leaves = jax.tree_util.tree_flatten_with_path(state)[0]
   floats = [n for n, (_, x) in enumerate(leaves) if _is_float(x)]
   decided: dict[int, Any] = {n: AS_REGISTERED for n in range(len(leaves)) if n not in floats}
   for steps in STEPS:
-    values = list(zip(*probe(steps)))
+    values = list(zip(*probe(steps), mults, registered))
     for i, n in enumerate(floats):
       fits, undecided = _fits(*values[i])
       if n in decided or undecided:
@@ -472,11 +492,12 @@ def _decide(tx, spec, small):
       return [decided[n] for n in range(len(leaves))]
   pending = [i for i, n in enumerate(floats) if n not in decided]
   unchecked = []
-  for i, (agree, registered) in _seeded(probe, pending, [values[i][3] for i in pending]).items():
+  seeded = _seeded(probe, pending, [mults[i] for i in pending], [registered[i] for i in pending])
+  for i, (agree, keeps_registered) in seeded.items():
     where = _where(state, leaves[floats[i]][0])
     if len(agree) == 1:
       decided[floats[i]] = agree[0]
-    elif agree is CANDIDATES or registered:
+    elif agree is CANDIDATES or keeps_registered:
       # Back at zero (nothing to transport), or its updates are homogeneous in it whatever its
       # degree: the probe cannot tell, the state type's meaning does. Said, not silent.
       decided[floats[i]] = AS_REGISTERED
@@ -503,7 +524,7 @@ def _decide(tx, spec, small):
   return [decided[n] for n in range(len(leaves))]
 
 
-def _seeded(probe, pending: list[int], mults: list[np.ndarray]) -> dict[int, tuple]:
+def _seeded(probe, pending: list[int], mults: list, registered: list) -> dict[int, tuple]:
   """For each float leaf in ``pending`` (multipliers ``mults``) that stays zero from ``init``,
   started at positive values on side A and at those transported by each candidate on side B:
   the candidates after which the two histories still agree (:data:`CANDIDATES` itself for a
@@ -512,19 +533,19 @@ def _seeded(probe, pending: list[int], mults: list[np.ndarray]) -> dict[int, tup
   rng = np.random.default_rng(1)
   start = [rng.uniform(0.5, 1.0, m.shape).astype(m.dtype) for m in mults]
   agree = {i: [] for i in pending}
-  registered, zero = set(), set(pending)
+  keeps, zero = set(), set(pending)
   for k in CANDIDATES:
     seeds = {
       i: np.stack([x, x * np.asarray(m, np.float64) ** k]).astype(x.dtype)
       for i, x, m in zip(pending, start, mults)
     }
     values = list(zip(*probe(STEPS[0], seeds)))
-    for i in pending:
-      fits, undecided = _fits(*values[i])
+    for i, m, r in zip(pending, mults, registered):
+      fits, undecided = _fits(*values[i], m, r)
       if not undecided:
         zero.discard(i)
         if fits[1 + CANDIDATES.index(k)]:
           agree[i].append(k)
           if fits[0]:
-            registered.add(i)
-  return {i: (CANDIDATES if i in zero else ks, i in registered) for i, ks in agree.items()}
+            keeps.add(i)
+  return {i: (CANDIDATES if i in zero else ks, i in keeps) for i, ks in agree.items()}
