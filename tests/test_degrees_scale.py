@@ -149,3 +149,23 @@ def test_a_70b_init_costs_a_bounded_amount_of_host_memory_over_adamw():
   peak = dict(line.split() for line in proc.stdout.splitlines())
   for name in ("saggs", "soft", "qk_clip"):
     assert int(peak[name]) - int(peak["adamw"]) < 2**29, (name, peak)  # under 512 MiB
+
+
+def test_degrees_are_measured_once_per_optimizer_and_proxy_layout(monkeypatch):
+  """Two symmetry stages on one layout, repeated canonicalize calls and a wider model of the
+  same layout probe once per optimizer."""
+  probes = []
+  decide = degrees._decide
+  monkeypatch.setattr(degrees, "_decide", lambda *a: probes.append(1) or decide(*a))
+  pairs = [saggs.Pair("q", "k", axes=(1, 1), groups=2)]
+  opt = optax.adam(1e-3)
+
+  def params(width):
+    return {n: jnp.ones((3, 2 * width)) for n in ("q", "k")}
+
+  tx = saggs.chain(opt, saggs.soft(pairs), saggs.saggs(pairs))
+  tx.init(params(2))
+  assert len(probes) == 1
+  for width in (2, 2, 8):
+    saggs.canonicalize(params(width), opt.init(params(width)), pairs, tx=opt)
+  assert len(probes) == 2
