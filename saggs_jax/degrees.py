@@ -539,9 +539,9 @@ def _seeded(probe, pending: list[int], mults: list, registered: list) -> dict[in
       i: np.stack([x, x * np.asarray(m, np.float64) ** k]).astype(x.dtype)
       for i, x, m in zip(pending, start, mults)
     }
-    values = list(zip(*probe(STEPS[0], seeds)))
+    state, moved = probe(STEPS[0], seeds)
     for i, m, r in zip(pending, mults, registered):
-      fits, undecided = _fits(*values[i], m, r)
+      fits, undecided = _fits(state[i], moved[i], m, r)
       if not undecided:
         zero.discard(i)
         if fits[1 + CANDIDATES.index(k)]:
