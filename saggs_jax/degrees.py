@@ -10,15 +10,34 @@ the parameters ``T_c p`` and the gradients ``g / c`` on side A, ``g c`` on
 side B must hold the transported state ``s * m**-k``, ``m`` being the
 multiplier of the leaf's parameter (``c`` on A, ``1 / c`` on B).
 
-:func:`measure` runs the optimizer on a short probe history and on its
-equivalent, and reads for each state leaf the degree ``k`` for which the two
-agree: the registered one if it fits, else the first of :data:`CANDIDATES`.
-A leaf that no degree fits comes from a stage that does not commute with the
-rescaling on the probe (clipping by a global or block norm when it clips, a
-trust ratio or a norm taken over a leaf whose groups move apart, weight decay
-added before a normaliser or a moment) and is refused with a TypeError naming
-its state type and path. The probe runs once per parameter layout, outside
-the training step, on the parameters' shapes.
+A degree is a property of the optimizer and of how the groups lie in each
+leaf, not of the leaves' sizes. So :func:`measure` runs the probe on a
+*proxy* (:func:`proxy`): the same tree, dtypes and pairs with every axis cut
+to a few entries per run of constant multiplier, each pair instance to
+:data:`GROUPS` groups and stacked axes to two copies, a few kilobytes per
+leaf whatever the model's width. It runs the optimizer there on a probe
+history and on its equivalent, and reads for each state leaf the degree ``k``
+for which the two agree: the registered one if it fits, else the first of
+:data:`CANDIDATES`. A leaf that stays zero where its parameter moves (a
+``MultiSteps`` that has not stepped yet, a learning rate that starts at 0)
+fits every degree and decides none: the history grows through :data:`STEPS`
+until each such leaf has moved; one still zero after the longest starts from
+positive values instead (transported by each candidate on the other side),
+and the one candidate that keeps both histories equal is its degree (a leaf
+whose updates keep any degree, as AdaDelta's ``e_x`` at ``eps=0``, keeps the
+registered one and warns). A leaf that no degree fits is refused: it comes
+from a stage that does not commute with the rescaling on the probe (clipping
+by a global or block norm when it clips, a trust ratio or a norm taken over a
+leaf whose groups move apart, weight decay added before a normaliser or a
+moment). Each refusal is a TypeError naming the state type and path. An optimizer whose state layout
+depends on the leaves' sizes (Adafactor factoring only large axes) is
+checked against its abstract state at full size and refused where the proxy
+differs from it.
+
+Results are kept per optimizer (weakly, by its ``update`` function) and proxy
+layout, so a chain's stages, its updates and ``canonicalize`` do not probe
+again; models that differ only in width share one proxy. Nothing of the
+model's size is made: the full-size checks run on abstract values.
 """
 
 from __future__ import annotations
@@ -26,35 +45,44 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+import weakref
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import core
 
+from saggs_jax import paths
 from saggs_jax.balance import Factors, scale_tree
-from saggs_jax.pairs import Plan
+from saggs_jax.pairs import Plan, Slot
 from saggs_jax.transport import AS_REGISTERED, transport
 
 CANDIDATES = (1, 2, 0, -1, -2, 3, 4)
 """Degrees tried, in order, for a leaf whose registered degree does not fit."""
 
-STEPS = 2
-"""Length of the probe history: enough for ``MultiSteps(every_k_schedule=2)`` to step."""
+STEPS = (3, 7, 31, 127)
+"""Lengths of the probe history, tried in turn while some leaf stays zero. Pairwise coprime
+(Mersenne primes): a ``MultiSteps(every_k_schedule=k)`` steps within the longest for every
+``k <= 127``, and its accumulator, zero right after each step, is nonzero after one of any
+two of them."""
 
+KEEP = 2
+"""Entries a proxy keeps of each run of indices along which no multiplier changes."""
 
-def _like(spec, rng: np.random.Generator):
-  """Values of magnitude in [0.5, 1) and either sign (zeros for a non-float leaf): away from
-  zero, so that an epsilon added to a moment stays negligible. Made on the host: no compile."""
+GROUPS = 3
+"""Groups a proxy keeps of each pair instance (factors alternate above and below 1)."""
 
-  def leaf(x):
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-      return np.zeros(x.shape, x.dtype)
-    return (rng.choice([-1.0, 1.0], x.shape) * rng.uniform(0.5, 1.0, x.shape)).astype(x.dtype)
+FAST_COMPILE = {
+  "xla_backend_optimization_level": 0,
+  "xla_cpu_use_fusion_emitters": False,
+  "xla_cpu_parallel_codegen_split_count": 1,
+}
+"""XLA options of the probe's compile on CPU: its cheapest code generation."""
 
-  return jax.tree.map(leaf, spec)
+# optimizer update function -> {proxy layout: degrees}; weak, so an optimizer's entry goes
+# with it. A value depends only on its key: a hit skips work and changes no result.
+_MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def probe_factors(plan: Plan) -> Factors:
@@ -68,19 +96,147 @@ def probe_factors(plan: Plan) -> Factors:
   return out
 
 
-def _probe_dtype(x):
+def _group_of(slot: Slot, n: int) -> np.ndarray:
+  """The group of each index of ``slot``'s axis (of length ``n``), -1 outside its tiling."""
+  start, stop = slot.tiled(n)
+  index = np.arange(n)
+  inside = (index >= start) & (index < stop)
+  return np.where(inside, (index - start) // max(1, (stop - start) // slot.groups), -1)
+
+
+def _kept(n: int, axis: int, slots: tuple[Slot, ...], groups: dict[str, int]) -> np.ndarray:
+  """The indices of ``axis`` (length ``n``) a proxy keeps: of each instance's first
+  ``groups[key]`` groups (and stacked copies), the first :data:`KEEP` of every run of
+  indices that all slots treat alike."""
+  index = np.arange(n)
+  keep = np.ones(n, bool)
+  signature = []
+  for s in slots:
+    if axis < s.stacked:  # every copy has its own factors
+      signature.append(index)
+      keep &= index < KEEP
+    if s.block is not None and s.block[0] == axis:
+      signature.append((index >= s.block[1]) & (index < s.block[2]))
+    if s.axis == axis:
+      group = _group_of(s, n)
+      signature.append(group)
+      keep &= group < groups[s.key]
+  if signature:
+    sig = np.stack(signature, axis=1)
+    starts = np.concatenate([[True], np.any(sig[1:] != sig[:-1], axis=1)])
+  else:
+    starts = index == 0
+  run_start = np.maximum.accumulate(np.where(starts, index, 0))
+  return np.flatnonzero(keep & (index - run_start < KEEP))
+
+
+def proxy(plan: Plan) -> Plan:
+  """A small plan with the layout of ``plan``: same paths, ranks, pairs and slots, every
+  axis cut by :func:`_kept` (each instance to :data:`GROUPS` groups of at most :data:`KEEP`
+  entries, stacked axes to :data:`KEEP` copies, other axes to :data:`KEEP` entries).
+
+  Raises:
+    TypeError: a layout whose cut leaves some slot with unequal groups (a group axis cut
+      inside its groups by another pair's blocks).
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp, saggs_jax as saggs
+    >>> from saggs_jax.pairs import resolve
+    >>> params = {"q": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
+    ...           "k": jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
+    >>> small = proxy(resolve(saggs.Pair("q", "k", axes=(1, 1), groups=8), params))
+    >>> small.shapes, small.instances[0].factor_shape  # 3 of the 8 groups, 2 entries each
+    ({'k': (2, 6), 'q': (2, 6)}, (3,))
+  """
+  groups = {  # factor_shape is stacked_shape + (groups,), or stacked_shape for axes=None
+    i.key: min(GROUPS, i.factor_shape[i.pair.stacked])
+    if len(i.factor_shape) > i.pair.stacked
+    else 1
+    for i in plan.instances
+  }
+  kept = {
+    path: [_kept(n, a, plan.slots.get(path, ()), groups) for a, n in enumerate(shape)]
+    for path, shape in plan.shapes.items()
+  }
+
+  def span(path, block):
+    if block is None:
+      return None
+    axis, start, stop = block
+    k = kept[path][axis]
+    return axis, int(np.sum(k < start)), int(np.sum(k < stop))
+
+  slots = {}
+  for path, found in plan.slots.items():
+    new = []
+    for s in found:
+      cut = dataclasses.replace(s, groups=groups[s.key], block=span(path, s.block))
+      if s.axis is not None:  # the cut groups must tile as the originals did
+        k = kept[path][s.axis]
+        if not np.array_equal(_group_of(s, plan.shapes[path][s.axis])[k], _group_of(cut, len(k))):
+          raise TypeError(
+            f"Cannot measure transport degrees for {path!r} {plan.shapes[path]}: the groups"
+            f" of {s.key!r} along axis {s.axis} do not survive cutting the leaf to a small"
+            " proxy (another pair's blocks split them)."
+          )
+      new.append(cut)
+    slots[path] = tuple(new)
+  instances = tuple(
+    dataclasses.replace(
+      i,
+      factor_shape=tuple(min(d, KEEP) for d in i.factor_shape[: i.pair.stacked])
+      + (groups[i.key],) * (len(i.factor_shape) - i.pair.stacked),
+    )
+    for i in plan.instances
+  )
+  return Plan(
+    instances,
+    slots,
+    {path: tuple(len(k) for k in kept[path]) for path in plan.shapes},
+    {name: part._replace(block=span(part.path, part.block)) for name, part in plan.parts.items()},
+  )
+
+
+def _probe_dtype(dtype):
   """16-bit floats probe in float32: their rounding, amplified where two probe gradients
   cancel in a moment, would hide the degree; a degree does not depend on the precision."""
-  dtype = jnp.result_type(x)
   return jnp.float32 if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4 else dtype
 
 
-def _close(wanted, got, dtype) -> jax.Array:
-  """Per row of ``wanted``: whether it is ``got`` up to ``dtype``'s rounding."""
-  rtol = max(1e-4, 8 * float(jnp.finfo(dtype).eps))
-  got = got.astype(jnp.float32)
-  ok = jnp.abs(wanted - got) <= rtol * (jnp.abs(got) + 1e-2 * jnp.max(jnp.abs(got), initial=0))
-  return jnp.all(ok.reshape(len(wanted), -1), axis=1)
+def _cut(params: Any, small: Plan) -> Any:
+  """``params`` as abstract leaves of the proxy's shapes (other leaves as they are)."""
+
+  def leaf(key_path, x):
+    shape = small.shapes.get(paths.path_str(key_path))
+    if shape is None or not paths.is_array(x):
+      return x
+    return jax.ShapeDtypeStruct(shape, _probe_dtype(jnp.result_type(x)))
+
+  return jax.tree_util.tree_map_with_path(leaf, params)
+
+
+def _abstract(params: Any) -> Any:
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) if paths.is_array(x) else x,
+    params,
+  )
+
+
+def _random(spec: Any, rng: np.random.Generator, *lead: int) -> Any:
+  """Host arrays like ``spec`` (with leading axes ``lead``) of entries of magnitude in
+  [0.5, 1) and either sign (zeros for a non-float leaf): away from zero, so that an epsilon
+  added to a moment stays negligible. Proxy-sized, and made on the host: nothing to compile."""
+
+  def leaf(x):
+    if not isinstance(x, jax.ShapeDtypeStruct):
+      return x
+    shape = lead + x.shape
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+      return np.zeros(shape, x.dtype)
+    return (rng.choice([-1.0, 1.0], shape) * rng.uniform(0.5, 1.0, shape)).astype(x.dtype)
+
+  return jax.tree.map(leaf, spec)
 
 
 def _owner(state, key_path):
@@ -100,13 +256,138 @@ def _owner(state, key_path):
   return owner
 
 
+def _where(state, key_path) -> str:
+  return f"{type(_owner(state, key_path)).__name__} at opt_state{jax.tree_util.keystr(key_path)}"
+
+
+def _multipliers(plan: Plan, spec: Any, state: Any) -> tuple[Any, list, list]:
+  """Per leaf of ``spec`` (the parameters) what the probe factors multiply it by; per float
+  leaf of ``state`` what they multiply it by as a moment of degree 1 and of its registered
+  degree. Transport multiplies entry by entry, so these say all it does to a state. Small and
+  evaluated now (also inside a trace): no program of the model's size or of its own."""
+  with jax.ensure_compile_time_eval():
+    factors = probe_factors(plan)
+
+    def ones(tree):
+      return jax.tree.map(lambda x: np.ones(x.shape, x.dtype) if _is_float(x) else x, tree)
+
+    params = jax.tree.map(np.asarray, scale_tree(plan, ones(spec), factors, 1.0))
+    degree_1 = transport(plan, ones(state), factors, degrees=jax.tree.map(lambda _: 1, state))
+    registered = transport(plan, ones(state), factors)
+  floats = lambda t: [np.asarray(x) for x in jax.tree.leaves(t) if _is_float(x)]  # noqa: E731
+  return params, floats(degree_1), floats(registered)
+
+
+def _probe(tx, spec, param_mult):
+  """``probe(steps, seeds={})``: runs the history of ``steps`` updates from probe parameters
+  with probe gradients, and the equivalent history (parameters times ``param_mult``,
+  gradients divided by it), and gives each float state leaf after both; None if the
+  optimizer closes over values traced outside it. ``seeds`` maps float leaves (by their
+  index among them) to the values they start from on either side, in place of ``init``'s.
+  Compiled once per set of seeded leaves."""
+
+  def probe(steps, sides, grads, seeds):  # every array is made in here: none in a trace outside
+    value = jnp.ones([], jnp.float32)  # the loss, invariant under the symmetry (polyak_sgd)
+
+    def step(i, states):
+      g = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), grads)
+      return jax.vmap(lambda s, p, g: tx.update(g, s, p, value=value)[1])(states, sides, g)
+
+    try:  # one vmapped history compiles the update once for both sides
+      start, treedef = jax.tree.flatten(jax.vmap(tx.init)(sides))
+      floats = [j for j, x in enumerate(start) if _is_float(x)]
+      for n, seed in seeds.items():
+        start[floats[n]] = seed
+      states = jax.lax.fori_loop(0, steps, step, treedef.unflatten(start))
+    except Exception as e:  # e.g. an update that needs more than the gradients and a value
+      raise TypeError(
+        f"Cannot transport {type(jax.eval_shape(tx.init, spec)).__name__} at opt_state: its"
+        " degrees are measured on a probe history (gradients laid out like the parameters,"
+        " extra argument value=1, on a proxy with every axis cut to a few entries per group:"
+        f" saggs_jax.degrees.proxy), on which the optimizer fails: {type(e).__name__}: {e}"
+      ) from e
+    return [[x[i] for x in jax.tree.leaves(states) if _is_float(x)] for i in (0, 1)]
+
+  rng = np.random.default_rng(0)
+  p, history = _random(spec, rng), _random(spec, rng, STEPS[-1])
+
+  def both(x, m, power):  # side A, side B: the new axis just before the parameter's axes
+    if not isinstance(x, np.ndarray):
+      return x
+    b = (x * m**power).astype(x.dtype) if _is_float(x) else x
+    return np.stack([x, b], axis=x.ndim - np.ndim(m))
+
+  inputs = (  # the sides' parameters, and their gradients (steps, side, ...)
+    jax.tree.map(lambda x, m: both(x, m, 1), p, param_mult),
+    jax.tree.map(lambda x, m: both(x, m, -1), history, param_mult),
+  )
+  compiled = {}
+
+  def compile(seeds):
+    """Traced and compiled on its own, so that it runs now even while an init or an update
+    is being traced: a value it closes over from that trace would become one more input.
+    XLA's cheapest code generation: the program is tiny and runs a few times."""
+    args = jax.ShapeDtypeStruct((), jnp.int32), *inputs, seeds
+    traced = jax.jit(probe).trace(*args)
+    if len(traced.jaxpr.jaxpr.invars) != len(jax.tree.leaves(args)):
+      return None
+    return traced.lower().compile(FAST_COMPILE if jax.default_backend() == "cpu" else None)
+
+  def run(steps, seeds=None):
+    seeds = seeds or {}
+    key = tuple(sorted(seeds))
+    if key not in compiled:
+      compiled[key] = compile(seeds)
+    return compiled[key](np.int32(steps), *inputs, seeds)
+
+  compiled[()] = compile({})
+  return None if compiled[()] is None else run
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _fits(state, moved, mult, registered) -> tuple[np.ndarray, bool]:
+  """Whether ``moved`` (a leaf after the equivalent history) is ``state`` transported by
+  its registered degree (times ``registered``) and by each of :data:`CANDIDATES` (times the
+  multiplier ``mult`` of degree 1 to that power), up to the leaf's rounding; and whether it
+  fits them all though the multiplier is not 1 (zero where its parameter moves: no
+  evidence)."""
+  rtol = max(1e-4, 8 * float(np.finfo(state.dtype).eps))
+  s, t, m, r = (np.asarray(x, np.float64) for x in (state, moved, mult, registered))
+  k = np.asarray(CANDIDATES, np.float64).reshape((-1,) + (1,) * s.ndim)
+  wanted = np.concatenate([(s * r)[None], s * m**k])
+  ok = np.abs(wanted - t) <= rtol * (np.abs(t) + 1e-2 * np.max(np.abs(t), initial=0))
+  fits = ok.reshape(len(wanted), -1).all(axis=1)
+  return fits, bool(fits.all() and np.any(np.abs(m - 1) > 1e-3))
+
+
+def _same_layout(small_state, state) -> tuple | None:
+  """The key path of a leaf of ``small_state`` (the proxy's) laid out otherwise than its leaf
+  in ``state`` (full size): another rank, or size 1 along an axis the other does not have
+  size 1; ``()`` if the trees differ. None if every leaf corresponds."""
+  if jax.tree.structure(small_state) != jax.tree.structure(state):
+    return ()
+  for (key_path, small), full in zip(
+    jax.tree_util.tree_flatten_with_path(small_state)[0], jax.tree.leaves(state)
+  ):
+    if [n == 1 for n in np.shape(small)] != [n == 1 for n in np.shape(full)]:
+      return key_path
+  return None
+
+
 def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
   """The degree of every leaf of ``tx.init(params)``, as :func:`transport` takes them.
+
+  Measured on the :func:`proxy` of ``plan`` (see the module doc), once per optimizer and
+  proxy layout; the full-size parameters are only read for their shapes and dtypes.
 
   Args:
     tx: the optimizer whose state is transported (the stages before a symmetry
       stage).
-    params: the parameters, or anything with their shapes and dtypes.
+    params: the parameters, or anything with their shapes and dtypes (abstract
+      ``jax.ShapeDtypeStruct`` leaves, tracers).
     plan: the resolved pairs.
 
   Returns:
@@ -114,76 +395,63 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
     a measured degree; None when no parameter is declared.
 
   Raises:
-    TypeError: a leaf that no degree fits, or a state the registered rules
-      refuse; the message names the state type and the path.
+    TypeError: a leaf that no degree fits, one the probe never moves, a state
+      the registered rules refuse, or one whose layout depends on the leaves'
+      sizes so that the proxy's differs; the message names the state type and the path.
 
   Example::
 
-    >>> import jax.numpy as jnp, optax, saggs_jax as saggs
+    >>> import jax, jax.numpy as jnp, optax, saggs_jax as saggs
     >>> from saggs_jax.degrees import measure
     >>> from saggs_jax.pairs import resolve
-    >>> params = {"q": jnp.ones((2, 3)), "k": jnp.ones((4, 3))}
+    >>> params = {"q": jax.ShapeDtypeStruct((4096, 512), jnp.float32),
+    ...           "k": jax.ShapeDtypeStruct((1024, 512), jnp.float32)}
     >>> state_degrees = measure(optax.adamax(1e-3), params, resolve(saggs.Pair("q", "k"), params))
     >>> state_degrees[0].nu["q"], state_degrees[0].mu["q"]  # nu: an infinity norm
     (1, 'as registered')
   """
   if not plan.slots:
     return None
-  # Under a jit trace (an init or a first update being traced) the probe still runs now.
-  with jax.ensure_compile_time_eval():
-    return _measure(tx, params, plan)
+  cache_key, tx = tx.update, optax.with_extra_args_support(tx)
+  state = jax.eval_shape(tx.init, _abstract(params))
+  # The registered rules first, at full size and abstractly: an unregistered image refuses.
+  factors = {i.key: jax.ShapeDtypeStruct(i.factor_shape, jnp.float32) for i in plan.instances}
+  jax.eval_shape(lambda s, f: transport(plan, s, f), state, factors)
+  small = proxy(plan)
+  spec = _cut(params, small)
+  mismatch = _same_layout(jax.eval_shape(tx.init, spec), state)
+  if mismatch is not None:
+    raise TypeError(
+      f"Cannot measure the transport degrees of {_where(state, mismatch)}: its layout"
+      " depends on the parameters' sizes (as Adafactor factors only axes of at least"
+      " min_dim_size_to_factor), so the small proxy the degrees are measured on holds"
+      " another layout than the full-size state. Keep that layout independent of the"
+      " sizes (optax.adafactor(..., factored=False))."
+    )
+  layout = (
+    jax.tree.structure(spec),
+    tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(spec)),
+    tuple(small.slots.items()),
+    tuple((i.key, i.factor_shape) for i in small.instances),
+  )
+  try:
+    known = _MEASURED.setdefault(cache_key, {})
+  except TypeError:  # not weakly referable (a bound method, a callable object): no cache
+    known = {}
+  if layout not in known:
+    found = _decide(tx, spec, small)
+    if found is None:
+      return None
+    known[layout] = found
+  return jax.tree.structure(state).unflatten(known[layout])
 
 
-def _measure(tx, params, plan):
-  spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), _probe_dtype(x)), params)
-  tx = optax.with_extra_args_support(tx)
-  factors = probe_factors(plan)
-  found = {}
-
-  def history(p, grads):
-    state = tx.init(p)
-    for g in grads:  # value: the loss, invariant under the symmetry (polyak_sgd, plateaus)
-      _, state = tx.update(g, state, p, value=jnp.ones([], jnp.float32))
-    return state
-
-  def probe(params, grads, factors):  # arguments, not constants: staged, compiled once
-    # The registered rules first: an unregistered image refuses before any step runs.
-    start = tx.init(params)
-    transport(plan, start, factors)
-    both = lambda a, b: jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)  # noqa: E731
-    try:  # one vmapped history compiles the update once for both
-      states = jax.vmap(history)(
-        both(params, scale_tree(plan, params, factors, 1.0)),
-        [both(g, scale_tree(plan, g, factors, -1.0)) for g in grads],
-      )
-    except Exception as e:  # e.g. an update that needs more than the gradients and a value
-      raise TypeError(
-        f"Cannot transport {type(start).__name__} at opt_state: its degrees are measured on a"
-        " probe history (gradients laid out like the parameters, extra argument value=1),"
-        f" on which the optimizer fails: {type(e).__name__}: {e}"
-      ) from e
-    state, moved = (jax.tree.map(lambda x, i=i: x[i], states) for i in (0, 1))
-    registered = transport(plan, state, factors)
-    ones = jax.tree.map(jnp.ones_like, state)
-    mult = transport(plan, ones, factors, degrees=jax.tree.map(lambda _: 1, state))
-    leaves, found["treedef"] = jax.tree_util.tree_flatten_with_path(state)
-    found["paths"], found["state"] = [k for k, _ in leaves], state
-    powers = jnp.asarray(CANDIDATES, jnp.float32)
-    verdicts = []
-    for (_, s), m, r, t in zip(leaves, *(jax.tree.leaves(x) for x in (mult, registered, moved))):
-      if not jnp.issubdtype(s.dtype, jnp.inexact):
-        verdicts.append(jnp.ones(1 + len(CANDIDATES), bool))
-        continue
-      k = powers.reshape((-1,) + (1,) * s.ndim)
-      wanted = jnp.concatenate(
-        [r[None].astype(jnp.float32), s.astype(jnp.float32) * m.astype(jnp.float32) ** k]
-      )
-      verdicts.append(_close(wanted, t, s.dtype))
-    return jnp.stack(verdicts) if verdicts else jnp.zeros((0, 1 + len(CANDIDATES)), bool)
-
-  rng = np.random.default_rng(0)
-  verdicts = jax.jit(probe)(_like(spec, rng), [_like(spec, rng) for _ in range(STEPS)], factors)
-  if isinstance(verdicts, core.Tracer):
+def _decide(tx, spec, small):
+  """The degree of each state leaf of the proxy, in flatten order (see :func:`measure`)."""
+  state = jax.eval_shape(tx.init, spec)
+  param_mult, mults, registered = _multipliers(small, spec, state)
+  probe = _probe(tx, spec, param_mult)
+  if probe is None:
     # The optimizer closes over values traced outside, as when optax.inject_hyperparams
     # wraps a whole saggs.chain (its hyperparameters are then tracers in init and update).
     warnings.warn(
@@ -193,26 +461,91 @@ def _measure(tx, params, plan):
       " trace after a normaliser. Put inject_hyperparams inside the chain:"
       " saggs.chain(optax.inject_hyperparams(optax.adamw)(...), saggs.saggs(pairs)).",
       UserWarning,
-      stacklevel=4,
+      stacklevel=5,
     )
     return None
-  verdicts = np.asarray(verdicts)
-  degrees = []
-  for key_path, v in zip(found["paths"], verdicts):
-    if v[0]:
-      degrees.append(AS_REGISTERED)
-    elif v[1:].any():
-      degrees.append(CANDIDATES[int(np.argmax(v[1:]))])
+  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  floats = [n for n, (_, x) in enumerate(leaves) if _is_float(x)]
+  decided: dict[int, Any] = {n: AS_REGISTERED for n in range(len(leaves)) if n not in floats}
+  for steps in STEPS:
+    values = list(zip(*probe(steps), mults, registered))
+    for i, n in enumerate(floats):
+      fits, undecided = _fits(*values[i])
+      if n in decided or undecided:
+        continue
+      if fits[0]:
+        decided[n] = AS_REGISTERED
+      elif fits[1:].any():
+        decided[n] = CANDIDATES[int(np.argmax(fits[1:]))]
+      else:
+        raise TypeError(
+          f"Cannot transport {_where(state, leaves[n][0])}:"
+          " after an equivalent history (parameters T_c p, gradients g / c on side A and"
+          " g * c on side B) this leaf is not the transported one for any degree in"
+          f" {sorted(CANDIDATES)}, so a stage before it does not commute with the rescaling"
+          " (clipping by a global or block norm when it clips, a trust ratio or norm over a"
+          " leaf whose groups move apart, weight decay added before a moment or a"
+          " normaliser). Drop or move that stage, or declare the pairs with one group per"
+          " tensor (axes=None) when a per-tensor norm is the cause."
+        )
+    if len(decided) == len(leaves):
+      return [decided[n] for n in range(len(leaves))]
+  pending = [i for i, n in enumerate(floats) if n not in decided]
+  unchecked = []
+  seeded = _seeded(probe, pending, [mults[i] for i in pending], [registered[i] for i in pending])
+  for i, (agree, keeps_registered) in seeded.items():
+    where = _where(state, leaves[floats[i]][0])
+    if len(agree) == 1:
+      decided[floats[i]] = agree[0]
+    elif agree is CANDIDATES or keeps_registered:
+      # Back at zero (nothing to transport), or its updates are homogeneous in it whatever its
+      # degree: the probe cannot tell, the state type's meaning does. Said, not silent.
+      decided[floats[i]] = AS_REGISTERED
+      unchecked += [] if agree is CANDIDATES else [where]
     else:
-      owner = _owner(found["state"], key_path)
       raise TypeError(
-        f"Cannot transport {type(owner).__name__} at opt_state{jax.tree_util.keystr(key_path)}:"
-        " after an equivalent history (parameters T_c p, gradients g / c on side A and g * c"
-        " on side B) this leaf is not the transported one for any degree in"
-        f" {sorted(CANDIDATES)}, so a stage before it does not commute with the rescaling"
-        " (clipping by a global or block norm when it clips, a trust ratio or norm over a"
-        " leaf whose groups move apart, weight decay added before a moment or a normaliser)."
-        " Drop or move that stage, or declare the pairs with one group per tensor"
-        " (axes=None) when a per-tensor norm is the cause."
+        f"Cannot transport {where}: this leaf stays zero where its parameter moves through"
+        f" {STEPS[-1]} probe updates from init (a learning rate that is zero for that long,"
+        " a MultiSteps that accumulates more updates, a mask or a stage that zeroes what"
+        " reaches it), and started elsewhere no degree, or several but not its registered"
+        " one, keeps the two histories equal. Give the optimizer a schedule that is nonzero"
+        f" within {STEPS[-1]} updates, or leave the leaf out of the pairs."
       )
-  return found["treedef"].unflatten(degrees)
+  if unchecked:
+    warnings.warn(
+      f"saggs_jax: {', '.join(unchecked)} stay zero through {STEPS[-1]} probe updates from"
+      " init, and started elsewhere their updates keep them homogeneous in any degree (as"
+      " AdaDelta's e_x at eps=0, or a trace after a learning rate that is zero for longer),"
+      " so they move by the degrees their state types register, which the probe cannot"
+      " check.",
+      UserWarning,
+      stacklevel=4,
+    )
+  return [decided[n] for n in range(len(leaves))]
+
+
+def _seeded(probe, pending: list[int], mults: list, registered: list) -> dict[int, tuple]:
+  """For each float leaf in ``pending`` (multipliers ``mults``) that stays zero from ``init``,
+  started at positive values on side A and at those transported by each candidate on side B:
+  the candidates after which the two histories still agree (:data:`CANDIDATES` itself for a
+  leaf back at zero: it holds nothing to transport), and whether its registered degree is
+  among them."""
+  rng = np.random.default_rng(1)
+  start = [rng.uniform(0.5, 1.0, m.shape).astype(m.dtype) for m in mults]
+  agree = {i: [] for i in pending}
+  keeps, zero = set(), set(pending)
+  for k in CANDIDATES:
+    seeds = {
+      i: np.stack([x, x * np.asarray(m, np.float64) ** k]).astype(x.dtype)
+      for i, x, m in zip(pending, start, mults)
+    }
+    state, moved = probe(STEPS[0], seeds)
+    for i, m, r in zip(pending, mults, registered):
+      fits, undecided = _fits(state[i], moved[i], m, r)
+      if not undecided:
+        zero.discard(i)
+        if fits[1 + CANDIDATES.index(k)]:
+          agree[i].append(k)
+          if fits[0]:
+            keeps.add(i)
+  return {i: (CANDIDATES if i in zero else ks, i in keeps) for i, ks in agree.items()}

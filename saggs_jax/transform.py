@@ -32,6 +32,7 @@ from saggs_jax.balance import (
   scale_tree,
 )
 from saggs_jax.degrees import measure
+from saggs_jax.numerics import is_explicit
 from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
 from saggs_jax.transport import register_transport, transport
 
@@ -345,7 +346,13 @@ def scale_by_saggs(
       # optax.tree.map_params traces init on a leafless placeholder for the params to
       # find the params-shaped parts of a state; the factors are not one of them.
       return SaggsState(count, jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32))
-    return SaggsState(count, *_no_balancing(lambda p: factors_of(p, axis_name=None), params))
+    if any(is_explicit(x) for x in jax.tree.leaves(params)):  # their sharding comes from tracing
+      return SaggsState(count, *_no_balancing(lambda p: factors_of(p, axis_name=None), params))
+    # Else their type is the plan's: float32 factors of each instance's factor_shape, the
+    # ones _no_balancing would find by tracing the norms of every leaf at full size.
+    plan = resolve(pairs, params)
+    factors = {i.key: jnp.ones(i.factor_shape, jnp.float32) for i in plan.instances}
+    return SaggsState(count, factors, jnp.zeros([], jnp.float32))
 
   def start(state, params):  # -> the plan, the next count, and the params, checked present
     if params is None:
@@ -469,7 +476,8 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
   ``nu -> nu / c**2`` on the A side, the inverse on the B side; see
   :func:`saggs_jax.register_transport`), each leaf by the degree it has at its
   place in the chain: ``init`` (or the first update of a parameter layout)
-  measures them on a short probe history (:func:`saggs_jax.degrees.measure`)
+  measures them on a probe history of a small proxy of the parameters, from
+  their shapes alone and once per layout (:func:`saggs_jax.degrees.measure`),
   and raises a TypeError naming the state and the path of a leaf that no
   degree transports, as when a stage before it clips by a global norm.
 
@@ -495,16 +503,16 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
         " saggs_jax.chain(optax.adamw(...), saggs_jax.saggs(pairs))."
       )
 
-  # The optimizer stages alone: what a symmetry stage measures degrees on, and what
-  # saggs_jax.checkpoint.restore transports a saved chain state by.
+  # The optimizer stages alone, built once: what a symmetry stage measures degrees on
+  # (measure keeps them per layout), and what saggs_jax.checkpoint.restore transports a
+  # saved chain state by.
   optimizer = optax.GradientTransformationExtraArgs(
     lambda params: tuple(t.init(params) for t in stages[:first]),
     lambda updates, state, params=None, **extra: run(stages[:first], updates, state, params, extra),
   )
-  measured = {}
 
   def degrees(n, params):
-    """The degrees of the states before stage ``n`` (a symmetry stage), once per layout.
+    """The degrees of the states before stage ``n`` (a symmetry stage).
 
     They are measured on the optimizer stages alone: a symmetry stage between them and
     stage ``n`` holds no moments (its state's rule keeps it as it is) and only moves
@@ -512,15 +520,8 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
     arguments (a qk_clip's logits)."""
     if stages[n].resolve is None:
       return None
-    layout = (
-      n,
-      jax.tree.structure(params),
-      tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)),
-    )
-    if layout not in measured:
-      found = measure(optimizer, params, stages[n].resolve(params))
-      measured[layout] = None if found is None else (*found, *(None,) * (n - first))
-    return measured[layout]
+    found = measure(optimizer, params, stages[n].resolve(params))
+    return None if found is None else (*found, *(None,) * (n - first))
 
   def init(params):
     if jax.tree.leaves(params):  # not optax.tree.map_params' leafless placeholder

@@ -375,3 +375,77 @@ def test_chain_inside_inject_hyperparams_warns_that_it_cannot_measure():
   )(learning_rate=1e-2)
   with pytest.warns(UserWarning, match="could not measure the transport degrees"):
     jax.jit(tx.init)(PARAMS)
+
+
+# Where a two-step probe saw a leaf still at zero and took the registered degree: a
+# MultiSteps that has not stepped, a learning rate that is 0 for the first three updates.
+WARMUP = optax.join_schedules([optax.constant_schedule(0.0), optax.constant_schedule(1e-2)], [3])
+LONG_GRADS = [away_from_zero(seed) for seed in range(10, 16)]  # six updates: past them all
+ZERO_AT_FIRST = {
+  "multisteps4_adamax": (
+    lambda: optax.MultiSteps(optax.adamax(1e-2), 4).gradient_transformation(),
+    GROUPED,
+  ),
+  "warmup_then_trace": (
+    lambda: optax.chain(
+      optax.scale_by_adam(), optax.scale_by_learning_rate(WARMUP), optax.trace(0.9)
+    ),
+    GROUPED,
+  ),
+  "lars_warmup": (lambda: optax.lars(WARMUP), PER_TENSOR),
+}
+
+
+def long_oracle(opt, pairs):
+  mults = MULTS[pairs]
+  return (
+    _history(opt)(PARAMS, LONG_GRADS),
+    _history(opt)(moved(PARAMS, mults, -1), [moved(g, mults, 1) for g in LONG_GRADS]),
+  )
+
+
+@pytest.mark.parametrize("name", list(ZERO_AT_FIRST))
+def test_a_leaf_at_zero_on_the_probe_gets_its_degree_from_a_longer_history(name):
+  """After six updates every leaf has moved: the state the probe measured transports
+  to the equivalent history's (a registered degree taken at zero would be off by a factor
+  c**±1 or c**±2 per leaf)."""
+  factory, pairs = ZERO_AT_FIRST[name]
+  opt = factory()
+  state, want = long_oracle(opt, pairs)
+  _, got = saggs.reparameterize(PARAMS, state, pairs, factor(pairs), tx=opt)
+  assert_close(got, want, name)
+
+
+def invariant_loss(p):
+  """Invariant under the pairs: q kᵀ and b·k keep when q's columns (and b) scale by c and
+  k's by 1 / c, group by group; w belongs to no pair."""
+  target = jnp.linspace(-1.0, 1.0, 15).reshape(3, 5)
+  return (
+    jnp.sum((p["q"] @ p["k"].T - target) ** 2)
+    + jnp.sum((p["k"] @ p["b"] - 1.0) ** 2)
+    + jnp.sum(p["w"] ** 2)
+  )
+
+
+@pytest.mark.parametrize("name", list(ZERO_AT_FIRST))
+def test_equivalent_states_stay_equal_under_hard_saggs(name):
+  """Two states of one orbit (the history and the equivalent history) give the same
+  parameters after four updates of hard SAGGS: each update balances both
+  onto the canonical representative with its moments transported by the measured degrees."""
+  factory, pairs = ZERO_AT_FIRST[name]
+  opt = factory()
+  tx = saggs.chain(opt, saggs.saggs(pairs))
+  mults = MULTS[pairs]
+
+  @jax.jit
+  def step(p, s):
+    updates, s = tx.update(jax.grad(invariant_loss)(p), s, p)
+    return optax.apply_updates(p, updates), s
+
+  ends = []
+  for p, inner in zip((PARAMS, moved(PARAMS, mults, -1)), long_oracle(opt, pairs)):
+    s = (inner, tx.init(p)[1])
+    for _ in range(4):
+      p, s = step(p, s)
+    ends.append(p)
+  assert_close(ends[1], ends[0], name)

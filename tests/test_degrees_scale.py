@@ -1,0 +1,171 @@
+"""Transport degrees at any size: measured on a small proxy, from abstract parameters.
+
+:func:`saggs_jax.degrees.measure` reads only the parameters' shapes and dtypes and probes a
+proxy of a few entries per group, so its cost does not grow with the model's width: a
+70B-parameter LLaMA shape initialises (abstractly, and compiled on an 8-device FSDP mesh)
+within a bounded amount of host memory over plain AdamW's, measured in a subprocess.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import saggs_jax as saggs
+from saggs_jax import degrees
+from saggs_jax.pairs import resolve
+from xla_env import cpu_env
+
+
+def llama_block(d, heads, kv_heads, head_dim, hidden, layers=None, dtype=jnp.float32):
+  """Abstract LLaMA attention and MLP kernels (Flax (in, out)), scanned over ``layers``."""
+  lead = () if layers is None else (layers,)
+  shapes = {
+    "q_proj": (d, heads * head_dim),
+    "k_proj": (d, kv_heads * head_dim),
+    "v_proj": (d, kv_heads * head_dim),
+    "o_proj": (heads * head_dim, d),
+    "up_proj": (d, hidden),
+    "down_proj": (hidden, d),
+  }
+  return {
+    name: {"kernel": jax.ShapeDtypeStruct(lead + shape, dtype)} for name, shape in shapes.items()
+  }
+
+
+def test_the_proxy_is_a_few_entries_per_group_whatever_the_width():
+  params = llama_block(8192, 64, 8, 128, 28672, layers=80)
+  plan = resolve(saggs.presets.llama(num_kv_heads=8, stacked=1), params)
+  small = degrees.proxy(plan)
+  assert set(small.shapes) == set(plan.shapes)
+  for path, shape in small.shapes.items():
+    assert len(shape) == len(plan.shapes[path])
+    assert max(shape) <= degrees.KEEP * degrees.GROUPS, (path, shape)
+  for inst in small.instances:  # two layers, three of the KV heads (or MLP channels)
+    assert inst.factor_shape == (degrees.KEEP, degrees.GROUPS)
+  for path, slots in small.slots.items():
+    for cut, whole in zip(slots, plan.slots[path]):
+      assert (cut.key, cut.sign, cut.axis, cut.stacked) == (
+        whole.key,
+        whole.sign,
+        whole.axis,
+        whole.stacked,
+      )
+
+
+def test_a_fused_leaf_keeps_its_blocks_in_the_proxy():
+  """GPT-2's q|k|v rows: each block cut to its first groups, the blocks still disjoint and
+  each group's entries together."""
+  qkv = dict(axis=1, parts=("q", "k", "v"))
+  pair = saggs.Pair(
+    saggs.Block("c_attn", part="q", **qkv),
+    saggs.Block("c_attn", part="k", **qkv),
+    axes=(1, 1),
+    groups=12,
+  )
+  params = {"c_attn": jax.ShapeDtypeStruct((768, 3 * 768), jnp.float32)}
+  small = degrees.proxy(resolve(pair, params))
+  assert small.shapes["c_attn"] == (2, 2 * 3 * 2 + 2)  # q, k: 3 groups of 2; v: 2 entries
+  assert sorted(s.block for s in small.slots["c_attn"]) == [(1, 0, 6), (1, 6, 12)]
+
+
+def test_degrees_of_abstract_wide_params_are_those_of_concrete_narrow_ones():
+  wide = measure_adamax(llama_block(4096, 32, 2, 128, 11008))
+  narrow = measure_adamax(
+    jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), llama_block(8, 4, 2, 2, 6))
+  )
+  assert wide == narrow
+  assert wide[0].nu["q_proj"]["kernel"] == 1  # adamax's infinity norm
+
+
+def measure_adamax(params):
+  pairs = saggs.presets.llama(num_kv_heads=2)
+  return degrees.measure(optax.adamax(1e-3), params, resolve(pairs, params))
+
+
+def test_a_state_laid_out_by_the_leaves_sizes_is_refused_where_the_proxy_differs():
+  """Adafactor factors the (256, 4, 256) kernels at full size, not their proxies: the degree
+  of a factored moment cannot be read off the proxy, so it is refused, naming the leaf."""
+  params = {
+    "q": jax.ShapeDtypeStruct((256, 4, 256), jnp.float32),
+    "k": jax.ShapeDtypeStruct((256, 4, 256), jnp.float32),
+  }
+  plan = resolve(saggs.Pair("q", "k", axes=(1, 1)), params)
+  with pytest.raises(TypeError, match=r"FactoredState at opt_state\S*v_row\['k'\].*sizes"):
+    degrees.measure(optax.adafactor(1e-3), params, plan)
+  unfactored = degrees.measure(optax.adafactor(1e-3, factored=False), params, plan)
+  assert jax.tree.leaves(unfactored)
+
+
+SCRIPT = textwrap.dedent(
+  """
+  import resource, jax, jax.numpy as jnp, optax, saggs_jax as saggs
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from test_degrees_scale import llama_block
+
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+  def fsdp(x):  # the largest axis that 8 divides, sharded over the mesh
+    axis = max(range(x.ndim), key=lambda a: (x.shape[a] % 8 == 0, x.shape[a]))
+    spec = [None] * x.ndim
+    spec[axis] = "fsdp"
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P(*spec)))
+
+  # 70B LLaMA: 80 scanned layers, d 8192, 64 heads of 128 over 8 KV heads, SwiGLU 28672.
+  params = jax.tree.map(fsdp, llama_block(8192, 64, 8, 128, 28672, layers=80))
+  pairs = saggs.presets.llama(num_kv_heads=8, stacked=1)
+  adamw = optax.adamw(1e-3)
+  stages = {
+    "adamw": adamw,
+    "saggs": saggs.chain(adamw, saggs.saggs(pairs, every=100)),
+    "soft": saggs.chain(adamw, saggs.soft(pairs, strength=0.5)),
+    "qk_clip": saggs.chain(adamw, saggs.qk_clip(pairs[:1], tau=100.0)),
+  }
+  with jax.set_mesh(mesh):
+    for name, tx in stages.items():
+      state = jax.eval_shape(tx.init, params)
+      shardings = jax.tree.map(lambda x: x.sharding, state)
+      jax.jit(tx.init, out_shardings=shardings).lower(params).compile()
+      print(name, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True)
+  """
+)
+
+
+def test_a_70b_init_costs_a_bounded_amount_of_host_memory_over_adamw():
+  """Peak RSS after each stage's abstract and sharded init: the probe of the old full-size
+  measure needed the parameters thrice over (an 80 x 8192 x 8192 array alone is 20 GiB)."""
+  proc = subprocess.run(
+    [sys.executable, "-c", SCRIPT],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=cpu_env(8, PYTHONPATH=":".join(sys.path)),
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  peak = dict(line.split() for line in proc.stdout.splitlines())
+  for name in ("saggs", "soft", "qk_clip"):
+    assert int(peak[name]) - int(peak["adamw"]) < 2**29, (name, peak)  # under 512 MiB
+
+
+def test_degrees_are_measured_once_per_optimizer_and_proxy_layout(monkeypatch):
+  """Two symmetry stages on one layout, repeated canonicalize calls and a wider model of the
+  same layout probe once per optimizer."""
+  probes = []
+  decide = degrees._decide
+  monkeypatch.setattr(degrees, "_decide", lambda *a: probes.append(1) or decide(*a))
+  pairs = [saggs.Pair("q", "k", axes=(1, 1), groups=2)]
+  opt = optax.adam(1e-3)
+
+  def params(width):
+    return {n: jnp.ones((3, 2 * width)) for n in ("q", "k")}
+
+  tx = saggs.chain(opt, saggs.soft(pairs), saggs.saggs(pairs))
+  tx.init(params(2))
+  assert len(probes) == 1
+  for width in (2, 2, 8):
+    saggs.canonicalize(params(width), opt.init(params(width)), pairs, tx=opt)
+  assert len(probes) == 2
