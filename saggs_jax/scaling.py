@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
 from saggs_jax import paths
@@ -52,9 +52,13 @@ def _like(m: jax.Array, x: jax.Array) -> jax.Array:
   along its kept axes under Explicit sharding, replicated otherwise."""
   if not is_explicit(x):
     return replicated(m)
-  spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
+  sharding = jax.typeof(x).sharding  # its mesh: x is typed with it even outside jax.set_mesh
+  spec = tuple(sharding.spec) + (None,) * x.ndim
   return jax.sharding.reshard(
-    m, PartitionSpec(*(s if n > 1 else None for s, n in zip(spec, m.shape)))
+    m,
+    NamedSharding(
+      sharding.mesh, PartitionSpec(*(s if n > 1 else None for s, n in zip(spec, m.shape)))
+    ),
   )
 
 
