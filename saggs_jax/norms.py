@@ -392,14 +392,14 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
     x = leaves[pc.path]
     if len(pc.slots) > 1 or _on_mesh(x):
       rest[k] = pc
-      continue
-    log_sq, log_max = _one_pass_stats(
-      _restrict(x.astype(compute_dtype(x.dtype)), pc.block), pc.slots[0]
-    )
-    out[k] = log_sq, jnp.where(log_sq <= 2 * limit[k], 0.5 * log_sq, log_max)
+    else:
+      out[k] = _one_pass_stats(_restrict(x.astype(compute_dtype(x.dtype)), pc.block), pc.slots[0])
   if rest:
     out.update(_two_pass_stats(plan, rest, leaves, limit, axis_name))
-  return {k: out[k] for k in plan.pieces}
+  return {
+    k: (out[k][0], jnp.where(out[k][0] <= 2 * limit[k], 0.5 * out[k][0], out[k][1]))
+    for k in plan.pieces
+  }
 
 
 def stacked_axes(slots: Sequence[Slot]) -> int:
