@@ -21,11 +21,34 @@ from saggs_jax.numerics import Factors, compute_dtype, is_explicit, replicated
 from saggs_jax.pairs import Plan, Slot
 
 
+class Shared(dict):
+  """Factors whose expanded multipliers, once computed, are reused: one update scales the
+  parameters, gradients and moments and lands on the result with the same few, which
+  are then traced (and compiled) once rather than once per tree."""
+
+  def __init__(self, factors: Factors):
+    super().__init__(factors)
+    self.multipliers: dict[tuple, jax.Array] = {}
+
+
 def _multiplier(
   slot: Slot, shape: tuple[int, ...], factors: Factors, power: float, dtype: DTypeLike
 ) -> jax.Array:
   """``factors ** (sign * power)`` expanded to one entry per index of the group axis, and
   with a block, to its span of the block axis, padded with ones outside it."""
+  shared = getattr(factors, "multipliers", None)
+  key = (slot, tuple(shape), float(power), jnp.dtype(dtype).name)
+  if shared is not None and key in shared:
+    return shared[key]
+  f = _expanded(slot, shape, factors, power, dtype)
+  if shared is not None:
+    shared[key] = f
+  return f
+
+
+def _expanded(
+  slot: Slot, shape: tuple[int, ...], factors: Factors, power: float, dtype: DTypeLike
+) -> jax.Array:
   f = factors[slot.key].astype(dtype)
   e = slot.sign * power
   e = int(e) if float(e).is_integer() else e  # integer powers multiply exactly
