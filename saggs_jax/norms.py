@@ -96,12 +96,12 @@ def _group_reduce(vs: Sequence[jax.Array], slot: Slot, combine: Combine) -> list
 
   On a mesh it is one reduction over every axis but the stacked ones, whatever the
   layout: each device reduces its own entries per group and a single all-reduce of
-  one value per group combines them. Several indices per group are then selected by
-  comparing iotas inside that reduction (``groups`` selects per entry, fused, never
-  materialised): reducing the other axes first would all-reduce one value per index
-  when they are sharded, and reshaping the group axis into (groups, size) would gather
-  it when its shards straddle groups. Without a mesh, per-index reductions followed by
-  a reshape of that small vector are cheapest.
+  one value per group combines them. Several indices per group are then masked by a
+  one-hot broadcast inside that reduction (``groups`` multiply-adds per entry, fused):
+  reducing the other axes first would all-reduce one value per index when they are
+  sharded, and reshaping the group axis into (groups, size) would gather it when its
+  shards straddle groups. Without a mesh, per-index reductions followed by a reshape of
+  that small vector are cheapest.
   """
   v, axis = vs[0], slot.axis
   if axis is None or slot.per_index(v.shape[axis]):
@@ -330,7 +330,9 @@ def _limits(plan: Plan, leaves: dict[str, Any]) -> dict[tuple, float]:
   return {k: min(dtype_max[s.key] for s in piece.slots) for k, piece in plan.pieces.items()}
 
 
-def _two_pass_stats(plan, pieces, leaves, limit, axis_name) -> Stats:
+def _two_pass_stats(
+  plan: Plan, pieces: dict[tuple, Piece], leaves: dict, limit: dict, axis_name: AxisName
+) -> Stats:
   """The statistics of ``pieces`` from one float32 pass each, those whose sums overflowed,
   underflowed or met a non-finite entry (or so large a norm that a factor bounded by it
   could overflow a dtype of its pair) recomputed by the scale-safe passes
@@ -387,7 +389,8 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
     return {}
   leaves = dict(paths.leaves_with_paths(params))
   limit = _limits(plan, leaves)
-  out, rest = {}, {}
+  out: Stats = {}
+  rest: dict[tuple, Piece] = {}
   for k, pc in plan.pieces.items():
     x = leaves[pc.path]
     if len(pc.slots) > 1 or _on_mesh(x):

@@ -94,7 +94,7 @@ def fsdp(tree: Any, mesh: Mesh, axis: str) -> Any:
   axis (the first of equals) where it divides, replicated otherwise (scalars)."""
 
   def shard(x):
-    spec = [None] * len(x.shape)
+    spec: list[str | None] = [None] * len(x.shape)
     if x.shape:
       i = int(np.argmax(x.shape))
       if x.shape[i] % mesh.shape[axis] == 0:
