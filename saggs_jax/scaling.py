@@ -37,22 +37,24 @@ def _multiplier(
   """``factors ** (sign * power)`` expanded to one entry per index of the group axis, and
   with a block, to its span of the block axis, padded with ones outside it."""
   shared = getattr(factors, "multipliers", None)
-  key = (slot, tuple(shape), float(power), jnp.dtype(dtype).name)
-  if shared is not None and key in shared:
-    return shared[key]
-  f = _expanded(slot, shape, factors, power, dtype)
-  if shared is not None:
-    shared[key] = f
-  return f
+  if shared is None:
+    return _power(_expanded(slot, shape, factors, dtype), slot.sign * power)
+  key = (slot, tuple(shape), jnp.dtype(dtype).name)
+  if key not in shared:
+    shared[key] = _expanded(slot, shape, factors, dtype)
+  if key + (power,) not in shared:
+    shared[key + (power,)] = _power(shared[key], slot.sign * power)
+  return shared[key + (power,)]
 
 
-def _expanded(
-  slot: Slot, shape: tuple[int, ...], factors: Factors, power: float, dtype: DTypeLike
-) -> jax.Array:
-  f = factors[slot.key].astype(dtype)
-  e = slot.sign * power
+def _power(f: jax.Array, e: float) -> jax.Array:
   e = int(e) if float(e).is_integer() else e  # integer powers multiply exactly
-  f = 1 / f if e == -1 else f**e
+  return 1 / f if e == -1 else f**e
+
+
+def _expanded(slot: Slot, shape: tuple[int, ...], factors: Factors, dtype: DTypeLike) -> jax.Array:
+  """The factors of ``slot`` in ``dtype``, expanded (see :func:`_multiplier`)."""
+  f = factors[slot.key].astype(dtype)
   inner = shape  # the shape of what the factors tile: the block
   if slot.block is not None:
     axis, start, stop = slot.block
