@@ -1,19 +1,34 @@
 """Group norms: the log squared norm and log largest magnitude of every group, scale-safe.
 
-Norms are kept as logarithms. A leaf whose float32 sums of squares overflow,
-underflow or meet a non-finite entry is recomputed in two passes: the group
-maxima, then the squares of entries divided by the tensor's largest finite group
-maximum. A zero or non-finite norm is reported as such (``-inf``, ``+inf``), and
-a non-finite entry only affects its own group.
+Norms are kept as logarithms, taken in at least float32, and a leaf in one pair
+instance is read once, whatever the scale of its entries. Each group is reduced
+to ``(s, q)``, its largest magnitude ``s`` and the sum ``q`` of its entries'
+squares relative to it, ``||x_g||**2 = s**2 q`` with ``1 <= q <= size``; two
+partial results combine as
+
+  s = max(s1, s2),   q = q1 (s1 / s)**2 + q2 (s2 / s)**2,
+
+so no square overflows or underflows (LAPACK's scaled sum of squares, as one
+reduction that XLA fuses with the read), and ``log ||x_g||**2 = 2 log s + log q``.
+
+On a mesh (the context's, or that of an Explicit-sharded leaf) XLA would
+combine such partial results across devices by gathering them from every
+device, and a leaf in several instances (overlapping pairs) needs sums per
+combination of groups, a contraction. Such a leaf takes one float32 pass
+instead, its squares summed per group where the data lives and combined with
+one all-reduce of at most one value per group; a piece whose sums overflow,
+underflow or meet a non-finite entry is recomputed in two passes, the group
+maxima and then the squares of entries divided by the tensor's largest finite
+group maximum (see :func:`_recompute_traced`). Inside ``shard_map``
+``axis_name`` names the mesh axes to sum over.
+
+A zero norm is reported as ``-inf``, a group with a non-finite entry as
+``+inf``, and a non-finite entry only affects its own group.
 
 A leaf with blocks (see :class:`saggs_jax.Block`) is cut at their boundaries
 into pieces (:attr:`saggs_jax.pairs.Plan.pieces`) whose entries move by the
 same slots; its statistics are taken per piece through a mask along the block
 axis, so a sharded block axis stays sharded.
-
-On a mesh the squared norms are summed per group where the data lives and
-combined with one all-reduce of at most one value per group; inside
-``shard_map`` ``axis_name`` names the mesh axes to sum over.
 """
 
 from __future__ import annotations
@@ -28,44 +43,102 @@ import numpy as np
 from jax import core
 
 from saggs_jax import paths
-from saggs_jax.numerics import AxisName, compute_dtype, log_dtype_max, replicated
-from saggs_jax.pairs import Plan, Slot, Span
+from saggs_jax.numerics import AxisName, compute_dtype, is_explicit, log_dtype_max, replicated
+from saggs_jax.pairs import Piece, Plan, Slot, Span
 
 # A float32 sum of squares this small may have lost digits to underflow: such
 # norms (and overflowing or non-finite ones) are recomputed on the safe path.
 _SMALLEST_SAFE_SUM = 1e-20
 
+Combine = Callable[[tuple, tuple], tuple]  # a monoid on partial results, identity all zeros
 
-def _group_reduce(v: jax.Array, slot: Slot, axis_name: AxisName, op: str = "sum") -> jax.Array:
-  """Sums (or, for ``v >= 0``, maxes) ``v`` over each group of ``slot``: shape
-  ``stacked_shape (+ (groups,))``, replicated.
 
-  On a mesh (``jax.set_mesh``) it is one reduction over every axis but the
-  stacked ones, whatever the layout: each device reduces its own entries per
-  group and a single all-reduce of one value per group combines them. Several
-  indices per group are then masked by a one-hot broadcast inside that
-  reduction (``groups`` multiply-adds per entry, fused, never materialised):
-  summing the other axes first would all-reduce one value per index when they
-  are sharded, and reshaping the group axis into (groups, size) would gather
-  it when its shards straddle groups. Without a mesh, per-index reductions
-  followed by a reshape of that small vector are cheapest.
+def _rescale(q: jax.Array, s: jax.Array, to: jax.Array) -> jax.Array:
+  """``q (s / to)**2``: a sum of squares relative to ``s`` made relative to ``to >= s``
+  (0 where ``to`` is; NaN where ``to`` is inf or NaN and ``s`` is too)."""
+  r = s / jnp.where(to > 0, to, 1)
+  return q * r * r
+
+
+def _scaled(a: tuple, b: tuple) -> tuple:
+  """Combines ``(s, q)`` partial results (see the module docstring)."""
+  s = jnp.maximum(a[0], b[0])
+  return s, _rescale(a[1], a[0], s) + _rescale(b[1], b[0], s)
+
+
+def _sum(a: tuple, b: tuple) -> tuple:
+  return (a[0] + b[0],)
+
+
+def _max(a: tuple, b: tuple) -> tuple:
+  return (jnp.maximum(a[0], b[0]),)
+
+
+def _reduce_all(vs: Sequence[jax.Array], axes: Sequence[int], combine: Combine) -> list[jax.Array]:
+  """``vs`` (each ``>= 0``) reduced over ``axes`` by ``combine``. Several operands make one
+  variadic reduction, which XLA fuses with the elementwise work that makes them into
+  one read (but across devices gathers its partial results rather than all-reducing)."""
+  if combine is _sum or combine is _max:
+    return [(jnp.sum if combine is _sum else jnp.max)(vs[0], axis=tuple(axes))]
+  zero = jnp.zeros((), vs[0].dtype)
+  return list(jax.lax.reduce(tuple(vs), (zero,) * len(vs), combine, tuple(axes)))
+
+
+def _on_mesh(x: jax.Array) -> bool:
+  """Whether ``x`` is laid out on a mesh: the context's (``jax.set_mesh``), or that of its
+  own Explicit-mode sharding, which types it even outside ``jax.set_mesh``."""
+  return not jax.sharding.get_abstract_mesh().empty or is_explicit(x)
+
+
+def _group_reduce(vs: Sequence[jax.Array], slot: Slot, combine: Combine) -> list[jax.Array]:
+  """``vs`` reduced by ``combine`` over each group of ``slot``: each of shape
+  ``stacked_shape (+ (groups,))``.
+
+  On a mesh it is one reduction over every axis but the stacked ones, whatever the
+  layout: each device reduces its own entries per group and a single all-reduce of
+  one value per group combines them. Several indices per group are then masked by a
+  one-hot broadcast inside that reduction (``groups`` multiply-adds per entry, fused):
+  reducing the other axes first would all-reduce one value per index when they are
+  sharded, and reshaping the group axis into (groups, size) would gather it when its
+  shards straddle groups. Without a mesh, per-index reductions followed by a reshape of
+  that small vector are cheapest.
   """
-  reduce, collective = {"sum": (jnp.sum, jax.lax.psum), "max": (jnp.max, jax.lax.pmax)}[op]
-  axis = slot.axis
+  v, axis = vs[0], slot.axis
   if axis is None or slot.per_index(v.shape[axis]):
-    s = reduce(v, axis=slot.reduce_axes(v.ndim))
-  elif jax.sharding.get_abstract_mesh().empty:  # per index, then per group of that small vector
-    s = reduce(v, axis=slot.reduce_axes(v.ndim))
+    return _reduce_all(vs, slot.reduce_axes(v.ndim), combine)
+  if not _on_mesh(v):  # per index, then per group of that small vector
     start, stop = slot.tiled(v.shape[axis])  # (within a block)
-    s = reduce(s[..., start:stop].reshape(s.shape[:-1] + (slot.groups, -1)), axis=-1)
+    per_index = _reduce_all(vs, slot.reduce_axes(v.ndim), combine)
+    grouped = [s[..., start:stop].reshape(s.shape[:-1] + (slot.groups, -1)) for s in per_index]
+    return _reduce_all(grouped, (grouped[0].ndim - 1,), combine)
+  # On a mesh: the sum or maximum of one operand, its group axis masked by the one-hot
+  # membership, which XLA broadcasts inside the reduction unless two reductions share
+  # it: then it is materialised, the size of the leaf times its groups. The mask passes
+  # an optimization barrier with the operand, so that leaves of one shape (k and v) do
+  # not share theirs, and the maximum (of the safe passes) puts the group axis first.
+  (x,) = vs
+  one_hot = slot.membership(x.shape[axis]).astype(x.dtype)  # (size, groups)
+  if combine is _max:
+    one_hot = one_hot.T.reshape((slot.groups,) + (1,) * axis + (-1,) + (1,) * (x.ndim - axis - 1))
   else:
-    one_hot = jnp.asarray(slot.membership(v.shape[axis]), v.dtype)  # (size, groups)
-    mask = one_hot.reshape(
-      (1,) * axis + one_hot.shape[:1] + (1,) * (v.ndim - axis - 1) + one_hot.shape[1:]
-    )
-    s = reduce(v[..., None] * mask, axis=tuple(range(slot.stacked, v.ndim)))
-  s = replicated(s)
-  return collective(s, axis_name) if axis_name else s  # () names no axis: nothing to sum
+    one_hot = one_hot.reshape((1,) * axis + (-1,) + (1,) * (x.ndim - axis - 1) + (slot.groups,))
+  mask, x = jax.lax.optimization_barrier((jnp.asarray(one_hot), x))
+  if combine is _max:
+    (r,) = _reduce_all([x[None] * mask], range(slot.stacked + 1, x.ndim + 1), combine)
+    return [jnp.moveaxis(r, 0, -1)]
+  return _reduce_all([x[..., None] * mask], range(slot.stacked, x.ndim), combine)
+
+
+def _one_pass_stats(x: jax.Array, slot: Slot) -> tuple[jax.Array, jax.Array]:
+  """``(log sum x**2, log max |x|)`` per group of ``slot`` off a mesh, from one read of
+  ``x`` (in its compute dtype): each group's ``(s, q)`` (see the module docstring)."""
+  magnitude = jnp.abs(x)
+  top, q = _group_reduce([magnitude, (magnitude > 0).astype(x.dtype)], slot, _scaled)
+  log_sq, log_max = 2 * jnp.log(top) + jnp.log(q), jnp.log(top)
+  if slot.axis is None:
+    log_sq, log_max = log_sq[..., None], log_max[..., None]
+  log_sq = jnp.where(jnp.isnan(log_sq), jnp.inf, log_sq)  # a NaN entry
+  return log_sq.astype(jnp.float32), log_max.astype(jnp.float32)
 
 
 def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str = "sum") -> jax.Array:
@@ -80,8 +153,10 @@ def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str = 
   """
   stacked = stacked_axes(slots)
   if len(slots) == 1:
-    r = _group_reduce(v, slots[0], axis_name, op)
-    return r if slots[0].axis is not None else r[..., None]
+    (r,) = _group_reduce([v], slots[0], _sum if op == "sum" else _max)
+    r = replicated(r if slots[0].axis is not None else r[..., None])
+    collective = jax.lax.psum if op == "sum" else jax.lax.pmax
+    return collective(r, axis_name) if axis_name else r  # () names no axis: nothing to sum
   if op == "max":
     return functools.reduce(
       jnp.minimum,
@@ -155,11 +230,11 @@ class _Packing(NamedTuple):
   spans: list[tuple[int, int]]
 
   @classmethod
-  def of(cls, plan: Plan, leaves: dict[str, Any]) -> _Packing:
+  def of(cls, pieces: dict[tuple, Piece], leaves: dict[str, Any]) -> _Packing:
     shapes = {
       k: leaves[piece.path].shape[: stacked_axes(piece.slots)]
       + tuple(1 if s.axis is None else s.groups for s in piece.slots)
-      for k, piece in plan.pieces.items()
+      for k, piece in pieces.items()
     }
     ends = np.cumsum([int(np.prod(s)) for s in shapes.values()])
     return cls(shapes, [(int(e - np.prod(s)), int(e)) for s, e in zip(shapes.values(), ends)])
@@ -174,15 +249,10 @@ class _Packing(NamedTuple):
     }
 
 
-def _trusted(plan: Plan, leaves: dict[str, Any], packing: _Packing, log_sq: jax.Array) -> jax.Array:
-  """Where the one-pass ``log_sq`` can be kept: neither so small that it may have lost
-  digits to underflow (on a leaf whose norm the balancing minimises), nor so large that a factor
-  bounded by it could overflow a dtype of its pair, nor NaN."""
-  dtype_max = {}  # the smallest dtype maximum among the leaves of each instance
-  for path, slots in plan.slots.items():
-    for s in slots:
-      dtype_max[s.key] = min(dtype_max.get(s.key, np.inf), log_dtype_max(leaves[path].dtype))
-  limit = {k: min(dtype_max[s.key] for s in piece.slots) for k, piece in plan.pieces.items()}
+def _trusted(plan: Plan, limit: dict, packing: _Packing, log_sq: jax.Array) -> jax.Array:
+  """Where the float32 ``log_sq`` can be kept: neither so small that it may have lost
+  digits to underflow (on a leaf whose norm the balancing minimises), nor so large that a
+  factor bounded by it could overflow a dtype of its pair (``limit``), nor NaN."""
   lowest = {
     k: np.log(_SMALLEST_SAFE_SUM) if k[0] in plan.counted else -np.inf for k in packing.shapes
   }
@@ -222,10 +292,9 @@ def _recompute_traced(
     index = jnp.arange(bad.size)
     span = (index >= starts[leaf]) & (index < stops[leaf])
 
-    def place(v):
-      return jax.lax.dynamic_update_slice(
-        jnp.zeros(bad.size + width, jnp.float32), v, (starts[leaf],)
-      )[: bad.size]
+    def place(v):  # (on the mesh of an Explicit-sharded v, which types even its zeros)
+      zeros = jnp.zeros(bad.size + width, jnp.float32, out_sharding=jax.typeof(v).sharding)
+      return jax.lax.dynamic_update_slice(zeros, v, (starts[leaf],))[: bad.size]
 
     sq, top = jax.lax.switch(leaf, branches, operands)
     return bad & ~span, jnp.where(span, place(sq), log_sq), jnp.where(span, place(top), log_max)
@@ -252,44 +321,88 @@ def _recompute_eager(
   return log_sq, log_max
 
 
-def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
-  """Per declared piece (a leaf, or a part of it between block boundaries) ``(log sum of
-  squares, log of the largest magnitude)`` per group of each of its slots (see
-  :func:`_reduce`), in float32.
+def _limits(plan: Plan, leaves: dict[str, Any]) -> dict[tuple, float]:
+  """Per piece, the log of the smallest dtype maximum among the leaves of its instances."""
+  dtype_max = {}
+  for path, slots in plan.slots.items():
+    for s in slots:
+      dtype_max[s.key] = min(dtype_max.get(s.key, np.inf), log_dtype_max(leaves[path].dtype))
+  return {k: min(dtype_max[s.key] for s in piece.slots) for k, piece in plan.pieces.items()}
 
-  The common case takes one float32 pass per leaf. A piece is recomputed by the
-  scale-safe passes (:func:`_safe_stats`) when one of its sums of squares overflowed,
-  underflowed or met a non-finite entry, or a norm is so large that a factor bounded
-  by it could overflow a dtype of its pair: under jit by :func:`_recompute_traced`,
-  called eagerly by :func:`_recompute_eager`.
-  """
-  if not plan.slots:  # no pairs (an empty discover result): nothing to measure
-    return {}
-  leaves = dict(paths.leaves_with_paths(params))
-  pieces = list(plan.pieces.values())
-  packing = _Packing.of(plan, leaves)
+
+def _two_pass_stats(
+  plan: Plan, pieces: dict[tuple, Piece], leaves: dict, limit: dict, axis_name: AxisName
+) -> Stats:
+  """The statistics of ``pieces`` from one float32 pass each, those whose sums overflowed,
+  underflowed or met a non-finite entry (or so large a norm that a factor bounded by it
+  could overflow a dtype of its pair) recomputed by the scale-safe passes
+  (:func:`_safe_stats`): under jit by :func:`_recompute_traced`, called eagerly by
+  :func:`_recompute_eager`."""
+  packing = _Packing.of(pieces, leaves)
   log_sq = packing.pack(
     {
       k: _fast_log_sq(_restrict(leaves[pc.path], pc.block), pc.slots, axis_name)
-      for k, pc in plan.pieces.items()
+      for k, pc in pieces.items()
     }
   )
   log_max = 0.5 * log_sq  # the norm bounds the largest entry
-  trusted = _trusted(plan, leaves, packing, log_sq)
+  trusted = _trusted(plan, limit, packing, log_sq)
   # A piece is masked inside its branch: the leaf itself is the operand, never a copy.
   safe = [
     lambda x, pc=pc: [
       v.ravel().astype(jnp.float32)
       for v in _safe_stats(_restrict(x, pc.block), pc.slots, axis_name)
     ]
-    for pc in pieces
+    for pc in pieces.values()
   ]
   traced = isinstance(trusted, core.Tracer) or not trusted.is_fully_addressable
   recompute = _recompute_traced if traced else _recompute_eager
   log_sq, log_max = recompute(
-    packing, safe, [leaves[pc.path] for pc in pieces], trusted, log_sq, log_max
+    packing, safe, [leaves[pc.path] for pc in pieces.values()], trusted, log_sq, log_max
   )
   return packing.unpack(log_sq, log_max)
+
+
+def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
+  """Per declared piece (a leaf, or a part of it between block boundaries) ``(log sum of
+  squares, log of a bound on the largest magnitude)`` per group of each of its slots
+  (its stacked axes, then one axis per slot, of size 1 for a whole-tensor slot), in
+  float32; +inf for a group with a non-finite entry, -inf for a zero one.
+
+  The bound is half the log squared norm (the norm bounds every entry) while the norm
+  fits the smallest dtype of the piece's pairs, and the largest magnitude beyond it:
+  a factor bounded by the norm could then not move the group at all. A piece in one
+  instance off a mesh takes one scale-safe pass (:func:`_one_pass_stats`), others
+  :func:`_two_pass_stats`.
+
+  Example::
+
+    >>> import jax.numpy as jnp, saggs_jax as saggs
+    >>> from saggs_jax.norms import leaf_stats
+    >>> params = {"q": jnp.full((2, 4), 1e30), "k": jnp.ones((2, 4))}  # squares overflow
+    >>> plan = saggs.pairs.resolve([saggs.Pair("q", "k", axes=(1, 1), groups=2)], params)
+    >>> log_sq, _ = leaf_stats(plan, params)["q", None]
+    >>> [round(float(v) / 2.302585, 3) for v in log_sq]  # log10 ||q_g||**2 = log10 4e60
+    [60.602, 60.602]
+  """
+  if not plan.slots:  # no pairs (an empty discover result): nothing to measure
+    return {}
+  leaves = dict(paths.leaves_with_paths(params))
+  limit = _limits(plan, leaves)
+  out: Stats = {}
+  rest: dict[tuple, Piece] = {}
+  for k, pc in plan.pieces.items():
+    x = leaves[pc.path]
+    if len(pc.slots) > 1 or _on_mesh(x):
+      rest[k] = pc
+    else:
+      out[k] = _one_pass_stats(_restrict(x.astype(compute_dtype(x.dtype)), pc.block), pc.slots[0])
+  if rest:
+    out.update(_two_pass_stats(plan, rest, leaves, limit, axis_name))
+  return {
+    k: (out[k][0], jnp.where(out[k][0] <= 2 * limit[k], 0.5 * out[k][0], out[k][1]))
+    for k in plan.pieces
+  }
 
 
 def stacked_axes(slots: Sequence[Slot]) -> int:
@@ -300,7 +413,7 @@ def stacked_axes(slots: Sequence[Slot]) -> int:
 
 def along_slot(u: jax.Array, i: int, slots: Sequence[Slot]) -> jax.Array:
   """Log-factors of one instance (``stacked_shape (+ (groups,))``) laid out on the
-  statistics of a leaf (see :func:`_reduce`) along slot ``i``."""
+  statistics of a leaf (see :func:`leaf_stats`) along slot ``i``."""
   own = slots[i].stacked
   return u.reshape(
     u.shape[:own] + (1,) * (stacked_axes(slots) - own + i) + (-1,) + (1,) * (len(slots) - 1 - i)

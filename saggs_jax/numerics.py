@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
 Factors = dict[str, jax.Array]
@@ -26,13 +26,17 @@ def is_explicit(x: jax.Array) -> bool:
 
 
 def replicated(x: jax.Array) -> jax.Array:
-  """``x`` (small: one value per group) pinned replicated on the current mesh, so that XLA
-  neither shards nor gathers it; nothing to do without a mesh or inside ``shard_map``."""
+  """``x`` (small: one value per group) pinned replicated on its mesh, so that XLA neither
+  shards nor gathers it: the mesh of its Explicit-mode type (even outside
+  ``jax.set_mesh``), else the current one; nothing to do without a mesh or inside
+  ``shard_map``."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.manual_axes:
+  if mesh.manual_axes:
     return x
   if is_explicit(x):
-    return jax.sharding.reshard(x, PartitionSpec())
+    return jax.sharding.reshard(x, NamedSharding(jax.typeof(x).sharding.mesh, PartitionSpec()))
+  if mesh.empty:
+    return x
   return jax.lax.with_sharding_constraint(x, PartitionSpec())
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
 from saggs_jax import paths
@@ -21,15 +21,40 @@ from saggs_jax.numerics import Factors, compute_dtype, is_explicit, replicated
 from saggs_jax.pairs import Plan, Slot
 
 
+class Shared(dict):
+  """Factors whose expanded multipliers, once computed, are reused: one update scales the
+  parameters, gradients and moments and lands on the result with the same few, which
+  are then traced (and compiled) once rather than once per tree."""
+
+  def __init__(self, factors: Factors):
+    super().__init__(factors)
+    self.multipliers: dict[tuple, jax.Array] = {}
+
+
 def _multiplier(
   slot: Slot, shape: tuple[int, ...], factors: Factors, power: float, dtype: DTypeLike
 ) -> jax.Array:
   """``factors ** (sign * power)`` expanded to one entry per index of the group axis, and
   with a block, to its span of the block axis, padded with ones outside it."""
-  f = factors[slot.key].astype(dtype)
-  e = slot.sign * power
+  shared = getattr(factors, "multipliers", None)
+  if shared is None:
+    return _power(_expanded(slot, shape, factors, dtype), slot.sign * power)
+  key = (slot, tuple(shape), jnp.dtype(dtype).name)
+  if key not in shared:
+    shared[key] = _expanded(slot, shape, factors, dtype)
+  if key + (power,) not in shared:
+    shared[key + (power,)] = _power(shared[key], slot.sign * power)
+  return shared[key + (power,)]
+
+
+def _power(f: jax.Array, e: float) -> jax.Array:
   e = int(e) if float(e).is_integer() else e  # integer powers multiply exactly
-  f = 1 / f if e == -1 else f**e
+  return 1 / f if e == -1 else f**e
+
+
+def _expanded(slot: Slot, shape: tuple[int, ...], factors: Factors, dtype: DTypeLike) -> jax.Array:
+  """The factors of ``slot`` in ``dtype``, expanded (see :func:`_multiplier`)."""
+  f = factors[slot.key].astype(dtype)
   inner = shape  # the shape of what the factors tile: the block
   if slot.block is not None:
     axis, start, stop = slot.block
@@ -52,9 +77,13 @@ def _like(m: jax.Array, x: jax.Array) -> jax.Array:
   along its kept axes under Explicit sharding, replicated otherwise."""
   if not is_explicit(x):
     return replicated(m)
-  spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
+  sharding = jax.typeof(x).sharding  # its mesh: x is typed with it even outside jax.set_mesh
+  spec = tuple(sharding.spec) + (None,) * x.ndim
   return jax.sharding.reshard(
-    m, PartitionSpec(*(s if n > 1 else None for s, n in zip(spec, m.shape)))
+    m,
+    NamedSharding(
+      sharding.mesh, PartitionSpec(*(s if n > 1 else None for s, n in zip(spec, m.shape)))
+    ),
   )
 
 

@@ -34,6 +34,7 @@ from saggs_jax.balance import (
 from saggs_jax.degrees import measure
 from saggs_jax.numerics import is_explicit
 from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
+from saggs_jax.scaling import Shared
 from saggs_jax.transport import register_transport, transport
 
 
@@ -111,11 +112,15 @@ class SymmetryTransformation(optax.GradientTransformationExtraArgs):
     return self
 
 
-def _no_balancing(fn, *args):
-  """Factors of ones and residual 0, of the type ``fn(*args)`` returns (shape, dtype and,
+def _no_balancing(fn, params, types: dict):
+  """Factors of ones and residual 0, of the type ``fn(params)`` returns (shape, dtype and,
   under an Explicit mesh, sharding), found by tracing only: both branches of a
-  ``lax.cond`` must agree."""
-  factors, residual = jax.eval_shape(fn, *args)
+  ``lax.cond`` must agree. ``types`` keeps them per type of ``params``, so that an update
+  traces the balancing once, not twice."""
+  key = (jax.tree.structure(params), tuple(jax.typeof(x) for x in jax.tree.leaves(params)))
+  if key not in types:
+    types[key] = jax.eval_shape(fn, params)
+  factors, residual = types[key]
   return jax.tree.map(jnp.ones_like, factors), jnp.zeros_like(residual)
 
 
@@ -320,6 +325,7 @@ def scale_by_saggs(
   _check_number("strength", strength, lambda s: 0 < s <= 1, "in (0, 1]", integer=False)
   _check_number("every", every, lambda k: k >= 1, ">= 1", integer=True)
   warned, global_shapes = [], {}  # the shapes init saw outside shard_map
+  types = {}  # the factors' types per parameter type (see _no_balancing)
 
   def factors_of(params, axis_name=axis_name):
     return compute_factors(resolve(pairs, params), params, strength, axis_name)
@@ -334,7 +340,7 @@ def scale_by_saggs(
     if every == 1:
       return step_factors(params)
     factors = jax.lax.cond(
-      (count - 1) % every == 0, step_factors, lambda p: _no_balancing(factors_of, p), params
+      (count - 1) % every == 0, step_factors, lambda p: _no_balancing(factors_of, p, types), params
     )
     return jax.tree.map(replicated, factors)  # else XLA may shard them, then gather each update
 
@@ -347,7 +353,8 @@ def scale_by_saggs(
       # find the params-shaped parts of a state; the factors are not one of them.
       return SaggsState(count, jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32))
     if any(is_explicit(x) for x in jax.tree.leaves(params)):  # their sharding comes from tracing
-      return SaggsState(count, *_no_balancing(lambda p: factors_of(p, axis_name=None), params))
+      fn = lambda p: factors_of(p, axis_name=None)  # noqa: E731
+      return SaggsState(count, *_no_balancing(fn, params, types))
     # Else their type is the plan's: float32 factors of each instance's factor_shape, the
     # ones _no_balancing would find by tracing the norms of every leaf at full size.
     plan = resolve(pairs, params)
@@ -366,13 +373,14 @@ def scale_by_saggs(
     del extra_args  # the stages before it receive them through prior
     plan, count, params = start(state, params)
     factors, residual = scheduled_factors(count, params)
-    balanced = scale_tree(plan, params, factors, 1.0)
+    shared = Shared(factors)  # the same multipliers for parameters, gradients and moments
+    balanced = scale_tree(plan, params, shared, 1.0)
     updates, prior_states = prior(
-      scale_tree(plan, grads, factors, -1.0),
-      transport(plan, prior_states, factors, degrees=degrees),
+      scale_tree(plan, grads, shared, -1.0),
+      transport(plan, prior_states, shared, degrees=degrees),
       balanced,
     )
-    updates = _land_on(params, updates, optax.apply_updates(balanced, updates), plan, factors)
+    updates = _land_on(params, updates, optax.apply_updates(balanced, updates), plan, shared)
     return updates, SaggsState(count, factors, residual), prior_states
 
   def update(updates, state, params=None, **extra_args):

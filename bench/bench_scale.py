@@ -1,0 +1,390 @@
+"""SAGGS at LLaMA scale: init, the compiled update, canonicalize, checkpoints and discover,
+each next to its plain optax / Orbax baseline measured in the same run.
+
+Sizes: 1B, 7B and 70B LLaMA shapes (:mod:`saggs_jax.testing.shapes`: GQA, SwiGLU,
+head_dim 128, vocabulary 32000, float32) as abstract values (nothing allocated), and a
+concrete ~170M model (d 1024, 8 layers) built briefly for the rows that need arrays.
+The optimizer is ``saggs.chain(optax.adamw(1e-3), saggs.saggs(presets.llama(...),
+every=100))`` against ``optax.adamw(1e-3)``.
+
+Rows (each in a child process whose heap is capped by ``--memory-gib``, so a row that
+would allocate parameter-sized host arrays fails alone, its error printed; the
+checkpoint row, concrete only, runs uncapped):
+
+* ``init``: wall time and peak host memory of ``jax.eval_shape(tx.init, params)`` (of
+  ``tx.init(params)`` for the concrete model); the chain's init measures the transport
+  degrees on a probe (:func:`saggs_jax.degrees.measure`).
+* ``update``: the train step ``(params, state, grads) -> (params, state)`` lowered and
+  compiled from abstract values: XLA's temp memory and bytes accessed (deterministic; the
+  balancing branch as compiled), and lower + compile time (process CPU seconds, the median
+  of alternating runs: wall clock on a shared machine is noisier), scanned and unrolled
+  layers. The probe is replaced by the registered degrees (AdamW's), as it would otherwise
+  allocate.
+* ``fsdp``: the scanned update on 8 CPU devices, each leaf sharded along its largest axis
+  under ``jax.set_mesh``: temp memory as a share of a device's parameter shard, and bytes.
+* ``canonicalize``: ``jax.jit(canonicalize).lower(abstract).compile()``, without and with
+  ``tx=`` (whose degrees are measured: the probe), its time and temp memory, against
+  ``reparameterize`` (no norms).
+* ``checkpoint`` (concrete only): ``saggs_jax.checkpoint.save`` / ``restore`` (which
+  canonicalises) against Orbax's ``StandardSave`` / ``StandardRestore`` of the same state.
+* ``discover``: ``saggs.discover`` on a LLaMA forward pass, on abstract parameters where it
+  supports them (else "n/a" and why), against tracing the forward pass alone.
+
+Run (``--quick``: 1B and the concrete model, one round, scanned only):
+
+  JAX_PLATFORMS=cpu python bench/bench_scale.py --sizes 1b,7b,70b,200m
+  JAX_PLATFORMS=cpu python bench/bench_scale.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import saggs_jax as saggs
+from saggs_jax.testing import shapes
+
+CONCRETE = dict(d_model=1024, num_layers=8, num_kv_heads=8, mlp_hidden=2816)
+SIZES = {**shapes.SIZES, "200m": CONCRETE}
+ROWS = ("init", "update", "fsdp", "canonicalize", "checkpoint", "discover")
+
+
+def adamw():
+  return optax.adamw(1e-3)
+
+
+def saggs_tx(size, stacked):
+  pairs = saggs.presets.llama(num_kv_heads=SIZES[size]["num_kv_heads"], stacked=stacked)
+  return saggs.chain(adamw(), saggs.saggs(pairs, every=100))
+
+
+def probe_bypassed():
+  """The chain's degree probe replaced by the registered degrees (AdamW's are)."""
+  return mock.patch("saggs_jax.transform.measure", lambda *args: None)
+
+
+def peak_rss() -> int:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def gib(n: float) -> str:
+  return f"{n / 2**30:.2f} GiB"
+
+
+def cpu_seconds(fn):
+  start = time.process_time()
+  out = fn()
+  return out, time.process_time() - start
+
+
+def alternating(fns: dict, rounds: int) -> dict:
+  """``{name: (result, median CPU seconds)}`` over ``rounds`` alternating runs."""
+  times = {name: [] for name in fns}
+  results = {}
+  names = list(fns)
+  for r in range(rounds):
+    for name in names[r % len(names) :] + names[: r % len(names)]:
+      results[name], t = cpu_seconds(fns[name])
+      times[name].append(t)
+  return {name: (results[name], float(np.median(times[name]))) for name in fns}
+
+
+def compile_update(tx, params):
+  def step(p, s, g):
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+  state = jax.eval_shape(tx.init, params)
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
+  return compiled.memory_analysis().temp_size_in_bytes, compiled.cost_analysis()["bytes accessed"]
+
+
+# ----------------------------------------------------------------------------------
+# Rows: each returns lines of its table.
+
+
+def row_init(size, args):
+  params = shapes.llama(**SIZES[size], scanned=True)
+  concrete = size == "200m"
+  if concrete:
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(
+      lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32) * 0.02), params
+    )
+  lines = []
+  for name, tx in (("optax.adamw", adamw()), ("saggs.chain", saggs_tx(size, 1))):
+    before = peak_rss()
+    start = time.perf_counter()
+    try:
+      jax.block_until_ready(tx.init(params) if concrete else jax.eval_shape(tx.init, params))
+    except Exception as e:  # noqa: BLE001 (MemoryError or XLA's RESOURCE_EXHAUSTED: the cap)
+      lines.append(
+        f"init {name}: failed (host memory cap {args.memory_gib:g} GiB):"
+        f" {type(e).__name__}: {str(e)[:160]}"
+      )
+      continue
+    seconds = time.perf_counter() - start
+    lines.append(
+      f"init {name}: {seconds:.2f} s, peak host memory +{gib(max(peak_rss() - before, 0))}"
+    )
+  return lines
+
+
+def row_update(size, args):
+  lines = []
+  for layout in ("scanned",) if args.quick else ("scanned", "unrolled"):
+    params = shapes.llama(**SIZES[size], scanned=layout == "scanned")
+    stacked = 1 if layout == "scanned" else 0
+    with probe_bypassed():
+      runs = alternating(
+        {
+          "adamw": lambda params=params: compile_update(adamw(), params),
+          "saggs": lambda params=params, k=stacked: compile_update(saggs_tx(size, k), params),
+        },
+        args.rounds,
+      )
+    (temp_a, bytes_a), t_a = runs["adamw"]
+    (temp_s, bytes_s), t_s = runs["saggs"]
+    lines.append(
+      f"update {layout}: temp {gib(temp_s)} (adamw {gib(temp_a)}, params"
+      f" {gib(shapes.num_bytes(params))}); bytes accessed {bytes_s / bytes_a:.3f}x adamw;"
+      f" lower+compile {t_s:.1f} s CPU vs adamw {t_a:.1f} s ({t_s / t_a:.2f}x)"
+    )
+  return lines
+
+
+def row_fsdp(size, args):
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  params = shapes.fsdp(shapes.llama(**SIZES[size], scanned=True), mesh, "fsdp")
+  shard = shapes.num_bytes(params) / 8
+  with probe_bypassed(), jax.set_mesh(mesh):
+    temp_a, bytes_a = compile_update(adamw(), params)
+    temp_s, bytes_s = compile_update(saggs_tx(size, 1), params)
+  return [
+    f"fsdp 8 devices, scanned: temp {gib(temp_s)} = {temp_s / shard:.2%} of a device's"
+    f" {gib(shard)} shard (adamw {temp_a / shard:.2%}); bytes accessed"
+    f" {bytes_s / bytes_a:.3f}x adamw"
+  ]
+
+
+def row_canonicalize(size, args):
+  params = shapes.llama(**SIZES[size], scanned=True)
+  pairs = saggs.presets.llama(num_kv_heads=SIZES[size]["num_kv_heads"], stacked=1)
+  state = jax.eval_shape(adamw().init, params)
+  variants = {
+    "reparameterize(c=2)": lambda p, s: saggs.reparameterize(p, s, pairs, 2.0),
+    "canonicalize": lambda p, s: saggs.canonicalize(p, s, pairs),
+    "canonicalize(tx=adamw)": lambda p, s: saggs.canonicalize(p, s, pairs, tx=adamw()),
+  }
+  lines = []
+  for name, fn in variants.items():
+    before = peak_rss()
+    try:
+      compiled, t = cpu_seconds(lambda fn=fn: jax.jit(fn).lower(params, state).compile())
+    except Exception as e:  # noqa: BLE001 (a row's failure is its result)
+      lines.append(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}")
+      continue
+    lines.append(
+      f"{name}: jit lower+compile from abstract values {t:.1f} s CPU, temp"
+      f" {gib(compiled.memory_analysis().temp_size_in_bytes)}, peak host memory"
+      f" +{gib(max(peak_rss() - before, 0))}"
+    )
+  return lines
+
+
+def row_checkpoint(size, args):
+  if size != "200m":
+    return ["checkpoint: n/a (abstract size: nothing to write)"]
+  import orbax.checkpoint as ocp
+
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(
+    lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32) * 0.02),
+    shapes.llama(**SIZES[size], scanned=True),
+  )
+  pairs = saggs.presets.llama(num_kv_heads=SIZES[size]["num_kv_heads"], stacked=1)
+  opt_state = adamw().init(params)
+  times = {}
+  with tempfile.TemporaryDirectory() as root:
+    for r in range(args.rounds):
+      for name in ("orbax", "saggs"):
+        manager = ocp.CheckpointManager(os.path.join(root, f"{name}{r}"))
+        start = time.perf_counter()
+        if name == "orbax":
+          manager.save(0, args=ocp.args.StandardSave((params, opt_state)))
+          manager.wait_until_finished()
+        else:
+          saggs.checkpoint.save(manager, 0, params, opt_state)
+          manager.wait_until_finished()
+        saved = time.perf_counter()
+        if name == "orbax":
+          out = manager.restore(0, args=ocp.args.StandardRestore((params, opt_state)))
+        else:
+          out = saggs.checkpoint.restore(manager, params, opt_state, pairs)
+        jax.block_until_ready(out)
+        times.setdefault(name, []).append((saved - start, time.perf_counter() - saved))
+        manager.close()
+        del out
+  (save_o, restore_o), (save_s, restore_s) = (
+    np.median(times[n], axis=0) for n in ("orbax", "saggs")
+  )
+  return [
+    f"checkpoint {shapes.num_params(params) / 1e6:.0f}M params + adamw state: save"
+    f" {save_s:.2f} s vs Orbax {save_o:.2f} s ({save_s / save_o:.2f}x), restore (canonicalised)"
+    f" {restore_s:.2f} s vs Orbax {restore_o:.2f} s ({restore_s / restore_o:.2f}x)"
+  ]
+
+
+def llama_forward(params, tokens, num_kv_heads, head_dim=128):
+  """A LLaMA-style forward pass over a :func:`saggs_jax.testing.shapes.llama` tree (scanned),
+  without RoPE (which commutes with the per-head scalings)."""
+
+  def norm(x, scale):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale
+
+  def layer(x, p):
+    a, m = p["attn"], p["mlp"]
+    h = norm(x, p["input_norm"]["scale"])
+    b, t, _ = h.shape
+    q = (h @ a["q_proj"]["kernel"]).reshape(b, t, num_kv_heads, -1, head_dim)
+    k = (h @ a["k_proj"]["kernel"]).reshape(b, t, num_kv_heads, 1, head_dim)
+    v = (h @ a["v_proj"]["kernel"]).reshape(b, t, num_kv_heads, 1, head_dim)
+    logits = jnp.einsum("bqgrd,bkgsd->bgrqk", q, k) / np.sqrt(head_dim)
+    attn = jnp.einsum("bgrqk,bkgsd->bqgrd", jax.nn.softmax(logits, -1), v).reshape(b, t, -1)
+    x = x + attn @ a["o_proj"]["kernel"]
+    h = norm(x, p["post_attn_norm"]["scale"])
+    x = (
+      x
+      + (jax.nn.silu(h @ m["gate_proj"]["kernel"]) * (h @ m["up_proj"]["kernel"]))
+      @ m["down_proj"]["kernel"]
+    )
+    return x, None
+
+  x = params["embed"]["embedding"][tokens]
+  x, _ = jax.lax.scan(layer, x, params["layers"])
+  return norm(x, params["norm"]["scale"]) @ params["lm_head"]["kernel"]
+
+
+def row_discover(size, args):
+  kv = SIZES[size]["num_kv_heads"]
+  params = shapes.llama(**SIZES[size], scanned=True)
+  if size == "200m":
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(
+      lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32) * 0.02), params
+    )
+  tokens = jnp.zeros((1, 8), jnp.int32) + jnp.arange(8)
+  forward = lambda p, t: llama_forward(p, t, kv)  # noqa: E731
+  start = time.perf_counter()
+  jax.make_jaxpr(forward)(params, tokens)
+  trace = time.perf_counter() - start
+  start = time.perf_counter()
+  try:
+    found = saggs.discover(forward, params, tokens)
+  except Exception as e:  # noqa: BLE001 (a row's failure is its result)
+    return [
+      f"discover: n/a on {type(params['embed']['embedding']).__name__} parameters:"
+      f" {type(e).__name__}: {str(e)[:200]} (tracing the forward alone {trace:.2f} s)"
+    ]
+  seconds = time.perf_counter() - start
+  return [
+    f"discover: {seconds:.1f} s, {len(found.pairs)} pairs, vs tracing the forward alone"
+    f" {trace:.2f} s"
+  ]
+
+
+# ----------------------------------------------------------------------------------
+
+
+def child(row, size, args):
+  if row != "checkpoint":  # (Orbax's threads cannot start under the cap; its row is 170M)
+    limit = int(args.memory_gib * 2**30)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+  try:
+    lines = globals()[f"row_{row}"](size, args)
+  except MemoryError:
+    lines = [f"{row}: failed: host memory over the {args.memory_gib:g} GiB cap"]
+  except Exception as e:  # noqa: BLE001 (a row's failure is its result)
+    lines = [f"{row}: failed: {type(e).__name__}: {str(e)[:300]}"]
+  print("RESULT " + json.dumps(lines), flush=True)
+
+
+def watched(command, env, args) -> tuple[str, str | None]:
+  """Runs a row's child, killed past ``--timeout`` or when its resident memory passes
+  ``--memory-gib`` (the checkpoint row runs without the heap cap); its output, and why it
+  was killed."""
+  with tempfile.TemporaryFile("w+") as log:
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    start, killed = time.monotonic(), None
+    while proc.poll() is None:
+      time.sleep(0.2)
+      try:
+        with open(f"/proc/{proc.pid}/status") as f:
+          rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+      except (OSError, StopIteration):
+        rss = 0
+      if rss > args.memory_gib * 2**30:
+        killed = f"killed: resident memory over the {args.memory_gib:g} GiB cap"
+      elif time.monotonic() - start > args.timeout:
+        killed = f"killed: over the {args.timeout:g} s timeout"
+      if killed:
+        proc.kill()
+        proc.wait()
+    log.seek(0)
+    return log.read(), killed
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--sizes", default="1b,7b,70b,200m", help="of " + ",".join(SIZES))
+  parser.add_argument("--rows", default=",".join(ROWS))
+  parser.add_argument("--quick", action="store_true", help="1b and 200m, one round, scanned")
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--memory-gib", type=float, default=3.5, help="host memory cap per row")
+  parser.add_argument("--timeout", type=float, default=1800, help="seconds per row")
+  parser.add_argument("--child", nargs=2, metavar=("ROW", "SIZE"), help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.rounds = 1
+    if args.sizes == parser.get_default("sizes"):
+      args.sizes = "1b,200m"
+  if args.child:
+    return child(*args.child, args)
+
+  sizes, rows = args.sizes.split(","), args.rows.split(",")
+  print(f"jax {jax.__version__}, {jax.default_backend()}, {os.cpu_count()} CPUs")
+  for size in sizes:
+    n = shapes.num_params(shapes.llama(**SIZES[size]))
+    print(f"\n## {size}: {n / 1e9:.2f}B float32 parameters ({gib(4 * n)})", flush=True)
+    for row in rows:
+      env = dict(os.environ, JAX_PLATFORMS="cpu")
+      if row == "fsdp":
+        flags = env.get("XLA_FLAGS", "")
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+      command = [sys.executable, __file__, "--child", row, size, "--rounds", str(args.rounds)]
+      command += ["--memory-gib", str(args.memory_gib)] + (["--quick"] if args.quick else [])
+      out, killed = watched(command, env, args)
+      found = [line for line in out.splitlines() if line.startswith("RESULT ")]
+      if found:
+        lines = json.loads(found[-1][len("RESULT ") :])
+      else:
+        tail = (out.strip().splitlines() or ["(no output)"])[-1]
+        lines = [f"{row}: failed ({killed or 'no result'}): {tail[:300]}"]
+      print("\n".join(f"  {line}" for line in lines), flush=True)
+  print("\ncommand: JAX_PLATFORMS=cpu python bench/bench_scale.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+  main()
