@@ -393,10 +393,10 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
   rest: dict[tuple, Piece] = {}
   for k, pc in plan.pieces.items():
     x = leaves[pc.path]
-    if len(pc.slots) > 1 or _on_mesh(x):
-      rest[k] = pc
-    else:
+    if len(pc.slots) == 1 and not _on_mesh(x):
       out[k] = _one_pass_stats(_restrict(x.astype(compute_dtype(x.dtype)), pc.block), pc.slots[0])
+    else:
+      rest[k] = pc
   if rest:
     out.update(_two_pass_stats(plan, rest, leaves, limit, axis_name))
   return {
