@@ -9,7 +9,8 @@ every=100))`` against ``optax.adamw(1e-3)``.
 
 Rows (each in a child process whose heap is capped by ``--memory-gib``, so a row that
 would allocate parameter-sized host arrays fails alone, its error printed; the
-checkpoint row, concrete only, runs uncapped):
+checkpoint row, concrete only, is watched at ``--checkpoint-memory-gib`` instead, as
+Orbax's threads cannot start under a heap cap):
 
 * ``init``: wall time and peak host memory of ``jax.eval_shape(tx.init, params)`` (of
   ``tx.init(params)`` for the concrete model); the chain's init measures the transport
@@ -18,17 +19,18 @@ checkpoint row, concrete only, runs uncapped):
   compiled from abstract values: XLA's temp memory and bytes accessed (deterministic; the
   balancing branch as compiled), and lower + compile time (process CPU seconds, the median
   of alternating runs: wall clock on a shared machine is noisier), scanned and unrolled
-  layers. The probe is replaced by the registered degrees (AdamW's), as it would otherwise
-  allocate.
+  layers. The chain measures its degrees on a small proxy, as in training.
 * ``fsdp``: the scanned update on 8 CPU devices, each leaf sharded along its largest axis
   under ``jax.set_mesh``: temp memory as a share of a device's parameter shard, and bytes.
 * ``canonicalize``: ``jax.jit(canonicalize).lower(abstract).compile()``, without and with
   ``tx=`` (whose degrees are measured: the probe), its time and temp memory, against
   ``reparameterize`` (no norms).
 * ``checkpoint`` (concrete only): ``saggs_jax.checkpoint.save`` / ``restore`` (which
-  canonicalises) against Orbax's ``StandardSave`` / ``StandardRestore`` of the same state.
-* ``discover``: ``saggs.discover`` on a LLaMA forward pass, on abstract parameters where it
-  supports them (else "n/a" and why), against tracing the forward pass alone.
+  canonicalises, ``tx=`` the optimizer) against Orbax's ``StandardSave`` /
+  ``StandardRestore`` of the same state (peak memory: ``bench/bench_checkpoint.py``).
+* ``discover``: ``saggs.discover`` on a LLaMA forward pass (one sequence of 8 tokens): on
+  abstract parameters traced only (``confirmation == "none"``), on the concrete model
+  confirmed on its parameters, against tracing the forward pass alone.
 
 Run (``--quick``: 1B and the concrete model, one round, scanned only):
 
@@ -46,7 +48,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -68,11 +69,6 @@ def adamw():
 def saggs_tx(size, stacked):
   pairs = saggs.presets.llama(num_kv_heads=SIZES[size]["num_kv_heads"], stacked=stacked)
   return saggs.chain(adamw(), saggs.saggs(pairs, every=100))
-
-
-def probe_bypassed():
-  """The chain's degree probe replaced by the registered degrees (AdamW's are)."""
-  return mock.patch("saggs_jax.transform.measure", lambda *args: None)
 
 
 def peak_rss() -> int:
@@ -147,14 +143,13 @@ def row_update(size, args):
   for layout in ("scanned",) if args.quick else ("scanned", "unrolled"):
     params = shapes.llama(**SIZES[size], scanned=layout == "scanned")
     stacked = 1 if layout == "scanned" else 0
-    with probe_bypassed():
-      runs = alternating(
-        {
-          "adamw": lambda params=params: compile_update(adamw(), params),
-          "saggs": lambda params=params, k=stacked: compile_update(saggs_tx(size, k), params),
-        },
-        args.rounds,
-      )
+    runs = alternating(
+      {
+        "adamw": lambda params=params: compile_update(adamw(), params),
+        "saggs": lambda params=params, k=stacked: compile_update(saggs_tx(size, k), params),
+      },
+      args.rounds,
+    )
     (temp_a, bytes_a), t_a = runs["adamw"]
     (temp_s, bytes_s), t_s = runs["saggs"]
     lines.append(
@@ -169,7 +164,7 @@ def row_fsdp(size, args):
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
   params = shapes.fsdp(shapes.llama(**SIZES[size], scanned=True), mesh, "fsdp")
   shard = shapes.num_bytes(params) / 8
-  with probe_bypassed(), jax.set_mesh(mesh):
+  with jax.set_mesh(mesh):
     temp_a, bytes_a = compile_update(adamw(), params)
     temp_s, bytes_s = compile_update(saggs_tx(size, 1), params)
   return [
@@ -232,7 +227,7 @@ def row_checkpoint(size, args):
         if name == "orbax":
           out = manager.restore(0, args=ocp.args.StandardRestore((params, opt_state)))
         else:
-          out = saggs.checkpoint.restore(manager, params, opt_state, pairs)
+          out = saggs.checkpoint.restore(manager, params, opt_state, pairs, tx=adamw())
         jax.block_until_ready(out)
         times.setdefault(name, []).append((saved - start, time.perf_counter() - saved))
         manager.close()
@@ -300,7 +295,8 @@ def row_discover(size, args):
     ]
   seconds = time.perf_counter() - start
   return [
-    f"discover: {seconds:.1f} s, {len(found.pairs)} pairs, vs tracing the forward alone"
+    f"discover: {seconds:.1f} s, {len(found.pairs)} pairs found, {len(found.rejected)}"
+    f" candidates rejected, confirmation {found.confirmation!r}; tracing the forward alone"
     f" {trace:.2f} s"
   ]
 
@@ -321,10 +317,9 @@ def child(row, size, args):
   print("RESULT " + json.dumps(lines), flush=True)
 
 
-def watched(command, env, args) -> tuple[str, str | None]:
+def watched(command, env, args, cap_gib: float) -> tuple[str, str | None]:
   """Runs a row's child, killed past ``--timeout`` or when its resident memory passes
-  ``--memory-gib`` (the checkpoint row runs without the heap cap); its output, and why it
-  was killed."""
+  ``cap_gib``; its output, and why it was killed."""
   with tempfile.TemporaryFile("w+") as log:
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     start, killed = time.monotonic(), None
@@ -335,8 +330,8 @@ def watched(command, env, args) -> tuple[str, str | None]:
           rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
       except (OSError, StopIteration):
         rss = 0
-      if rss > args.memory_gib * 2**30:
-        killed = f"killed: resident memory over the {args.memory_gib:g} GiB cap"
+      if rss > cap_gib * 2**30:
+        killed = f"killed: resident memory over the {cap_gib:g} GiB cap"
       elif time.monotonic() - start > args.timeout:
         killed = f"killed: over the {args.timeout:g} s timeout"
       if killed:
@@ -354,6 +349,9 @@ def main(argv=None):
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--memory-gib", type=float, default=3.5, help="host memory cap per row")
   parser.add_argument("--timeout", type=float, default=1800, help="seconds per row")
+  parser.add_argument(
+    "--checkpoint-memory-gib", type=float, default=12.0, help="resident memory cap, checkpoint"
+  )
   parser.add_argument("--child", nargs=2, metavar=("ROW", "SIZE"), help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.quick:
@@ -375,7 +373,8 @@ def main(argv=None):
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
       command = [sys.executable, __file__, "--child", row, size, "--rounds", str(args.rounds)]
       command += ["--memory-gib", str(args.memory_gib)] + (["--quick"] if args.quick else [])
-      out, killed = watched(command, env, args)
+      cap = args.checkpoint_memory_gib if row == "checkpoint" else args.memory_gib
+      out, killed = watched(command, env, args, cap)
       found = [line for line in out.splitlines() if line.startswith("RESULT ")]
       if found:
         lines = json.loads(found[-1][len("RESULT ") :])
