@@ -75,10 +75,10 @@ GROUPS = 3
 
 FAST_COMPILE = {
   "xla_backend_optimization_level": 0,
-  "xla_cpu_use_fusion_emitters": False,
   "xla_cpu_parallel_codegen_split_count": 1,
 }
-"""XLA options of the probe's compile on CPU: its cheapest code generation."""
+"""XLA options of the probe's compile on CPU: its cheapest code generation (options every
+supported jaxlib knows: an unknown one is an error)."""
 
 # optimizer update function -> {proxy layout: degrees}; weak, so an optimizer's entry goes
 # with it. A value depends only on its key: a hit skips work and changes no result.
