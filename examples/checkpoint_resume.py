@@ -16,7 +16,7 @@ AdamW, saves the state with Orbax, saves the same state rescaled by
 * ``rescaled + SAGGS`` / ``rescaled + soft SAGGS``: the rescaled checkpoint,
   AdamW chained with hard / soft SAGGS;
 * ``rescaled, canonicalized``: the rescaled checkpoint restored with
-  ``saggs.checkpoint.restore(..., pairs)`` (canonical form), AdamW. Restoring
+  ``saggs.checkpoint.restore(..., pairs, tx=tx)`` (canonical form), AdamW. Restoring
   the control checkpoint this way gives the same state: the canonical form
   is the same for every member of the orbit.
 
