@@ -291,7 +291,10 @@ def _probe(tx, spec, param_mult):
 
     def step(i, states):
       g = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), grads)
-      return jax.vmap(lambda s, p, g: tx.update(g, s, p, value=value)[1])(states, sides, g)
+      new = jax.vmap(lambda s, p, g: tx.update(g, s, p, value=value)[1])(states, sides, g)
+      # The loop's carry keeps its dtypes: jax 0.12's adam turns the moments of an int or
+      # bool parameter float (no degree is read off those).
+      return jax.tree.map(lambda n, s: n if _is_float(s) else n.astype(s.dtype), new, states)
 
     try:  # one vmapped history compiles the update once for both sides
       start, treedef = jax.tree.flatten(jax.vmap(tx.init)(sides))
