@@ -20,11 +20,13 @@ from saggs_jax.pairs import Block, Pair, describe
 from saggs_jax.qk_clip import max_logits, qk_clip
 from saggs_jax.transform import (
   SaggsState,
+  SymmetryState,
   SymmetryTransformation,
   chain,
   saggs,
   scale_by_saggs,
   soft,
+  wrap,
 )
 from saggs_jax.transport import NESTED, register_transport
 
@@ -36,6 +38,7 @@ __all__ = [
   "Pair",
   "Rejected",
   "SaggsState",
+  "SymmetryState",
   "SymmetryTransformation",
   "UnitDimensionNumbers",
   "canonicalize",
@@ -56,5 +59,6 @@ __all__ = [
   "saggs",
   "scale_by_saggs",
   "soft",
+  "wrap",
 ]
 __version__ = "0.1.0"

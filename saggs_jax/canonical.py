@@ -14,6 +14,7 @@ import optax
 from saggs_jax.balance import TOLERANCE, Factors, compute_factors, scale_tree
 from saggs_jax.degrees import measure
 from saggs_jax.pairs import Pair, Plan, resolve
+from saggs_jax.transform import ChainUpdate
 from saggs_jax.transport import transport
 
 FactorSpec = float | Callable[[str, tuple[int, ...]], Any]
@@ -28,10 +29,26 @@ def apply_transform(
 ) -> tuple[Any, Any]:
   """Rescales ``params`` by ``factors`` and transports every moment in ``opt_state``,
   by the degrees measured on ``tx`` if given, else by the registered ones."""
-  degrees = None if tx is None or opt_state is None else measure(tx, params, plan)
+  degrees = None if tx is None or opt_state is None else _degrees(tx, params, opt_state, plan)
   return scale_tree(plan, params, factors, 1.0), transport(
     plan, opt_state, factors, degrees=degrees
   )
+
+
+def _degrees(tx: optax.GradientTransformation, params: Any, opt_state: Any, plan: Plan) -> Any:
+  """The degrees of ``opt_state``, measured on ``tx``: on a :func:`saggs_jax.chain` (or a
+  wrapper) on the optimizer before its symmetry stages, whose own states keep theirs."""
+  made = jax.eval_shape(tx.init, params)
+  if jax.tree.structure(made) != jax.tree.structure(opt_state):
+    raise ValueError(
+      "tx does not make this opt_state: tx.init(params) has the structure"
+      f" {jax.tree.structure(made)}, opt_state {jax.tree.structure(opt_state)}. Pass the"
+      " transformation that made the state: for a saggs_jax.chain's state, the chain itself."
+    )
+  update = tx.update
+  if isinstance(update, ChainUpdate) and update.stages:
+    return update.degrees(params, plan)
+  return measure(tx, params, plan)
 
 
 def _is_concrete(x) -> bool:
@@ -95,7 +112,9 @@ def reparameterize(
       positive and finite is a ValueError; under ``jax.jit``, where factors are
       traced and checking them would wait on the device, it leaves its group
       unchanged (factor 1), as balancing does for a zero or non-finite norm.
-    tx: the optimizer that made ``opt_state`` (without its symmetry stage).
+    tx: the optimizer that made ``opt_state``: a :func:`saggs_jax.chain` (or a
+      wrapper such as ``saggs_jax.saggs(inner, pairs)``) with its own state, whose
+      symmetry stages' states stay as they are, or any optax transformation.
       A state type does not always fix its degrees (``optax.adamax`` keeps
       degree 1 in Adam's ``nu``): given ``tx``, each leaf moves by the degree
       measured at its place (:func:`saggs_jax.degrees.measure`), and a leaf no

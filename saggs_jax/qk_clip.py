@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -37,7 +36,14 @@ import optax
 
 from saggs_jax.balance import scale_tree
 from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
-from saggs_jax.transform import SymmetryTransformation, _caller, _check_number, _land_on
+from saggs_jax.transform import (
+  Stage,
+  SymmetryTransformation,
+  _check_number,
+  _land_on,
+  symmetry_stage,
+  wrappable,
+)
 from saggs_jax.transport import transport
 
 
@@ -105,10 +111,16 @@ def max_logits(
   return jnp.max(jnp.where(keep, logits, -jnp.inf), axis=(0, 2, 3))
 
 
+def _kv_heads(inst, heads: int) -> int:
+  """The KV heads of an instance: its declared groups, else (one group per entry, the Q and
+  K axes of one size: MHA) one per query head."""
+  return heads if inst.pair.groups is None else inst.factor_shape[-1]
+
+
 def _heads_plan(plan: Plan, heads: Mapping[str, int]) -> Plan:
   """``plan`` with each instance's Q members and followers grouped per query head (key
-  ``<key>@q``) and its K side turned into a +1 slot of its own (key ``<key>@k``), so that
-  one :func:`scale_tree` with power 1 applies both multipliers."""
+  ``<key>@q``) and its K side turned into a +1 slot of its own grouped per KV head (key
+  ``<key>@k``), so that one :func:`scale_tree` with power 1 applies both multipliers."""
   slots: dict[str, tuple] = {}
   for inst in plan.instances:
     for name in inst.members_a + inst.followers_a + inst.members_b + inst.followers_b:
@@ -116,19 +128,25 @@ def _heads_plan(plan: Plan, heads: Mapping[str, int]) -> Plan:
       if slot.sign > 0:
         slot = dataclasses.replace(slot, key=f"{inst.key}@q", groups=heads[inst.key])
       else:
-        slot = dataclasses.replace(slot, key=f"{inst.key}@k", sign=1)
+        kv = _kv_heads(inst, heads[inst.key])
+        slot = dataclasses.replace(slot, key=f"{inst.key}@k", sign=1, groups=kv)
       path = plan.part(name).path
       slots[path] = slots.get(path, ()) + (slot,)
   return Plan((), slots, plan.shapes, plan.parts)
+
+
+def _head_axis_size(plan: Plan, name: str, key: str) -> int:
+  """The entries of a member's group axis (within its block for a fused leaf)."""
+  slot = plan.slot(name, key)
+  start, stop = slot.tiled(plan.shapes[plan.part(name).path][slot.axis])
+  return stop - start
 
 
 def _checked_logits(plan: Plan, extra_args: dict) -> dict[str, jax.Array]:
   """The ``max_logits`` extra argument, one entry per instance keyed by its Q member, each
   ``stacked_shape + (heads,)``; raises a ValueError naming what is missing or wrong."""
   wanted = {inst.a: inst for inst in plan.instances}
-  spelled = ", ".join(
-    f"{a!r}: {i.factor_shape[: i.pair.stacked] + ('heads',)}" for a, i in wanted.items()
-  )
+  spelled = ", ".join(f"{a!r}: {i.factor_shape[:-1] + ('heads',)}" for a, i in wanted.items())
   logits = extra_args.get("max_logits")
   if logits is None:
     raise ValueError(
@@ -150,19 +168,31 @@ def _checked_logits(plan: Plan, extra_args: dict) -> dict[str, jax.Array]:
         f"qk_clip: {inst.pair.label} has no group axis; declare the Q/K pair"
         " with axes= (the head axis of each side) and groups= the KV heads."
       )
-    s, stacked, groups = logits[a], inst.factor_shape[:-1], inst.factor_shape[-1]
-    start, stop = slot.tiled(plan.shapes[plan.part(a).path][slot.axis])
-    q_size = stop - start  # the query head axis, within its block for a fused leaf
+    s, stacked = logits[a], inst.factor_shape[:-1]
+    q_size, k_size = (_head_axis_size(plan, name, inst.key) for name in (a, inst.b))
+    if inst.pair.groups is None:  # one group per entry: the heads are not declared
+      heads, rule = None, f"heads dividing the {q_size} entries of the query head axis"
+    elif (q_size * inst.factor_shape[-1]) % k_size:
+      raise ValueError(
+        f"qk_clip: {inst.pair.label} declares {inst.factor_shape[-1]} KV groups over"
+        f" {k_size} key entries, which leaves no whole number of query heads in the"
+        f" {q_size} entries of the query head axis."
+      )
+    else:  # head_dim = k_size / groups, as many query heads as fill the query axis
+      heads = q_size * inst.factor_shape[-1] // k_size
+      rule = (
+        f"heads = {heads} query heads ({q_size} query entries per"
+        f" {k_size // inst.factor_shape[-1]}-entry head, {inst.factor_shape[-1]} KV groups)"
+      )
+    shape = tuple(jnp.shape(s))
     if (
-      jnp.ndim(s) != len(stacked) + 1
-      or tuple(jnp.shape(s)[:-1]) != stacked
-      or jnp.shape(s)[-1] % groups
-      or q_size % jnp.shape(s)[-1]
+      len(shape) != len(stacked) + 1
+      or shape[:-1] != stacked
+      or (shape[-1] != heads if heads is not None else q_size % shape[-1])
     ):
       raise ValueError(
-        f"qk_clip: max_logits[{a!r}] has shape {jnp.shape(s)}; {inst.pair.label} wants"
-        f" {stacked} + (heads,), heads a multiple of its {groups} KV groups dividing the"
-        f" {q_size} entries of the query head axis."
+        f"qk_clip: max_logits[{a!r}] has shape {shape}; {inst.pair.label} wants"
+        f" {stacked} + (heads,), {rule}: one max logit per query head."
       )
     out[inst.key] = jnp.asarray(s, jnp.float32)
   return out
@@ -176,15 +206,17 @@ def _clip_factors(plan: Plan, logits: dict[str, jax.Array], tau: float, alpha: f
   for inst in plan.instances:
     s = logits[inst.key]
     log_gamma = jnp.where(jnp.isfinite(s) & (s > tau), math.log(tau) - jnp.log(s), 0.0)
-    groups = inst.factor_shape[-1]
-    log_g = log_gamma.reshape(s.shape[:-1] + (groups, -1)).mean(-1)  # log Γ per KV head
-    per_head = jnp.repeat(log_g, s.shape[-1] // groups, axis=-1)
+    kv, groups = _kv_heads(inst, s.shape[-1]), inst.factor_shape[-1]
+    log_g = log_gamma.reshape(s.shape[:-1] + (kv, -1)).mean(-1)  # log Γ per KV head
+    per_head = jnp.repeat(log_g, s.shape[-1] // kv, axis=-1)
     clip[f"{inst.key}@q"] = jnp.exp(log_gamma + (alpha - 1) * per_head)
     clip[f"{inst.key}@k"] = jnp.exp((1 - alpha) * log_g)
-    gauge[inst.key] = jnp.exp((alpha - 0.5) * log_g)
+    # The gauge moves the pair's own groups (one per entry when none are declared).
+    gauge[inst.key] = jnp.exp((alpha - 0.5) * jnp.repeat(log_g, groups // kv, axis=-1))
   return clip, gauge
 
 
+@wrappable
 def qk_clip(
   pairs: Sequence[Pair], tau: float = 100.0, alpha: float = 0.5
 ) -> SymmetryTransformation:
@@ -221,10 +253,14 @@ def qk_clip(
   trajectory of the model function does not depend on α); with ``every=k`` or
   soft SAGGS they differ between balancings as much as the gauge steers the
   inner optimizer. The clip itself runs on every update. In a plain
-  ``optax.chain`` it clips ``p + u`` the same way but cannot transport the
-  gauge's moments (it warns once if α ≠ 1/2).
+  ``optax.chain`` it clips ``p + u`` the same way, which is exact for α = 1/2
+  (no moment moves); for α ≠ 1/2 it could not transport the gauge's moments and
+  ``init`` refuses it there, naming ``saggs_jax.chain`` and the wrapper form
+  ``qk_clip(inner, pairs, ...)``.
 
   Args:
+    inner: optional, before ``pairs``: the optimizer to wrap
+      (:func:`saggs_jax.transform.wrap`).
     pairs: the Q/K :class:`~saggs_jax.Pair` declarations (a group axis whose
       groups are KV heads: ``presets.llama(...)[0]``, ``presets.flax_mha()[0]``,
       ``presets.gpt2(...)[0]`` or ``discover``'s Q/K pairs); every instance
@@ -253,44 +289,35 @@ def qk_clip(
   pairs = as_pairs(pairs)
   _check_number("tau", tau, lambda t: 0 < t < math.inf, "in (0, inf)", integer=False)
   _check_number("alpha", alpha, lambda a: 0 <= a <= 1, "in [0, 1]", integer=False)
-  warned = []
 
-  def plan_of(params) -> Plan:
-    if params is None:
-      raise ValueError(
-        "qk_clip needs the current parameters: call update(updates, state, params, max_logits=...)."
-      )
-    return resolve(pairs, params)
-
-  def clip(params, updates, extra_args):
+  def clip(params, plan, updates, extra_args):
     """Updates landing on the clipped ``params + updates``, and the gauge factors."""
-    plan = plan_of(params)
     logits = _checked_logits(plan, extra_args)
     heads = {inst.key: logits[inst.key].shape[-1] for inst in plan.instances}
     factors, gauge = _clip_factors(plan, logits, tau, alpha)
     clipped = _heads_plan(plan, heads)
     target = scale_tree(clipped, optax.apply_updates(params, updates), factors, 1.0)
-    return _land_on(params, updates, target, clipped, factors), plan, gauge
+    return _land_on(params, updates, target, clipped, factors), gauge
 
-  def around(prior, grads, state, prior_states, params, degrees=None, **extra_args):
-    _checked_logits(plan_of(params), extra_args)  # fails before the inner step runs
+  def around(prior, grads, state, prior_states, params, plan, degrees=None, **extra_args):
+    _checked_logits(plan, extra_args)  # fails before the inner step runs
     updates, prior_states = prior(grads, prior_states, params)
-    updates, plan, gauge = clip(params, updates, extra_args)
+    updates, gauge = clip(params, plan, updates, extra_args)
     return updates, state, transport(plan, prior_states, gauge, degrees=degrees)
 
-  def update(updates, state, params=None, **extra_args):
-    if alpha != 0.5 and not warned:
-      warned.append(True)
-      frame = _caller()
-      warnings.warn_explicit(
-        f"qk_clip(alpha={alpha}) outside saggs_jax.chain cannot transport the moments of the"
-        " optimizer before it by the gauge part of its split; use saggs_jax.chain(...).",
-        UserWarning,
-        frame.f_code.co_filename if frame else "<unknown>",
-        frame.f_lineno if frame else 0,
+  def alone(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError(
+        "qk_clip needs the current parameters: call update(updates, state, params, max_logits=...)."
       )
-    return clip(params, updates, extra_args)[0], state
+    return clip(params, resolve(pairs, params), updates, extra_args)[0], state
 
-  return SymmetryTransformation(
-    lambda params: optax.EmptyState(), update, around, lambda params: resolve(pairs, params)
+  # Outside saggs_jax.chain only the split alpha = 1/2 is exact: it moves no moment.
+  stage = Stage(
+    "saggs_jax.qk_clip",
+    pairs,
+    lambda params: optax.EmptyState(),
+    around,
+    alone if alpha == 0.5 else None,
   )
+  return symmetry_stage(stage)

@@ -10,11 +10,10 @@ inner optimizer's inputs, so it fuses into that optimizer's own kernels.
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
+import dataclasses
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -35,14 +34,15 @@ from saggs_jax.degrees import measure
 from saggs_jax.numerics import is_explicit
 from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
 from saggs_jax.scaling import Shared
-from saggs_jax.transport import register_transport, transport
+from saggs_jax.transport import NESTED, register_transport, transport
 
 
 class SaggsState(NamedTuple):
   """State of a SAGGS stage.
 
   Attributes:
-    count: number of updates seen so far.
+    step: number of updates seen so far (not named ``count``, so that
+      ``optax.tree_utils.tree_get(state, "count")`` finds the optimizer's own).
     factors: the factors applied by the latest update, keyed by pair instance
       (``"a_path|b_path"``), each of shape ``stacked_shape + (groups,)``; all
       ones after an update that ``every`` skipped. Log them to watch SAGGS work.
@@ -61,66 +61,112 @@ class SaggsState(NamedTuple):
     >>> params = {"up": jnp.full((2, 3), 4.0), "down": jnp.ones((3, 2))}
     >>> tx = saggs.chain(optax.sgd(0.0), saggs.saggs(pairs))
     >>> _, (_, stage) = tx.update(params, tx.init(params), params)
-    >>> int(stage.count), stage.factors["up|down"].tolist()  # c = (||B_g|| / ||A_g||)^(1/2)
+    >>> int(stage.step), stage.factors["up|down"].tolist()  # c = (||B_g|| / ||A_g||)^(1/2)
     (1, [0.5, 0.5, 0.5])
   """
 
-  count: jax.Array
+  step: jax.Array
   factors: Factors | jax.Array  # a placeholder array when init sees no parameters
   residual: jax.Array
+
+  @property
+  def count(self) -> jax.Array:
+    """``step``, by its former name."""
+    return self.step
 
 
 # An earlier symmetry stage's factors record what it applied; they are not moments.
 register_transport(SaggsState, {})
 
 
-class SymmetryTransformation(optax.GradientTransformationExtraArgs):
-  """An optax transformation that also acts on the stages before it.
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """What a symmetry stage does, for :func:`chain` to run.
 
-  ``around(prior, grads, state, prior_states, params, degrees=None, **extra_args)`` runs
-  ``prior``, the stages before this one as ``prior(grads, prior_states, params)
-  -> (updates, prior_states)``, itself (so it can transform their inputs, their
-  outputs or both) and returns ``(updates, state, prior_states)``; ``degrees``
-  are the transport degrees of ``prior_states`` that :func:`chain` measured
-  (:func:`saggs_jax.degrees.measure`) on the pairs ``resolve(params)`` gives;
-  ``extra_args`` are the keyword arguments of the chain's ``update``
-  (:func:`saggs_jax.qk_clip` reads ``max_logits`` there), which ``prior``
-  passes on to the stages before it.
-  :func:`chain` calls it; a plain ``optax.chain`` calls ``update``, which can
-  balance the parameters only.
+  Attributes:
+    name: how the stage was built, for messages (``"saggs_jax.soft"``).
+    pairs: its pair declarations.
+    init: ``init(params)``, the stage's own state.
+    around: ``around(prior, grads, state, prior_states, params, plan, degrees,
+      **extra_args)`` runs ``prior``, the stages before this one as ``prior(grads,
+      prior_states, params) -> (updates, prior_states)``, itself (so it can transform
+      their inputs, their outputs or both) and returns ``(updates, state,
+      prior_states)``. ``plan`` is ``resolve(pairs, params)``, resolved once by the
+      chain; ``degrees`` are the transport degrees of ``prior_states``
+      (:func:`saggs_jax.degrees.measure`); ``extra_args`` are the keyword arguments
+      of the chain's ``update`` (:func:`saggs_jax.qk_clip` reads ``max_logits``
+      there), which ``prior`` passes on to the stages before it.
+    alone: the update of the stage outside :func:`chain` (as in ``optax.chain``),
+      or None where that would be inexact: ``init`` then refuses it.
+  """
+
+  name: str
+  pairs: tuple[Pair, ...]
+  init: Callable[[Any], Any]
+  around: Callable[..., tuple]
+  alone: Callable[..., tuple] | None = None
+
+  def resolve(self, params: Any) -> Plan:
+    return resolve(self.pairs, params)
+
+  def __call__(self, updates, state, params=None, **extra_args):
+    if self.alone is None:
+      raise ValueError(_outside_chain(self.name))
+    return self.alone(updates, state, params, **extra_args)
+
+
+def _outside_chain(name: str) -> str:
+  return (
+    f"{name}(pairs) outside saggs_jax.chain cannot transport the moments of the optimizer"
+    " before it, so training would quietly leave the orbit. Write"
+    f" saggs_jax.chain(optax.adamw(...), {name}(pairs)), or wrap the optimizer:"
+    f" {name}(optax.adamw(...), pairs)."
+  )
+
+
+class SymmetryTransformation(optax.GradientTransformationExtraArgs):
+  """A symmetry stage: an optax transformation that also acts on the stages before it.
+
+  Its ``update`` is a :class:`Stage`, which :func:`chain` runs around the stages
+  before it. On its own (in a plain ``optax.chain``) ``init`` refuses it where it
+  could not transport the moments before it, and shows the one-line fix.
 
   Example::
 
     >>> import optax, saggs_jax as saggs
     >>> stage = saggs.saggs([saggs.Pair("up", "down", axes=(1, 0))])
-    >>> isinstance(stage, saggs.SymmetryTransformation), callable(stage.around)
-    (True, True)
+    >>> isinstance(stage, saggs.SymmetryTransformation), stage.stage.name
+    (True, 'saggs_jax.saggs')
   """
 
-  around: Callable[..., tuple]
-  resolve: Callable[..., Plan] | None
-
-  def __new__(
-    cls,
-    init: optax.TransformInitFn,
-    update: optax.TransformUpdateExtraArgsFn,
-    around: Callable[..., tuple],
-    resolve: Callable[..., Plan] | None = None,
-  ) -> SymmetryTransformation:
-    self = super().__new__(cls, init, update)
-    self.around, self.resolve = around, resolve
-    return self
+  @property
+  def stage(self) -> Stage:
+    """What :func:`chain` runs (the ``update``)."""
+    return cast(Stage, self.update)
 
 
-def _no_balancing(fn, params, types: dict):
+def _stage_of(tx) -> Stage | None:
+  update = getattr(tx, "update", None)
+  return update if isinstance(update, Stage) else None
+
+
+def symmetry_stage(stage: Stage) -> SymmetryTransformation:
+  """The transformation of ``stage``: its own ``init`` where it may stand alone, else one
+  that refuses with the fix."""
+  if stage.alone is not None:
+    return SymmetryTransformation(stage.init, stage)
+
+  def init(params):
+    raise ValueError(_outside_chain(stage.name))
+
+  return SymmetryTransformation(init, stage)
+
+
+def _no_balancing(fn, params):
   """Factors of ones and residual 0, of the type ``fn(params)`` returns (shape, dtype and,
   under an Explicit mesh, sharding), found by tracing only: both branches of a
-  ``lax.cond`` must agree. ``types`` keeps them per type of ``params``, so that an update
-  traces the balancing once, not twice."""
-  key = (jax.tree.structure(params), tuple(jax.typeof(x) for x in jax.tree.leaves(params)))
-  if key not in types:
-    types[key] = jax.eval_shape(fn, params)
-  factors, residual = types[key]
+  ``lax.cond`` must agree."""
+  factors, residual = jax.eval_shape(fn, params)
   return jax.tree.map(jnp.ones_like, factors), jnp.zeros_like(residual)
 
 
@@ -218,7 +264,7 @@ def _check_global(axis_name) -> None:
     )
 
 
-def _check_whole_groups(plan, global_shapes) -> None:
+def _check_whole_groups(plan, global_shapes: dict) -> None:
   """Inside ``shard_map`` a pair is resolved on each device's shard. Declared ``groups``
   along an axis that the shards split would resolve there to smaller groups (and the
   psum over ``axis_name`` would add different groups together): refuse it. The global
@@ -238,17 +284,6 @@ def _check_whole_groups(plan, global_shapes) -> None:
           " each device would balance its slices as groups of their own. Keep that axis"
           " whole on every device, or balance outside shard_map (jit on a mesh)."
         )
-
-
-def _caller():
-  """The innermost frame outside saggs_jax, optax and jax: the user's line."""
-  internal = tuple(os.path.dirname(m.__file__ or "") for m in (optax, jax)) + (
-    os.path.dirname(__file__),
-  )
-  frame = sys._getframe(1)
-  while frame is not None and frame.f_code.co_filename.startswith(internal):
-    frame = frame.f_back
-  return frame
 
 
 def scale_by_saggs(
@@ -277,10 +312,11 @@ def scale_by_saggs(
   the factors are ones from a ``lax.cond`` that computes no norms and
   communicates nothing.
 
-  Inside a plain ``optax.chain`` the stage cannot reach the optimizer before
-  it: on the same updates it balances the parameters *after* that optimizer's
-  step (so the function trained is the inner optimizer's), leaves its moments
-  untransported, and warns once.
+  Inside a plain ``optax.chain`` the stage could not reach the optimizer before
+  it, whose moments would stay untransported: its ``init`` refuses it there and
+  names the two exact forms, ``saggs_jax.chain(inner, stage)`` and the wrapper
+  ``scale_by_saggs(inner, pairs, ...)``, whose state is ``SymmetryState(inner_state,
+  stage_state)`` as optax's wrappers hold theirs.
 
   Norms are scale-safe and a factor never overflows a leaf's dtype (see
   :mod:`saggs_jax.balance`). One update rescales a weight by at most
@@ -288,6 +324,7 @@ def scale_by_saggs(
   the function; a larger imbalance is balanced over several updates.
 
   Args:
+    inner: optional, before ``pairs``: the optimizer to wrap (see :func:`wrap`).
     pairs: the :class:`~saggs_jax.Pair` declarations; none (a
       :func:`saggs_jax.discover` that found nothing) gives a stage that
       changes nothing.
@@ -299,8 +336,9 @@ def scale_by_saggs(
       ``shard_map`` leave it None: jit sees global arrays.
 
   Returns:
-    A :class:`SymmetryTransformation`. Chain it last, after the inner
-    optimizer, with :func:`saggs_jax.chain`.
+    A :class:`SymmetryTransformation`: chain it last, after the inner optimizer,
+    with :func:`saggs_jax.chain`. Given ``inner``, that chain as one
+    transformation (:func:`wrap`).
 
   References:
     Bum Jun Kim, `Same Function, Different Trajectory: No Standard Optimizer Is
@@ -324,55 +362,54 @@ def scale_by_saggs(
   _check_axis_name(axis_name)
   _check_number("strength", strength, lambda s: 0 < s <= 1, "in (0, 1]", integer=False)
   _check_number("every", every, lambda k: k >= 1, ">= 1", integer=True)
-  warned, global_shapes = [], {}  # the shapes init saw outside shard_map
-  types = {}  # the factors' types per parameter type (see _no_balancing)
+  # The one record kept: the shapes init saw outside shard_map, which an update inside it
+  # checks its shards against (_check_whole_groups). A state cannot carry them: a static
+  # part of it would differ from the one optax.tree.map_params' placeholder init makes.
+  global_shapes: dict[str, tuple[int, ...]] = {}
 
-  def factors_of(params, axis_name=axis_name):
-    return compute_factors(resolve(pairs, params), params, strength, axis_name)
+  def factors_of(plan, params, axis_name=axis_name):
+    return compute_factors(plan, params, strength, axis_name)
 
-  def step_factors(params):  # what one update applies: at most step_limits
-    factors, residual = factors_of(params)
-    return _within_step(resolve(pairs, params), params, factors), residual
+  def step_factors(plan, params):  # what one update applies: at most step_limits
+    factors, residual = factors_of(plan, params)
+    return _within_step(plan, params, factors), residual
 
-  def scheduled_factors(count, params):
+  def scheduled_factors(plan, count, params):
     """The factors of update number ``count`` and the solve's residual: ones and 0 when it
     does not balance."""
     if every == 1:
-      return step_factors(params)
+      return step_factors(plan, params)
     factors = jax.lax.cond(
-      (count - 1) % every == 0, step_factors, lambda p: _no_balancing(factors_of, p, types), params
+      (count - 1) % every == 0,
+      lambda p: step_factors(plan, p),
+      lambda p: _no_balancing(lambda q: factors_of(plan, q), p),
+      params,
     )
     return jax.tree.map(replicated, factors)  # else XLA may shard them, then gather each update
 
   def init(params):  # may run outside shard_map: no axis to sum over
-    count = jnp.zeros([], jnp.int32)
+    step = jnp.zeros([], jnp.int32)
     if not jax.sharding.get_abstract_mesh().manual_axes:
       global_shapes.update((p, tuple(x.shape)) for p, x in paths.leaves_with_paths(params))
     if not jax.tree.leaves(params):
       # optax.tree.map_params traces init on a leafless placeholder for the params to
       # find the params-shaped parts of a state; the factors are not one of them.
-      return SaggsState(count, jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32))
+      return SaggsState(step, jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32))
+    plan = resolve(pairs, params)
     if any(is_explicit(x) for x in jax.tree.leaves(params)):  # their sharding comes from tracing
-      fn = lambda p: factors_of(p, axis_name=None)  # noqa: E731
-      return SaggsState(count, *_no_balancing(fn, params, types))
+      fn = lambda p: factors_of(plan, p, axis_name=None)  # noqa: E731
+      return SaggsState(step, *_no_balancing(fn, params))
     # Else their type is the plan's: float32 factors of each instance's factor_shape, the
     # ones _no_balancing would find by tracing the norms of every leaf at full size.
-    plan = resolve(pairs, params)
     factors = {i.key: jnp.ones(i.factor_shape, jnp.float32) for i in plan.instances}
-    return SaggsState(count, factors, jnp.zeros([], jnp.float32))
+    return SaggsState(step, factors, jnp.zeros([], jnp.float32))
 
-  def start(state, params):  # -> the plan, the next count, and the params, checked present
-    if params is None:
-      raise ValueError("SAGGS needs the current parameters: call update(updates, state, params).")
-    _check_global(axis_name)
-    plan = resolve(pairs, params)
-    _check_whole_groups(plan, global_shapes)
-    return plan, jnp.asarray(optax.safe_increment(state.count)), params
-
-  def around(prior, grads, state, prior_states, params, degrees=None, **extra_args):
+  def around(prior, grads, state, prior_states, params, plan, degrees=None, **extra_args):
     del extra_args  # the stages before it receive them through prior
-    plan, count, params = start(state, params)
-    factors, residual = scheduled_factors(count, params)
+    _check_global(axis_name)
+    _check_whole_groups(plan, global_shapes)
+    step = jnp.asarray(optax.safe_increment(state.step))
+    factors, residual = scheduled_factors(plan, step, params)
     shared = Shared(factors)  # the same multipliers for parameters, gradients and moments
     balanced = scale_tree(plan, params, shared, 1.0)
     updates, prior_states = prior(
@@ -381,28 +418,10 @@ def scale_by_saggs(
       balanced,
     )
     updates = _land_on(params, updates, optax.apply_updates(balanced, updates), plan, shared)
-    return updates, SaggsState(count, factors, residual), prior_states
+    return updates, SaggsState(step, factors, residual), prior_states
 
-  def update(updates, state, params=None, **extra_args):
-    del extra_args
-    if not warned:
-      warned.append(True)
-      frame = _caller()
-      warnings.warn_explicit(
-        "A SAGGS stage outside saggs_jax.chain balances the parameters after the optimizer's"
-        " step but cannot transport that optimizer's moments; use saggs_jax.chain(...)"
-        " instead of optax.chain(...).",
-        UserWarning,
-        frame.f_code.co_filename if frame else "<unknown>",
-        frame.f_lineno if frame else 0,
-      )
-    plan, count, params = start(state, params)
-    stepped = optax.apply_updates(params, updates)
-    factors, residual = scheduled_factors(count, stepped)
-    target = scale_tree(plan, stepped, factors, 1.0)
-    return _land_on(params, updates, target, plan, factors), SaggsState(count, factors, residual)
-
-  return SymmetryTransformation(init, update, around, lambda params: resolve(pairs, params))
+  name = "saggs_jax.saggs" if strength == 1 else "saggs_jax.soft"
+  return symmetry_stage(Stage(name, pairs, init, around))
 
 
 def saggs(
@@ -410,7 +429,8 @@ def saggs(
 ) -> SymmetryTransformation:
   """Hard SAGGS: equalise the norms inside each pair on updates 1, every + 1, ...
 
-  Alias of :func:`scale_by_saggs` with ``strength=1``.
+  Alias of :func:`scale_by_saggs` with ``strength=1``; ``saggs(inner, pairs, ...)``
+  wraps ``inner`` (:func:`wrap`).
 
   References:
     Bum Jun Kim, `Same Function, Different Trajectory: No Standard Optimizer Is
@@ -421,6 +441,7 @@ def saggs(
     >>> import optax, saggs_jax as saggs
     >>> pairs = [saggs.Pair("attn/q_proj/kernel", "attn/k_proj/kernel", axes=(1, 1), groups=4)]
     >>> tx = saggs.chain(optax.adamw(3e-4), saggs.saggs(pairs, every=100))
+    >>> wrapped = saggs.saggs(optax.adamw(3e-4), pairs, every=100)  # the same, as one wrapper
   """
   return scale_by_saggs(pairs, strength=1.0, every=every, axis_name=axis_name)
 
@@ -431,7 +452,8 @@ def soft(
   """Soft SAGGS: move ``strength`` of the way (in log-norm) towards balance.
 
   Alias of :func:`scale_by_saggs`. Each application multiplies the
-  log-imbalance ``log(||A_g||/||B_g||)`` by ``1 - strength``.
+  log-imbalance ``log(||A_g||/||B_g||)`` by ``1 - strength``; ``soft(inner, pairs,
+  ...)`` wraps ``inner`` (:func:`wrap`).
 
   References:
     Bum Jun Kim, `Same Function, Different Trajectory: No Standard Optimizer Is
@@ -447,16 +469,56 @@ def soft(
   return scale_by_saggs(pairs, strength=strength, every=every, axis_name=axis_name)
 
 
-class Chain(optax.GradientTransformationExtraArgs):
-  """What :func:`chain` returns: an optax transformation that also names its optimizer.
+class SymmetryState(NamedTuple):
+  """State of :func:`wrap`: the wrapped optimizer's and the symmetry stage's.
+
+  Attributes:
+    inner_state: the state of the wrapped optimizer, transported with the parameters.
+    stage_state: the stage's own (a :class:`SaggsState`; ``EmptyState`` for qk_clip).
+  """
+
+  inner_state: Any
+  stage_state: Any
+
+
+register_transport(SymmetryState, {"inner_state": NESTED})
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainUpdate:
+  """The ``update`` of a :func:`chain` or a :func:`wrap`, which also names its optimizer.
 
   Attributes:
     optimizer: the stages before the first symmetry stage, as one transformation
-      whose state is the chain state's first entries (``tx.init(params)[:n]``, one
-      per such stage); None when no stage is a symmetry stage. The later entries
-      are the symmetry stages' own states, which hold no moments.
-      :func:`saggs_jax.checkpoint.restore` transports a saved chain state by the
-      degrees measured on it.
+      whose state is the tuple of their states (a wrapper's is ``(inner_state,)``).
+    stages: the symmetry stages after it.
+    run: ``run(updates, state, params, **extra_args)``, the update itself.
+    wrapped: whether the state is a :class:`SymmetryState` (a :func:`wrap`), else the
+      chain's tuple.
+  """
+
+  optimizer: optax.GradientTransformationExtraArgs
+  stages: tuple[Stage, ...]
+  run: Callable[..., tuple]
+  wrapped: bool = False
+
+  def __call__(self, updates, state, params=None, **extra_args):
+    return self.run(updates, state, params, **extra_args)
+
+  def degrees(self, params: Any, plan: Plan) -> Any:
+    """The transport degrees of the whole state on ``plan``, laid out like it (the
+    stages' own states keep theirs); None when no parameter is declared."""
+    found = measure(self.optimizer, params, plan)
+    if found is None:
+      return None
+    if self.wrapped:
+      return SymmetryState(found[0], None)
+    return (*found, *(None,) * len(self.stages))
+
+
+class Chain(optax.GradientTransformationExtraArgs):
+  """What :func:`chain` and :func:`wrap` return: an optax transformation whose ``update``
+  (a :class:`ChainUpdate`) also names its optimizer.
 
   Example::
 
@@ -467,12 +529,29 @@ class Chain(optax.GradientTransformationExtraArgs):
     (2, 1)
   """
 
-  optimizer: optax.GradientTransformationExtraArgs | None
+  @property
+  def optimizer(self) -> optax.GradientTransformationExtraArgs | None:
+    """The stages before the first symmetry stage, as one transformation whose state is
+    the chain state's first entries (``tx.init(params)[:n]``, one per such stage; a
+    wrapper's ``inner_state``); None when no stage is a symmetry stage. The later entries
+    are the symmetry stages' own states, which hold no moments.
+    :func:`saggs_jax.checkpoint.restore` transports a saved chain state by the degrees
+    measured on it."""
+    update = self.update
+    return update.optimizer if isinstance(update, ChainUpdate) and update.stages else None
 
-  def __new__(cls, init, update, optimizer=None) -> Chain:
-    self = super().__new__(cls, init, update)
-    self.optimizer = optimizer
-    return self
+
+def _check_params(params, name: str) -> None:
+  if params is None:
+    raise ValueError(f"{name} needs the current parameters: call update(updates, state, params).")
+  if isinstance(params, optax.LookaheadParams):
+    raise ValueError(
+      f"{name} cannot balance optax.lookahead's LookaheadParams: its gradients are laid out"
+      " like params.fast, not like the parameters, and its slow weights would need moving"
+      " with them. Balance the fast weights alone, with the chain as lookahead's fast"
+      " optimizer (optax.lookahead(saggs_jax.chain(inner, stage), ...)), or transport a"
+      " lookahead state with saggs_jax.reparameterize / canonicalize."
+    )
 
 
 def chain(*transforms: optax.GradientTransformation) -> Chain:
@@ -487,7 +566,8 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
   measures them on a probe history of a small proxy of the parameters, from
   their shapes alone and once per layout (:func:`saggs_jax.degrees.measure`),
   and raises a TypeError naming the state and the path of a leaf that no
-  degree transports, as when a stage before it clips by a global norm.
+  degree transports, as when a stage before it clips by a global norm. Each
+  update resolves each symmetry stage's pairs once and passes the plan down.
 
   Example::
 
@@ -495,12 +575,9 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
     >>> pairs = [saggs.Pair("attn/v_proj/kernel", "attn/o_proj/kernel", axes=(1, 0), groups=4)]
     >>> tx = saggs.chain(optax.adamw(3e-4), saggs.soft(pairs, strength=0.5))
   """
-  stages = [
-    t if isinstance(t, SymmetryTransformation) else optax.with_extra_args_support(t)
-    for t in transforms
-  ]
-  symmetric = [isinstance(t, SymmetryTransformation) for t in stages]
-  first = symmetric.index(True) if any(symmetric) else len(stages)
+  found = [_stage_of(t) for t in transforms]
+  symmetric = [s is not None for s in found]
+  first = symmetric.index(True) if any(symmetric) else len(transforms)
   if any(symmetric):
     if first == 0 or not all(symmetric[first:]):
       raise ValueError(
@@ -510,53 +587,117 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
         f" {['symmetry' if s else 'optimizer' for s in symmetric]}. Write"
         " saggs_jax.chain(optax.adamw(...), saggs_jax.saggs(pairs))."
       )
+  optimizers = tuple(optax.with_extra_args_support(t) for t in transforms[:first])
+  stages = tuple(s for s in found if s is not None)
+  inner = optax.chain(*optimizers)
 
   # The optimizer stages alone, built once: what a symmetry stage measures degrees on
   # (measure keeps them per layout), and what saggs_jax.checkpoint.restore transports a
-  # saved chain state by.
+  # saved chain state by. A symmetry stage between them and a later one holds no moments
+  # (its state's rule keeps it) and only moves theirs along the orbit, which changes no
+  # degree; probing it would need its extra arguments (a qk_clip's logits).
   optimizer = optax.GradientTransformationExtraArgs(
-    lambda params: tuple(t.init(params) for t in stages[:first]),
-    lambda updates, state, params=None, **extra: run(stages[:first], updates, state, params, extra),
+    lambda params: tuple(t.init(params) for t in optimizers),
+    lambda updates, state, params=None, **extra: inner.update(updates, state, params, **extra),
   )
 
-  def degrees(n, params):
-    """The degrees of the states before stage ``n`` (a symmetry stage).
-
-    They are measured on the optimizer stages alone: a symmetry stage between them and
-    stage ``n`` holds no moments (its state's rule keeps it as it is) and only moves
-    theirs along the orbit, which changes no degree; probing it would need its extra
-    arguments (a qk_clip's logits)."""
-    if stages[n].resolve is None:
-      return None
-    found = measure(optimizer, params, stages[n].resolve(params))
-    return None if found is None else (*found, *(None,) * (n - first))
+  def degrees(n, params, plan):  # those of the states before stage n (first + n)
+    found = measure(optimizer, params, plan)
+    return None if found is None else (*found, *(None,) * n)
 
   def init(params):
     if jax.tree.leaves(params):  # not optax.tree.map_params' leafless placeholder
-      for n, s in enumerate(symmetric):
-        if s:
-          degrees(n, params)
-    return tuple(t.init(params) for t in stages)
+      for stage in stages:
+        _check_params(params, stage.name)
+        degrees(0, params, stage.resolve(params))
+    return (*optimizer.init(params), *(s.init(params) for s in stages))
 
-  def run(stages, grads, states, params, extra_args):
-    if not isinstance(stages[-1], SymmetryTransformation):
-      return optax.chain(*stages).update(grads, states, params, **extra_args)
-    # The last symmetry stage runs everything before it, balancing its inputs.
-    prior = lambda g, s, p: run(stages[:-1], g, s, p, extra_args)  # noqa: E731
-    updates, state, prior_states = stages[-1].around(
+  def run(n, grads, states, params, extra_args):  # the optimizer and the first n stages
+    if n == 0:
+      return inner.update(grads, states, params, **extra_args)
+    stage = stages[n - 1]
+    _check_params(params, stage.name)
+    plan = stage.resolve(params)  # once per stage and trace, passed down
+    prior = lambda g, s, p: run(n - 1, g, s, p, extra_args)  # noqa: E731
+    updates, state, prior_states = stage.around(
       prior,
       grads,
       states[-1],
       tuple(states[:-1]),
       params,
-      degrees=degrees(len(stages) - 1, params) if params is not None else None,
+      plan,
+      degrees(n - 1, params, plan),
       **extra_args,
     )
     return updates, (*prior_states, state)
 
   def update(updates, state, params=None, **extra_args):
-    if len(state) != len(stages):
-      raise ValueError(f"State has {len(state)} stages but the chain has {len(stages)}.")
-    return run(stages, updates, state, params, extra_args)
+    if len(state) != len(transforms):
+      raise ValueError(f"State has {len(state)} stages but the chain has {len(transforms)}.")
+    if not stages:
+      return inner.update(updates, state, params, **extra_args)
+    return run(len(stages), updates, tuple(state), params, extra_args)
 
-  return Chain(init, update, optimizer if any(symmetric) else None)
+  return Chain(init, ChainUpdate(optimizer, stages, update))
+
+
+def wrap(inner: optax.GradientTransformation, stage: SymmetryTransformation) -> Chain:
+  """``inner`` wrapped by a symmetry stage, as optax's wrappers hold theirs.
+
+  The same updates as ``chain(inner, stage)``; the state is a
+  :class:`SymmetryState` ``(inner_state, stage_state)``. ``saggs(inner, pairs, ...)``,
+  ``soft(inner, pairs, ...)``, ``scale_by_saggs(inner, pairs, ...)`` and
+  ``qk_clip(inner, pairs, ...)`` build it. A wrapper is one transformation: it goes
+  inside ``optax.chain``, ``optax.named_chain``, ``optax.MultiSteps``,
+  ``optax.apply_if_finite`` and ``flax.nnx.Optimizer`` like any optimizer. To wrap
+  several stages, chain them: ``chain(inner, stage_1, stage_2)``.
+
+  Example::
+
+    >>> import jax.numpy as jnp, optax, saggs_jax as saggs
+    >>> params = {"q": jnp.full((2, 2), 4.0), "k": jnp.ones((2, 2))}
+    >>> tx = saggs.saggs(optax.sgd(0.0), [saggs.Pair("q", "k")])
+    >>> updates, state = tx.update(params, tx.init(params), params)
+    >>> float(state.stage_state.factors["q|k"]), type(state.inner_state).__name__
+    (0.5, 'ScaleByTraceState')
+  """
+  if _stage_of(stage) is None:
+    raise TypeError(f"saggs_jax.wrap takes a symmetry stage after the optimizer, got {stage!r}.")
+  if _stage_of(inner) is not None or (
+    isinstance(inner.update, ChainUpdate) and inner.update.stages
+  ):
+    raise ValueError(
+      "saggs_jax.wrap: the optimizer wrapped already holds a symmetry stage; chain several"
+      " stages instead: saggs_jax.chain(inner, stage_1, stage_2)."
+    )
+  chained = chain(inner, stage)
+
+  def init(params):
+    return SymmetryState(*chained.init(params))
+
+  def update(updates, state, params=None, **extra_args):
+    updates, (inner_state, stage_state) = chained.update(
+      updates, tuple(state), params, **extra_args
+    )
+    return updates, SymmetryState(inner_state, stage_state)
+
+  made = cast(ChainUpdate, chained.update)
+  return Chain(init, ChainUpdate(made.optimizer, made.stages, update, wrapped=True))
+
+
+def wrappable(build: Callable[..., SymmetryTransformation]) -> Callable[..., Any]:
+  """``build(pairs, ...)``, a stage, also as ``build(inner, pairs, ...)``: ``wrap(inner,
+  build(pairs, ...))``."""
+
+  @functools.wraps(build)
+  def either(*args, **kwargs):
+    if args and isinstance(args[0], optax.GradientTransformation):
+      return wrap(args[0], build(*args[1:], **kwargs))
+    return build(*args, **kwargs)
+
+  return either
+
+
+scale_by_saggs = wrappable(scale_by_saggs)
+saggs = wrappable(saggs)
+soft = wrappable(soft)

@@ -914,7 +914,7 @@ def test_restore_moves_adamax_by_its_measured_degrees(manager, given):
   params, grads = _up_down(0), [models.random_like(_up_down(0), s) for s in (1, 2, 3)]
   state = _history_fn(adamax)(params, grads)
   if given == "saggs chain":  # the chain's layout, a SAGGS stage state beside adamax's
-    stage = models.random_like(saggs.saggs(UP_DOWN).init(params), 4)
+    stage = models.random_like(saggs.saggs(UP_DOWN).stage.init(params), 4)
     state = (state, stage)
   saggs.checkpoint.save(manager, 1, params, state)
   got_params, got_state, _ = saggs.checkpoint.restore(manager, params, state, UP_DOWN, tx=tx)

@@ -359,7 +359,7 @@ def test_saggs_balances_what_discover_found_without_changing_the_function(name):
     for name, p in (("start", start), ("moved", moved))
   }
   assert worst["start"] > 0.5 and worst["moved"] < 1e-4, worst
-  saggs.soft(d).init(start)  # soft takes it too
+  saggs.soft(d).stage.init(start)  # soft takes it too
 
 
 def test_describe_and_check_symmetry_accept_a_discovery():

@@ -87,7 +87,7 @@ def test_followers_move_with_their_kernel_and_are_not_in_the_norms():
 def test_stacked_factors_have_shape_layers_by_groups():
   params = models.llama_init(2, models.STACKED)
   pairs = saggs.presets.llama(num_kv_heads=C.num_kv_heads, stacked=1)
-  state = saggs.saggs(pairs).init(params)
+  state = saggs.saggs(pairs).stage.init(params)
   assert {k: v.shape for k, v in state.factors.items()} == {
     "layers/attn/q_proj/kernel|layers/attn/k_proj/kernel": (C.num_layers, C.num_kv_heads),
     "layers/attn/v_proj/kernel|layers/attn/o_proj/kernel": (C.num_layers, C.num_kv_heads),

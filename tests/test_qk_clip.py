@@ -334,3 +334,78 @@ def test_fsdp_mesh_equals_unsharded():
   assert proc.returncode == 0 and "fsdp OK" in proc.stdout, (
     proc.stdout[-3000:] + proc.stderr[-6000:]
   )
+
+
+# --- max_logits of the wrong length, a pair without declared heads, a non-finite S ---------
+
+
+def numpy_max_logits(params, x, heads, kv_heads):
+  """Per query head, the largest causal logit q·k/sqrt(HD) over the batch, in NumPy float64."""
+  a = {n: np.asarray(w, np.float64) for n, w in params["attn"].items()}
+  x = np.asarray(x, np.float64)
+  q = (x @ a["wq"]).reshape(B, T, heads, HD)
+  k = np.repeat((x @ a["wk"]).reshape(B, T, kv_heads, HD), heads // kv_heads, axis=2)
+  logits = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(HD)
+  causal = np.tril(np.ones((T, T), bool))
+  return np.where(causal, logits, -np.inf).max(axis=(0, 2, 3))
+
+
+@pytest.mark.parametrize("kv_heads,given", [(4, 8), (2, 2)], ids=["8_for_4_heads", "per_kv_head"])
+def test_max_logits_with_the_wrong_number_of_heads_is_refused(kv_heads, given):
+  """8 values for 4 heads divide the query axis (16 entries) and the KV groups, as do the 2
+  per-KV-head maxima of 4 GQA heads: both used to be read as heads and left the clipped heads'
+  logits at 1.4x and 2.26x τ. Now refused, naming the path and the 4 heads it wants; with
+  the 4 measured values every head's max logit (in NumPy) ends at most τ."""
+  params, x = make_params(4, kv_heads, seed=2, scale=1.5), batch()
+  tx = saggs.chain(optax.sgd(0.0), saggs.qk_clip([qk_pair(kv_heads)], TAU))
+  state = tx.init(params)
+  with pytest.raises(
+    ValueError, match=rf"max_logits\['attn/wq'\] has shape \({given},\).*heads = 4"
+  ):
+    tx.update(params, state, params, max_logits={"attn/wq": jnp.full(given, 2 * TAU)})
+  before = numpy_max_logits(params, x, 4, kv_heads)
+  assert (before > 1.5 * TAU).any()
+  updates, _ = tx.update(params, state, params, max_logits=logits_of(params, x))
+  after = numpy_max_logits(optax.apply_updates(params, updates), x, 4, kv_heads)
+  assert np.all(after <= TAU * (1 + 1e-5)), after
+  np.testing.assert_allclose(after, np.minimum(before, TAU), rtol=1e-5)
+
+
+def test_a_per_channel_pair_clips_per_head_as_the_declared_heads_do():
+  """discover's Q/K pair of a model without RoPE has one group per channel and declares no
+  heads: the clip reads the heads off max_logits (MHA: the K axis as wide as the Q axis) and
+  lands where the pair with 4 declared KV heads lands, the moments moved by the same gauge."""
+  params, x = make_params(4, 4, seed=2), batch()
+  per_channel = saggs.Pair("attn/wq", "attn/wk", axes=(1, 1))
+  logits = logits_of(params, x)
+  got = {}
+  for name, pair in (("channels", per_channel), ("heads", qk_pair(4))):
+    tx = saggs.chain(optax.adam(0.05), saggs.qk_clip([pair], TAU, alpha=0.8))
+    state = tx.init(params)
+    updates, state = tx.update(jax.grad(loss_fn)(params, x), state, params, max_logits=logits)
+    got[name] = optax.apply_updates(params, updates), state[0][0].mu
+  np.testing.assert_allclose(
+    got["channels"][0]["attn"]["wq"], got["heads"][0]["attn"]["wq"], rtol=1e-6
+  )
+  np.testing.assert_allclose(
+    got["channels"][0]["attn"]["wk"], got["heads"][0]["attn"]["wk"], rtol=1e-6
+  )
+  for side in ("wq", "wk"):
+    np.testing.assert_allclose(
+      got["channels"][1]["attn"][side], got["heads"][1]["attn"][side], rtol=1e-6, atol=1e-9
+    )
+
+
+def test_a_non_finite_max_logit_leaves_its_head_alone():
+  """γ = 1 for S = +inf or NaN (docs): those heads keep W_q and W_k bit for bit, finite;
+  without the guard S = +inf gives γ = 0 (W_q NaN, W_k 0)."""
+  params = make_params(4, 4, seed=2)
+  tx = saggs.chain(optax.sgd(0.0), saggs.qk_clip([qk_pair(4)], TAU))
+  s = jnp.array([jnp.inf, jnp.nan, 4 * TAU, TAU / 2])
+  updates, _ = tx.update(params, tx.init(params), params, max_logits={"attn/wq": s})
+  new = optax.apply_updates(params, updates)["attn"]
+  for side in ("wq", "wk"):
+    w, w0 = np.asarray(new[side]), np.asarray(params["attn"][side])
+    assert np.all(np.isfinite(w)), side
+    np.testing.assert_array_equal(w[:, : 2 * HD], w0[:, : 2 * HD], err_msg=side)  # heads 0, 1
+    np.testing.assert_allclose(w[:, 2 * HD : 3 * HD], w0[:, 2 * HD : 3 * HD] / 2, rtol=1e-6)

@@ -247,7 +247,7 @@ def test_chain_of_flatten_adam_follows_chain_of_adam():
   warm = models.random_like(optax.adam(3e-2).init(PARAMS), 9, positive=True)
   ravel = lambda tree: jnp.concatenate([x.ravel() for x in jax.tree.leaves(tree)])  # noqa: E731
   warm_flat = (warm[0]._replace(mu=ravel(warm[0].mu), nu=ravel(warm[0].nu)), warm[1])
-  saggs_state = saggs.saggs(PAIRS).init(PARAMS)
+  saggs_state = saggs.saggs(PAIRS).stage.init(PARAMS)
   flat = trajectory(
     saggs.chain(optax.flatten(optax.adam(3e-2)), saggs.saggs(PAIRS)), 3, (warm_flat, saggs_state)
   )
