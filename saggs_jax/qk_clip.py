@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -138,7 +139,7 @@ def _heads_plan(plan: Plan, heads: Mapping[str, int]) -> Plan:
 def _head_axis_size(plan: Plan, name: str, key: str) -> int:
   """The entries of a member's group axis (within its block for a fused leaf)."""
   slot = plan.slot(name, key)
-  start, stop = slot.tiled(plan.shapes[plan.part(name).path][slot.axis])
+  start, stop = slot.tiled(plan.shapes[plan.part(name).path][cast(int, slot.axis)])
   return stop - start
 
 

@@ -154,7 +154,7 @@ def symmetry_stage(stage: Stage) -> SymmetryTransformation:
   """The transformation of ``stage``: its own ``init`` where it may stand alone, else one
   that refuses with the fix."""
   if stage.alone is not None:
-    return SymmetryTransformation(stage.init, stage)
+    return SymmetryTransformation(cast(optax.TransformInitFn, stage.init), stage)
 
   def init(params):
     raise ValueError(_outside_chain(stage.name))
@@ -610,7 +610,7 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
       for stage in stages:
         _check_params(params, stage.name)
         degrees(0, params, stage.resolve(params))
-    return (*optimizer.init(params), *(s.init(params) for s in stages))
+    return (*cast(tuple, optimizer.init(params)), *(s.init(params) for s in stages))
 
   def run(n, grads, states, params, extra_args):  # the optimizer and the first n stages
     if n == 0:
@@ -673,12 +673,11 @@ def wrap(inner: optax.GradientTransformation, stage: SymmetryTransformation) -> 
   chained = chain(inner, stage)
 
   def init(params):
-    return SymmetryState(*chained.init(params))
+    return SymmetryState(*cast(tuple, chained.init(params)))
 
   def update(updates, state, params=None, **extra_args):
-    updates, (inner_state, stage_state) = chained.update(
-      updates, tuple(state), params, **extra_args
-    )
+    updates, states = chained.update(updates, tuple(cast(tuple, state)), params, **extra_args)
+    inner_state, stage_state = cast(tuple, states)
     return updates, SymmetryState(inner_state, stage_state)
 
   made = cast(ChainUpdate, chained.update)
