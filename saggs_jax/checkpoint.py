@@ -434,7 +434,10 @@ def _canonical(params, opt_state, pairs, tx, n, treedef):
     params, treedef.unflatten(jax.tree.leaves(part)), pairs, tx
   )
   moved = jax.tree.structure(part).unflatten(jax.tree.leaves(moved))  # nnx boxes and all
-  return params, moved if n < 0 else (*moved, *opt_state[n:])
+  if n < 0:
+    return params, moved
+  rest = (*moved, *opt_state[n:])  # a wrapper's SymmetryState stays one
+  return params, type(opt_state)(*rest) if hasattr(opt_state, "_fields") else rest
 
 
 def _spec(x) -> jax.ShapeDtypeStruct:

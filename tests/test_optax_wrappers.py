@@ -243,3 +243,22 @@ def test_lookahead_inside_the_chain_is_refused_with_the_way_out():
   params = optax.LookaheadParams.init_synced(PARAMS)
   with pytest.raises(ValueError, match=r"LookaheadParams.*optax.lookahead\(saggs_jax.chain"):
     tx.init(params)
+
+
+def test_checkpoint_restore_canonicalizes_a_wrapper_state(tmp_path):
+  """saggs.checkpoint.restore with tx= a wrapper gives back a SymmetryState, its moments moved
+  as canonicalize moves them."""
+  import orbax.checkpoint as ocp
+
+  tx = saggs.saggs(optax.adamax(LR), PAIRS)
+  state = tx.init(PARAMS)
+  _, state = tx.update(GRADS[0], state, PARAMS)
+  manager = ocp.CheckpointManager(tmp_path)
+  saggs.checkpoint.save(manager, 1, PARAMS, state)
+  manager.wait_until_finished()
+  params, restored = saggs.checkpoint.restore(manager, PARAMS, tx.init(PARAMS), PAIRS, tx=tx)[:2]
+  manager.close()
+  assert isinstance(restored, saggs.SymmetryState)
+  want = saggs.canonicalize(PARAMS, state, PAIRS, tx=tx)
+  for got, w in zip(jax.tree.leaves((params, restored)), jax.tree.leaves(want)):
+    np.testing.assert_allclose(got, w, rtol=1e-6)
