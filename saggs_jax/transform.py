@@ -658,8 +658,8 @@ def wrap(inner: optax.GradientTransformation, stage: SymmetryTransformation) -> 
     >>> params = {"q": jnp.full((2, 2), 4.0), "k": jnp.ones((2, 2))}
     >>> tx = saggs.saggs(optax.sgd(0.0), [saggs.Pair("q", "k")])
     >>> updates, state = tx.update(params, tx.init(params), params)
-    >>> float(state.stage_state.factors["q|k"]), type(state.inner_state).__name__
-    (0.5, 'ScaleByTraceState')
+    >>> type(state).__name__, float(state.stage_state.factors["q|k"])  # c = sqrt(2 / 8)
+    ('SymmetryState', 0.5)
   """
   if _stage_of(stage) is None:
     raise TypeError(f"saggs_jax.wrap takes a symmetry stage after the optimizer, got {stage!r}.")
