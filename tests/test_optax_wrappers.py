@@ -262,3 +262,37 @@ def test_checkpoint_restore_canonicalizes_a_wrapper_state(tmp_path):
   want = saggs.canonicalize(PARAMS, state, PAIRS, tx=tx)
   for got, w in zip(jax.tree.leaves((params, restored)), jax.tree.leaves(want)):
     np.testing.assert_allclose(got, w, rtol=1e-6)
+
+
+# --- pure transformations: no state outside the optimizer state, one plan per trace -----
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_update_needs_no_init_of_its_own_and_traces_do_not_depend_on_each_other(every):
+  """An update of a transformation that never ran init (the state made by another instance
+  of the same optimizer), and a second trace of it, give the first's updates bit for bit."""
+  make = lambda: saggs.chain(optax.adam(LR), saggs.saggs(PAIRS, every=every))  # noqa: E731
+  first, fresh = make(), make()
+  state = first.init(PARAMS)
+  want = []
+  for g in GRADS[:3]:
+    u, state = jax.jit(first.update)(g, state, PARAMS)
+    want.append(u)
+  state = first.init(PARAMS)
+  for g, w in zip(GRADS[:3], want):
+    u, state = jax.jit(fresh.update)(g, state, PARAMS)  # a new trace each step
+    for n in w:
+      np.testing.assert_array_equal(u[n], w[n], err_msg=n)
+
+
+def test_each_stage_resolves_its_pairs_once_per_trace(monkeypatch):
+  import saggs_jax.transform as transform
+
+  calls = []
+  resolve = transform.resolve
+  monkeypatch.setattr(transform, "resolve", lambda *a: calls.append(1) or resolve(*a))
+  tx = saggs.chain(optax.adam(LR), saggs.saggs(PAIRS, every=2), saggs.qk_clip(PAIRS, TAU))
+  state = tx.init(PARAMS)
+  calls.clear()
+  jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p, max_logits=S))(GRADS[0], state, PARAMS)
+  assert len(calls) == 2  # one per symmetry stage
