@@ -6,6 +6,16 @@ updates that balance, it moves the parameters to the balanced representative
 stage with the same factors, lets the inner optimizer step from there, and
 returns the updates that land on ``T_c(p) + u``. The rescaling happens on the
 inner optimizer's inputs, so it fuses into that optimizer's own kernels.
+
+Every transformation here is an ordinary optax NamedTuple of ``init`` and
+``update``: a stage's ``update`` is a :class:`Stage` (what :func:`chain` runs
+around the stages before it), a chain's a :class:`ChainUpdate` (which names its
+optimizer), so ``_replace``, ``copy`` and optax's wrappers keep them. The
+wrapper form ``saggs(inner, pairs, ...)`` (:func:`wrap`) is ``chain(inner,
+stage)`` with its state as ``SymmetryState(inner_state, stage_state)``. Each
+update resolves a stage's pairs once and passes the plan down; nothing is kept
+between calls but the shapes ``init`` saw outside ``shard_map`` (see
+:func:`scale_by_saggs`), against which a ``shard_map`` update checks its shards.
 """
 
 from __future__ import annotations
