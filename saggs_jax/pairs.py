@@ -216,6 +216,11 @@ class Pair:
       the end.
     follow_b: likewise for ``b``.
     name: label used in errors (with the patterns) and in :func:`saggs_jax.describe`.
+    ndim: ``(ndim_a, ndim_b)``, the number of axes every member of each side has
+      besides the copy axes (``None`` for a side: any). A member of another rank
+      is an error naming its path: a declaration written for one layout (the
+      presets' (in, out) kernels) then cannot resolve on the wrong axes of another
+      (a scanned layer axis taken for the heads). Not shown in the repr.
 
   Example::
 
@@ -236,6 +241,7 @@ class Pair:
   follow_a: Spec | Sequence[Spec] = ()
   follow_b: Spec | Sequence[Spec] = ()
   name: str | None = None
+  ndim: tuple[int | None, int | None] | None = dataclasses.field(default=None, repr=False)
 
   def __post_init__(self) -> None:
     if self.name is not None and not isinstance(self.name, str):
@@ -256,6 +262,17 @@ class Pair:
         raise ValueError(f"{self._spelled}: patterns must be strings or Blocks, got {p!r}.")
     if self.axes is not None:
       object.__setattr__(self, "axes", self._checked_axes())
+    if self.ndim is not None:
+      if not (
+        isinstance(self.ndim, (tuple, list))
+        and len(self.ndim) == 2
+        and all(n is None or (_is_int(n) and n >= 0) for n in self.ndim)
+      ):
+        raise ValueError(
+          f"{self._spelled}: ndim must be None or (ndim_a, ndim_b), each an int >= 0 or None,"
+          f" got {self.ndim!r}."
+        )
+      object.__setattr__(self, "ndim", tuple(self.ndim))
     if self.groups is not None:
       if not _is_int(self.groups) or self.groups < 1:
         raise ValueError(f"{self._spelled}: groups must be a positive int, got {self.groups!r}.")
@@ -582,6 +599,19 @@ def _copy_shape(pair: Pair, path: str, shape: tuple[int, ...]) -> tuple[int, ...
   return tuple(shape[i] for i in copy)
 
 
+def _check_ndim(pair: Pair, side: int, path: str, shape: tuple[int, ...]) -> None:
+  want = None if pair.ndim is None else pair.ndim[side]
+  per_copy = len(shape) - len(pair.copy_axes)
+  if want is not None and per_copy != want:
+    raise ValueError(
+      f"{pair._spelled}: {path!r} (side {'ab'[side]}) has shape {shape}, {per_copy} axes"
+      f" besides the copy axes (stacked={pair.stacked!r}), but the declaration describes"
+      f" {want}: it was written for another layout, and its group axes would land on"
+      " other axes (a scanned layer axis, say). Declare the copy axes with stacked=, or"
+      " use the preset for this layout (saggs_jax.presets.maxtext for MaxText)."
+    )
+
+
 def _group_axis(pair: Pair, ax: int | None, path: str, shape: tuple[int, ...]) -> int | None:
   _copy_shape(pair, path, shape)
   if ax is None:
@@ -667,6 +697,7 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]], dtypes: dict[s
             f"{pair._spelled}: stacked axes differ between {first!r}"
             f" {shapes[first]} and {path!r} {shapes[path]}."
           )
+        _check_ndim(pair, (0 if sign > 0 else 1), name, shape)
         resolved.append(_Member(name, part, shape, _group_axis(pair, ax, name, shape), sign))
     key = "|".join("+".join(m.name for m in resolved if m.sign == sign) for sign in (+1, -1))
     if pair.axes is None:

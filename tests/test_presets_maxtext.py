@@ -1,0 +1,198 @@
+"""presets.maxtext on MaxText-shaped trees: exact per layer, and never on the wrong axes.
+
+Tiny forwards in plain JAX with MaxText's parameter layouts (see test_copy_axes.py): the
+llama2 decoder with its layer axis at 1, at 0 or unscanned (``layers_0``, ``layers_1``), a
+mixtral-style MoE block whose router mixes every expert (so each expert's exactness shows),
+and DeepSeek's MLA (per-head non-rotary keys and values in one ``wkv_b``, a rotary key
+shared by the heads).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import saggs_jax as saggs
+from test_copy_axes import KV, E, H, L, M, batch, forward, maxtext_params, rms_norm
+
+X, NOPE, ROPE, V_HD, RANK = 3, 2, 2, 3, 4
+
+
+def unscanned(params):
+  """MaxText's scan_layers=False tree: decoder/layers_<i>/..., no layer axis."""
+  layers = params["decoder"]["layers"]
+  return {
+    "decoder": {
+      f"layers_{i}": jax.tree.map(lambda x, i=i: jnp.take(x, i, axis=1), layers) for i in range(L)
+    }
+  }
+
+
+def unscanned_forward(params, x):
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), *params["decoder"].values())
+  return forward({"decoder": {"layers": stacked}}, x)
+
+
+def random_factors(seed=0):
+  rng = np.random.default_rng(seed)
+  return lambda path, shape: np.exp(rng.uniform(-1.5, 1.5, shape))
+
+
+def assert_exact(fn, params, pairs, x):
+  ref = fn(params, x)
+  moved, _ = saggs.reparameterize(params, None, pairs, random_factors())
+  np.testing.assert_allclose(fn(moved, x), ref, atol=2e-4 * float(jnp.abs(ref).max()))
+  assert saggs.check_symmetry(lambda p: fn(p, x), params, pairs)
+
+
+@pytest.mark.parametrize("layout", ["scan axis 1", "scan axis 0", "unscanned"])
+def test_llama2_pairs_are_exact_per_layer(layout):
+  x = batch()
+  if layout == "unscanned":
+    params, fn, config = unscanned(maxtext_params()), unscanned_forward, {"scan_layers": False}
+  else:
+    axis = int(layout[-1])
+    params = maxtext_params(scan_axis=axis)
+    fn, config = (lambda p, x: forward(p, x, scan_axis=axis)), {"param_scan_axis": axis}
+  pairs = saggs.presets.maxtext({"num_kv_heads": KV, "decoder_block": "llama2", **config})
+  assert [p.name for p in pairs] == ["attention Q/K", "attention V/O", "MLP wi_1/wo"]
+  plan = saggs.pairs.resolve(pairs, params)
+  per_layer = (L,) if layout != "unscanned" else ()
+  assert sorted(i.factor_shape for i in plan.instances) == sorted(
+    [per_layer + (KV,)] * (2 * (len(per_layer) or L)) + [per_layer + (M,)] * (len(per_layer) or L)
+  )
+  assert_exact(fn, params, pairs, x)
+  balanced, _ = saggs.canonicalize(params, None, pairs)
+  for v in saggs.imbalance(balanced, pairs).values():
+    np.testing.assert_allclose(v, 0.0, atol=1e-4)
+
+
+def test_a_layout_the_preset_does_not_describe_is_an_error_naming_the_path():
+  """The issue's case: llama(mlp=False) with MaxText's names grouped Q/K along the layer axis
+  (2 layers taken for 2 KV heads) and check_symmetry accepted it."""
+  params = maxtext_params()
+  llama = saggs.presets.llama(KV, mlp=False, q="query", k="key", v="value", o="out")
+  with pytest.raises(
+    ValueError, match=r"query/kernel' \(side a\) has shape \(8, 2, 4, 3\), 4 axes"
+  ):
+    saggs.pairs.resolve(llama, params)
+  with pytest.raises(
+    ValueError, match=r"query/kernel' \(side a\) has shape .* 4 axes .* describes 3"
+  ):
+    saggs.check_symmetry(lambda p: forward(p, batch()), params, saggs.presets.flax_mha(bias=False))
+  with pytest.raises(ValueError, match="decoder_block 'llama9' is not covered"):
+    saggs.presets.maxtext(num_kv_heads=KV, decoder_block="llama9")
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    saggs.presets.maxtext()
+
+
+def test_qk_norm_blocks_leave_q_k_out():
+  for block in ("qwen3", "gemma3"):
+    pairs = saggs.presets.maxtext(num_kv_heads=KV, decoder_block=block)
+    assert [p.name for p in pairs] == ["attention V/O", "MLP wi_1/wo"]
+
+
+class _Config:  # attributes, as MaxText's pyconfig has them (decoder_block an enum there)
+  class decoder_block:  # noqa: N801
+    value = "mixtral"
+
+  num_kv_heads, num_experts, scan_layers, param_scan_axis = KV, X, True, 1
+
+
+def moe_params(seed=0):
+  rng = np.random.default_rng(seed)
+  mk = lambda *s: jnp.asarray(rng.standard_normal(s) * np.exp(rng.uniform(-1, 1, s)), jnp.float32)
+  params = maxtext_params(seed)
+  layers = params["decoder"]["layers"]
+  del layers["mlp"]
+  layers["MoeBlock_0"] = {
+    "gate": {"kernel": mk(E, L, X)},
+    "wi_0": {"kernel": mk(X, L, E, M)},
+    "wi_1": {"kernel": mk(X, L, E, M)},
+    "wo": {"kernel": mk(X, L, M, E)},
+  }
+  return params
+
+
+def moe_forward(params, x):
+  """Attention as in test_copy_axes.forward, then a MoE block whose router softmax weighs
+  every expert (a dense mixture: each expert's symmetry shows in the output)."""
+  p = params["decoder"]["layers"]
+  at, moe = p["self_attention"], p["MoeBlock_0"]
+  for i in range(L):
+    h = rms_norm(x, p["pre_self_attention_layer_norm"]["scale"][:, i])
+    q, k, v = (
+      jnp.einsum("bte,ehd->bthd", h, at[n]["kernel"][:, i]) for n in ("query", "key", "value")
+    )
+    x = x + jnp.einsum(
+      "bthd,hde->bte",
+      jax.nn.dot_product_attention(q, k, v, is_causal=True),
+      at["out"]["kernel"][:, i],
+    )
+    w = jax.nn.softmax(x @ moe["gate"]["kernel"][:, i], axis=-1)  # (b, t, experts)
+    up = jax.nn.silu(jnp.einsum("bte,xem->btxm", x, moe["wi_0"]["kernel"][:, i]))
+    up = up * jnp.einsum("bte,xem->btxm", x, moe["wi_1"]["kernel"][:, i])
+    x = x + jnp.einsum("btx,btxm,xme->bte", w, up, moe["wo"]["kernel"][:, i])
+  return x
+
+
+def test_mixtral_experts_pair_per_expert_and_layer():
+  params, pairs = moe_params(), saggs.presets.maxtext(_Config())
+  assert [p.name for p in pairs][-1] == "MoE wi_1/wo" and pairs[-1].stacked == (0, 1)
+  shapes = {k: v.shape for k, v in saggs.imbalance(params, pairs).items()}
+  assert shapes[
+    f"{'decoder/layers/MoeBlock_0/wi_1/kernel'}|decoder/layers/MoeBlock_0/wo/kernel"
+  ] == (X, L, M)
+  assert_exact(moe_forward, params, pairs, batch())
+
+
+def mla_params(seed=0):
+  rng = np.random.default_rng(seed)
+  mk = lambda *s: jnp.asarray(rng.standard_normal(s) * np.exp(rng.uniform(-1, 1, s)), jnp.float32)
+  return {
+    "decoder": {
+      "layers": {
+        "self_attention": {
+          "query": {"kernel": mk(E, L, H, NOPE + ROPE)},
+          "wkv_a": {"kernel": mk(E, L, RANK + ROPE)},
+          "kv_norm": {"scale": mk(RANK, L)},
+          "wkv_b": {"kernel": mk(RANK, L, H, NOPE + V_HD)},
+          "out": {"kernel": mk(H, L, V_HD, E)},
+        }
+      }
+    }
+  }
+
+
+def mla_forward(params, x):
+  """DeepSeek's MLA without q_lora (rotary embeddings left out: they act on the rotary part,
+  which no pair moves)."""
+  at = params["decoder"]["layers"]["self_attention"]
+  for i in range(L):
+    q = jnp.einsum("bte,ehd->bthd", x, at["query"]["kernel"][:, i])
+    kv_a = x @ at["wkv_a"]["kernel"][:, i]
+    latent, k_rope = rms_norm(kv_a[..., :RANK], at["kv_norm"]["scale"][:, i]), kv_a[..., RANK:]
+    kv = jnp.einsum("btr,rhd->bthd", latent, at["wkv_b"]["kernel"][:, i])
+    k = jnp.concatenate(
+      [kv[..., :NOPE], jnp.broadcast_to(k_rope[:, :, None], kv.shape[:3] + (ROPE,))], -1
+    )
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(NOPE + ROPE)
+    causal = jnp.tril(jnp.ones((x.shape[1],) * 2, bool))
+    weights = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
+    a = jnp.einsum("bhqk,bkhd->bqhd", weights, kv[..., NOPE:])  # v_head_dim != qk's
+    x = x + jnp.einsum("bthd,hde->bte", a, at["out"]["kernel"][:, i])
+  return x
+
+
+def test_deepseek_mla_pairs_the_non_rotary_keys_and_the_values_per_head():
+  config = dict(
+    decoder_block="deepseek", qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V_HD
+  )
+  pairs = saggs.presets.maxtext(config)
+  params = mla_params()
+  assert (
+    sorted(i.factor_shape for i in saggs.pairs.resolve(pairs, params).instances) == [(L, H)] * 2
+  )
+  assert_exact(mla_forward, params, pairs, batch())
+  with pytest.raises(ValueError, match="qk_nope_head_dim"):
+    saggs.presets.maxtext(decoder_block="deepseek")
