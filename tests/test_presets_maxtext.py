@@ -10,6 +10,7 @@ shared by the heads).
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import saggs_jax as saggs
@@ -196,3 +197,149 @@ def test_deepseek_mla_pairs_the_non_rotary_keys_and_the_values_per_head():
   assert_exact(mla_forward, params, pairs, batch())
   with pytest.raises(ValueError, match="qk_nope_head_dim"):
     saggs.presets.maxtext(decoder_block="deepseek")
+
+
+# ---- Muon dimension numbers against MaxText's own (utils/muon_utils, written out by hand) ----
+
+mdn = optax.contrib.MuonDimensionNumbers
+D_E, D_L, D_H, D_KV, D_HD, D_M, D_V, D_X = 16, 2, 4, 2, 8, 32, 64, 4
+
+
+def maxtext_shapes(scan_axis=1, moe=False):
+  """MaxText's llama2 (or mixtral) tree as abstract shapes, the layer axis at ``scan_axis``
+  (None: scan_layers=False, two layers_<i>)."""
+  sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+
+  def layer(*shape):  # one layer's shape, the layer axis inserted
+    if scan_axis is None:
+      return sds(*shape)
+    return sds(*shape[:scan_axis], D_L, *shape[scan_axis:])
+
+  def experts(*shape):  # (experts, layers, ...) whatever the scan axis
+    return sds(D_X, *((D_L,) if scan_axis is not None else ()), *shape)
+
+  block = {
+    "self_attention": {
+      "query": {"kernel": layer(D_E, D_H, D_HD)},
+      "key": {"kernel": layer(D_E, D_KV, D_HD)},
+      "value": {"kernel": layer(D_E, D_KV, D_HD)},
+      "out": {"kernel": layer(D_H, D_HD, D_E)},
+    },
+    "pre_self_attention_layer_norm": {"scale": layer(D_E)},
+    "post_self_attention_layer_norm": {"scale": layer(D_E)},
+  }
+  if moe:
+    block["MoeBlock_0"] = {
+      "gate": {"kernel": layer(D_E, D_X)},
+      "wi_0": {"kernel": experts(D_E, D_M)},
+      "wi_1": {"kernel": experts(D_E, D_M)},
+      "wo": {"kernel": experts(D_M, D_E)},
+    }
+  else:
+    block["mlp"] = {n: {"kernel": layer(D_E, D_M)} for n in ("wi_0", "wi_1")}
+    block["mlp"]["wo"] = {"kernel": layer(D_M, D_E)}
+  layers = {"layers": block} if scan_axis is not None else {"layers_0": block, "layers_1": block}
+  return {
+    "decoder": {
+      **layers,
+      "decoder_norm": {"scale": sds(D_E)},
+      "logits_dense": {"kernel": sds(D_E, D_V)},
+    },
+    "token_embedder": {"embedding": sds(D_V, D_E)},
+  }
+
+
+# What MaxText's muon_utils.transform_logic returns, by leaf (scanned or not: it is written
+# for the layer axis at 1, and its negative axes serve an unscanned tree too).
+MAXTEXT_MUON = {
+  "self_attention/query/kernel": mdn((0,), (-2, -1)),
+  "self_attention/key/kernel": mdn((0,), (-2, -1)),
+  "self_attention/value/kernel": mdn((0,), (-2, -1)),
+  "self_attention/out/kernel": mdn((0, -2), (-1,)),
+  "pre_self_attention_layer_norm/scale": None,
+  "post_self_attention_layer_norm/scale": None,
+  "mlp/wi_0/kernel": mdn((0,), (-1,)),
+  "mlp/wi_1/kernel": mdn((0,), (-1,)),
+  "mlp/wo/kernel": mdn((0,), (-1,)),
+  "MoeBlock_0/gate/kernel": mdn((0,), (-1,)),
+  "MoeBlock_0/wi_0/kernel": mdn((-2,), (-1,)),
+  "MoeBlock_0/wi_1/kernel": mdn((-2,), (-1,)),
+  "MoeBlock_0/wo/kernel": mdn((-2,), (-1,)),
+  "decoder_norm/scale": None,
+  "logits_dense/kernel": None,
+  "embedding": None,
+}
+
+
+def maxtext_expected(path):
+  return next(dims for suffix, dims in MAXTEXT_MUON.items() if path.endswith(suffix))
+
+
+def flat(tree):
+  return {
+    saggs.paths.path_str(k): v
+    for k, v in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: x is None or isinstance(x, mdn)
+    )[0]
+  }
+
+
+def absolute(dims, ndim):
+  """``(reduction, output)`` as sorted non-negative axes."""
+  return tuple(tuple(sorted(a % ndim for a in axes)) for axes in dims)
+
+
+@pytest.mark.parametrize("scan_axis, moe", [(1, False), (1, True), (None, False), (None, True)])
+def test_muon_dimension_numbers_equal_maxtext_where_it_is_right(scan_axis, moe):
+  params = maxtext_shapes(scan_axis, moe)
+  got = flat(saggs.presets.muon_dimension_numbers(params, "maxtext", param_scan_axis=scan_axis))
+  assert set(got) == set(flat(params))
+  for path, dims in got.items():
+    assert dims == maxtext_expected(path), path
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_muon_dimension_numbers_with_the_layer_axis_at_0_never_reduce_over_it(moe):
+  """The same matrices as with the layer axis at 1, per layer; MaxText's own numbers on this
+  tree reduce the MLP, the router and the attention kernels over the layer axis."""
+  at0, at1 = maxtext_shapes(0, moe), maxtext_shapes(1, moe)
+  got0 = flat(saggs.presets.muon_dimension_numbers(at0, "maxtext", param_scan_axis=0))
+  got1 = flat(saggs.presets.muon_dimension_numbers(at1, "maxtext", param_scan_axis=1))
+  shapes0, shapes1 = ({p: x.shape for p, x in flat(t).items()} for t in (at0, at1))
+  wrong = set()
+  for path, dims in got0.items():
+    if dims is None:
+      assert got1[path] is None
+      continue
+    layer0 = 1 if "MoeBlock_0/w" in path else 0  # the experts' layer axis is at 1 either way
+    n = len(shapes0[path])
+    assert layer0 not in absolute(dims, n)[0] + absolute(dims, n)[1], path
+
+    def per_layer(dims, layer, n):  # the axes of one layer's matrix, the layer axis removed
+      return tuple(tuple(a - (a > layer) for a in axes) for axes in absolute(dims, n))
+
+    assert per_layer(dims, layer0, n) == per_layer(got1[path], 1, len(shapes1[path])), path
+    theirs = absolute(maxtext_expected(path), n)
+    if layer0 in theirs[0] + theirs[1]:
+      wrong.add(path.split("decoder/layers/")[1])
+  mlp = {"MoeBlock_0/gate/kernel"} if moe else {f"mlp/{n}/kernel" for n in ("wi_0", "wi_1", "wo")}
+  attention = {f"self_attention/{n}/kernel" for n in ("query", "key", "value", "out")}
+  assert wrong == mlp | attention
+
+
+def test_maxtext_muon_dimension_numbers_drive_optax_muon():
+  params = maxtext_params()  # test_copy_axes's concrete llama2 tree, layer axis at 1
+  dims = saggs.presets.muon_dimension_numbers(params, "maxtext")
+  tx = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
+  updates, _ = tx.update(params, tx.init(params), params)
+  q = params["decoder"]["layers"]["self_attention"]["query"]["kernel"]
+  got = updates["decoder"]["layers"]["self_attention"]["query"]["kernel"]
+  plain = optax.contrib.muon(0.02)  # one (emb, heads * head_dim) matrix per layer, on its own
+  for i in range(L):
+    matrix = q[:, i].reshape(E, -1)
+    want, _ = plain.update(matrix, plain.init(matrix), matrix)
+    np.testing.assert_allclose(got[:, i].reshape(E, -1), want, rtol=1e-5, atol=1e-7)
+  with pytest.raises(
+    ValueError, match=r"layers_0/self_attention/key/kernel' has shape \(8, 2, 3\), 2 axes"
+  ):
+    saggs.presets.muon_dimension_numbers(unscanned(params), "maxtext")  # scanned by default
