@@ -343,3 +343,37 @@ def test_maxtext_muon_dimension_numbers_drive_optax_muon():
     ValueError, match=r"layers_0/self_attention/key/kernel' has shape \(8, 2, 3\), 2 axes"
   ):
     saggs.presets.muon_dimension_numbers(unscanned(params), "maxtext")  # scanned by default
+
+
+MAXTEXT_ROLES = {
+  "query": "self_attention/query/kernel",
+  "key_value": ("self_attention/key/kernel", "self_attention/value/kernel"),
+  "output": "self_attention/out/kernel",
+  "gate_up": ("mlp/wi_0/kernel", "mlp/wi_1/kernel"),
+  "down": "mlp/wo/kernel",
+  "embedding": "token_embedder/embedding",
+}
+
+
+@pytest.mark.parametrize("scan_axis", [1, 0])
+def test_role_dimension_numbers_with_copy_axes_take_maxtexts_kernels(scan_axis):
+  """Roles on MaxText's kernels (several head axes, the layer axis anywhere): the matrices of
+  MaxText's own numbers at scan axis 1, the layer axis batched."""
+  params = maxtext_shapes(scan_axis)
+  shapes = {p: x.shape for p, x in flat(params).items()}
+  got = flat(
+    saggs.equivariant.role_dimension_numbers(params, MAXTEXT_ROLES, copy_axes=(scan_axis,))
+  )
+  want = flat(saggs.presets.muon_dimension_numbers(params, "maxtext", param_scan_axis=scan_axis))
+  for path, dims in got.items():
+    if dims is None:
+      assert "token_embedder" in path or want[path] is None, path
+      continue
+    assert absolute(dims, len(shapes[path])) == absolute(want[path], len(shapes[path])), path
+  # Without copy axes, Dense (in, out) kernels as before: the trailing two axes.
+  two_d = {"q_proj": {"kernel": jax.ShapeDtypeStruct((2, 8, 8), jnp.float32)}}
+  assert saggs.equivariant.role_dimension_numbers(two_d)["q_proj"]["kernel"] == mdn(-2, -1)
+  with pytest.raises(
+    ValueError, match=r"'decoder/layers/mlp/wi_0/kernel' of shape .* has no matrix"
+  ):
+    saggs.equivariant.role_dimension_numbers(params, MAXTEXT_ROLES, copy_axes=(0, 1, 2))
