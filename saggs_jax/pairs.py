@@ -37,7 +37,7 @@ def _is_int(x) -> TypeGuard[int | np.integer]:
 def copy_positions(stacked: int | tuple[int, ...]) -> tuple[int, ...]:
   """The copy axes' positions that a pair's ``stacked`` names: ``n`` leading ones, or the
   positions themselves."""
-  return tuple(range(stacked)) if _is_int(stacked) else tuple(stacked)
+  return tuple(stacked) if isinstance(stacked, tuple) else tuple(range(stacked))
 
 
 def free_axes(ndim: int, copy: tuple[int, ...]) -> tuple[int, ...]:
@@ -282,13 +282,12 @@ class Pair:
           " axes=(axis_a, axis_b), or drop groups for one group per whole tensor."
         )
       object.__setattr__(self, "groups", int(self.groups))
-    stacked = self.stacked
+    stacked, ok = self.stacked, False
     if isinstance(stacked, (tuple, list)) and all(map(_is_int, stacked)):
       stacked = tuple(map(int, stacked))
       ok = all(a < b for a, b in zip((-1,) + stacked, stacked))
-    else:
-      ok = _is_int(stacked) and stacked >= 0
-      stacked = int(stacked) if ok else stacked
+    elif _is_int(stacked):
+      stacked, ok = int(stacked), stacked >= 0
     if not ok:
       raise ValueError(
         f"{self._spelled}: stacked must be an int >= 0 (the number of leading copy axes)"

@@ -400,18 +400,18 @@ def _maxtext_mla(config, p, attn, layer, nope, rope, v, q_lora) -> list[Pair]:
       " v_head_dim (or a config with them)."
     )
   query = "wq_b" if int(_setting(config, "q_lora_rank", q_lora, 0)) > 0 else "query"
-  kv = dict(axis=2, parts=("k_nope", "v"), sizes=(nope, v))
+  kv_parts = ("k_nope", "v")
   return [
     Pair(
       Block(p(f"{attn}/{query}"), axis=2, parts=("nope", "rope"), part="nope", sizes=(nope, rope)),
-      Block(p(f"{attn}/wkv_b"), part="k_nope", **kv),
+      Block(p(f"{attn}/wkv_b"), axis=2, parts=kv_parts, part="k_nope", sizes=(nope, v)),
       axes=(1, 1),
       stacked=layer,
       name="MLA Q/K (non-rotary)",
       ndim=(3, 3),
     ),
     Pair(
-      Block(p(f"{attn}/wkv_b"), part="v", **kv),
+      Block(p(f"{attn}/wkv_b"), axis=2, parts=kv_parts, part="v", sizes=(nope, v)),
       p(f"{attn}/out"),
       axes=(1, 0),
       stacked=layer,

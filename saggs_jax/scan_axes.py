@@ -29,7 +29,7 @@ def _axis_names(leaf: Any) -> tuple | None:
     return names
   metadata = getattr(leaf, "get_metadata", None)
   if callable(metadata) and hasattr(leaf, "get_value"):  # an nnx Variable
-    found = metadata()
+    found: Any = metadata()
     for key in _NNX_NAMES:
       if isinstance(found.get(key), tuple):
         return found[key]

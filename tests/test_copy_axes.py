@@ -501,3 +501,36 @@ def test_discover_confirmation_expands_factors_onto_a_non_leading_copy_axis():
   np.testing.assert_allclose(
     lead * _expand(c, lead.shape, 1, 1), np.moveaxis(got, 1, 0), rtol=1e-12
   )
+
+
+def test_a_leaf_in_pairs_of_different_copy_axes_is_balanced_jointly():
+  """MoE experts (experts, layers, emb, mlp) per expert and layer, and the norm gain
+  (emb, layers) against every expert's input rows per layer: one leaf in two instances whose
+  copy axes differ, solved jointly; the same factors as with the layer axis leading."""
+  rng = np.random.default_rng(4)
+  mk = lambda *s: jnp.asarray(rng.standard_normal(s) * np.exp(rng.uniform(-1, 1, s)), jnp.float32)
+  params = {
+    "norm": {"scale": mk(E, L) + 2},
+    "wi_0": mk(3, L, E, M),
+    "wi_1": mk(3, L, E, M),
+    "wo": mk(3, L, M, E),
+  }
+  pairs = [
+    saggs.Pair("wi_1", "wo", axes=(1, 0), stacked=(0, 1)),
+    saggs.Pair("norm/scale", ("wi_0", "wi_1"), axes=(0, 1), stacked=(1,)),
+  ]
+  got, _ = saggs.canonicalize(params, None, pairs)
+  for v in saggs.imbalance(got, pairs).values():
+    np.testing.assert_allclose(v, 0.0, atol=1e-4)
+  lead = {
+    "norm": {"scale": params["norm"]["scale"].T},
+    **{k: jnp.swapaxes(params[k], 0, 1) for k in ("wi_0", "wi_1", "wo")},
+  }
+  lead_pairs = [
+    saggs.Pair("wi_1", "wo", axes=(1, 0), stacked=(0, 1)),
+    saggs.Pair("norm/scale", ("wi_0", "wi_1"), axes=(0, 1), stacked=(0,)),
+  ]
+  want, _ = saggs.canonicalize(lead, None, lead_pairs)
+  np.testing.assert_allclose(got["norm"]["scale"].T, want["norm"]["scale"], rtol=1e-5)
+  for k in ("wi_0", "wi_1", "wo"):
+    np.testing.assert_allclose(jnp.swapaxes(got[k], 0, 1), want[k], rtol=1e-5)

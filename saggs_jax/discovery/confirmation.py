@@ -182,7 +182,8 @@ def _expand(factors, shape: tuple[int, ...], axis: int, stacked):
   n = shape[axis]
   xp = np if isinstance(factors, np.ndarray) else jnp
   factors = xp.repeat(factors, n // factors.shape[-1], axis=-1)
-  factors = xp.moveaxis(factors, -1, sum(c < axis for c in copy))  # into the leaf's order
+  k = sum(c < axis for c in copy)  # the group axis's place among the copy axes, in leaf order
+  factors = factors.transpose((*range(k), factors.ndim - 1, *range(k, factors.ndim - 1)))
   return factors.reshape(tuple(m if i in copy or i == axis else 1 for i, m in enumerate(shape)))
 
 

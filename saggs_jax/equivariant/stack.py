@@ -12,6 +12,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from saggs_jax.equivariant import _linalg
 from saggs_jax.equivariant.dimension_numbers import (
+  Layout,
   Patterns,
   UnitDimensionNumbers,
   dense_dimension_numbers,
@@ -191,6 +192,7 @@ def role_dimension_numbers(
     raise ValueError(
       f"Unknown roles {sorted(unknown)}; the roles are {sorted(ROLE_DIMENSION_NUMBERS)}."
     )
+  layouts: dict[Patterns, Layout]
   if copy_axes is None:
     layouts = {_as_patterns(pats): ROLE_DIMENSION_NUMBERS[r] for r, pats in roles.items()}
   else:
