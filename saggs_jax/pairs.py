@@ -220,7 +220,8 @@ class Pair:
       besides the copy axes (``None`` for a side: any). A member of another rank
       is an error naming its path: a declaration written for one layout (the
       presets' (in, out) kernels) then cannot resolve on the wrong axes of another
-      (a scanned layer axis taken for the heads). Not shown in the repr.
+      (a scanned layer axis taken for the heads). A check only: not shown in the
+      repr nor compared.
 
   Example::
 
@@ -241,7 +242,10 @@ class Pair:
   follow_a: Spec | Sequence[Spec] = ()
   follow_b: Spec | Sequence[Spec] = ()
   name: str | None = None
-  ndim: tuple[int | None, int | None] | None = dataclasses.field(default=None, repr=False)
+  # A check, not part of the symmetry: equal pairs declare the same factors with or without.
+  ndim: tuple[int | None, int | None] | None = dataclasses.field(
+    default=None, repr=False, compare=False
+  )
 
   def __post_init__(self) -> None:
     if self.name is not None and not isinstance(self.name, str):
@@ -815,7 +819,8 @@ def _claim(inst: Instance, members, declared: dict, roles: dict, parts: dict) ->
 
 
 @functools.lru_cache(maxsize=256)
-def _resolve_cached(pairs: tuple[Pair, ...], leaf_specs: tuple) -> Plan:
+def _resolve_cached(pairs: tuple[Pair, ...], leaf_specs: tuple, _ndims: tuple) -> Plan:
+  """``_ndims``: the pairs' rank checks, which their equality leaves out, in the key."""
   shapes = {path: shape for path, shape, _ in leaf_specs}
   dtypes = {path: dtype for path, _, dtype in leaf_specs}
   instances, slots, declared, roles, parts = [], {}, {}, {}, {}
@@ -835,7 +840,8 @@ def resolve(pairs: Sequence[Pair], tree: Any) -> Plan:
   structure at trace time and costs nothing inside a compiled step. Only
   floating-point leaves are declared.
   """
-  return _resolve_cached(as_pairs(pairs), _leaf_specs(tree))
+  pairs = as_pairs(pairs)
+  return _resolve_cached(pairs, _leaf_specs(tree), tuple(p.ndim for p in pairs))
 
 
 def as_pairs(pairs: Pair | Iterable[Pair]) -> tuple[Pair, ...]:

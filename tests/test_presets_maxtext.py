@@ -7,6 +7,8 @@ and DeepSeek's MLA (per-head non-rotary keys and values in one ``wkv_b``, a rota
 shared by the heads).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,10 +75,12 @@ def test_a_layout_the_preset_does_not_describe_is_an_error_naming_the_path():
   (2 layers taken for 2 KV heads) and check_symmetry accepted it."""
   params = maxtext_params()
   llama = saggs.presets.llama(KV, mlp=False, q="query", k="key", v="value", o="out")
+  unchecked = [dataclasses.replace(p, ndim=None) for p in llama]  # equal, without the check
+  assert unchecked == llama and saggs.pairs.resolve(unchecked, params).instances
   with pytest.raises(
     ValueError, match=r"query/kernel' \(side a\) has shape \(8, 2, 4, 3\), 4 axes"
   ):
-    saggs.pairs.resolve(llama, params)
+    saggs.pairs.resolve(llama, params)  # not the cached plan of the equal pairs
   with pytest.raises(
     ValueError, match=r"query/kernel' \(side a\) has shape .* 4 axes .* describes 3"
   ):
