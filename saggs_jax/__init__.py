@@ -18,6 +18,7 @@ from saggs_jax.discovery import Discovery, Rejected, discover
 from saggs_jax.equivariant import MuonDimensionNumbers, UnitDimensionNumbers, muon_dimension_numbers
 from saggs_jax.pairs import Block, Pair, describe
 from saggs_jax.qk_clip import max_logits, qk_clip
+from saggs_jax.scan_axes import copy_axes
 from saggs_jax.transform import (
   SaggsState,
   SymmetryState,
@@ -45,6 +46,7 @@ __all__ = [
   "chain",
   "checkpoint",
   "check_symmetry",
+  "copy_axes",
   "degrees",
   "describe",
   "discover",

@@ -78,7 +78,8 @@ def _onto(
   (of factor shape ``shape``)."""
   slots = plan.pieces[piece].slots
   j = next(i for i, s in enumerate(slots) if s.key == key)
-  kept = set(range(slots[j].stacked)) | {stacked_axes(slots) + j}
+  copies = stacked_axes(slots)
+  kept = {copies.index(a) for a in slots[j].stacked} | {len(copies) + j}
   others = tuple(d for d in range(x.ndim) if d not in kept)
   return (reduce(x, axis=others) if others else x).reshape(shape)
 

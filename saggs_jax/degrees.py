@@ -112,7 +112,7 @@ def _kept(n: int, axis: int, slots: tuple[Slot, ...], groups: dict[str, int]) ->
   keep = np.ones(n, bool)
   signature = []
   for s in slots:
-    if axis < s.stacked:  # every copy has its own factors
+    if axis in s.stacked:  # every copy has its own factors
       signature.append(index)
       keep &= index < KEEP
     if s.block is not None and s.block[0] == axis:
@@ -150,8 +150,8 @@ def proxy(plan: Plan) -> Plan:
     ({'k': (2, 6), 'q': (2, 6)}, (3,))
   """
   groups = {  # factor_shape is stacked_shape + (groups,), or stacked_shape for axes=None
-    i.key: min(GROUPS, i.factor_shape[i.pair.stacked])
-    if len(i.factor_shape) > i.pair.stacked
+    i.key: min(GROUPS, i.factor_shape[len(i.pair.copy_axes)])
+    if len(i.factor_shape) > len(i.pair.copy_axes)
     else 1
     for i in plan.instances
   }
@@ -185,8 +185,8 @@ def proxy(plan: Plan) -> Plan:
   instances = tuple(
     dataclasses.replace(
       i,
-      factor_shape=tuple(min(d, KEEP) for d in i.factor_shape[: i.pair.stacked])
-      + (groups[i.key],) * (len(i.factor_shape) - i.pair.stacked),
+      factor_shape=tuple(min(d, KEEP) for d in i.factor_shape[: len(i.pair.copy_axes)])
+      + (groups[i.key],) * (len(i.factor_shape) - len(i.pair.copy_axes)),
     )
     for i in plan.instances
   )

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from saggs_jax.balance import log_norms, scale_tree
-from saggs_jax.pairs import Block, Instance, Pair, Plan, resolve
+from saggs_jax.pairs import Block, Instance, Pair, Plan, per_copy_axis, resolve
 
 
 def imbalance(params: Any, pairs: Sequence[Pair]) -> dict[str, jax.Array]:
@@ -223,7 +223,8 @@ def _declared_axes(plan: Plan, inst: Instance) -> tuple[int, int] | None:
   a, b = (plan.slot(p, inst.key).axis for p in (inst.a, inst.b))
   if a is None or b is None:  # whole tensors
     return None
-  return a - inst.pair.stacked, b - inst.pair.stacked
+  copy = inst.pair.copy_axes
+  return per_copy_axis(a, copy), per_copy_axis(b, copy)
 
 
 def _diagnose(probe: Probe, plan: Plan, inst: Instance, key, c_max: float) -> tuple[list[str], str]:
@@ -308,7 +309,7 @@ def _exact_variant(probe: Probe, plan: Plan, inst: Instance) -> str | None:
     return probe.exact(variant, factors)
 
   declared = _declared_axes(plan, inst)
-  ndim = [len(plan.shapes[plan.part(p).path]) - pair.stacked for p in (a, b)]
+  ndim = [len(plan.shapes[plan.part(p).path]) - len(pair.copy_axes) for p in (a, b)]
   two_tensors = len(inst.members_a) == len(inst.members_b) == 1
   for axes in itertools.product(range(ndim[0]), range(ndim[1])) if two_tensors else ():
     if axes != declared and exact(_variant(plan, inst, params, axes=axes)):

@@ -105,10 +105,10 @@ def _group_reduce(vs: Sequence[jax.Array], slot: Slot, combine: Combine) -> list
   """
   v, axis = vs[0], slot.axis
   if axis is None or slot.per_index(v.shape[axis]):
-    return _reduce_all(vs, slot.reduce_axes(v.ndim), combine)
+    return [_group_last(r, slot) for r in _reduce_all(vs, slot.reduce_axes(v.ndim), combine)]
   if not _on_mesh(v):  # per index, then per group of that small vector
     start, stop = slot.tiled(v.shape[axis])  # (within a block)
-    per_index = _reduce_all(vs, slot.reduce_axes(v.ndim), combine)
+    per_index = [_group_last(r, slot) for r in _reduce_all(vs, slot.reduce_axes(v.ndim), combine)]
     grouped = [s[..., start:stop].reshape(s.shape[:-1] + (slot.groups, -1)) for s in per_index]
     return _reduce_all(grouped, (grouped[0].ndim - 1,), combine)
   # On a mesh: the sum or maximum of one operand, its group axis masked by the one-hot
@@ -124,9 +124,17 @@ def _group_reduce(vs: Sequence[jax.Array], slot: Slot, combine: Combine) -> list
     one_hot = one_hot.reshape((1,) * axis + (-1,) + (1,) * (x.ndim - axis - 1) + (slot.groups,))
   mask, x = jax.lax.optimization_barrier((jnp.asarray(one_hot), x))
   if combine is _max:
-    (r,) = _reduce_all([x[None] * mask], range(slot.stacked + 1, x.ndim + 1), combine)
+    (r,) = _reduce_all(
+      [x[None] * mask], [i + 1 for i in slot.reduce_axes(x.ndim) + (axis,)], combine
+    )
     return [jnp.moveaxis(r, 0, -1)]
-  return _reduce_all([x[..., None] * mask], range(slot.stacked, x.ndim), combine)
+  return _reduce_all([x[..., None] * mask], slot.reduce_axes(x.ndim) + (axis,), combine)
+
+
+def _group_last(r: jax.Array, slot: Slot) -> jax.Array:
+  """A reduction ``r`` over ``slot.reduce_axes``, its kept axes in leaf order, with the group
+  axis moved after the copy axes: a transpose of the small result, never of the leaf."""
+  return r if slot.axis is None else jnp.moveaxis(r, slot.group_position, -1)
 
 
 def _one_pass_stats(x: jax.Array, slot: Slot) -> tuple[jax.Array, jax.Array]:
@@ -162,7 +170,7 @@ def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str = 
       jnp.minimum,
       [along_slot(_reduce(v, (s,), axis_name, op), i, slots) for i, s in enumerate(slots)],
     )
-  operands, out = [v, list(range(v.ndim))], list(range(stacked))
+  operands, out = [v, list(range(v.ndim))], list(stacked)
   for s in slots:
     if s.axis is None:
       continue
@@ -174,7 +182,7 @@ def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str = 
   r = jnp.einsum(*operands, out, precision=jax.lax.Precision.HIGHEST)
   for i, s in enumerate(slots):
     if s.axis is None:
-      r = jnp.expand_dims(r, stacked + i)
+      r = jnp.expand_dims(r, len(stacked) + i)
   r = replicated(r)
   return jax.lax.psum(r, axis_name) if axis_name else r
 
@@ -195,14 +203,16 @@ def _safe_stats(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
   x = x.astype(dtype)
   group_max = _reduce(jnp.abs(x), slots, axis_name, "max")  # inf or NaN where an entry is
   scale = jnp.max(
-    jnp.where(jnp.isfinite(group_max), group_max, 0), axis=tuple(range(stacked, group_max.ndim))
+    jnp.where(jnp.isfinite(group_max), group_max, 0),
+    axis=tuple(range(len(stacked), group_max.ndim)),
   )
   # Divide by 2**e, the scale's binary exponent, as two exact multiplies by normal
   # powers of two: 1 / scale itself is subnormal near the dtype's maximum, and flushed.
   _, e = jnp.frexp(scale)
-  e = e.reshape(e.shape + (1,) * (x.ndim - stacked))
-  x = x * jnp.ldexp(jnp.ones((), dtype), -(e // 2)) * jnp.ldexp(jnp.ones((), dtype), e // 2 - e)
-  log_scale = (e.reshape(e.shape[:stacked] + (1,) * len(slots)) * np.log(2.0)).astype(dtype)
+  per_copy = e.reshape(tuple(n if i in stacked else 1 for i, n in enumerate(x.shape)))
+  x = x * jnp.ldexp(jnp.ones((), dtype), -(per_copy // 2))
+  x = x * jnp.ldexp(jnp.ones((), dtype), per_copy // 2 - per_copy)
+  log_scale = (e.reshape(e.shape + (1,) * len(slots)) * np.log(2.0)).astype(dtype)
   sq = _reduce(jnp.square(x), slots, axis_name)
   return jnp.where(jnp.isfinite(sq), 2 * log_scale + jnp.log(sq), jnp.inf), jnp.log(group_max)
 
@@ -232,7 +242,7 @@ class _Packing(NamedTuple):
   @classmethod
   def of(cls, pieces: dict[tuple, Piece], leaves: dict[str, Any]) -> _Packing:
     shapes = {
-      k: leaves[piece.path].shape[: stacked_axes(piece.slots)]
+      k: tuple(leaves[piece.path].shape[i] for i in stacked_axes(piece.slots))
       + tuple(1 if s.axis is None else s.groups for s in piece.slots)
       for k, piece in pieces.items()
     }
@@ -405,16 +415,21 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
   }
 
 
-def stacked_axes(slots: Sequence[Slot]) -> int:
-  """The stacked axes kept in a leaf's statistics: a slot with fewer treats the others'
-  copies as part of its groups (a norm gain shared by stacked experts)."""
-  return max(s.stacked for s in slots)
+def stacked_axes(slots: Sequence[Slot]) -> tuple[int, ...]:
+  """The copy axes kept in a leaf's statistics, in order: those of all its slots, a slot
+  without some treating the others' copies as part of its groups (a norm gain shared
+  by stacked experts)."""
+  return tuple(sorted(set().union(*(s.stacked for s in slots))))
 
 
 def along_slot(u: jax.Array, i: int, slots: Sequence[Slot]) -> jax.Array:
   """Log-factors of one instance (``stacked_shape (+ (groups,))``) laid out on the
   statistics of a leaf (see :func:`leaf_stats`) along slot ``i``."""
-  own = slots[i].stacked
+  copies = u.shape[: len(slots[i].stacked)]
+  sizes = dict(zip(slots[i].stacked, copies))
   return u.reshape(
-    u.shape[:own] + (1,) * (stacked_axes(slots) - own + i) + (-1,) + (1,) * (len(slots) - 1 - i)
+    tuple(sizes.get(a, 1) for a in stacked_axes(slots))
+    + (1,) * i
+    + (-1,)
+    + (1,) * (len(slots) - 1 - i)
   )

@@ -34,6 +34,38 @@ def _is_int(x) -> TypeGuard[int | np.integer]:
   return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+def copy_positions(stacked: int | tuple[int, ...]) -> tuple[int, ...]:
+  """The copy axes' positions that a pair's ``stacked`` names: ``n`` leading ones, or the
+  positions themselves."""
+  return tuple(stacked) if isinstance(stacked, tuple) else tuple(range(stacked))
+
+
+def free_axes(ndim: int, copy: tuple[int, ...]) -> tuple[int, ...]:
+  """The axes of a leaf of ``ndim`` axes that are not copy axes: those a pair's ``axes``
+  and a Block's ``axis`` count among."""
+  return tuple(i for i in range(ndim) if i not in copy)
+
+
+def per_copy_axis(axis: int, copy: tuple[int, ...]) -> int:
+  """The absolute ``axis`` (not a copy axis) counted among the axes of one copy."""
+  return axis - sum(c < axis for c in copy)
+
+
+def _absolute(where: str, what: str, axis: int, path: str, shape, copy: tuple[int, ...]) -> int:
+  """The absolute axis of ``axis``, counted among the non-copy axes of the leaf at ``path``."""
+  if copy and max(copy) >= len(shape):
+    raise ValueError(
+      f"{where}: {path!r} has shape {shape}, too few axes for the copy axes at {copy}."
+    )
+  free = free_axes(len(shape), copy)
+  if not -len(free) <= axis < len(free):
+    raise ValueError(
+      f"{where}: {what} {axis} is out of range for {path!r} with shape {shape}"
+      f" ({len(free)} axes besides the copy axes at {copy})."
+    )
+  return free[axis]
+
+
 @dataclasses.dataclass(frozen=True)
 class Block:
   """A fixed part of one axis of the leaves ``pattern`` matches: a fused leaf's role.
@@ -48,8 +80,8 @@ class Block:
 
   Attributes:
     pattern: path pattern of the fused leaves (see :mod:`saggs_jax.paths`).
-    axis: the split axis, counted like a pair's group axes: after the pair's
-      ``stacked`` axes, negative from the end.
+    axis: the split axis, counted like a pair's group axes: among the axes that
+      are not the pair's ``stacked`` copy axes, negative from the end.
     parts: the number of parts, or their names.
     part: the block's part: a name from ``parts`` or an index.
     sizes: the parts' sizes along ``axis`` when they differ (fused QKV under
@@ -121,16 +153,11 @@ class Block:
     return int(self.part) if _is_int(self.part) else self.names.index(self.part)
 
   def span(
-    self, where: str, path: str, shape: tuple[int, ...], stacked: int
+    self, where: str, path: str, shape: tuple[int, ...], copy: tuple[int, ...]
   ) -> tuple[int, int, int]:
-    """``(absolute axis, start, stop)`` of the block in the leaf at ``path``."""
-    per_copy = len(shape) - stacked
-    if not -per_copy <= self.axis < per_copy:
-      raise ValueError(
-        f"{where}: {self!r} axis {self.axis} is out of range for {path!r} with"
-        f" shape {shape} ({per_copy} axes after stacked={stacked})."
-      )
-    axis = stacked + self.axis % per_copy
+    """``(absolute axis, start, stop)`` of the block in the leaf at ``path`` whose copy
+    axes are at ``copy``."""
+    axis = _absolute(where, f"{self!r} axis", self.axis, path, shape, copy)
     size, n = shape[axis], len(self.names)
     if self.sizes is None and size % n:
       raise ValueError(
@@ -167,24 +194,34 @@ class Pair:
       equal wildcard captures; every match needs exactly one partner in
       every other pattern.
     axes: ``(axis_a, axis_b)``, the group axis on each side, or ``None`` for
-      one group spanning the whole tensor. Axes count within one layer: after
-      the ``stacked`` leading axes. Negative axes count from the end. On a
+      one group spanning the whole tensor. Axes count within one copy: among
+      the axes that are not ``stacked`` copy axes. Negative axes count from the end. On a
       side of several tensors an int applies to each, or a tuple gives one
       axis per pattern. All group axes of an instance have one size.
     groups: split the group axis into this many contiguous blocks (for GQA,
       the number of KV heads). Default: one group per index.
-    stacked: leading axes present on both sides that index independent copies
-      (scanned layers, experts). Factors then have shape
-      ``stacked_shape + (groups,)``.
+    stacked: the axes present on every leaf of the pair that index independent
+      copies (scanned layers, experts): an int ``n`` for the ``n`` leading axes,
+      or a tuple of increasing axis positions, the same in every leaf (followers
+      included), e.g. ``(1,)`` for MaxText's layer axis at position 1 or
+      ``(0, 1)`` for (experts, layers, ...). Factors then have shape
+      ``stacked_shape + (groups,)``, the copy axes' sizes in order; see
+      :func:`saggs_jax.copy_axes` to read the positions from Flax's scan metadata.
     follow_a: patterns of tensors that move with ``a`` (its biases) but do not
       count in its norm, grouped like the side's first tensor. A follower
-      with one axis per copy (after ``stacked``), a bias vector, is grouped
+      with one axis per copy (besides ``stacked``), a bias vector, is grouped
       along that axis, whatever the kernel's layout: the bias (out,) of an
       (in, out) or an (out, in) kernel. A follower of more axes shares the
       kernel's trailing axes, so its group axis is the kernel's counted from
       the end.
     follow_b: likewise for ``b``.
     name: label used in errors (with the patterns) and in :func:`saggs_jax.describe`.
+    ndim: ``(ndim_a, ndim_b)``, the number of axes every member of each side has
+      besides the copy axes (``None`` for a side: any). A member of another rank
+      is an error naming its path: a declaration written for one layout (the
+      presets' (in, out) kernels) then cannot resolve on the wrong axes of another
+      (a scanned layer axis taken for the heads). A check only: not shown in the
+      repr nor compared.
 
   Example::
 
@@ -193,16 +230,22 @@ class Pair:
     ...                 axes=(1, 1), groups=2, follow_a="attn/q_proj/bias")
     >>> gain = saggs.Pair("attn_norm/scale", ("attn/q_proj/kernel", "attn/k_proj/kernel",
     ...                   "attn/v_proj/kernel"), axes=(0, 0), name="RMSNorm gain")
+    >>> # MaxText's scanned MLP: wi_1 (emb, layers, mlp), wo (mlp, layers, emb)
+    >>> up = saggs.Pair("mlp/wi_1/kernel", "mlp/wo/kernel", axes=(1, 0), stacked=(1,))
   """
 
   a: Spec | tuple[Spec, ...]
   b: Spec | tuple[Spec, ...]
   axes: tuple[int | tuple[int, ...], int | tuple[int, ...]] | None = None
   groups: int | None = None
-  stacked: int = 0
+  stacked: int | tuple[int, ...] = 0
   follow_a: Spec | Sequence[Spec] = ()
   follow_b: Spec | Sequence[Spec] = ()
   name: str | None = None
+  # A check, not part of the symmetry: equal pairs declare the same factors with or without.
+  ndim: tuple[int | None, int | None] | None = dataclasses.field(
+    default=None, repr=False, compare=False
+  )
 
   def __post_init__(self) -> None:
     if self.name is not None and not isinstance(self.name, str):
@@ -223,6 +266,17 @@ class Pair:
         raise ValueError(f"{self._spelled}: patterns must be strings or Blocks, got {p!r}.")
     if self.axes is not None:
       object.__setattr__(self, "axes", self._checked_axes())
+    if self.ndim is not None:
+      if not (
+        isinstance(self.ndim, (tuple, list))
+        and len(self.ndim) == 2
+        and all(n is None or (_is_int(n) and n >= 0) for n in self.ndim)
+      ):
+        raise ValueError(
+          f"{self._spelled}: ndim must be None or (ndim_a, ndim_b), each an int >= 0 or None,"
+          f" got {self.ndim!r}."
+        )
+      object.__setattr__(self, "ndim", tuple(self.ndim))
     if self.groups is not None:
       if not _is_int(self.groups) or self.groups < 1:
         raise ValueError(f"{self._spelled}: groups must be a positive int, got {self.groups!r}.")
@@ -232,12 +286,19 @@ class Pair:
           " axes=(axis_a, axis_b), or drop groups for one group per whole tensor."
         )
       object.__setattr__(self, "groups", int(self.groups))
-    if not _is_int(self.stacked) or self.stacked < 0:
+    stacked, ok = self.stacked, False
+    if isinstance(stacked, (tuple, list)) and all(map(_is_int, stacked)):
+      stacked = tuple(map(int, stacked))
+      ok = all(a < b for a, b in zip((-1,) + stacked, stacked))
+    elif _is_int(stacked):
+      stacked, ok = int(stacked), stacked >= 0
+    if not ok:
       raise ValueError(
-        f"{self._spelled}: stacked must be an int >= 0 (the number of leading copy"
-        f" axes), got {self.stacked!r}."
+        f"{self._spelled}: stacked must be an int >= 0 (the number of leading copy axes)"
+        f" or a tuple of increasing axis positions >= 0 (e.g. (1,) for a layer axis at"
+        f" position 1), got {self.stacked!r}."
       )
-    object.__setattr__(self, "stacked", int(self.stacked))
+    object.__setattr__(self, "stacked", stacked)
     first = self.patterns(0)[0]
     n = paths.num_captures(_pattern(first))
     for p in (*self.patterns(0)[1:], *self.patterns(1), *self.followers(0), *self.followers(1)):
@@ -246,6 +307,11 @@ class Pair:
           f"{self._spelled}: pattern {p!r} has a different number of wildcards than {first!r};"
           " matches are paired by their wildcard captures."
         )
+
+  @property
+  def copy_axes(self) -> tuple[int, ...]:
+    """The positions of the copy axes in each of the pair's leaves."""
+    return copy_positions(self.stacked)
 
   def patterns(self, side: int) -> tuple[Spec, ...]:
     """The patterns (or blocks) of side a (0) or b (1)."""
@@ -301,7 +367,10 @@ class Slot:
   """How one leaf moves under the factors of one resolved pair instance.
 
   Group g of the leaf is the block ``g * size // groups ... (g + 1) * size //
-  groups`` along ``axis``; it is multiplied by ``factors[..., g] ** sign``.
+  groups`` along ``axis``; in the copy indexed by ``i`` along the ``stacked``
+  axes it is multiplied by ``factors[i + (g,)] ** sign``. Statistics and factors
+  put the copy axes first, in order, and the group axis last, wherever they are
+  in the leaf; only those small arrays are transposed, never the leaf.
   With ``block`` only that part of the leaf moves, and a group axis equal to
   the block axis is tiled by the groups within the block alone. Nothing here
   reshapes the leaf itself, so a sharded group axis stays sharded (and
@@ -312,17 +381,26 @@ class Slot:
   sign: int  # +1 for the A side, -1 for the B side
   axis: int | None  # absolute group axis; None: whole tensor per copy
   groups: int
-  stacked: int
+  stacked: tuple[int, ...]  # absolute copy axes, increasing
   block: Span | None = None  # the part of the leaf that moves; None: all of it
 
   def reduce_axes(self, ndim: int) -> tuple[int, ...]:
     """Axes summed to get one squared norm per stacked copy (and index of ``axis``)."""
-    return tuple(i for i in range(self.stacked, ndim) if i != self.axis)
+    return tuple(i for i in range(ndim) if i not in self.stacked and i != self.axis)
 
   def broadcast_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
     """Shape of the per-element multiplier before its block: stacked axes and ``axis`` kept,
     others 1."""
-    return tuple(n if i < self.stacked or i == self.axis else 1 for i, n in enumerate(shape))
+    return tuple(n if i in self.stacked or i == self.axis else 1 for i, n in enumerate(shape))
+
+  @property
+  def group_position(self) -> int:
+    """Where ``axis`` sits among the kept axes (copy axes and ``axis``) in leaf order."""
+    return 0 if self.axis is None else sum(c < self.axis for c in self.stacked)
+
+  def copy_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The sizes of the copy axes of a leaf of ``shape``, in order."""
+    return tuple(shape[i] for i in self.stacked)
 
   def tiled(self, size: int) -> tuple[int, int]:
     """``(start, stop)``: the range of ``axis`` (of length ``size``) that its groups tile."""
@@ -503,7 +581,7 @@ def _part(
   declares it."""
   if not isinstance(spec, Block):
     return path, Part(path, None, path), shape
-  block = spec.span(pair._spelled, path, shape, pair.stacked)
+  block = spec.span(pair._spelled, path, shape, pair.copy_axes)
   axis, start, stop = block
   name = f"{path}[{spec.names[spec.index]}]"
   return (
@@ -513,34 +591,57 @@ def _part(
   )
 
 
-def _group_axis(pair: Pair, ax: int | None, path: str, shape: tuple[int, ...]) -> int | None:
-  if len(shape) < pair.stacked:
+def _copy_shape(pair: Pair, path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+  """The sizes of the copy axes of the leaf at ``path``; raises if it has too few axes."""
+  copy = pair.copy_axes
+  if copy and max(copy) >= len(shape):
     raise ValueError(
-      f"{pair._spelled}: {path!r} has shape {shape}, fewer than stacked={pair.stacked} axes."
+      f"{pair._spelled}: {path!r} has shape {shape}, too few axes for the copy axes at"
+      f" {copy} (stacked={pair.stacked!r})."
     )
+  return tuple(shape[i] for i in copy)
+
+
+def _check_ndim(pair: Pair, side: int, path: str, shape: tuple[int, ...]) -> None:
+  want = None if pair.ndim is None else pair.ndim[side]
+  per_copy = len(shape) - len(pair.copy_axes)
+  if want is not None and per_copy != want:
+    raise ValueError(
+      f"{pair._spelled}: {path!r} (side {'ab'[side]}) has shape {shape}, {per_copy} axes"
+      f" besides the copy axes (stacked={pair.stacked!r}), but the declaration describes"
+      f" {want}: it was written for another layout, and its group axes would land on"
+      " other axes (a scanned layer axis, say). Declare the copy axes with stacked=, or"
+      " use the preset for this layout (saggs_jax.presets.maxtext for MaxText)."
+    )
+
+
+def _group_axis(pair: Pair, ax: int | None, path: str, shape: tuple[int, ...]) -> int | None:
+  _copy_shape(pair, path, shape)
   if ax is None:
     return None
-  per_copy = len(shape) - pair.stacked
-  if not -per_copy <= ax < per_copy:
-    raise ValueError(
-      f"{pair._spelled}: group axis {ax} is out of range for {path!r} with shape {shape}"
-      f" ({per_copy} axes after stacked={pair.stacked})."
-    )
-  return pair.stacked + ax % per_copy
+  return _absolute(pair._spelled, "group axis", ax, path, shape, pair.copy_axes)
 
 
-def follower_axis(kernel_ndim: int, kernel_axis: int, ndim: int, stacked: int) -> int:
+def follower_axis(
+  kernel_ndim: int, kernel_axis: int, ndim: int, stacked: int | tuple[int, ...]
+) -> int:
   """The absolute group axis of a follower with ``ndim`` axes whose kernel, of ``kernel_ndim``
-  axes, is grouped on absolute axis ``kernel_axis``.
+  axes, is grouped on absolute axis ``kernel_axis``; both have their copy axes at
+  ``stacked`` (a number of leading axes, or their positions).
 
   A bias vector (one axis per copy) is grouped on that axis, whatever the kernel's layout
   ((in, out) or (out, in)); a follower of more axes shares its kernel's trailing axes.
   """
-  return stacked if ndim - stacked == 1 else kernel_axis - (kernel_ndim - ndim)
+  copy = copy_positions(stacked)
+  free = free_axes(ndim, copy)
+  per_copy = per_copy_axis(kernel_axis, copy) - (kernel_ndim - ndim)
+  if len(free) == 1:
+    return free[0]
+  return free[per_copy] if 0 <= per_copy < len(free) else -1
 
 
 def _follower_slot(pair, key, sign, kernel, kernel_shape, kernel_axis, groups, name, shape, block):
-  if tuple(shape[: pair.stacked]) != tuple(kernel_shape[: pair.stacked]):
+  if _copy_shape(pair, name, shape) != _copy_shape(pair, kernel, kernel_shape):
     raise ValueError(
       f"{pair._spelled}: follower {name!r} {shape} does not share the stacked"
       f" axes of {kernel!r} {kernel_shape}."
@@ -548,13 +649,13 @@ def _follower_slot(pair, key, sign, kernel, kernel_shape, kernel_axis, groups, n
   axis = None
   if kernel_axis is not None:
     axis = follower_axis(len(kernel_shape), kernel_axis, len(shape), pair.stacked)
-    if axis < pair.stacked or shape[axis] != kernel_shape[kernel_axis]:
+    if axis < 0 or shape[axis] != kernel_shape[kernel_axis]:
       raise ValueError(
         f"{pair._spelled}: follower {name!r} with shape {shape} has no axis matching group axis"
         f" {kernel_axis} of {kernel!r} {kernel_shape}; a follower is a bias of that axis's"
         " size, or shares its kernel's trailing axes."
       )
-  return Slot(key, sign, axis, groups, pair.stacked, block)
+  return Slot(key, sign, axis, groups, pair.copy_axes, block)
 
 
 class _Member(NamedTuple):
@@ -593,14 +694,13 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]], dtypes: dict[s
       for spec, ax, found in side:
         path = found[caps]
         name, part, shape = _part(pair, spec, path, shapes[path])
-        if (
-          resolved and shapes[path][: pair.stacked] != shapes[resolved[0].part.path][: pair.stacked]
-        ):
-          first = resolved[0].part.path
+        first = resolved[0].part.path if resolved else path
+        if _copy_shape(pair, path, shapes[path]) != _copy_shape(pair, first, shapes[first]):
           raise ValueError(
             f"{pair._spelled}: stacked axes differ between {first!r}"
             f" {shapes[first]} and {path!r} {shapes[path]}."
           )
+        _check_ndim(pair, (0 if sign > 0 else 1), name, shape)
         resolved.append(_Member(name, part, shape, _group_axis(pair, ax, name, shape), sign))
     key = "|".join("+".join(m.name for m in resolved if m.sign == sign) for sign in (+1, -1))
     if pair.axes is None:
@@ -625,7 +725,7 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]], dtypes: dict[s
       (
         m.name,
         m.part,
-        Slot(key, m.sign, m.axis, groups, pair.stacked, m.part.block),
+        Slot(key, m.sign, m.axis, groups, pair.copy_axes, m.part.block),
         f"side {'a' if m.sign > 0 else 'b'}" + (f" (pattern {spec!r})" if multi else ""),
       )
       for m, spec in zip(resolved, specs)
@@ -648,7 +748,7 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]], dtypes: dict[s
       )
       followers[sign].append(name)
     first = resolved[0].part.path
-    fshape = tuple(shapes[first][: pair.stacked]) + ((groups,) if pair.axes is not None else ())
+    fshape = _copy_shape(pair, first, shapes[first]) + ((groups,) if pair.axes is not None else ())
     names_a, names_b = (tuple(m.name for m in resolved if m.sign == sign) for sign in (+1, -1))
     yield (
       Instance(key, pair, names_a, names_b, tuple(followers[+1]), tuple(followers[-1]), fshape),
@@ -703,7 +803,7 @@ def _claim(inst: Instance, members, declared: dict, roles: dict, parts: dict) ->
         (
           f"axis {ax}"
           for ax, other in ((slot.axis, first_slot), (first_slot.axis, slot))
-          if ax is not None and (ax == other.axis or ax < other.stacked)
+          if ax is not None and (ax == other.axis or ax in other.stacked)
         ),
         None,
       )
@@ -719,7 +819,8 @@ def _claim(inst: Instance, members, declared: dict, roles: dict, parts: dict) ->
 
 
 @functools.lru_cache(maxsize=256)
-def _resolve_cached(pairs: tuple[Pair, ...], leaf_specs: tuple) -> Plan:
+def _resolve_cached(pairs: tuple[Pair, ...], leaf_specs: tuple, _ndims: tuple) -> Plan:
+  """``_ndims``: the pairs' rank checks, which their equality leaves out, in the key."""
   shapes = {path: shape for path, shape, _ in leaf_specs}
   dtypes = {path: dtype for path, _, dtype in leaf_specs}
   instances, slots, declared, roles, parts = [], {}, {}, {}, {}
@@ -739,7 +840,8 @@ def resolve(pairs: Sequence[Pair], tree: Any) -> Plan:
   structure at trace time and costs nothing inside a compiled step. Only
   floating-point leaves are declared.
   """
-  return _resolve_cached(as_pairs(pairs), _leaf_specs(tree))
+  pairs = as_pairs(pairs)
+  return _resolve_cached(pairs, _leaf_specs(tree), tuple(p.ndim for p in pairs))
 
 
 def as_pairs(pairs: Pair | Iterable[Pair]) -> tuple[Pair, ...]:

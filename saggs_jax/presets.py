@@ -14,21 +14,26 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
+import jax
 from optax.contrib import MuonDimensionNumbers
 
 from saggs_jax.equivariant.dimension_numbers import (
   muon_dimension_numbers as _from_patterns,
 )
 from saggs_jax.pairs import Block, Pair
+from saggs_jax.paths import is_array, match, path_str
 
 
 def _join(prefix: str | None, name: str) -> str:
   return f"{prefix}/{name}" if prefix else name
 
 
-def flax_mha(*, bias: bool = True, stacked: int = 0, prefix: str | None = None) -> list[Pair]:
+def flax_mha(
+  *, bias: bool = True, stacked: int | tuple[int, ...] = 0, prefix: str | None = None
+) -> list[Pair]:
   """Q/K and V/O per head for ``flax.linen.MultiHeadDotProductAttention`` and
   ``flax.nnx.MultiHeadAttention``.
 
@@ -57,6 +62,7 @@ def flax_mha(*, bias: bool = True, stacked: int = 0, prefix: str | None = None) 
       follow_a=(p("query/bias"),) if bias else (),
       follow_b=(p("key/bias"),) if bias else (),
       name="attention Q/K",
+      ndim=(3, 3),
     ),
     Pair(
       p("value/kernel"),
@@ -65,6 +71,7 @@ def flax_mha(*, bias: bool = True, stacked: int = 0, prefix: str | None = None) 
       stacked=stacked,
       follow_a=(p("value/bias"),) if bias else (),
       name="attention V/O",
+      ndim=(3, 3),
     ),
   ]
 
@@ -78,7 +85,7 @@ def llama(
   *,
   mlp: bool = True,
   bias: bool = False,
-  stacked: int = 0,
+  stacked: int | tuple[int, ...] = 0,
   prefix: str | None = None,
   q: str = "q_proj",
   k: str = "k_proj",
@@ -100,7 +107,7 @@ def llama(
     num_kv_heads: number of KV heads (= heads without GQA).
     mlp: include the SwiGLU up/down pair.
     bias: the q/k/v projections have biases that move with their kernels.
-    stacked: leading layer axes of scanned layers.
+    stacked: the copy axes of scanned layers (see :class:`~saggs_jax.Pair`).
     prefix: restricts the patterns to part of the tree.
     q, k, v, o, up, down: module names.
 
@@ -126,6 +133,7 @@ def llama(
       follow_a=biases(q),
       follow_b=biases(k),
       name="attention Q/K",
+      ndim=(2, 2),
     ),
     Pair(
       p(v),
@@ -135,15 +143,22 @@ def llama(
       stacked=stacked,
       follow_a=biases(v),
       name="attention V/O",
+      ndim=(2, 2),
     ),
   ]
   if mlp:
-    pairs.append(Pair(p(up), p(down), axes=(1, 0), stacked=stacked, name="SwiGLU up/down"))
+    pairs.append(
+      Pair(p(up), p(down), axes=(1, 0), stacked=stacked, name="SwiGLU up/down", ndim=(2, 2))
+    )
   return pairs
 
 
 def gpt2(
-  num_heads: int, *, norms: bool = True, stacked: int = 0, prefix: str | None = None
+  num_heads: int,
+  *,
+  norms: bool = True,
+  stacked: int | tuple[int, ...] = 0,
+  prefix: str | None = None,
 ) -> list[Pair]:
   """Q/K and V/O per head in GPT-2's fused attention, and each LayerNorm against the input
   columns that read it (Hugging Face Flax names and layout).
@@ -161,7 +176,7 @@ def gpt2(
   Args:
     num_heads: the number of attention heads.
     norms: include the two LayerNorm pairs of each layer.
-    stacked: leading layer axes of scanned layers.
+    stacked: the copy axes of scanned layers (see :class:`~saggs_jax.Pair`).
     prefix: restricts the patterns to part of the tree.
 
   Example::
@@ -188,6 +203,7 @@ def gpt2(
       follow_a=qkv("bias", "q"),
       follow_b=qkv("bias", "k"),
       name="attention Q/K",
+      ndim=(2, 2),
     ),
     Pair(
       qkv("kernel", "v"),
@@ -197,6 +213,7 @@ def gpt2(
       stacked=stacked,
       follow_a=qkv("bias", "v"),
       name="attention V/O",
+      ndim=(2, 2),
     ),
   ]
   if norms:  # each LayerNorm against the input columns of the kernel that reads it
@@ -208,10 +225,200 @@ def gpt2(
         stacked=stacked,
         follow_a=p(f"{ln}/bias"),
         name=f"LayerNorm {ln}",
+        ndim=(1, 2),
       )
       for ln, reader in (("ln_1", "attn/c_attn/kernel"), ("ln_2", "mlp/c_fc/kernel"))
     ]
   return pairs
+
+
+_MAXTEXT_BLOCKS = {  # decoder_block -> (its Q/K pair is exact and not moot, its MLP is SwiGLU/GeGLU)
+  "llama2": (True, True),
+  "mistral": (True, True),
+  "mixtral": (True, True),
+  "gemma": (True, True),
+  "gemma2": (True, True),
+  "qwen3": (False, True),  # QK-norm: Q and K are each scale-invariant, the pair is moot
+  "gemma3": (False, True),  # QK-norm
+  "deepseek": (True, False),  # MLA; its MLP and experts are not declared here
+}
+
+
+def _setting(config: Any, name: str, given: Any, default: Any) -> Any:
+  """``given`` if not None, else ``config``'s attribute or key ``name``, else ``default``."""
+  if given is not None:
+    return given
+  if isinstance(config, Mapping):
+    value = config.get(name)
+  else:
+    value = getattr(config, name, None)
+  value = getattr(value, "value", value)  # an enum (DecoderBlockType)
+  return default if value is None else value
+
+
+def maxtext(
+  config: Any = None,
+  *,
+  num_kv_heads: int | None = None,
+  decoder_block: str | None = None,
+  scan_layers: bool | None = None,
+  param_scan_axis: int | None = None,
+  num_experts: int | None = None,
+  qk_nope_head_dim: int | None = None,
+  qk_rope_head_dim: int | None = None,
+  v_head_dim: int | None = None,
+  q_lora_rank: int | None = None,
+  prefix: str | None = None,
+) -> list[Pair]:
+  """The exact pairs of a MaxText decoder block, per layer on its scanned layer axis.
+
+  MaxText (``maxtext``) keeps DenseGeneral kernels with their heads axes apart:
+  ``self_attention/query/kernel`` (emb, heads, head_dim), ``key`` and ``value``
+  (emb, kv_heads, head_dim), ``out`` (heads, head_dim, emb), ``mlp/wi_0`` (the gate)
+  and ``wi_1`` (emb, mlp), ``wo`` (mlp, emb), MoE experts ``MoeBlock_0/wi_0|wi_1``
+  (experts, emb, mlp) and ``wo`` (experts, mlp, emb). With ``scan_layers`` (the
+  default) every one of them has a layer axis inserted at ``param_scan_axis`` (1 by
+  default, 0 optionally; the experts' is at 1 either way), which the pairs take as their
+  copy axis, so that every layer (and expert) has factors of its own. Unscanned trees
+  (``decoder/layers_0/...``) match as well.
+
+  * Q/K per KV head group (``groups=num_kv_heads``): exact with RoPE, each query head
+    reading KV head ``h // (heads // kv_heads)``. Left out for ``qwen3`` and
+    ``gemma3``, whose per-head QK-norm makes Q and K each scale-invariant (the pair is
+    exact but moot).
+  * V/O per KV head.
+  * ``wi_1``/``wo`` per channel: in ``act(x wi_0) * (x wi_1) wo`` only the linear
+    ``wi_1`` pairs with ``wo`` (scaling the gate ``wi_0`` goes through the activation);
+    per expert and layer in a MoE block (``num_experts > 1``, which replaces the dense
+    MLP).
+  * ``deepseek`` (MLA): its ``wkv_b`` (kv_lora, heads, qk_nope + v) holds each head's
+    non-rotary key and its value; Q/K pairs the non-rotary part of the query
+    (``query``, or ``wq_b`` with ``q_lora_rank > 0``; (…, heads, qk_nope + qk_rope))
+    with the key's, per head (the rotary part is shared by all heads through
+    ``wkv_a``, so it cannot move), and V/O the value part with ``out``. Its MLP and
+    experts are not declared here.
+
+  Norm gains and the router are not declared. Each pair checks the rank of its
+  leaves, so that another layout is an error naming the path rather than a
+  declaration along the wrong axes.
+
+  Args:
+    config: MaxText's config (``pyconfig.initialize(...)``) or a mapping with its keys;
+      the keywords below override it.
+    num_kv_heads: KV heads.
+    decoder_block: one of ``llama2``, ``mistral``, ``mixtral``, ``gemma``, ``gemma2``,
+      ``gemma3``, ``qwen3``, ``deepseek``; default ``llama2``.
+    scan_layers: whether the layers are scanned (default True).
+    param_scan_axis: the layer axis of scanned parameters (default 1).
+    num_experts: experts per MoE layer (default 1: a dense MLP).
+    qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank: MLA's (deepseek).
+    prefix: restricts the patterns to part of the tree.
+
+  Example::
+
+    >>> import saggs_jax as saggs
+    >>> pairs = saggs.presets.maxtext({"num_kv_heads": 2, "decoder_block": "llama2"})
+    >>> [(pair.name, pair.stacked) for pair in pairs]
+    [('attention Q/K', (1,)), ('attention V/O', (1,)), ('MLP wi_1/wo', (1,))]
+  """
+  block = str(_setting(config, "decoder_block", decoder_block, "llama2")).lower()
+  if block not in _MAXTEXT_BLOCKS:
+    raise ValueError(
+      f"presets.maxtext: decoder_block {block!r} is not covered; expected one of"
+      f" {sorted(_MAXTEXT_BLOCKS)}."
+    )
+  qk_exact, glu = _MAXTEXT_BLOCKS[block]
+  scanned = bool(_setting(config, "scan_layers", scan_layers, True))
+  axis = int(_setting(config, "param_scan_axis", param_scan_axis, 1))
+  if axis not in (0, 1):
+    raise ValueError(f"presets.maxtext: param_scan_axis must be 0 or 1, got {axis}.")
+  experts = int(_setting(config, "num_experts", num_experts, 1))
+  layer: tuple[int, ...] = (axis,) if scanned else ()
+  expert = (0, 1) if scanned else (0,)  # (experts, layers, ...) or (layers, experts, ...)
+
+  def p(module, leaf="kernel"):
+    return _join(prefix, f"{module}/{leaf}")
+
+  attn = "self_attention*"  # gemma2's self_attention_local and _global too
+  if block == "deepseek":
+    return _maxtext_mla(
+      config, p, attn, layer, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank
+    )
+  kv = int(_setting(config, "num_kv_heads", num_kv_heads, 0))
+  if kv < 1:
+    raise ValueError("presets.maxtext: pass num_kv_heads (or a config with it).")
+  pairs = []
+  if qk_exact:
+    pairs.append(
+      Pair(
+        p(f"{attn}/query"),
+        p(f"{attn}/key"),
+        axes=(1, 1),
+        groups=kv,
+        stacked=layer,
+        name="attention Q/K",
+        ndim=(3, 3),
+      )
+    )
+  pairs.append(
+    Pair(
+      p(f"{attn}/value"),
+      p(f"{attn}/out"),
+      axes=(1, 0),
+      groups=kv,
+      stacked=layer,
+      name="attention V/O",
+      ndim=(3, 3),
+    )
+  )
+  if glu and experts > 1:
+    pairs.append(
+      Pair(
+        p("MoeBlock_0/wi_1"),
+        p("MoeBlock_0/wo"),
+        axes=(1, 0),
+        stacked=expert,
+        name="MoE wi_1/wo",
+        ndim=(2, 2),
+      )
+    )
+  elif glu:
+    pairs.append(
+      Pair(p("mlp/wi_1"), p("mlp/wo"), axes=(1, 0), stacked=layer, name="MLP wi_1/wo", ndim=(2, 2))
+    )
+  return pairs
+
+
+def _maxtext_mla(config, p, attn, layer, nope, rope, v, q_lora) -> list[Pair]:
+  """MLA's Q/K (non-rotary parts) and V/O per head (see :func:`maxtext`)."""
+  nope = int(_setting(config, "qk_nope_head_dim", nope, 0))
+  rope = int(_setting(config, "qk_rope_head_dim", rope, 0))
+  v = int(_setting(config, "v_head_dim", v, 0))
+  if min(nope, rope, v) < 1:
+    raise ValueError(
+      "presets.maxtext: deepseek (MLA) needs qk_nope_head_dim, qk_rope_head_dim and"
+      " v_head_dim (or a config with them)."
+    )
+  query = "wq_b" if int(_setting(config, "q_lora_rank", q_lora, 0)) > 0 else "query"
+  kv_parts = ("k_nope", "v")
+  return [
+    Pair(
+      Block(p(f"{attn}/{query}"), axis=2, parts=("nope", "rope"), part="nope", sizes=(nope, rope)),
+      Block(p(f"{attn}/wkv_b"), axis=2, parts=kv_parts, part="k_nope", sizes=(nope, v)),
+      axes=(1, 1),
+      stacked=layer,
+      name="MLA Q/K (non-rotary)",
+      ndim=(3, 3),
+    ),
+    Pair(
+      Block(p(f"{attn}/wkv_b"), axis=2, parts=kv_parts, part="v", sizes=(nope, v)),
+      p(f"{attn}/out"),
+      axes=(1, 0),
+      stacked=layer,
+      name="MLA V/O",
+      ndim=(3, 3),
+    ),
+  ]
 
 
 # The hidden matrices of each layout for Muon; negative axes, so that the
@@ -246,8 +453,63 @@ _MUON_LAYOUTS: dict[str, dict[tuple[str, ...], MuonDimensionNumbers]] = {
 }
 
 
+# MaxText's matrices, per layer: (per-layer rank, reduction axes, output axes), first match
+# wins; the layer axis is then inserted at param_scan_axis (see _maxtext_muon).
+_MAXTEXT_EXCLUDED = frozenset({"scale", "bias", "embedding", "logits_dense"})
+_MAXTEXT_MATRICES: tuple[tuple[str, tuple[int, tuple[int, ...], tuple[int, ...]]], ...] = (
+  ("MoeBlock_0/wi_*/kernel", (3, (1,), (2,))),  # (experts, in, out): per expert
+  ("MoeBlock_0/wo/kernel", (3, (1,), (2,))),
+  ("self_attention*/out/kernel", (3, (0, 1), (2,))),  # (heads, head_dim, emb): one matrix
+  *(
+    (f"self_attention*/{name}/kernel", (3, (0,), (1, 2)))  # (in, heads, head_dim)
+    for name in ("query", "key", "value", "wq_b", "wkv_b")
+  ),
+)
+
+
+def _maxtext_muon(params: Any, prefix: str | None, scan_axis: int | None) -> Any:
+  """MaxText's ``muon_weight_dimension_numbers`` (see :func:`muon_dimension_numbers`)."""
+  if scan_axis not in (0, 1, None):
+    raise ValueError(f"param_scan_axis must be 0, 1 or None (unscanned), got {scan_axis!r}.")
+  scanned = scan_axis is not None
+  # Per-layer axes before the layer axis count from the start, the others from the end:
+  # MaxText's own numbers for the layer axis at 1 (or none); at 0 all count from the end.
+  split = 1 if scan_axis is None else scan_axis
+
+  def leaf(key_path, x):
+    path = path_str(key_path)
+    if not is_array(x) or _MAXTEXT_EXCLUDED & set(path.split("/")):
+      return None
+    if prefix is not None and match(_join(prefix, "**"), path) is None:
+      return None
+    rule = next((r for pat, r in _MAXTEXT_MATRICES if match(pat, path) is not None), None)
+    n = len(x.shape) - scanned
+    if rule is None:  # a Dense kernel (in, out), or no matrix
+      if n < 2:
+        return None
+      rule = (n, (0,), (n - 1,))
+    rank, reduction, output = rule
+    if n != rank:
+      raise ValueError(
+        f"presets.muon_dimension_numbers(..., 'maxtext'): {path!r} has shape"
+        f" {tuple(x.shape)}, {n} axes per layer; MaxText's layout has {rank}"
+        f" (param_scan_axis={scan_axis}; None for scan_layers=False)."
+      )
+
+    def at(axes):  # before the layer axis from the start, after it from the end
+      return tuple(a if a < split else a - n for a in axes)
+
+    return MuonDimensionNumbers(at(reduction), at(output))
+
+  return jax.tree_util.tree_map_with_path(leaf, params)
+
+
 def muon_dimension_numbers(
-  params: Any, layout: Literal["llama", "flax_mha", "gpt2"], *, prefix: str | None = None
+  params: Any,
+  layout: Literal["llama", "flax_mha", "gpt2", "maxtext"],
+  *,
+  prefix: str | None = None,
+  param_scan_axis: int | None = 1,
 ) -> Any:
   """The ``muon_weight_dimension_numbers`` tree of ``optax.contrib.muon`` for a preset layout.
 
@@ -256,6 +518,16 @@ def muon_dimension_numbers(
   :func:`gpt2` get their ``MuonDimensionNumbers``; every other leaf (norms,
   biases, embeddings, the LM head) ``None``, which Muon leaves to AdamW. The
   same declarations serve :func:`saggs_jax.equivariant.scale_by_polar`.
+
+  ``"maxtext"`` gives MaxText's trees (see :func:`maxtext`) what MaxText's own
+  ``muon_utils`` gives them where that is right: attention q/k/v (and MLA's ``wq_b``,
+  ``wkv_b``) reduced over their input and producing (heads, head_dim), ``out`` reduced over
+  (heads, head_dim), MoE experts one matrix per expert, every other kernel (in, out), and
+  ``None`` for norm scales, biases, the embedding and ``logits_dense``. The layer axis at
+  ``param_scan_axis`` (1, MaxText's default; 0; or ``None`` for ``scan_layers=False``) is
+  always a batch axis. With ``param_scan_axis=0`` MaxText's own tree reduces the MLP, the
+  router and the attention kernels over the layer axis (``docs/dimension_numbers.md``); this
+  one does not.
 
   Example::
 
@@ -269,8 +541,12 @@ def muon_dimension_numbers(
     >>> tx = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
     >>> updates, _ = tx.update(params, tx.init(params), params)
   """
+  if layout == "maxtext":
+    return _maxtext_muon(params, prefix, param_scan_axis)
   if layout not in _MUON_LAYOUTS:
-    raise ValueError(f"Unknown layout {layout!r}; expected one of {sorted(_MUON_LAYOUTS)}.")
+    raise ValueError(
+      f"Unknown layout {layout!r}; expected one of {sorted(_MUON_LAYOUTS) + ['maxtext']}."
+    )
   return _from_patterns(
     params,
     {tuple(_join(prefix, p) for p in pats): dims for pats, dims in _MUON_LAYOUTS[layout].items()},

@@ -147,7 +147,9 @@ def _checked_logits(plan: Plan, extra_args: dict) -> dict[str, jax.Array]:
   """The ``max_logits`` extra argument, one entry per instance keyed by its Q member, each
   ``stacked_shape + (heads,)``; raises a ValueError naming what is missing or wrong."""
   wanted = {inst.a: inst for inst in plan.instances}
-  spelled = ", ".join(f"{a!r}: {i.factor_shape[:-1] + ('heads',)}" for a, i in wanted.items())
+  spelled = ", ".join(
+    f"{a!r}: {i.factor_shape[: len(i.pair.copy_axes)] + ('heads',)}" for a, i in wanted.items()
+  )
   logits = extra_args.get("max_logits")
   if logits is None:
     raise ValueError(

@@ -62,6 +62,8 @@ def _expanded(slot: Slot, shape: tuple[int, ...], factors: Factors, dtype: DType
   if slot.axis is not None:  # (..., groups) -> (..., size): each factor over its group
     n = inner[slot.axis]
     f = jnp.broadcast_to(f[..., None], f.shape + (n // slot.groups,)).reshape(f.shape[:-1] + (n,))
+  if slot.axis is not None:  # the group axis to its place among the copy axes: a small array
+    f = jnp.moveaxis(f, -1, slot.group_position)
   f = f.reshape(slot.broadcast_shape(inner))
   if slot.block is not None:  # ones on either side of the block: a concatenation, no reshape
     axis, start, stop = slot.block

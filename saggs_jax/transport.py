@@ -230,7 +230,7 @@ def _varying(plan: Plan, path: str, axes: tuple[int, ...]):
     for a in axes:
       why = (
         "stacked copies"
-        if a < slot.stacked
+        if a in slot.stacked
         else "groups"
         if a == slot.axis and slot.groups > 1
         else "a block"

@@ -34,6 +34,7 @@ import numpy as np
 
 from saggs_jax.diagnostics import Probe
 from saggs_jax.discovery.candidates import Candidate, Unit
+from saggs_jax.pairs import copy_positions
 
 
 class Confirmed(NamedTuple):
@@ -85,7 +86,7 @@ class Checker:
       for o in jax.tree.leaves(apply_fn(leaves, *args, **kwargs))
       if jnp.issubdtype(o.dtype, jnp.floating)
     ]
-    self.slots: dict[tuple[int, int, int], int] = {}  # (unit, axis, stacked) -> its index
+    self.slots: dict[tuple, int] = {}  # (unit, axis, stacked) -> its index
     for inst in candidates:
       for (unit, axis), _ in inst.scaled:
         self.slots.setdefault((unit, axis, inst.stacked), len(self.slots))
@@ -111,10 +112,10 @@ class Checker:
     ]
     return self.probe.deviation(leaves)
 
-  def _log_shape(self, unit: int, axis: int, stacked: int) -> tuple[int, ...]:
+  def _log_shape(self, unit: int, axis: int, stacked) -> tuple[int, ...]:
     """A slot's log-factors: per copy (the stacked axes) and channel."""
     shape = _unit_shape(self.leaves, self.units[unit])
-    return shape[:stacked] + (shape[axis],)
+    return tuple(shape[i] for i in copy_positions(stacked)) + (shape[axis],)
 
   def _direction(self, leaves: list, logs: list) -> list:
     """The tangent of ``leaves`` along the orbit: each slot's unit times its log-factors along
@@ -159,7 +160,7 @@ class Checker:
       self.rng.uniform(
         -np.log(4),
         np.log(4),
-        tuple(self.leaves[self.units[i.a[0][0]].leaf].shape[: i.stacked]) + (groups,),
+        self._log_shape(i.a[0][0], i.a[0][1], i.stacked)[:-1] + (groups,),
       )
       for i in instances
     ]
@@ -173,15 +174,17 @@ class Checker:
     return Verdict(orbit <= tol * one_sided, one_sided > 0)
 
 
-def _expand(factors, shape: tuple[int, ...], axis: int, stacked: int):
-  """Per-group ``factors`` (stacked..., groups) as a multiplier of a leaf of ``shape``
-  (NumPy or JAX arrays)."""
+def _expand(factors, shape: tuple[int, ...], axis: int, stacked):
+  """Per-group ``factors`` (copies..., groups) as a multiplier of a leaf of ``shape`` whose
+  copy axes ``stacked`` names (a number of leading axes, or their positions; NumPy or JAX
+  arrays)."""
+  copy = copy_positions(stacked)
   n = shape[axis]
   xp = np if isinstance(factors, np.ndarray) else jnp
   factors = xp.repeat(factors, n // factors.shape[-1], axis=-1)
-  return factors.reshape(
-    factors.shape[:-1] + (1,) * (axis - stacked) + (n,) + (1,) * (len(shape) - axis - 1)
-  )
+  k = sum(c < axis for c in copy)  # the group axis's place among the copy axes, in leaf order
+  factors = factors.transpose((*range(k), factors.ndim - 1, *range(k, factors.ndim - 1)))
+  return factors.reshape(tuple(m if i in copy or i == axis else 1 for i, m in enumerate(shape)))
 
 
 def _unit_shape(leaves: list, unit: Unit) -> tuple[int, ...]:

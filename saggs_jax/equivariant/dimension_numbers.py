@@ -21,7 +21,7 @@ serves a layer and a scanned stack of them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -163,16 +163,43 @@ def muon_axes(dims: MuonDimensionNumbers, ndim: int) -> tuple[tuple[int, ...], .
   return partition(ndim, [dims.reduction_axis, dims.output_axis], None)
 
 
+def dense_dimension_numbers(
+  ndim: int, copy_axes: Sequence[int], *, reads: bool
+) -> MuonDimensionNumbers:
+  """The matrices of a Dense-like kernel of rank ``ndim`` whose copy axes (layers, experts)
+  are at ``copy_axes``: its other axes are its inputs, then its outputs. A kernel that reads
+  the hidden state (``reads``: q/k/v (d, heads, head_dim), gate/up (d, F)) reduces over its
+  first such axis and outputs the rest; one that writes it (o (heads, head_dim, d), down
+  (F, d)) outputs its last and reduces over the rest. Axes are non-negative.
+
+  Example (MaxText's scanned query (emb, layers, heads, head_dim) and out (heads, layers,
+  head_dim, emb)):
+    >>> dense_dimension_numbers(4, (1,), reads=True)
+    MuonDimensionNumbers(reduction_axis=(0,), output_axis=(2, 3))
+    >>> dense_dimension_numbers(4, (1,), reads=False)
+    MuonDimensionNumbers(reduction_axis=(0, 2), output_axis=(3,))
+  """
+  free = [a for a in range(ndim) if a not in set(copy_axes)]
+  if len(free) < 2:
+    raise ValueError(
+      f"a kernel of rank {ndim} with copy axes {tuple(copy_axes)} has no matrix (fewer than"
+      " two other axes)"
+    )
+  reduction, output = (free[:1], free[1:]) if reads else (free[:-1], free[-1:])
+  return MuonDimensionNumbers(tuple(reduction), tuple(output))
+
+
 Patterns = str | Sequence[str]
+Dims = MuonDimensionNumbers | None
+Layout = Dims | Callable[[str, tuple[int, ...]], Dims]
 
 
-def muon_dimension_numbers(
-  params: Any, layouts: Mapping[Patterns, MuonDimensionNumbers | None]
-) -> Any:
+def muon_dimension_numbers(params: Any, layouts: Mapping[Patterns, Layout]) -> Any:
   """The tree of ``MuonDimensionNumbers`` that ``optax.contrib.muon`` takes, from path patterns.
 
   Each array leaf whose path matches a pattern of ``layouts`` (see
-  :mod:`saggs_jax.paths`) gets that pattern's ``MuonDimensionNumbers``;
+  :mod:`saggs_jax.paths`) gets that pattern's ``MuonDimensionNumbers``, or what
+  ``fn(path, shape)`` gives for it where the pattern maps to a function;
   every other leaf gets ``None``, which ``optax.contrib.muon`` hands to AdamW.
   The tree has the structure of ``params`` (an ``nnx.State`` included).
 
@@ -198,7 +225,15 @@ def muon_dimension_numbers(
     if not is_array(x):
       return None
     path = path_str(key_path)
-    hits = {dims for pats, dims in entries for p in pats if match(p, path) is not None}
+    try:
+      hits = {
+        dims(path, tuple(x.shape)) if callable(dims) else dims
+        for pats, dims in entries
+        for p in pats
+        if match(p, path) is not None
+      }
+    except ValueError as e:
+      raise ValueError(f"Parameter {path!r} of shape {tuple(x.shape)}: {e}.") from None
     if len(hits) > 1:
       raise ValueError(
         f"Parameter {path!r} matches patterns with different dimension numbers {hits}."

@@ -12,8 +12,10 @@ from optax.contrib import MuonDimensionNumbers
 
 from saggs_jax.equivariant import _linalg
 from saggs_jax.equivariant.dimension_numbers import (
+  Layout,
   Patterns,
   UnitDimensionNumbers,
+  dense_dimension_numbers,
   muon_dimension_numbers,
 )
 from saggs_jax.equivariant.rules import (
@@ -151,14 +153,33 @@ ROLE_DIMENSION_NUMBERS: dict[str, MuonDimensionNumbers | None] = {
 }
 
 
-def role_dimension_numbers(params: Any, roles: Mapping[str, Patterns] | None = None) -> Any:
+# Whether a role's kernels read the hidden state (reduced over their first axis per copy) or
+# write it (producing their last): see dense_dimension_numbers.
+_WRITES = frozenset({"output", "down"})
+
+
+def role_dimension_numbers(
+  params: Any,
+  roles: Mapping[str, Patterns] | None = None,
+  *,
+  copy_axes: int | Sequence[int] | Mapping[str, Sequence[int]] | None = None,
+) -> Any:
   """:func:`muon_dimension_numbers` for the roles of ``symmetry_compatible``.
 
   ``roles`` maps roles to path patterns, as :data:`ROLE_PATTERNS` (the
   default) or ``saggs_jax.discover(...).roles`` do; each role's leaves get
-  :data:`ROLE_DIMENSION_NUMBERS`. Query, key/value and output kernels are
-  orthogonalised whole: ``MuonDimensionNumbers`` cannot split one axis into
-  heads (``scale_by_polar(num_heads=...)`` can).
+  :data:`ROLE_DIMENSION_NUMBERS`: Dense (in, out) kernels, any leading axes
+  batched. Query, key/value and output kernels are orthogonalised whole:
+  ``MuonDimensionNumbers`` cannot split one axis into heads
+  (``scale_by_polar(num_heads=...)`` can).
+
+  With ``copy_axes`` (the copy axes of every leaf: a number of leading axes, their
+  positions, or ``{path: positions}`` as :func:`saggs_jax.copy_axes` reads them) the
+  kernels may have several input or output axes, as MaxText's (emb, layers, heads,
+  head_dim) query and (heads, layers, head_dim, emb) output do: each gets
+  :func:`~saggs_jax.equivariant.dimension_numbers.dense_dimension_numbers`, the copy
+  axes batched, the output and down projections producing their last axis and the
+  others reduced over their first.
 
   Example:
     >>> import jax.numpy as jnp
@@ -171,9 +192,21 @@ def role_dimension_numbers(params: Any, roles: Mapping[str, Patterns] | None = N
     raise ValueError(
       f"Unknown roles {sorted(unknown)}; the roles are {sorted(ROLE_DIMENSION_NUMBERS)}."
     )
-  return muon_dimension_numbers(
-    params, {_as_patterns(pats): ROLE_DIMENSION_NUMBERS[r] for r, pats in roles.items()}
-  )
+  layouts: dict[Patterns, Layout]
+  if copy_axes is None:
+    layouts = {_as_patterns(pats): ROLE_DIMENSION_NUMBERS[r] for r, pats in roles.items()}
+  else:
+
+    def dims_of(role):
+      def dims(path, shape):
+        copy = copy_axes.get(path, ()) if isinstance(copy_axes, Mapping) else copy_axes
+        copy = range(copy) if isinstance(copy, int) else copy
+        return dense_dimension_numbers(len(shape), tuple(copy), reads=role not in _WRITES)
+
+      return None if ROLE_DIMENSION_NUMBERS[role] is None else dims
+
+    layouts = {_as_patterns(pats): dims_of(r) for r, pats in roles.items()}
+  return muon_dimension_numbers(params, layouts)
 
 
 # Lau & Su's training scripts (timlautk/equivariant_optimizers, train_qwen3.py
