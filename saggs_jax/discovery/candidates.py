@@ -54,6 +54,7 @@ class Start(NamedTuple):
   tag: Tag
   stacked: int  # leading leaf axes that index copies (layers, experts)
   channel: tuple[int, ...]  # the leaf axes the factor can sit on
+  gain: bool  # an elementwise gain (a norm scale), not a linear map
 
 
 class Source(NamedTuple):
@@ -93,20 +94,32 @@ class Rejection(NamedTuple):
   reason: str
 
 
-def starts(prog: Program, uses) -> list[Start]:
-  """Each leaf use a factor can start from: a ``dot_general`` operand, or a ``mul``'s."""
+OFFSET = propagation.inexact("a constant added to it first (a gain stored as w in 1 + w)")
+
+
+def starts(prog: Program, flow: propagation.Flow) -> list[Start]:
+  """Each leaf use a factor can start from: a ``dot_general`` operand (a linear map, or a gain
+  where the leaf sits on batch dimensions only: ``einsum("...k,k->...k", y, scale)``), or a
+  ``mul``'s (a gain). A gain read as ``w + constant`` (Gemma's ``1 + w``) starts inexact."""
   found = []
-  for leaf, leaf_uses in uses.items():
+  for leaf, leaf_uses in flow.uses.items():
     for use in leaf_uses:
-      eqn = prog.eqns[use.eqn]
-      view, k = use.view, use.operand
+      eqn, view, k, reasons = prog.eqns[use.eqn], use.view, use.operand, frozenset()
+      offset = _offset(prog, flow, use.eqn, k)
+      if offset is not None:  # the gain is read through ``w + c``: start where it is applied
+        e, k = offset
+        eqn, reasons = prog.eqns[e], frozenset({OFFSET})
+        use = use._replace(eqn=e)
+      gain = eqn.prim == "mul" and len(eqn.ins) == 2
       if eqn.prim == "dot_general":
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        dims = eqn.params["dimension_numbers"]
+        (lc, rc), (lb, rb) = dims
         contract, batch = (lc, rc)[k], (lb, rb)[k]
-        out = dot_out_axis(eqn.params["dimension_numbers"], [prog.shapes[i] for i in eqn.ins], k)
+        out = dot_out_axis(dims, [prog.shapes[i] for i in eqn.ins], k)
         amap = {out[a]: view.axes[a] for a in range(len(view.axes)) if a not in contract}
-        stack = frozenset().union(*(view.axes[a] for a in batch))
-      elif eqn.prim == "mul" and len(eqn.ins) == 2:
+        gain = not contract and len(batch) == len(view.axes)  # elementwise: a gain
+        stack = frozenset() if gain else frozenset().union(*(view.axes[a] for a in batch))
+      elif gain:
         amap = {
           a: s
           for a, s in enumerate(view.axes)
@@ -119,10 +132,24 @@ def starts(prog: Program, uses) -> list[Start]:
       stacked = view.consumed + len(stack)
       if not channel or stack != frozenset(range(view.consumed, stacked)):
         continue
-      t = tag(amap)
+      t = tag(amap, reasons)
       if t is not None:
-        found.append(Start(leaf, use.eqn, eqn.outs[0], t, stacked, tuple(sorted(channel))))
+        found.append(Start(leaf, use.eqn, eqn.outs[0], t, stacked, tuple(sorted(channel)), gain))
   return found
+
+
+def _offset(prog: Program, flow: propagation.Flow, e: int, k: int) -> tuple[int, int] | None:
+  """Where ``w + c`` (eqn ``e`` adds a constant ``c`` to its operand ``k``, a view of ``w``) is
+  applied as a gain: ``(eqn, operand)`` of its one consumer, a ``mul`` or a ``dot_general``."""
+  eqn = prog.eqns[e]
+  if eqn.prim not in ("add", "sub") or flow.dep[eqn.ins[1 - k]]:
+    return None
+  if prog.shapes[eqn.outs[0]] != prog.shapes[eqn.ins[k]]:
+    return None
+  consumers = flow.consumers.get(eqn.outs[0], [])
+  if len(consumers) != 1 or prog.eqns[consumers[0]].prim not in ("mul", "dot_general"):
+    return None
+  return consumers[0], prog.eqns[consumers[0]].ins.index(eqn.outs[0])
 
 
 def group_options(sizes: list[int], splits: set[int]) -> list[int]:
@@ -152,7 +179,7 @@ class Analysis:
     self.gated = collections.defaultdict(set)  # a GLU product -> the leaves whose factor it takes
     self.gates_of = collections.defaultdict(set)  # leaf -> the GLU products its factor takes
     meets = collections.defaultdict(list)
-    for start in starts(self.prog, self.uses):
+    for start in starts(self.prog, self.flow):
       if not floating[start.leaf]:
         continue
       for source in self._sources(start):
@@ -187,7 +214,7 @@ class Analysis:
   def _sources(self, start: Start) -> list[Source]:
     """The source of ``start``'s leaf; or, where its blocks are read apart, one per block,
     the other blocks then values that do not scale."""
-    leaf, gain = start.leaf, self.prog.eqns[start.eqn].prim == "mul"
+    leaf, gain = start.leaf, start.gain
     trace = self._follow(start)
     self.gates_of[leaf] |= trace.gates
     for g in trace.gates:

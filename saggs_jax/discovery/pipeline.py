@@ -13,7 +13,7 @@ from jax import core
 
 from saggs_jax import paths
 from saggs_jax.diagnostics import default_rtol
-from saggs_jax.discovery import declarations
+from saggs_jax.discovery import declarations, roles
 from saggs_jax.discovery.candidates import Analysis, Candidate, group_options
 from saggs_jax.discovery.confirmation import Checker, confirm
 from saggs_jax.discovery.result import Discovery
@@ -141,7 +141,7 @@ def discover(
   return Discovery(
     pairs,
     declarations.rejected(rejections),
-    declarations.roles(analysis, found.names, found.shapes, confirmed),
+    roles.roles(analysis, found.names, found.shapes, confirmed),
     confirmation,
   )
 

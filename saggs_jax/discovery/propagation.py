@@ -239,6 +239,14 @@ def moved(
   return new
 
 
+def _plus_zero(prog: Program, eqn: Eqn, zeros: set[int]) -> bool:
+  """``x + 0``, ``0 + x`` or ``x - 0`` that keeps ``x``'s shape: ``x`` itself."""
+  if eqn.prim not in ("add", "sub") or len(eqn.ins) != 2:
+    return False
+  keep = [k for k in range(2) if eqn.ins[1 - k] in zeros and (k == 0 or eqn.prim == "add")]
+  return any(prog.shapes[eqn.ins[k]] == prog.shapes[eqn.outs[0]] for k in keep)
+
+
 def flow(prog: Program) -> Flow:
   """Views of one leaf through structural eqns, each leaf's other uses, and dependence."""
   views = {
@@ -257,9 +265,19 @@ def flow(prog: Program) -> Flow:
     for o in eqn.outs:
       dep[o] = any(dep[i] for i in eqn.ins)
     rule = rule_of(eqn.prim)
+    if rule.identity:  # output k is input k: a view, a zero or a value as it was
+      for i, o in zip(eqn.ins, eqn.outs):
+        if i in views:
+          views[o] = views[i]
+        if i in zeros:
+          zeros.add(o)
+      continue
     if rule.axes is not None and all(i in zeros for i in eqn.ins):
       zeros.update(eqn.outs)
     src = [(k, views[i]) for k, i in enumerate(eqn.ins) if i in views]
+    if _plus_zero(prog, eqn, zeros) and src:  # ``w + 0.0`` (MaxText's gain offset): still w
+      views[eqn.outs[0]] = src[0][1]
+      continue
     if src and len(eqn.ins) == 1 and rule.axes is not None and rule.views:
       view = src[0][1]
       views[eqn.outs[0]] = View(
@@ -423,6 +441,12 @@ def _carry(
 
 def _move(walk: Walk, x: Site) -> Step:
   return _carry(walk, x, x.reasons), None
+
+
+def _identity(walk: Walk, x: Site) -> Step:
+  """A value identity of any arity (``optimization_barrier``, ``device_put``): output ``k`` is
+  input ``k``."""
+  return [(o, v, x.cut) for o, v in zip(x.eqn.outs, x.values) if v is not None], None
 
 
 def _concatenate(walk: Walk, x: Site) -> Step:
@@ -644,6 +668,7 @@ class Rule(NamedTuple):
       leaf meeting here are one channel after all (the halves of rotate-half RoPE).
     additive: a sum, through which a head's output passes (a bias).
     views: a view of a leaf through it is still a view (an axis move, not a split).
+    identity: output ``k`` is input ``k``, whatever the arity (a value identity).
   """
 
   step: Callable[[Walk, Site], Step]
@@ -651,6 +676,7 @@ class Rule(NamedTuple):
   joins: bool = False
   additive: bool = False
   views: bool = True
+  identity: bool = False
 
 
 def _mover(
@@ -661,20 +687,32 @@ def _mover(
 
 _SUM = Rule(_add, joins=True, additive=True)
 _RELU = Rule(_relu)
+# Primitives that return their operands' values unchanged: remat names (``checkpoint_name``,
+# which MaxText and EasyDeL wrap around every projection), barriers, copies, placement and
+# sharding annotations, ``stop_gradient`` (the function's values are what a symmetry keeps).
+IDENTITIES = (
+  "name",
+  "optimization_barrier",
+  "copy",
+  "copy_p",
+  "device_put",
+  "sharding_constraint",
+  "mesh_cast",
+  "reshard",
+  "pvary",
+  "stop_gradient",
+)
 RULES: dict[str, Rule] = {
+  **{p: Rule(_identity, _same_axes, identity=True) for p in IDENTITIES},
   **{
     p: _mover()
     for p in (
       "convert_element_type",
-      "copy",
-      "copy_p",
       "reduce_precision",
       "neg",
       "rev",
       "pad",
       "dynamic_slice",
-      "optimization_barrier",
-      "sharding_constraint",
       "real",
     )
   },
@@ -764,7 +802,7 @@ def _step(walk: Walk, e: int, values: dict[int, Value], cut_of: dict[int, Cut | 
   cuts = {cut_of[i] for i, s in zip(eqn.ins, st) if isinstance(s, Tag)}
   joined = frozenset(c.axis for c in cuts if c) if len(cuts) > 1 and rule.joins else None
   x = Site(e, eqn, st, tags, reasons, cuts.pop() if len(cuts) == 1 else None)
-  if tags:
+  if tags or rule.identity:
     outs, note = rule.step(walk, x)
   else:
     note = None
