@@ -29,6 +29,7 @@ READS = MappingProxyType(
     "split": ("axis", "sizes"),
     "slice": ("start_indices", "limit_indices", "strides"),
     "dot_general": ("dimension_numbers",),
+    "gather": ("dimension_numbers", "slice_sizes"),
     "unstack": ("axis",),  # jax >= 0.12
     **{p: ("axes",) for p in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")},
     **{p: ("axes",) for p in ("argmax", "argmin")},

@@ -36,6 +36,7 @@ class Arch(NamedTuple):
   gemma: bool = False  # (1 + w) norm gains and a GeGLU MLP
   biases: bool = False  # gpt-oss: q/k/v/o biases, attention sinks, router and expert biases
   moe: str | None = None  # "dense" or "take": an MoE block in place of the MLP
+  deepseek: bool = False  # with moe: layer 0 a dense MLP, the others add a shared expert of F/2
   layers: int = 2
 
 
@@ -48,7 +49,14 @@ def init(arch: Arch, seed: int = 0) -> dict:
 
   gain = 0.0 if arch.gemma else 1.0  # Gemma's gains are stored as w in (1 + w)
 
-  def layer():
+  def dense(width):
+    return {
+      "wi_0": {"kernel": w(D, width)},
+      "wi_1": {"kernel": w(D, width)},
+      "wo": {"kernel": w(width, D)},
+    }
+
+  def layer(i):
     p = {
       "pre_self_attention_norm": {"scale": w(D, fan_in=16, base=gain)},
       "post_self_attention_norm": {"scale": w(D, fan_in=16, base=gain)},
@@ -68,7 +76,7 @@ def init(arch: Arch, seed: int = 0) -> dict:
         att[name]["bias"] = w(heads, HD, fan_in=16)
       att["out"]["bias"] = w(D, fan_in=16)
       att["sinks"] = w(H, fan_in=1)
-    if arch.moe:
+    if arch.moe and not (arch.deepseek and i == 0):
       moe = {
         "gate": {"kernel": w(D, E)},
         "wi_0": w(E, D, F, fan_in=D),
@@ -79,19 +87,17 @@ def init(arch: Arch, seed: int = 0) -> dict:
         moe["gate"]["bias"] = w(E, fan_in=16)
         moe["wi_0_bias"], moe["wi_1_bias"] = w(E, F, fan_in=16), w(E, F, fan_in=16)
         moe["wo_bias"] = w(E, D, fan_in=16)
+      if arch.deepseek:
+        moe["shared_experts"] = dense(F // 2)
       p["MoeBlock_0"] = moe
     else:
-      p["mlp"] = {
-        "wi_0": {"kernel": w(D, F)},
-        "wi_1": {"kernel": w(D, F)},
-        "wo": {"kernel": w(F, D)},
-      }
+      p["mlp"] = dense(F)
     return p
 
   return {
     "token_embedder": {"embedding": w(V, D, fan_in=1)},
     "decoder": {
-      "layers": {str(i): layer() for i in range(arch.layers)},
+      "layers": {str(i): layer(i) for i in range(arch.layers)},
       "decoder_norm": {"scale": w(D, fan_in=16, base=gain)},
       "logits_dense": {"kernel": w(D, V)},
     },
@@ -173,7 +179,8 @@ def moe(x, p, arch: Arch):
     up = jnp.einsum("td,tkdf->tkf", t, take("wi_1")) + wb("wi_1_bias")
     out = jnp.einsum("tkf,tkfd->tkd", jax.nn.silu(gate) * up, take("wo")) + wb("wo_bias")
     y = jnp.einsum("tkd,tk->td", out, weights)
-  return y.reshape(b, s, D)
+  y = y.reshape(b, s, D)
+  return y + mlp(x, p["shared_experts"], arch) if "shared_experts" in p else y
 
 
 def forward(params, tokens, arch: Arch):
@@ -186,7 +193,7 @@ def forward(params, tokens, arch: Arch):
       rms_norm(x, p["pre_self_attention_norm"]["scale"], arch), p["self_attention"], arch
     )
     h = rms_norm(x, p["post_self_attention_norm"]["scale"], arch)
-    x = x + (moe(h, p["MoeBlock_0"], arch) if arch.moe else mlp(h, p["mlp"], arch))
+    x = x + (moe(h, p["MoeBlock_0"], arch) if "MoeBlock_0" in p else mlp(h, p["mlp"], arch))
   x = rms_norm(x, dec["decoder_norm"]["scale"], arch)
   return checkpoint_name(x @ dec["logits_dense"]["kernel"], "logits")
 

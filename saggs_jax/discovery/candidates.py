@@ -179,6 +179,8 @@ class Analysis:
     self.gated = collections.defaultdict(set)  # a GLU product -> the leaves whose factor it takes
     self.gates_of = collections.defaultdict(set)  # leaf -> the GLU products its factor takes
     meets = collections.defaultdict(list)
+    summed = collections.defaultdict(list)  # eqn -> the sources whose sums meet there
+    chains = collections.defaultdict(list)  # unit -> its sources that reach parameters
     for start in starts(self.prog, self.flow):
       if not floating[start.leaf]:
         continue
@@ -187,7 +189,9 @@ class Analysis:
         if len(trace.meets) == 1 and not trace.reaches and not trace.breaks:
           meets[trace.meets[0].eqn].append(source)
         elif trace.reaches and not trace.meets:
-          self._add(self._chain(source))
+          chains[source.unit].append(source)
+        elif len(trace.summed) == 1 and not trace.reaches and not trace.meets:
+          summed[trace.summed[0].eqn].append(source)
         elif trace.lost and not trace.meets:  # what reaches a linear no longer carries it
           self._add(
             self.rejection(
@@ -196,8 +200,14 @@ class Analysis:
               explain(frozenset().union(*(x.reasons for x in trace.lost)), "between them"),
             )
           )
+    for siblings in chains.values():
+      for source in siblings:
+        self._add(self._chain(source, siblings))
     for found in meets.values():
       for outcome in self._meeting(found):
+        self._add(outcome)
+    for found in summed.values():
+      for outcome in self._sums(found):
         self._add(outcome)
 
   def _add(self, outcome: Candidate | Rejection | None):
@@ -306,8 +316,10 @@ class Analysis:
   def _first_use(self, unit: int) -> int:
     return self.uses[self.units[unit].leaf][0].eqn
 
-  def _chain(self, s: Source) -> Candidate | Rejection | None:
-    """A source whose factor reaches parameters only: ``A -> B``."""
+  def _chain(self, s: Source, siblings: list[Source]) -> Candidate | Rejection | None:
+    """A source whose factor reaches parameters only: ``A -> B``. ``siblings``: every source
+    of its unit; those that reach the same parameters exactly are one candidate (a layer
+    shared across depth, ALBERT's, rescales every use at once), made by the first."""
     trace, unit = s.trace, s.unit
     targets = [r.leaf for r in trace.reaches]
     reasons = frozenset().union(*(r.reasons for r in trace.reaches))
@@ -328,9 +340,14 @@ class Analysis:
         targets,
         "part of side a's output bypasses side b: " + "; ".join(sorted(trace.breaks)),
       )
-    reach_eqns = {r.eqn for r in trace.reaches}
+    shared = [
+      x for x in siblings if _clean(x.trace) and {r.leaf for r in x.trace.reaches} == set(targets)
+    ]
+    if s is not shared[0]:
+      return None
+    reach_eqns = {r.eqn for x in shared for r in x.trace.reaches}
     tied = self._tied(
-      [(unit, {s.eqn})]
+      [(unit, {x.eqn for x in shared})]
       + [(t, reach_eqns) for t in targets]
       + [(f.leaf, {self._first_use(f.leaf)}) for f in trace.followers]
     )
@@ -437,6 +454,30 @@ class Analysis:
           )
         )
     return out
+
+  def _sums(self, found: list[Source]) -> list[Candidate]:
+    """Sources summed over their channels before they meet in one product, ``(Σ q)(Σ k)``:
+    no per-channel factor survives a sum, one factor for the whole leaf does; the check finds
+    which (``one group``), or refutes it."""
+    sides = [[s for s in found if s.trace.summed[0].side == k] for k in (0, 1)]
+    return [
+      Candidate(
+        SUMS,
+        [(a.unit, a.channel[0])],
+        [(b.unit, b.channel[0])],
+        [],
+        [],
+        a.stacked,
+        frozenset(),
+        False,
+      )
+      for a in sides[0]
+      for b in sides[1]
+      if a.stacked == b.stacked and a.unit != b.unit
+    ]
+
+
+SUMS = "product of sums"
 
 
 def _clean(trace: Trace) -> bool:

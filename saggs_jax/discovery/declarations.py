@@ -99,8 +99,12 @@ def _as_block(pattern: str, part: Part | None, stacked: int) -> str | Block:
   )
 
 
-def key(units: list[Unit], names: list[str], inst: Candidate) -> tuple:
-  """What instances of one candidate share: they are confirmed and declared together."""
+def key(
+  units: list[Unit], names: list[str], shapes: list[tuple[int, ...]], inst: Candidate
+) -> tuple:
+  """What instances of one candidate share: they are confirmed and declared together. Their
+  members' shapes are part of it: one relative pattern may name parameters of other widths
+  (a dense MLP and a narrower shared expert), which group and declare apart."""
   members = [u for side in _sides(inst) for u, _ in side]
   rel = patterns([names[u] for u in members], 0)
   return (
@@ -110,6 +114,7 @@ def key(units: list[Unit], names: list[str], inst: Candidate) -> tuple:
     tuple(len(s) for s in _sides(inst)),
     tuple(axis - inst.stacked for _, axis in inst.a + inst.b),
     inst.stacked,
+    tuple(shapes[u] for u in members),
   )
 
 

@@ -205,6 +205,7 @@ class View(NamedTuple):
   leaf: int
   axes: tuple[frozenset[int], ...]  # per axis of the value: the leaf axes it holds
   consumed: int  # leading leaf axes sliced off by scans
+  gathered: frozenset[int] = frozenset()  # value axes indexing a leaf axis by computed indices
 
 
 class Use(NamedTuple):
@@ -247,6 +248,26 @@ def _plus_zero(prog: Program, eqn: Eqn, zeros: set[int]) -> bool:
   return any(prog.shapes[eqn.ins[k]] == prog.shapes[eqn.outs[0]] for k in keep)
 
 
+def _taken(prog: Program, eqn: Eqn, view: View) -> View | None:
+  """The view a ``gather`` of whole slices along one axis (``jnp.take(w, idx, axis)``) makes
+  of ``view``: its index axes hold that axis, indexed by values the parameters compute (an
+  MoE's chosen experts), the other axes as they were; None for any other gather."""
+  dims, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+  shape, out = prog.shapes[eqn.ins[0]], prog.shapes[eqn.outs[0]]
+  (axis,) = dims.collapsed_slice_dims if len(dims.collapsed_slice_dims) == 1 else (None,)
+  if (
+    axis is None
+    or tuple(dims.start_index_map) != (axis,)
+    or getattr(dims, "operand_batching_dims", ())
+    or any(n != shape[a] for a, n in enumerate(sizes) if a != axis)
+  ):
+    return None
+  kept = iter(a for a in range(len(shape)) if a != axis)
+  index = frozenset(range(len(out))) - frozenset(dims.offset_dims)
+  axes = tuple(view.axes[axis] if o in index else view.axes[next(kept)] for o in range(len(out)))
+  return View(view.leaf, axes, view.consumed, view.gathered | index)
+
+
 def flow(prog: Program) -> Flow:
   """Views of one leaf through structural eqns, each leaf's other uses, and dependence."""
   views = {
@@ -278,13 +299,18 @@ def flow(prog: Program) -> Flow:
     if _plus_zero(prog, eqn, zeros) and src:  # ``w + 0.0`` (MaxText's gain offset): still w
       views[eqn.outs[0]] = src[0][1]
       continue
+    if eqn.prim == "gather" and eqn.ins[0] in views and dep[eqn.ins[1]]:
+      view = _taken(prog, eqn, views[eqn.ins[0]])  # experts chosen by a router (jnp.take)
+      if view is not None:
+        views[eqn.outs[0]] = view
+        continue
     if src and len(eqn.ins) == 1 and rule.axes is not None and rule.views:
       view = src[0][1]
       views[eqn.outs[0]] = View(
         view.leaf,
         tuple(moved(eqn, prog.shapes, view.axes)),
         view.consumed + (eqn.prim == "scan_slice"),
-      )
+      )  # (an axis move drops ``gathered``: only a take's own reader is followed)
       continue
     for k, view in src:
       uses[view.leaf].append(Use(e, k, view))
@@ -357,6 +383,7 @@ class Trace(NamedTuple):
 
   reaches: tuple[Reach, ...] = ()
   meets: tuple[Meet, ...] = ()
+  summed: tuple[Meet, ...] = ()  # its sums over the channels meet another activation
   followers: tuple[Follower, ...] = ()
   lost: tuple[Lost, ...] = ()  # lost before a linear map
   breaks: frozenset[str] = frozenset()  # why part of it is lost exactly
@@ -545,7 +572,7 @@ def _follower(flow: Flow, i: int, t: Tag, shape: Shape) -> Follower | None:
     if (
       a >= len(view.axes)
       or not view.axes[a]
-      or math.prod(leaf[x] for x in view.axes[a]) != shape[a]
+      or (a not in view.gathered and math.prod(leaf[x] for x in view.axes[a]) != shape[a])
     ):
       return None
     for s in src:
@@ -810,6 +837,11 @@ def _step(walk: Walk, e: int, values: dict[int, Value], cut_of: dict[int, Cut | 
       note = Trace(
         lost=tuple(Lost(walk.flow.views[i].leaf, reasons) for i in eqn.ins if i in walk.flow.views)
       )
+    if eqn.prim in ("dot_general", "mul") and len(taints) == 1 and len(eqn.ins) == 2:
+      side = 0 if isinstance(st[0], Taint) else 1
+      other = eqn.ins[1 - side]
+      if walk.flow.dep[other] and other not in walk.flow.views:  # (Σ q)(Σ k)
+        note = Trace(summed=(Meet(e, side, (), reasons, False),))
     outs, _ = _all(x, Taint(reasons) if taints else SIGN)
   if joined:  # one channel after all (RoPE halves)
     note = Trace.merge([note or Trace(), Trace(joined=joined)])
