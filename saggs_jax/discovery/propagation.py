@@ -252,14 +252,14 @@ def _taken(prog: Program, eqn: Eqn, view: View) -> View | None:
   """The view a ``gather`` of whole slices along one axis (``jnp.take(w, idx, axis)``) makes
   of ``view``: its index axes hold that axis, indexed by values the parameters compute (an
   MoE's chosen experts), the other axes as they were; None for any other gather."""
-  dims, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+  dims = eqn.params["gather"]
   shape, out = prog.shapes[eqn.ins[0]], prog.shapes[eqn.outs[0]]
   (axis,) = dims.collapsed_slice_dims if len(dims.collapsed_slice_dims) == 1 else (None,)
   if (
     axis is None
-    or tuple(dims.start_index_map) != (axis,)
-    or getattr(dims, "operand_batching_dims", ())
-    or any(n != shape[a] for a, n in enumerate(sizes) if a != axis)
+    or dims.start_index_map != (axis,)
+    or dims.operand_batching_dims
+    or any(n != shape[a] for a, n in enumerate(dims.slice_sizes) if a != axis)
   ):
     return None
   kept = iter(a for a in range(len(shape)) if a != axis)
