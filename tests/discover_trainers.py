@@ -38,6 +38,7 @@ class Arch(NamedTuple):
   moe: str | None = None  # "dense" or "take": an MoE block in place of the MLP
   deepseek: bool = False  # with moe: layer 0 a dense MLP, the others add a shared expert of F/2
   layers: int = 2
+  scan_axis: int | None = None  # layers stacked on this axis of every leaf and run by lax.scan
 
 
 def init(arch: Arch, seed: int = 0) -> dict:
@@ -94,10 +95,13 @@ def init(arch: Arch, seed: int = 0) -> dict:
       p["mlp"] = dense(F)
     return p
 
+  layers = {str(i): layer(i) for i in range(arch.layers)}
+  if arch.scan_axis is not None:  # MaxText's scan_layers, param_scan_axis
+    layers = jax.tree.map(lambda *x: jnp.stack(x, arch.scan_axis), *layers.values())
   return {
     "token_embedder": {"embedding": w(V, D, fan_in=1)},
     "decoder": {
-      "layers": {str(i): layer(i) for i in range(arch.layers)},
+      "layers": layers,
       "decoder_norm": {"scale": w(D, fan_in=16, base=gain)},
       "logits_dense": {"kernel": w(D, V)},
     },
@@ -186,16 +190,24 @@ def moe(x, p, arch: Arch):
 def forward(params, tokens, arch: Arch):
   x = params["token_embedder"]["embedding"][tokens]
   dec = params["decoder"]
-  for i in range(arch.layers):
-    p = dec["layers"][str(i)]
-    (x,) = jax.lax.optimization_barrier((x,))
-    x = x + attention(
-      rms_norm(x, p["pre_self_attention_norm"]["scale"], arch), p["self_attention"], arch
-    )
-    h = rms_norm(x, p["post_self_attention_norm"]["scale"], arch)
-    x = x + (moe(h, p["MoeBlock_0"], arch) if "MoeBlock_0" in p else mlp(h, p["mlp"], arch))
+  if arch.scan_axis is not None:  # as flax's scan moves the scanned axis to the front
+    stacked = jax.tree.map(lambda w: jnp.moveaxis(w, arch.scan_axis, 0), dec["layers"])
+    x = jax.lax.scan(lambda x, p: (block(x, p, arch), None), x, stacked)[0]
+  else:
+    for i in range(arch.layers):
+      x = block(x, dec["layers"][str(i)], arch)
   x = rms_norm(x, dec["decoder_norm"]["scale"], arch)
   return checkpoint_name(x @ dec["logits_dense"]["kernel"], "logits")
+
+
+def block(x, p, arch: Arch):
+  """One decoder layer, its input behind a barrier."""
+  (x,) = jax.lax.optimization_barrier((x,))
+  x = x + attention(
+    rms_norm(x, p["pre_self_attention_norm"]["scale"], arch), p["self_attention"], arch
+  )
+  h = rms_norm(x, p["post_self_attention_norm"]["scale"], arch)
+  return x + (moe(h, p["MoeBlock_0"], arch) if "MoeBlock_0" in p else mlp(h, p["mlp"], arch))
 
 
 def tokens(seed: int = 0):

@@ -28,6 +28,25 @@ from saggs_jax.discovery.propagation import (
 )
 from saggs_jax.pairs import follower_axis
 
+Stacked = int | tuple[int, ...]  # copy axes as Pair(stacked=...) takes them
+
+
+def copy_axes(stacked: Stacked) -> tuple[int, ...]:
+  """The leaf positions of the copy axes: ``n`` leading ones, or the positions given."""
+  return tuple(range(stacked)) if isinstance(stacked, int) else tuple(stacked)
+
+
+def as_stacked(copies) -> Stacked:
+  """Copy axes at leaf positions ``copies`` as ``Pair(stacked=...)`` takes them: a count when
+  they lead (``(0, 1)`` -> 2), else their positions (MaxText's layer axis at 1: ``(1,)``)."""
+  copies = tuple(sorted(copies))
+  return len(copies) if copies == tuple(range(len(copies))) else copies
+
+
+def relative(axis: int, stacked: Stacked) -> int:
+  """Leaf axis ``axis`` counted among the axes that are not copies (as ``Pair(axes=...)``)."""
+  return axis - sum(c < axis for c in copy_axes(stacked))
+
 
 class Part(NamedTuple):
   """The block ``[lo, hi)`` of a leaf's ``axis``; ``bounds``: every block's range on it."""
@@ -52,7 +71,7 @@ class Start(NamedTuple):
   eqn: int
   out: int  # the value the factor first sits on
   tag: Tag
-  stacked: int  # leading leaf axes that index copies (layers, experts)
+  stacked: Stacked  # the leaf axes that index copies (layers, experts), as Pair takes them
   channel: tuple[int, ...]  # the leaf axes the factor can sit on
   gain: bool  # an elementwise gain (a norm scale), not a linear map
 
@@ -63,7 +82,7 @@ class Source(NamedTuple):
   unit: int
   eqn: int
   channel: tuple[int, ...]
-  stacked: int
+  stacked: Stacked
   trace: Trace
   gain: bool  # an elementwise gain (a norm scale), not a linear map
 
@@ -76,7 +95,7 @@ class Candidate(NamedTuple):
   b: list[tuple[int, int]]
   follow_a: list[tuple[int, int]]
   follow_b: list[tuple[int, int]]
-  stacked: int
+  stacked: Stacked
   splits: frozenset[int]
   positive: bool
 
@@ -129,12 +148,16 @@ def starts(prog: Program, flow: propagation.Flow) -> list[Start]:
       else:
         continue
       channel = frozenset().union(*amap.values()) - stack
-      stacked = view.consumed + len(stack)
-      if not channel or stack != frozenset(range(view.consumed, stacked)):
+      rest = [a for a in range(len(prog.shapes[prog.leaf_ids[leaf]])) if a not in view.consumed]
+      # batch axes (experts) are copies too: the leading axes that no scan sliced
+      if not channel or sorted(stack) != rest[: len(stack)]:
         continue
+      copies = stack | set(view.consumed)
       t = tag(amap, reasons)
       if t is not None:
-        found.append(Start(leaf, use.eqn, eqn.outs[0], t, stacked, tuple(sorted(channel)), gain))
+        found.append(
+          Start(leaf, use.eqn, eqn.outs[0], t, as_stacked(copies), tuple(sorted(channel)), gain)
+        )
   return found
 
 
@@ -285,14 +308,16 @@ class Analysis:
   def rejection(self, a: list[int], b: list[int], reason: str) -> Rejection:
     return Rejection([self.label(x) for x in a], [self.label(x) for x in b], reason)
 
-  def _followers(self, unit: int, axis: int, trace: Trace, stacked: int) -> list[tuple[int, int]]:
+  def _followers(
+    self, unit: int, axis: int, trace: Trace, stacked: Stacked
+  ) -> list[tuple[int, int]]:
     """Each follower with the axis a Pair declares it on (see ``pairs.follower_axis``)."""
     return [
       (f.leaf, follower_axis(len(self.shapes[unit]), axis, len(self.shapes[f.leaf]), stacked))
       for f in trace.followers
     ]
 
-  def _undeclarable(self, unit: int, axis: int, trace: Trace, stacked: int) -> str | None:
+  def _undeclarable(self, unit: int, axis: int, trace: Trace, stacked: Stacked) -> str | None:
     """Why a follower cannot be declared: it moves along another axis than the one a Pair
     gives it (a bias vector's, or its kernel's trailing axes)."""
     for f, (_, declared) in zip(trace.followers, self._followers(unit, axis, trace, stacked)):
@@ -353,19 +378,17 @@ class Analysis:
     )
     if tied:
       return self.rejection([unit], targets, tied)
-    stacked, channel = s.stacked, list(s.channel)
-    # a leading channel axis that meets a leading axis of every B indexes copies (experts)
-    while (
-      len(channel) > 1
-      and channel[0] == stacked
-      and all(r.amap.get(stacked) == {stacked} for r in trace.reaches)
-    ):
-      stacked, channel = stacked + 1, channel[1:]
-    axis = channel[0]
+    copies, channel = set(copy_axes(s.stacked)), list(s.channel)
+    # a leading channel axis that meets the same axis of every B indexes copies (experts)
+    while len(channel) > 1 and all(r.amap.get(channel[0]) == {channel[0]} for r in trace.reaches):
+      if channel[0] != min(set(range(len(self.shapes[unit]))) - copies):
+        break
+      copies, channel = copies | {channel[0]}, channel[1:]
+    stacked, axis = as_stacked(copies), channel[0]
     b_side = []
     for r in trace.reaches:
-      stack = frozenset().union(*(r.amap.get(k, frozenset()) for k in range(stacked)))
-      if axis not in r.amap or r.consumed + len(stack) != stacked:
+      theirs = frozenset(r.consumed).union(*(r.amap.get(k, frozenset()) for k in copies))
+      if axis not in r.amap or theirs != copies:
         return None
       if (r.leaf, min(r.amap[axis])) not in b_side:  # a weight read twice is scaled once
         b_side.append((r.leaf, min(r.amap[axis])))

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from saggs_jax import paths
-from saggs_jax.discovery.candidates import Candidate, Part, Rejection, Unit
+from saggs_jax.discovery.candidates import Candidate, Part, Rejection, Stacked, Unit, relative
 from saggs_jax.discovery.result import Rejected
 from saggs_jax.pairs import Block, Pair
 
@@ -58,7 +58,9 @@ def declare(
       for p, (u, _) in zip(pats, [m for side in _sides(inst) for m in side])
     ]
     a, b, fa, fb = (specs[cut[i] : cut[i + 1]] for i in range(4))
-    axes = tuple(_one(tuple(axis - inst.stacked for _, axis in side)) for side in (inst.a, inst.b))
+    axes = tuple(
+      _one(tuple(relative(axis, inst.stacked) for _, axis in side)) for side in (inst.a, inst.b)
+    )
     axes = tuple(x if isinstance(x, int) or len(set(x)) > 1 else x[0] for x in axes)
     name = inst.name + (" (positive factors)" if inst.positive else "")
     return Pair(
@@ -85,14 +87,14 @@ def declare(
   return [pair(members(i), i) for i in instances]
 
 
-def _as_block(pattern: str, part: Part | None, stacked: int) -> str | Block:
+def _as_block(pattern: str, part: Part | None, stacked: Stacked) -> str | Block:
   """``pattern`` as a :class:`~saggs_jax.Block` if the unit is one."""
   if part is None:
     return pattern
   sizes = [hi - lo for lo, hi in part.bounds]
   return Block(
     pattern,
-    axis=part.axis - stacked,
+    axis=relative(part.axis, stacked),
     parts=len(part.bounds),
     part=part.bounds.index((part.lo, part.hi)),
     sizes=None if len(set(sizes)) == 1 else tuple(sizes),
@@ -112,7 +114,7 @@ def key(
     tuple(rel),
     tuple(units[u].part for u in members),
     tuple(len(s) for s in _sides(inst)),
-    tuple(axis - inst.stacked for _, axis in inst.a + inst.b),
+    tuple(relative(axis, inst.stacked) for _, axis in inst.a + inst.b),
     inst.stacked,
     tuple(shapes[u] for u in members),
   )

@@ -204,7 +204,7 @@ class View(NamedTuple):
 
   leaf: int
   axes: tuple[frozenset[int], ...]  # per axis of the value: the leaf axes it holds
-  consumed: int  # leading leaf axes sliced off by scans
+  consumed: tuple[int, ...]  # leaf axes sliced off by scans (layers), outermost first
   gathered: frozenset[int] = frozenset()  # value axes indexing a leaf axis by computed indices
 
 
@@ -271,7 +271,7 @@ def _taken(prog: Program, eqn: Eqn, view: View) -> View | None:
 def flow(prog: Program) -> Flow:
   """Views of one leaf through structural eqns, each leaf's other uses, and dependence."""
   views = {
-    i: View(n, tuple(frozenset([a]) for a in range(len(prog.shapes[i]))), 0)
+    i: View(n, tuple(frozenset([a]) for a in range(len(prog.shapes[i]))), ())
     for n, i in enumerate(prog.leaf_ids)
   }
   dep = [False] * len(prog.shapes)
@@ -309,7 +309,7 @@ def flow(prog: Program) -> Flow:
       views[eqn.outs[0]] = View(
         view.leaf,
         tuple(moved(eqn, prog.shapes, view.axes)),
-        view.consumed + (eqn.prim == "scan_slice"),
+        view.consumed + (tuple(sorted(view.axes[0])) if eqn.prim == "scan_slice" else ()),
       )  # (an axis move drops ``gathered``: only a take's own reader is followed)
       continue
     for k, view in src:
@@ -326,7 +326,7 @@ class Reach(NamedTuple):
 
   leaf: int
   amap: dict[int, frozenset[int]]  # source leaf axis -> leaf axes of the reached parameter
-  consumed: int  # its leading axes sliced off by scans
+  consumed: tuple[int, ...]  # its axes sliced off by scans
   eqn: int
   reasons: frozenset[Reason]
   positive: bool
@@ -348,7 +348,7 @@ class Follower(NamedTuple):
 
   leaf: int
   amap: dict[int, frozenset[int]]  # source leaf axis -> leaf axes of the follower
-  consumed: int
+  consumed: tuple[int, ...]
 
 
 class Lost(NamedTuple):

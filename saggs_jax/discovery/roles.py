@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 
 from saggs_jax import paths
-from saggs_jax.discovery.candidates import Analysis, Candidate
+from saggs_jax.discovery.candidates import Analysis, Candidate, copy_axes
 from saggs_jax.discovery.program import Program
 from saggs_jax.discovery.propagation import Flow, dot_out_axis, rule_of
 
@@ -169,9 +169,10 @@ def experts(flow: Flow, widths: set[int]) -> set[int]:
     for use in uses:
       eqn, view = prog.eqns[use.eqn], use.view
       shape = prog.shapes[prog.leaf_ids[leaf]]
-      lead = view.consumed
-      if len(shape) - lead < 3 or shape[lead] not in widths:
+      rest = [a for a in range(len(shape)) if a not in view.consumed]  # not sliced by a scan
+      if len(rest) < 3 or shape[rest[0]] not in widths:
         continue
+      lead = rest[0]
       axes = [a for a, held in enumerate(view.axes) if lead in held]
       if eqn.prim == "dot_general":
         (lc, rc), _ = eqn.params["dimension_numbers"]
@@ -266,10 +267,11 @@ def roles(
           for leaf in a
           for glu in analysis.gates_of[leaf]
           for g in analysis.gated[glu]
-          if g != leaf and len(shapes[g]) - inst.stacked >= 2
+          if g != leaf and len(shapes[g]) - len(copy_axes(inst.stacked)) >= 2
         ]
-      scanned = min(u.view.consumed for leaf in a for u in analysis.uses[leaf]) if a else 0
-      found_roles = ("experts", "experts") if inst.stacked > scanned else _MLP[inst.name]
+      scanned = min(len(u.view.consumed) for leaf in a for u in analysis.uses[leaf]) if a else 0
+      copies = len(copy_axes(inst.stacked))
+      found_roles = ("experts", "experts") if copies > scanned else _MLP[inst.name]
       for role, side in zip(found_roles, (a, b)):
         leaves[role].update(side)
   matrices = {x for x in range(len(names)) if len(shapes[x]) >= 2 and x not in fused}
