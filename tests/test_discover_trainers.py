@@ -240,3 +240,73 @@ def test_every_matrix_has_one_role_or_none(arch):
     if not roles and np.ndim(x) >= 2:
       left.add(path)
   assert left == {p for p, x in leaves.items() if p.endswith("bias") and np.ndim(x) >= 2}
+
+
+# ---------------------------------------------------------------------------
+# MaxText's scan_layers with param_scan_axis=1: the layer axis at position 1 of every leaf.
+
+
+def _copy_axes_supported() -> bool:
+  """Whether ``Pair(stacked=positions)`` resolves (the copy-axes work of issue 31)."""
+  leaves = {"a": jnp.ones((2, 3, 4)), "b": jnp.ones((2, 3, 4))}
+  try:
+    saggs.pairs.resolve([saggs.Pair("a", "b", axes=(1, 1), stacked=(1,))], leaves)
+  except (TypeError, ValueError):
+    return False
+  return True
+
+
+needs_copy_axes = pytest.mark.skipif(
+  not _copy_axes_supported(), reason="needs Pair(stacked=(1,)): copy axes at any position"
+)
+LLAMA_SCANNED = dt.Arch(scan_axis=1)
+MIXTRAL_SCANNED = dt.Arch(scan_axis=1, moe="dense", qk_norm=True)
+
+
+def layer_axis_first(params, arch: dt.Arch):
+  """``params`` with the layer axis moved from ``arch.scan_axis`` to the front."""
+  dec = params["decoder"]
+  layers = jax.tree.map(lambda w: jnp.moveaxis(w, arch.scan_axis, 0), dec["layers"])
+  return {**params, "decoder": {**dec, "layers": layers}}
+
+
+def scanned_deviation(arch: dt.Arch, pairs) -> float:
+  """The orbit oracle on the layers moved to the front: each pair's copy axes then lead."""
+  params = dt.init(arch)
+  front = arch._replace(scan_axis=0)
+  leading = [
+    dataclasses.replace(p, stacked=len(p.stacked)) if isinstance(p.stacked, tuple) else p
+    for p in pairs
+  ]
+  moved = orbit_move(layer_axis_first(params, arch), leading)
+  with jax.default_matmul_precision("highest"):
+    y0 = np.asarray(forward(arch)(params, dt.tokens()), np.float64)
+    y1 = np.asarray(forward(front)(moved, dt.tokens()), np.float64)
+  return float(np.max(np.abs(y1 - y0)) / np.max(np.abs(y0)))
+
+
+@needs_copy_axes
+def test_a_layer_axis_at_position_1_gives_per_layer_pairs():
+  d = found(LLAMA_SCANNED)
+  post = saggs.Pair(
+    "post_self_attention_norm/scale",
+    ("mlp/wi_0/kernel", "mlp/wi_1/kernel"),
+    axes=(0, 0),
+    name="norm gain",
+  )
+  per_layer = {dataclasses.replace(p, stacked=(1,)) for p in (PRE_NORM, post, UP_DOWN, QK, VO)}
+  assert set(d) == per_layer | {FINAL_NORM}
+  assert scanned_deviation(LLAMA_SCANNED, list(d)) < 1e-5
+  assert reasons(d) == {("wi_0/kernel", "wo/kernel"): SILU}
+  check_roles(d, {**ATTENTION_ROLES, **MLP_ROLES})
+
+
+@needs_copy_axes
+def test_experts_and_layers_at_positions_0_and_1_with_qk_norm():
+  d = found(MIXTRAL_SCANNED)  # experts (E, L, in, out), the rest (.., L, ..)
+  experts = saggs.Pair("wi_1", "wo", axes=(1, 0), stacked=2, name="gated MLP up/down")
+  assert experts in set(d)
+  assert {p.stacked for p in d} == {0, 2, (1,)}
+  assert scanned_deviation(MIXTRAL_SCANNED, list(d)) < 1e-5
+  assert reasons(d)[("key/kernel", "query/kernel")] == MOOT
+  check_roles(d, {**ATTENTION_ROLES, **MOE_ROLES})
