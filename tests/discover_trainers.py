@@ -138,6 +138,7 @@ def attention(x, p, arch: Arch):
   q = _proj(x, p["query"], "bsd,dhk->bshk", "query_proj")
   k = _proj(x, p["key"], "bsd,dhk->bshk", "key_proj")
   v = _proj(x, p["value"], "bsd,dhk->bshk", "value_proj")
+  q, k, v = jax.lax.optimization_barrier((q, k, v))  # output k is input k
   if arch.qk_norm:
     q, k = rms_norm(q, p["query_norm"]["scale"], arch), rms_norm(k, p["key_norm"]["scale"], arch)
   q, k = rope(q) * HD**-0.5, rope(k)

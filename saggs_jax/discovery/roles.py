@@ -16,6 +16,17 @@ key), so each is read from the jaxpr:
   the parameters (an expert bias gathered by the router's choices is none);
 * LM head: the linear map producing an output, through axis moves and bias sums;
 * gated MLP: the up/down pairs found, and the GLU gate read from the jaxpr.
+
+Example::
+
+  >>> import jax, jax.numpy as jnp
+  >>> from saggs_jax.discovery import discover
+  >>> def attend(p, x):  # the key is the side the softmax runs over, whatever its name
+  ...   s = jnp.einsum("qd,kd->qk", x @ p["a"], x @ p["b"])
+  ...   return (jax.nn.softmax(s) @ (x @ p["c"])) @ p["d"]
+  >>> params = {n: jax.random.normal(jax.random.key(i), (4, 4)) for i, n in enumerate("abcd")}
+  >>> discover(attend, params, jnp.ones((3, 4))).roles
+  {'query': ('a',), 'key_value': ('b', 'c'), 'output': ('d',)}
 """
 
 from __future__ import annotations
@@ -61,15 +72,18 @@ def projections(flow: Flow, value: int, producer: dict[int, int]) -> set[int]:
   contracting ``dot_general``, which is the map (a leaf operand) or the end of the search."""
   todo, seen, found = [value], set(), set()
   while todo:
-    e = producer.get(todo.pop())
-    if e is None or e in seen:
+    i = todo.pop()
+    e = producer.get(i)
+    if e is None or (e, i) in seen:
       continue
-    seen.add(e)
+    seen.add((e, i))
     eqn = flow.prog.eqns[e]
     if _linear(eqn):
-      found.update(flow.views[i].leaf for i in eqn.ins if i in flow.views)
+      found.update(flow.views[j].leaf for j in eqn.ins if j in flow.views)
+    elif rule_of(eqn.prim).identity:  # output k is input k (a barrier over q, k and v)
+      todo += [eqn.ins[eqn.outs.index(i)]]
     else:
-      todo += [i for i in eqn.ins if _activation(flow, i)]
+      todo += [j for j in eqn.ins if _activation(flow, j)]
   return found
 
 
@@ -80,12 +94,14 @@ def _readers(flow: Flow, value: int) -> set[int]:
   while todo:
     i = todo.pop()
     for e in flow.consumers.get(i, ()):
-      if e in seen:
+      if (e, i) in seen:
         continue
-      seen.add(e)
+      seen.add((e, i))
       eqn = prog.eqns[e]
       if _linear(eqn):
         found.update(flow.views[j].leaf for j in eqn.ins if j in flow.views)
+      elif rule_of(eqn.prim).identity:
+        todo += [o for j, o in zip(eqn.ins, eqn.outs) if j == i]
       elif (
         rule_of(eqn.prim).axes is not None
         or eqn.prim == "dot_general"
