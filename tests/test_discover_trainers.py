@@ -178,6 +178,21 @@ def albert(p, x):
   return x
 
 
+SHARED = {
+  **MLP,
+  **{n: jnp.asarray(RNG.standard_normal((D, D)) / 3, jnp.float32) for n in ("q", "k", "v", "o")},
+}
+
+
+def albert_block(p, x):
+  """An attention (no RoPE) and a ReLU MLP, shared by two layers."""
+  for _ in range(2):
+    s = jnp.einsum("bqd,bkd->bqk", x @ p["q"], x @ p["k"])
+    x = x + (jax.nn.softmax(s) @ (x @ p["v"])) @ p["o"]
+    x = x + jax.nn.relu(x @ p["up"]) @ p["down"]
+  return x
+
+
 def sums(p, x):
   """``einsum("bqd,bke->bqk")``: each side summed over its channels, then multiplied."""
   return jnp.einsum("bqd,bke->bqk", x @ p["up"], x @ p["down"].T)
@@ -195,6 +210,21 @@ def test_a_layer_shared_across_depth_is_found():
   assert list(d) == [RELU]
   assert numpy_deviation(albert, MLP, [RELU]) < 1e-6
   assert not any("weight tying" in r.reason for r in d.rejected)
+
+
+def test_a_shared_attention_layer_is_found():
+  d = discover(albert_block, SHARED, X)
+  assert set(d) == {
+    RELU,
+    saggs.Pair("q", "k", axes=(1, 1), name="attention Q/K"),
+    saggs.Pair("v", "o", axes=(1, 0), name="attention V/O"),
+  }
+  assert numpy_deviation(albert_block, SHARED, list(d)) < 1e-5
+  assert not any("weight tying" in r.reason for r in d.rejected)
+  assert d.roles == {"query": ("q",), "key_value": ("k", "v"), "output": ("o",)} | {
+    "gate_up": ("up",),
+    "down": ("down",),
+  }
 
 
 def test_a_product_of_sums_is_found_at_one_group():

@@ -226,6 +226,11 @@ class Analysis:
     for siblings in chains.values():
       for source in siblings:
         self._add(self._chain(source, siblings))
+    # every use of a Q/K pair's leaves that meets exactly (a layer shared across depth)
+    self._met = collections.defaultdict(set)
+    for found in meets.values():
+      for a, b in _combos(found, exact=True):
+        self._met[a.unit, b.unit] |= {(a.unit, a.eqn), (b.unit, b.eqn)}
     for found in meets.values():
       for outcome in self._meeting(found):
         self._add(outcome)
@@ -235,7 +240,8 @@ class Analysis:
 
   def _add(self, outcome: Candidate | Rejection | None):
     if isinstance(outcome, Candidate):
-      self.candidates.append(outcome)
+      if outcome not in self.candidates:  # a shared layer's uses propose it once each
+        self.candidates.append(outcome)
     elif outcome is not None:
       self.rejected.append(outcome)
 
@@ -416,14 +422,8 @@ class Analysis:
     def meet(s: Source) -> Meet:
       return s.trace.meets[0]
 
-    sides = [[s for s in found if meet(s).side == k] for k in (0, 1)]
-    combos = [
-      (a, b)
-      for a in sides[0]
-      for b in sides[1]
-      if _contracted(meet(a)) == _contracted(meet(b)) and a.stacked == b.stacked
-    ]
-    exact = [(a, b) for a, b in combos if not (meet(a).reasons | meet(b).reasons)]
+    combos = _combos(found)
+    exact = _combos(found, exact=True)
     paired = {id(s) for combo in exact for s in combo}
     out = []
     for a, b in exact + [(a, b) for a, b in combos if not {id(a), id(b)} & paired]:
@@ -452,8 +452,9 @@ class Analysis:
           self.rejection([a.unit], [b.unit], explain(ma.reasons | mb.reasons, "before they meet"))
         )
       else:
+        met = self._met[a.unit, b.unit]
         tied = self._tied(
-          [(a.unit, {a.eqn}), (b.unit, {b.eqn})]
+          [(u, {e for v, e in met if v == u}) for u in (a.unit, b.unit)]
           + [(f.leaf, {self._first_use(f.leaf)}) for f in a.trace.followers + b.trace.followers]
         )
         why = (
@@ -501,6 +502,24 @@ class Analysis:
 
 
 SUMS = "product of sums"
+
+
+def _combos(found: list[Source], exact: bool = False) -> list[tuple[Source, Source]]:
+  """The sources of each side of one dot_general that sit on the same contracted positions;
+  ``exact``: only those that meet with no reason."""
+
+  def meet(s: Source) -> Meet:
+    return s.trace.meets[0]
+
+  sides = [[s for s in found if meet(s).side == k] for k in (0, 1)]
+  return [
+    (a, b)
+    for a in sides[0]
+    for b in sides[1]
+    if _contracted(meet(a)) == _contracted(meet(b))
+    and a.stacked == b.stacked
+    and not (exact and meet(a).reasons | meet(b).reasons)
+  ]
 
 
 def _clean(trace: Trace) -> bool:
