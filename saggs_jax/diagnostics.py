@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,6 +14,11 @@ import numpy as np
 
 from saggs_jax.balance import log_norms, scale_tree
 from saggs_jax.pairs import Block, Instance, Pair, Plan, per_copy_axis, resolve
+
+
+class MootPairWarning(UserWarning):
+  """A declared pair is exact, but each side is scale-invariant on its own (QK-norm): balancing
+  it changes nothing that matters."""
 
 
 def imbalance(params: Any, pairs: Sequence[Pair]) -> dict[str, jax.Array]:
@@ -69,9 +75,10 @@ def check_symmetry(
   QK-norm: a model that normalizes each query and key head (Flax's
   ``normalize_qk=True``) makes Q and K each scale-invariant. The per-head
   Q/K pair is then still an exact symmetry and passes this check, but
-  balancing it is moot: neither side's norm reaches the output. A norm over
-  all heads at once mixes the groups, so per-head factors fail and only one
-  factor per tensor is exact (equally moot).
+  balancing it is moot: neither side's norm reaches the output, and the check
+  says so with a :class:`MootPairWarning` (one common factor on each side alone
+  leaves the output put). A norm over all heads at once mixes the groups, so
+  per-head factors fail and only one factor per tensor is exact (equally moot).
 
   Args:
     apply_fn: ``apply_fn(params, *inputs)`` returning an array or a pytree.
@@ -91,6 +98,9 @@ def check_symmetry(
     ValueError: naming the first pair instance whose transform changes the
       output beyond tolerance, what was measured and the likely cause.
 
+  Warns:
+    MootPairWarning: once per pair that is exact but moot (each side alone is invisible).
+
   Example::
 
     >>> import jax, jax.numpy as jnp, saggs_jax as saggs
@@ -107,7 +117,7 @@ def check_symmetry(
   plan = resolve(pairs, params)
   rng = jax.random.PRNGKey(0) if key is None else key
   probe = Probe(apply_fn, params, inputs, rtol=rtol, atol=atol)
-  deviations = {}
+  deviations, moot = {}, set()
   for inst in plan.instances:
     rng, sub = jax.random.split(rng)
     factors = jax.random.uniform(sub, inst.factor_shape, jnp.float32, low, high)
@@ -119,6 +129,17 @@ def check_symmetry(
         f" c and {_side(inst.members_b)} by 1/c (c in [{low}, {high}]) changed the output by"
         f" {deviations[inst.key]:.3g} relative to its largest entry (tolerance"
         f" {probe.tolerance:.3g}). Measured: {'; '.join(measured)}. Likely cause: {cause}"
+      )
+    if inst.pair.label not in moot and all(
+      probe(_only(plan, inst, sign), 2.0**sign) <= probe.tolerance for sign in (1, -1)
+    ):
+      moot.add(inst.pair.label)
+      warnings.warn(
+        f"{inst.pair.label} is exact but moot: rescaling {_side(inst.members_a)} alone, or"
+        f" {_side(inst.members_b)} alone, leaves the output put (each is followed by a"
+        " normalization: QK-norm), so balancing the pair changes nothing that matters.",
+        MootPairWarning,
+        stacklevel=2,
       )
   return deviations
 

@@ -29,6 +29,7 @@ READS = MappingProxyType(
     "split": ("axis", "sizes"),
     "slice": ("start_indices", "limit_indices", "strides"),
     "dot_general": ("dimension_numbers",),
+    "gather": ("dimension_numbers", "slice_sizes"),
     "unstack": ("axis",),  # jax >= 0.12
     **{p: ("axes",) for p in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")},
     **{p: ("axes",) for p in ("argmax", "argmin")},
@@ -109,3 +110,25 @@ def scan(eqn: jcore.JaxprEqn) -> Scan:
 def cond_branches(eqn: jcore.JaxprEqn) -> list[tuple[jcore.Jaxpr, Sequence[Any]]]:
   """The branches of a ``cond`` equation (its inputs: the index, then the operands)."""
   return [opened(b) for b in param(eqn, "branches")]
+
+
+class Gather(NamedTuple):
+  """A ``gather`` equation's dimension numbers and slice sizes (``jax.lax.GatherDimensionNumbers``)."""
+
+  offset_dims: tuple[int, ...]
+  collapsed_slice_dims: tuple[int, ...]
+  start_index_map: tuple[int, ...]
+  operand_batching_dims: tuple[int, ...]
+  slice_sizes: tuple[int, ...]
+
+
+def gather(eqn: jcore.JaxprEqn) -> Gather:
+  """What a ``gather`` equation takes from its operand."""
+  dims = param(eqn, "dimension_numbers")
+  return Gather(
+    tuple(dims.offset_dims),
+    tuple(dims.collapsed_slice_dims),
+    tuple(dims.start_index_map),
+    tuple(getattr(dims, "operand_batching_dims", ())),
+    tuple(param(eqn, "slice_sizes")),
+  )

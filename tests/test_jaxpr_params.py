@@ -22,6 +22,9 @@ def eqns_of(fn, *args):
 
 
 X = jnp.ones((2, 3, 4))
+TAKE = jax.lax.GatherDimensionNumbers(
+  offset_dims=(1, 2), collapsed_slice_dims=(0,), start_index_map=(0,)
+)
 
 # primitive -> (a function of X that emits it, the parameters as the function asked for them)
 READ_CASES = {
@@ -46,6 +49,10 @@ READ_CASES = {
   "reduce_prod": (lambda x: x.prod(0), {"axes": (0,)}),
   "argmax": (lambda x: jnp.argmax(x, 1), {"axes": (1,)}),
   "argmin": (lambda x: jnp.argmin(x, 2), {"axes": (2,)}),
+  "gather": (  # jnp.take(x, idx, axis=0), as an MoE gathers its chosen experts
+    lambda x: jax.lax.gather(x, jnp.zeros((5, 1), jnp.int32), TAKE, (1, 3, 4)),
+    {"dimension_numbers": TAKE, "slice_sizes": (1, 3, 4)},
+  ),
 }
 
 
@@ -143,3 +150,8 @@ def test_call_bodies_are_found_and_take_the_inputs(prim):
 
 def test_other_equations_have_no_body():
   assert jaxpr_params.call_body(eqns_of(jnp.sin, X)["sin"]) is None
+
+
+def test_gather_reads_a_take():
+  eqn = eqns_of(READ_CASES["gather"][0], X)["gather"]
+  assert jaxpr_params.gather(eqn) == jaxpr_params.Gather((1, 2), (0,), (0,), (), (1, 3, 4))

@@ -28,6 +28,25 @@ from saggs_jax.discovery.propagation import (
 )
 from saggs_jax.pairs import follower_axis
 
+Stacked = int | tuple[int, ...]  # copy axes as Pair(stacked=...) takes them
+
+
+def copy_axes(stacked: Stacked) -> tuple[int, ...]:
+  """The leaf positions of the copy axes: ``n`` leading ones, or the positions given."""
+  return tuple(range(stacked)) if isinstance(stacked, int) else tuple(stacked)
+
+
+def as_stacked(copies) -> Stacked:
+  """Copy axes at leaf positions ``copies`` as ``Pair(stacked=...)`` takes them: a count when
+  they lead (``(0, 1)`` -> 2), else their positions (MaxText's layer axis at 1: ``(1,)``)."""
+  copies = tuple(sorted(copies))
+  return len(copies) if copies == tuple(range(len(copies))) else copies
+
+
+def relative(axis: int, stacked: Stacked) -> int:
+  """Leaf axis ``axis`` counted among the axes that are not copies (as ``Pair(axes=...)``)."""
+  return axis - sum(c < axis for c in copy_axes(stacked))
+
 
 class Part(NamedTuple):
   """The block ``[lo, hi)`` of a leaf's ``axis``; ``bounds``: every block's range on it."""
@@ -52,8 +71,9 @@ class Start(NamedTuple):
   eqn: int
   out: int  # the value the factor first sits on
   tag: Tag
-  stacked: int  # leading leaf axes that index copies (layers, experts)
+  stacked: Stacked  # the leaf axes that index copies (layers, experts), as Pair takes them
   channel: tuple[int, ...]  # the leaf axes the factor can sit on
+  gain: bool  # an elementwise gain (a norm scale), not a linear map
 
 
 class Source(NamedTuple):
@@ -62,7 +82,7 @@ class Source(NamedTuple):
   unit: int
   eqn: int
   channel: tuple[int, ...]
-  stacked: int
+  stacked: Stacked
   trace: Trace
   gain: bool  # an elementwise gain (a norm scale), not a linear map
 
@@ -75,7 +95,7 @@ class Candidate(NamedTuple):
   b: list[tuple[int, int]]
   follow_a: list[tuple[int, int]]
   follow_b: list[tuple[int, int]]
-  stacked: int
+  stacked: Stacked
   splits: frozenset[int]
   positive: bool
 
@@ -93,20 +113,32 @@ class Rejection(NamedTuple):
   reason: str
 
 
-def starts(prog: Program, uses) -> list[Start]:
-  """Each leaf use a factor can start from: a ``dot_general`` operand, or a ``mul``'s."""
+OFFSET = propagation.inexact("a constant added to it first (a gain stored as w in 1 + w)")
+
+
+def starts(prog: Program, flow: propagation.Flow) -> list[Start]:
+  """Each leaf use a factor can start from: a ``dot_general`` operand (a linear map, or a gain
+  where the leaf sits on batch dimensions only: ``einsum("...k,k->...k", y, scale)``), or a
+  ``mul``'s (a gain). A gain read as ``w + constant`` (Gemma's ``1 + w``) starts inexact."""
   found = []
-  for leaf, leaf_uses in uses.items():
+  for leaf, leaf_uses in flow.uses.items():
     for use in leaf_uses:
-      eqn = prog.eqns[use.eqn]
-      view, k = use.view, use.operand
+      eqn, view, k, reasons = prog.eqns[use.eqn], use.view, use.operand, frozenset()
+      offset = _offset(prog, flow, use.eqn, k)
+      if offset is not None:  # the gain is read through ``w + c``: start where it is applied
+        e, k = offset
+        eqn, reasons = prog.eqns[e], frozenset({OFFSET})
+        use = use._replace(eqn=e)
+      gain = eqn.prim == "mul" and len(eqn.ins) == 2
       if eqn.prim == "dot_general":
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        dims = eqn.params["dimension_numbers"]
+        (lc, rc), (lb, rb) = dims
         contract, batch = (lc, rc)[k], (lb, rb)[k]
-        out = dot_out_axis(eqn.params["dimension_numbers"], [prog.shapes[i] for i in eqn.ins], k)
+        out = dot_out_axis(dims, [prog.shapes[i] for i in eqn.ins], k)
         amap = {out[a]: view.axes[a] for a in range(len(view.axes)) if a not in contract}
-        stack = frozenset().union(*(view.axes[a] for a in batch))
-      elif eqn.prim == "mul" and len(eqn.ins) == 2:
+        gain = not contract and len(batch) == len(view.axes)  # elementwise: a gain
+        stack = frozenset() if gain else frozenset().union(*(view.axes[a] for a in batch))
+      elif gain:
         amap = {
           a: s
           for a, s in enumerate(view.axes)
@@ -116,13 +148,31 @@ def starts(prog: Program, uses) -> list[Start]:
       else:
         continue
       channel = frozenset().union(*amap.values()) - stack
-      stacked = view.consumed + len(stack)
-      if not channel or stack != frozenset(range(view.consumed, stacked)):
+      rest = [a for a in range(len(prog.shapes[prog.leaf_ids[leaf]])) if a not in view.consumed]
+      # batch axes (experts) are copies too: the leading axes that no scan sliced
+      if not channel or sorted(stack) != rest[: len(stack)]:
         continue
-      t = tag(amap)
+      copies = stack | set(view.consumed)
+      t = tag(amap, reasons)
       if t is not None:
-        found.append(Start(leaf, use.eqn, eqn.outs[0], t, stacked, tuple(sorted(channel))))
+        found.append(
+          Start(leaf, use.eqn, eqn.outs[0], t, as_stacked(copies), tuple(sorted(channel)), gain)
+        )
   return found
+
+
+def _offset(prog: Program, flow: propagation.Flow, e: int, k: int) -> tuple[int, int] | None:
+  """Where ``w + c`` (eqn ``e`` adds a constant ``c`` to its operand ``k``, a view of ``w``) is
+  applied as a gain: ``(eqn, operand)`` of its one consumer, a ``mul`` or a ``dot_general``."""
+  eqn = prog.eqns[e]
+  if eqn.prim not in ("add", "sub") or flow.dep[eqn.ins[1 - k]]:
+    return None
+  if prog.shapes[eqn.outs[0]] != prog.shapes[eqn.ins[k]]:
+    return None
+  consumers = flow.consumers.get(eqn.outs[0], [])
+  if len(consumers) != 1 or prog.eqns[consumers[0]].prim not in ("mul", "dot_general"):
+    return None
+  return consumers[0], prog.eqns[consumers[0]].ins.index(eqn.outs[0])
 
 
 def group_options(sizes: list[int], splits: set[int]) -> list[int]:
@@ -152,7 +202,9 @@ class Analysis:
     self.gated = collections.defaultdict(set)  # a GLU product -> the leaves whose factor it takes
     self.gates_of = collections.defaultdict(set)  # leaf -> the GLU products its factor takes
     meets = collections.defaultdict(list)
-    for start in starts(self.prog, self.uses):
+    summed = collections.defaultdict(list)  # eqn -> the sources whose sums meet there
+    chains = collections.defaultdict(list)  # unit -> its sources that reach parameters
+    for start in starts(self.prog, self.flow):
       if not floating[start.leaf]:
         continue
       for source in self._sources(start):
@@ -160,7 +212,9 @@ class Analysis:
         if len(trace.meets) == 1 and not trace.reaches and not trace.breaks:
           meets[trace.meets[0].eqn].append(source)
         elif trace.reaches and not trace.meets:
-          self._add(self._chain(source))
+          chains[source.unit].append(source)
+        elif len(trace.summed) == 1 and not trace.reaches and not trace.meets:
+          summed[trace.summed[0].eqn].append(source)
         elif trace.lost and not trace.meets:  # what reaches a linear no longer carries it
           self._add(
             self.rejection(
@@ -169,13 +223,25 @@ class Analysis:
               explain(frozenset().union(*(x.reasons for x in trace.lost)), "between them"),
             )
           )
+    for siblings in chains.values():
+      for source in siblings:
+        self._add(self._chain(source, siblings))
+    # every use of a Q/K pair's leaves that meets exactly (a layer shared across depth)
+    self._met = collections.defaultdict(set)
+    for found in meets.values():
+      for a, b in _combos(found, exact=True):
+        self._met[a.unit, b.unit] |= {(a.unit, a.eqn), (b.unit, b.eqn)}
     for found in meets.values():
       for outcome in self._meeting(found):
+        self._add(outcome)
+    for found in summed.values():
+      for outcome in self._sums(found):
         self._add(outcome)
 
   def _add(self, outcome: Candidate | Rejection | None):
     if isinstance(outcome, Candidate):
-      self.candidates.append(outcome)
+      if outcome not in self.candidates:  # a shared layer's uses propose it once each
+        self.candidates.append(outcome)
     elif outcome is not None:
       self.rejected.append(outcome)
 
@@ -187,7 +253,7 @@ class Analysis:
   def _sources(self, start: Start) -> list[Source]:
     """The source of ``start``'s leaf; or, where its blocks are read apart, one per block,
     the other blocks then values that do not scale."""
-    leaf, gain = start.leaf, self.prog.eqns[start.eqn].prim == "mul"
+    leaf, gain = start.leaf, start.gain
     trace = self._follow(start)
     self.gates_of[leaf] |= trace.gates
     for g in trace.gates:
@@ -248,14 +314,16 @@ class Analysis:
   def rejection(self, a: list[int], b: list[int], reason: str) -> Rejection:
     return Rejection([self.label(x) for x in a], [self.label(x) for x in b], reason)
 
-  def _followers(self, unit: int, axis: int, trace: Trace, stacked: int) -> list[tuple[int, int]]:
+  def _followers(
+    self, unit: int, axis: int, trace: Trace, stacked: Stacked
+  ) -> list[tuple[int, int]]:
     """Each follower with the axis a Pair declares it on (see ``pairs.follower_axis``)."""
     return [
       (f.leaf, follower_axis(len(self.shapes[unit]), axis, len(self.shapes[f.leaf]), stacked))
       for f in trace.followers
     ]
 
-  def _undeclarable(self, unit: int, axis: int, trace: Trace, stacked: int) -> str | None:
+  def _undeclarable(self, unit: int, axis: int, trace: Trace, stacked: Stacked) -> str | None:
     """Why a follower cannot be declared: it moves along another axis than the one a Pair
     gives it (a bias vector's, or its kernel's trailing axes)."""
     for f, (_, declared) in zip(trace.followers, self._followers(unit, axis, trace, stacked)):
@@ -279,8 +347,10 @@ class Analysis:
   def _first_use(self, unit: int) -> int:
     return self.uses[self.units[unit].leaf][0].eqn
 
-  def _chain(self, s: Source) -> Candidate | Rejection | None:
-    """A source whose factor reaches parameters only: ``A -> B``."""
+  def _chain(self, s: Source, siblings: list[Source]) -> Candidate | Rejection | None:
+    """A source whose factor reaches parameters only: ``A -> B``. ``siblings``: every source
+    of its unit; those that reach the same parameters exactly are one candidate (a layer
+    shared across depth, ALBERT's, rescales every use at once), made by the first."""
     trace, unit = s.trace, s.unit
     targets = [r.leaf for r in trace.reaches]
     reasons = frozenset().union(*(r.reasons for r in trace.reaches))
@@ -301,27 +371,30 @@ class Analysis:
         targets,
         "part of side a's output bypasses side b: " + "; ".join(sorted(trace.breaks)),
       )
-    reach_eqns = {r.eqn for r in trace.reaches}
+    shared = [
+      x for x in siblings if _clean(x.trace) and {r.leaf for r in x.trace.reaches} == set(targets)
+    ]
+    if s is not shared[0]:
+      return None
+    reach_eqns = {r.eqn for x in shared for r in x.trace.reaches}
     tied = self._tied(
-      [(unit, {s.eqn})]
+      [(unit, {x.eqn for x in shared})]
       + [(t, reach_eqns) for t in targets]
       + [(f.leaf, {self._first_use(f.leaf)}) for f in trace.followers]
     )
     if tied:
       return self.rejection([unit], targets, tied)
-    stacked, channel = s.stacked, list(s.channel)
-    # a leading channel axis that meets a leading axis of every B indexes copies (experts)
-    while (
-      len(channel) > 1
-      and channel[0] == stacked
-      and all(r.amap.get(stacked) == {stacked} for r in trace.reaches)
-    ):
-      stacked, channel = stacked + 1, channel[1:]
-    axis = channel[0]
+    copies, channel = set(copy_axes(s.stacked)), list(s.channel)
+    # a leading channel axis that meets the same axis of every B indexes copies (experts)
+    while len(channel) > 1 and all(r.amap.get(channel[0]) == {channel[0]} for r in trace.reaches):
+      if channel[0] != min(set(range(len(self.shapes[unit]))) - copies):
+        break
+      copies, channel = copies | {channel[0]}, channel[1:]
+    stacked, axis = as_stacked(copies), channel[0]
     b_side = []
     for r in trace.reaches:
-      stack = frozenset().union(*(r.amap.get(k, frozenset()) for k in range(stacked)))
-      if axis not in r.amap or r.consumed + len(stack) != stacked:
+      theirs = frozenset(r.consumed).union(*(r.amap.get(k, frozenset()) for k in copies))
+      if axis not in r.amap or theirs != copies:
         return None
       if (r.leaf, min(r.amap[axis])) not in b_side:  # a weight read twice is scaled once
         b_side.append((r.leaf, min(r.amap[axis])))
@@ -349,14 +422,8 @@ class Analysis:
     def meet(s: Source) -> Meet:
       return s.trace.meets[0]
 
-    sides = [[s for s in found if meet(s).side == k] for k in (0, 1)]
-    combos = [
-      (a, b)
-      for a in sides[0]
-      for b in sides[1]
-      if _contracted(meet(a)) == _contracted(meet(b)) and a.stacked == b.stacked
-    ]
-    exact = [(a, b) for a, b in combos if not (meet(a).reasons | meet(b).reasons)]
+    combos = _combos(found)
+    exact = _combos(found, exact=True)
     paired = {id(s) for combo in exact for s in combo}
     out = []
     for a, b in exact + [(a, b) for a, b in combos if not {id(a), id(b)} & paired]:
@@ -385,8 +452,9 @@ class Analysis:
           self.rejection([a.unit], [b.unit], explain(ma.reasons | mb.reasons, "before they meet"))
         )
       else:
+        met = self._met[a.unit, b.unit]
         tied = self._tied(
-          [(a.unit, {a.eqn}), (b.unit, {b.eqn})]
+          [(u, {e for v, e in met if v == u}) for u in (a.unit, b.unit)]
           + [(f.leaf, {self._first_use(f.leaf)}) for f in a.trace.followers + b.trace.followers]
         )
         why = (
@@ -410,6 +478,48 @@ class Analysis:
           )
         )
     return out
+
+  def _sums(self, found: list[Source]) -> list[Candidate]:
+    """Sources summed over their channels before they meet in one product, ``(Σ q)(Σ k)``:
+    no per-channel factor survives a sum, one factor for the whole leaf does; the check finds
+    which (``one group``), or refutes it."""
+    sides = [[s for s in found if s.trace.summed[0].side == k] for k in (0, 1)]
+    return [
+      Candidate(
+        SUMS,
+        [(a.unit, a.channel[0])],
+        [(b.unit, b.channel[0])],
+        [],
+        [],
+        a.stacked,
+        frozenset(),
+        False,
+      )
+      for a in sides[0]
+      for b in sides[1]
+      if a.stacked == b.stacked and a.unit != b.unit
+    ]
+
+
+SUMS = "product of sums"
+
+
+def _combos(found: list[Source], exact: bool = False) -> list[tuple[Source, Source]]:
+  """The sources of each side of one dot_general that sit on the same contracted positions;
+  ``exact``: only those that meet with no reason."""
+
+  def meet(s: Source) -> Meet:
+    return s.trace.meets[0]
+
+  sides = [[s for s in found if meet(s).side == k] for k in (0, 1)]
+  return [
+    (a, b)
+    for a in sides[0]
+    for b in sides[1]
+    if _contracted(meet(a)) == _contracted(meet(b))
+    and a.stacked == b.stacked
+    and not (exact and meet(a).reasons | meet(b).reasons)
+  ]
 
 
 def _clean(trace: Trace) -> bool:

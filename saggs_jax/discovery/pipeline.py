@@ -13,7 +13,7 @@ from jax import core
 
 from saggs_jax import paths
 from saggs_jax.diagnostics import default_rtol
-from saggs_jax.discovery import declarations
+from saggs_jax.discovery import declarations, roles
 from saggs_jax.discovery.candidates import Analysis, Candidate, group_options
 from saggs_jax.discovery.confirmation import Checker, confirm
 from saggs_jax.discovery.result import Discovery
@@ -141,7 +141,7 @@ def discover(
   return Discovery(
     pairs,
     declarations.rejected(rejections),
-    declarations.roles(analysis, found.names, found.shapes, confirmed),
+    roles.roles(analysis, found.names, found.shapes, confirmed),
     confirmation,
   )
 
@@ -185,7 +185,7 @@ def _trace(apply_fn, params, args, kwargs) -> _Traced:
     analysis.candidates,  # in the order of the tree
     key=lambda i: (units[i.a[0][0]].leaf, i.a[0][0]),
   ):
-    groups_of[declarations.key(units, analysis.names, inst)].append(inst)
+    groups_of[declarations.key(units, analysis.names, analysis.shapes, inst)].append(inst)
   return _Traced(fn, leaves, names, shapes, list(closed.out_avals), analysis, dict(groups_of))
 
 
@@ -242,8 +242,9 @@ def _translate(found: _Traced, small: _Traced, small_outcomes: list) -> list:
 
 
 def _kind(key: tuple) -> tuple:
-  """A kind's key without sizes (a fused leaf's blocks by index), to match a reduced copy."""
-  name, rel, parts, counts, axes, stacked = key
+  """A kind's key without sizes (a fused leaf's blocks by index, no shapes), to match a reduced
+  copy."""
+  name, rel, parts, counts, axes, stacked, _ = key
   parts = tuple(p and (p.axis, p.bounds.index((p.lo, p.hi)), len(p.bounds)) for p in parts)
   return name, rel, parts, counts, axes, stacked
 

@@ -4,8 +4,9 @@
 ``scan`` becomes one iteration between a ``scan_slice`` of its ``xs`` and a
 ``scan_stack`` of its ``ys``; a ``cond`` becomes every branch inlined and a
 ``select_n`` on the index; jax 0.12's ``unstack`` becomes the ``split`` and
-``squeeze`` that older jaxes emit. Nothing here knows what a primitive does; the
-equations' parameters are read through :mod:`saggs_jax.jaxpr_params`.
+``squeeze`` that older jaxes emit; a ``gather`` carries its dimension numbers read
+(``params["gather"]``). Nothing here knows what a primitive does; the equations'
+parameters are read through :mod:`saggs_jax.jaxpr_params`.
 """
 
 from __future__ import annotations
@@ -93,7 +94,10 @@ class Program:
         outs = self._inline(body[0], ins, body[1])
       else:
         jaxpr_params.check(eqn)
-        outs = self._emit(name, ins, [_shape(v) for v in eqn.outvars], eqn.params)
+        params = (
+          {**eqn.params, "gather": jaxpr_params.gather(eqn)} if name == "gather" else eqn.params
+        )
+        outs = self._emit(name, ins, [_shape(v) for v in eqn.outvars], params)
       env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 

@@ -204,7 +204,8 @@ class View(NamedTuple):
 
   leaf: int
   axes: tuple[frozenset[int], ...]  # per axis of the value: the leaf axes it holds
-  consumed: int  # leading leaf axes sliced off by scans
+  consumed: tuple[int, ...]  # leaf axes sliced off by scans (layers), outermost first
+  gathered: frozenset[int] = frozenset()  # value axes indexing a leaf axis by computed indices
 
 
 class Use(NamedTuple):
@@ -239,10 +240,38 @@ def moved(
   return new
 
 
+def _plus_zero(prog: Program, eqn: Eqn, zeros: set[int]) -> bool:
+  """``x + 0``, ``0 + x`` or ``x - 0`` that keeps ``x``'s shape: ``x`` itself."""
+  if eqn.prim not in ("add", "sub") or len(eqn.ins) != 2:
+    return False
+  keep = [k for k in range(2) if eqn.ins[1 - k] in zeros and (k == 0 or eqn.prim == "add")]
+  return any(prog.shapes[eqn.ins[k]] == prog.shapes[eqn.outs[0]] for k in keep)
+
+
+def _taken(prog: Program, eqn: Eqn, view: View) -> View | None:
+  """The view a ``gather`` of whole slices along one axis (``jnp.take(w, idx, axis)``) makes
+  of ``view``: its index axes hold that axis, indexed by values the parameters compute (an
+  MoE's chosen experts), the other axes as they were; None for any other gather."""
+  dims = eqn.params["gather"]
+  shape, out = prog.shapes[eqn.ins[0]], prog.shapes[eqn.outs[0]]
+  (axis,) = dims.collapsed_slice_dims if len(dims.collapsed_slice_dims) == 1 else (None,)
+  if (
+    axis is None
+    or dims.start_index_map != (axis,)
+    or dims.operand_batching_dims
+    or any(n != shape[a] for a, n in enumerate(dims.slice_sizes) if a != axis)
+  ):
+    return None
+  kept = iter(a for a in range(len(shape)) if a != axis)
+  index = frozenset(range(len(out))) - frozenset(dims.offset_dims)
+  axes = tuple(view.axes[axis] if o in index else view.axes[next(kept)] for o in range(len(out)))
+  return View(view.leaf, axes, view.consumed, view.gathered | index)
+
+
 def flow(prog: Program) -> Flow:
   """Views of one leaf through structural eqns, each leaf's other uses, and dependence."""
   views = {
-    i: View(n, tuple(frozenset([a]) for a in range(len(prog.shapes[i]))), 0)
+    i: View(n, tuple(frozenset([a]) for a in range(len(prog.shapes[i]))), ())
     for n, i in enumerate(prog.leaf_ids)
   }
   dep = [False] * len(prog.shapes)
@@ -257,16 +286,31 @@ def flow(prog: Program) -> Flow:
     for o in eqn.outs:
       dep[o] = any(dep[i] for i in eqn.ins)
     rule = rule_of(eqn.prim)
+    if rule.identity:  # output k is input k: a view, a zero or a value as it was
+      for i, o in zip(eqn.ins, eqn.outs):
+        if i in views:
+          views[o] = views[i]
+        if i in zeros:
+          zeros.add(o)
+      continue
     if rule.axes is not None and all(i in zeros for i in eqn.ins):
       zeros.update(eqn.outs)
     src = [(k, views[i]) for k, i in enumerate(eqn.ins) if i in views]
+    if _plus_zero(prog, eqn, zeros) and src:  # ``w + 0.0`` (MaxText's gain offset): still w
+      views[eqn.outs[0]] = src[0][1]
+      continue
+    if eqn.prim == "gather" and eqn.ins[0] in views and dep[eqn.ins[1]]:
+      view = _taken(prog, eqn, views[eqn.ins[0]])  # experts chosen by a router (jnp.take)
+      if view is not None:
+        views[eqn.outs[0]] = view
+        continue
     if src and len(eqn.ins) == 1 and rule.axes is not None and rule.views:
       view = src[0][1]
       views[eqn.outs[0]] = View(
         view.leaf,
         tuple(moved(eqn, prog.shapes, view.axes)),
-        view.consumed + (eqn.prim == "scan_slice"),
-      )
+        view.consumed + (tuple(sorted(view.axes[0])) if eqn.prim == "scan_slice" else ()),
+      )  # (an axis move drops ``gathered``: only a take's own reader is followed)
       continue
     for k, view in src:
       uses[view.leaf].append(Use(e, k, view))
@@ -282,7 +326,7 @@ class Reach(NamedTuple):
 
   leaf: int
   amap: dict[int, frozenset[int]]  # source leaf axis -> leaf axes of the reached parameter
-  consumed: int  # its leading axes sliced off by scans
+  consumed: tuple[int, ...]  # its axes sliced off by scans
   eqn: int
   reasons: frozenset[Reason]
   positive: bool
@@ -304,7 +348,7 @@ class Follower(NamedTuple):
 
   leaf: int
   amap: dict[int, frozenset[int]]  # source leaf axis -> leaf axes of the follower
-  consumed: int
+  consumed: tuple[int, ...]
 
 
 class Lost(NamedTuple):
@@ -339,6 +383,7 @@ class Trace(NamedTuple):
 
   reaches: tuple[Reach, ...] = ()
   meets: tuple[Meet, ...] = ()
+  summed: tuple[Meet, ...] = ()  # its sums over the channels meet another activation
   followers: tuple[Follower, ...] = ()
   lost: tuple[Lost, ...] = ()  # lost before a linear map
   breaks: frozenset[str] = frozenset()  # why part of it is lost exactly
@@ -423,6 +468,12 @@ def _carry(
 
 def _move(walk: Walk, x: Site) -> Step:
   return _carry(walk, x, x.reasons), None
+
+
+def _identity(walk: Walk, x: Site) -> Step:
+  """A value identity of any arity (``optimization_barrier``, ``device_put``): output ``k`` is
+  input ``k``."""
+  return [(o, v, x.cut) for o, v in zip(x.eqn.outs, x.values) if v is not None], None
 
 
 def _concatenate(walk: Walk, x: Site) -> Step:
@@ -521,7 +572,7 @@ def _follower(flow: Flow, i: int, t: Tag, shape: Shape) -> Follower | None:
     if (
       a >= len(view.axes)
       or not view.axes[a]
-      or math.prod(leaf[x] for x in view.axes[a]) != shape[a]
+      or (a not in view.gathered and math.prod(leaf[x] for x in view.axes[a]) != shape[a])
     ):
       return None
     for s in src:
@@ -644,6 +695,7 @@ class Rule(NamedTuple):
       leaf meeting here are one channel after all (the halves of rotate-half RoPE).
     additive: a sum, through which a head's output passes (a bias).
     views: a view of a leaf through it is still a view (an axis move, not a split).
+    identity: output ``k`` is input ``k``, whatever the arity (a value identity).
   """
 
   step: Callable[[Walk, Site], Step]
@@ -651,6 +703,7 @@ class Rule(NamedTuple):
   joins: bool = False
   additive: bool = False
   views: bool = True
+  identity: bool = False
 
 
 def _mover(
@@ -661,20 +714,32 @@ def _mover(
 
 _SUM = Rule(_add, joins=True, additive=True)
 _RELU = Rule(_relu)
+# Primitives that return their operands' values unchanged: remat names (``checkpoint_name``,
+# which MaxText and EasyDeL wrap around every projection), barriers, copies, placement and
+# sharding annotations, ``stop_gradient`` (the function's values are what a symmetry keeps).
+IDENTITIES = (
+  "name",
+  "optimization_barrier",
+  "copy",
+  "copy_p",
+  "device_put",
+  "sharding_constraint",
+  "mesh_cast",
+  "reshard",
+  "pvary",
+  "stop_gradient",
+)
 RULES: dict[str, Rule] = {
+  **{p: Rule(_identity, _same_axes, identity=True) for p in IDENTITIES},
   **{
     p: _mover()
     for p in (
       "convert_element_type",
-      "copy",
-      "copy_p",
       "reduce_precision",
       "neg",
       "rev",
       "pad",
       "dynamic_slice",
-      "optimization_barrier",
-      "sharding_constraint",
       "real",
     )
   },
@@ -764,7 +829,7 @@ def _step(walk: Walk, e: int, values: dict[int, Value], cut_of: dict[int, Cut | 
   cuts = {cut_of[i] for i, s in zip(eqn.ins, st) if isinstance(s, Tag)}
   joined = frozenset(c.axis for c in cuts if c) if len(cuts) > 1 and rule.joins else None
   x = Site(e, eqn, st, tags, reasons, cuts.pop() if len(cuts) == 1 else None)
-  if tags:
+  if tags or rule.identity:
     outs, note = rule.step(walk, x)
   else:
     note = None
@@ -772,6 +837,11 @@ def _step(walk: Walk, e: int, values: dict[int, Value], cut_of: dict[int, Cut | 
       note = Trace(
         lost=tuple(Lost(walk.flow.views[i].leaf, reasons) for i in eqn.ins if i in walk.flow.views)
       )
+    if eqn.prim in ("dot_general", "mul") and len(taints) == 1 and len(eqn.ins) == 2:
+      side = 0 if isinstance(st[0], Taint) else 1
+      other = eqn.ins[1 - side]
+      if walk.flow.dep[other] and other not in walk.flow.views:  # (Σ q)(Σ k)
+        note = Trace(summed=(Meet(e, side, (), reasons, False),))
     outs, _ = _all(x, Taint(reasons) if taints else SIGN)
   if joined:  # one channel after all (RoPE halves)
     note = Trace.merge([note or Trace(), Trace(joined=joined)])

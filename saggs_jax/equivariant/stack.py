@@ -128,7 +128,9 @@ def layerwise(
 # Role -> path patterns: LLaMA-style Hugging Face names on Flax modules, with
 # Flax (in, out) kernels: q/k/v (d, H*hd), o (H*hd, d), gate/up (d, F),
 # down (F, d), embedding (V, d), lm_head (d, V), router (d, E) and stacked
-# experts (E, in, out).
+# experts (E, in, out): the expert matrices by name (HF gpt-oss's ``gate_up_proj``
+# and ``down_proj``, ``w_in``/``w_up``/...), never ``experts/*``, which takes an MoE's
+# expert biases (E, F) too.
 ROLE_PATTERNS: dict[str, tuple[str, ...]] = {
   "embedding": ("embed/embedding",),
   "lm_head": ("lm_head/kernel",),
@@ -138,7 +140,10 @@ ROLE_PATTERNS: dict[str, tuple[str, ...]] = {
   "gate_up": ("gate_proj/kernel", "up_proj/kernel"),
   "down": ("down_proj/kernel",),
   "router": ("router/kernel",),
-  "experts": ("experts/*",),
+  "experts": (
+    "experts/*_proj",
+    *(f"experts/w_{n}" for n in ("in", "out", "up", "down", "gate")),
+  ),
 }
 
 

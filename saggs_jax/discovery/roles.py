@@ -1,0 +1,300 @@
+"""What each parameter is, for the update rules: roles read from the program's structure.
+
+The roles of :func:`saggs_jax.equivariant.symmetry_compatible` are named by what a parameter
+does, not by the pairs it sits in (a Q/K pair is moot under QK-norm, yet ``k_proj`` is still a
+key), so each is read from the jaxpr:
+
+* attention: a product of two activations, ``s = q . k``, whose scores pass a softmax
+  (``exp``) into a second product ``s . v`` that contracts them over the axes ``k`` brought
+  (the key side: the one the softmax runs over); query, key and value are the linear maps
+  that produce ``q``, ``k`` and ``v`` (through RoPE, norms, biases, reshapes), the output the
+  linear map that reads ``s . v``;
+* router: the linear map whose output (through a softmax, a bias) feeds ``top_k``;
+* experts: a matrix whose leading axis, as many as the router has outputs, indexes copies read
+  by a matmul that does not contract it (or is gathered by the router's choices, ``jnp.take``);
+* embedding: a leaf gathered by indices that come from the inputs alone (token ids), not from
+  the parameters (an expert bias gathered by the router's choices is none);
+* LM head: the linear map producing an output, through axis moves and bias sums;
+* gated MLP: the up/down pairs found, and the GLU gate read from the jaxpr.
+
+Example::
+
+  >>> import jax, jax.numpy as jnp
+  >>> from saggs_jax.discovery import discover
+  >>> def attend(p, x):  # the key is the side the softmax runs over, whatever its name
+  ...   s = jnp.einsum("qd,kd->qk", x @ p["a"], x @ p["b"])
+  ...   return (jax.nn.softmax(s) @ (x @ p["c"])) @ p["d"]
+  >>> params = {n: jax.random.normal(jax.random.key(i), (4, 4)) for i, n in enumerate("abcd")}
+  >>> discover(attend, params, jnp.ones((3, 4))).roles
+  {'query': ('a',), 'key_value': ('b', 'c'), 'output': ('d',)}
+"""
+
+from __future__ import annotations
+
+import collections
+
+from saggs_jax import paths
+from saggs_jax.discovery.candidates import Analysis, Candidate, copy_axes
+from saggs_jax.discovery.program import Program
+from saggs_jax.discovery.propagation import Flow, dot_out_axis, rule_of
+
+_MLP = {"gated MLP up/down": ("gate_up", "down"), "ReLU MLP up/down": ("gate_up", "down")}
+ORDER = (
+  "embedding",
+  "lm_head",
+  "query",
+  "key_value",
+  "output",
+  "gate_up",
+  "down",
+  "router",
+  "experts",
+)
+TOP_K = ("top_k", "approx_top_k")
+
+
+def _producers(prog: Program) -> dict[int, int]:
+  return {o: e for e, eqn in enumerate(prog.eqns) for o in eqn.outs}
+
+
+def _activation(flow: Flow, i: int) -> bool:
+  return flow.dep[i] and i not in flow.views
+
+
+def _linear(eqn) -> bool:
+  """A ``dot_general`` that contracts something: a linear map, not an elementwise product
+  (``einsum("...k,k->...k", y, scale)``, a norm's gain)."""
+  return eqn.prim == "dot_general" and any(eqn.params["dimension_numbers"][0])
+
+
+def projections(flow: Flow, value: int, producer: dict[int, int]) -> set[int]:
+  """The leaves of the linear maps that produce ``value``: back through every eqn but a
+  contracting ``dot_general``, which is the map (a leaf operand) or the end of the search."""
+  todo, seen, found = [value], set(), set()
+  while todo:
+    i = todo.pop()
+    e = producer.get(i)
+    if e is None or (e, i) in seen:
+      continue
+    seen.add((e, i))
+    eqn = flow.prog.eqns[e]
+    if _linear(eqn):
+      found.update(flow.views[j].leaf for j in eqn.ins if j in flow.views)
+    elif rule_of(eqn.prim).identity:  # output k is input k (a barrier over q, k and v)
+      todo += [eqn.ins[eqn.outs.index(i)]]
+    else:
+      todo += [j for j in eqn.ins if _activation(flow, j)]
+  return found
+
+
+def _readers(flow: Flow, value: int) -> set[int]:
+  """The leaves of the first linear maps that read ``value``, forward through every eqn that
+  keeps its shape or only moves its axes."""
+  prog, todo, seen, found = flow.prog, [value], set(), set()
+  while todo:
+    i = todo.pop()
+    for e in flow.consumers.get(i, ()):
+      if (e, i) in seen:
+        continue
+      seen.add((e, i))
+      eqn = prog.eqns[e]
+      if _linear(eqn):
+        found.update(flow.views[j].leaf for j in eqn.ins if j in flow.views)
+      elif rule_of(eqn.prim).identity:
+        todo += [o for j, o in zip(eqn.ins, eqn.outs) if j == i]
+      elif (
+        rule_of(eqn.prim).axes is not None
+        or eqn.prim == "dot_general"
+        or prog.shapes[eqn.outs[0]] == prog.shapes[i]
+      ):
+        todo += eqn.outs
+  return found
+
+
+def _scores(flow: Flow, e: int) -> tuple[int, int, int] | None:
+  """For a product of two activations (eqn ``e``): ``(key side, values, context)`` if its
+  output passes a softmax into a second product contracting the axes of one side, else None."""
+  prog = flow.prog
+  eqn = prog.eqns[e]
+  shapes = [prog.shapes[i] for i in eqn.ins]
+  sides = [set(dot_out_axis(eqn.params["dimension_numbers"], shapes, k).values()) for k in (0, 1)]
+  batch = sides[0] & sides[1]
+  start = eqn.outs[0]
+  # per value reached: its axes holding each axis of the scores, and whether it passed an exp
+  todo = [(start, {a: frozenset([a]) for a in range(len(prog.shapes[start]))}, False)]
+  seen = set()
+  while todo:
+    i, amap, softmax = todo.pop()
+    for c in flow.consumers.get(i, ()):
+      if (c, i) in seen:
+        continue
+      seen.add((c, i))
+      use, rule = prog.eqns[c], rule_of(prog.eqns[c].prim)
+      k = use.ins.index(i)
+      if use.prim == "dot_general":
+        (lc, rc), _ = use.params["dimension_numbers"]
+        contracted = {a for a, held in amap.items() for x in (lc, rc)[k] if x in held}
+        for side in (0, 1):
+          if softmax and contracted and contracted <= sides[side] - batch:
+            return side, use.ins[1 - k], use.outs[0]
+        continue
+      if rule.identity:
+        todo.append((use.outs[k], amap, softmax))
+      elif rule.axes is not None and (k == 0 or rule.joins):
+        moves = rule.axes(prog.shapes[use.ins[k]], prog.shapes[use.outs[0]], use.params)
+        new = {s: frozenset(o for a in held for o in moves[a]) for s, held in amap.items()}
+        todo.append((use.outs[0], new, softmax))
+      elif len(use.outs) == 1 and prog.shapes[use.outs[0]] == prog.shapes[i]:
+        todo.append((use.outs[0], amap, softmax or use.prim == "exp"))
+  return None
+
+
+def attention(flow: Flow) -> dict[str, set[int]]:
+  """Query, key, value and output leaves of every attention the program computes."""
+  prog, producer = flow.prog, _producers(flow.prog)
+  found = collections.defaultdict(set)
+  for e, eqn in enumerate(prog.eqns):
+    if eqn.prim != "dot_general" or not all(_activation(flow, i) for i in eqn.ins):
+      continue
+    scores = _scores(flow, e)
+    if scores is None:
+      continue
+    key, values, context = scores
+    found["query"] |= projections(flow, eqn.ins[1 - key], producer)
+    found["key"] |= projections(flow, eqn.ins[key], producer)
+    found["value"] |= projections(flow, values, producer)
+    found["output"] |= _readers(flow, context)
+  return found
+
+
+def routers(flow: Flow) -> tuple[set[int], set[int]]:
+  """The router leaves (the linear maps feeding ``top_k``) and their numbers of experts."""
+  producer, found, widths = _producers(flow.prog), set(), set()
+  for eqn in flow.prog.eqns:
+    if eqn.prim in TOP_K:
+      found |= projections(flow, eqn.ins[0], producer)
+      widths.add(flow.prog.shapes[eqn.ins[0]][-1])
+  return found, widths
+
+
+def experts(flow: Flow, widths: set[int]) -> set[int]:
+  """Matrices with a leading expert axis (one of ``widths`` long) that a matmul reads without
+  contracting it, or gathers by indices the parameters compute (a router's choices)."""
+  prog, found = flow.prog, set()
+  for leaf, uses in flow.uses.items():
+    for use in uses:
+      eqn, view = prog.eqns[use.eqn], use.view
+      shape = prog.shapes[prog.leaf_ids[leaf]]
+      rest = [a for a in range(len(shape)) if a not in view.consumed]  # not sliced by a scan
+      if len(rest) < 3 or shape[rest[0]] not in widths:
+        continue
+      lead = rest[0]
+      axes = [a for a, held in enumerate(view.axes) if lead in held]
+      if eqn.prim == "dot_general":
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        if axes and not set(axes) & set((lc, rc)[use.operand]):
+          found.add(leaf)
+      elif eqn.prim == "gather" and use.operand == 0 and flow.dep[eqn.ins[1]]:
+        found.add(leaf)
+  return found
+
+
+def embeddings(flow: Flow) -> set[int]:
+  """Leaves gathered by indices that come from the model's inputs and no parameter."""
+  prog = flow.prog
+  inputs = set(prog.input_ids)
+  found = set()
+  for eqn in prog.eqns:
+    if any(i in inputs for i in eqn.ins):
+      inputs.update(eqn.outs)
+      index = eqn.ins[1] if len(eqn.ins) > 1 else None
+      if eqn.prim == "gather" and eqn.ins[0] in flow.views and index in inputs:
+        if not flow.dep[index]:
+          found.add(flow.views[eqn.ins[0]].leaf)
+  return found
+
+
+def heads(flow: Flow) -> set[int]:
+  """Leaves of the linear maps that produce an output, through axis moves and bias sums."""
+  prog: Program = flow.prog
+  producer = _producers(prog)
+  todo, found, seen = list(prog.outputs), set(), set()
+  while todo:
+    e = producer.get(todo.pop())
+    if e is None or e in seen:
+      continue
+    seen.add(e)
+    eqn, rule = prog.eqns[e], rule_of(prog.eqns[e].prim)
+    if eqn.prim == "dot_general":
+      found.update(flow.views[i].leaf for i in eqn.ins if i in flow.views)
+    elif rule.axes is not None or rule.additive:
+      todo += [i for i in eqn.ins if flow.dep[i] and i not in flow.views]
+  return found
+
+
+def _cover(names: list[str], wanted: set[str]) -> tuple[str, ...]:
+  """Path patterns that match exactly ``wanted`` among ``names``: each its shortest suffix that
+  matches nothing else (``wq`` for every layer's ``.../attention/wq``)."""
+  out = []
+  for name in (n for n in names if n in wanted):
+    segs = name.split("/")
+    pattern = next(
+      (
+        p
+        for p in ("/".join(segs[-k:]) for k in range(1, len(segs)))
+        if all(m in wanted for m in names if paths.match(p, m) is not None)
+      ),
+      name,
+    )
+    if pattern not in out:
+      out.append(pattern)
+  return tuple(out)
+
+
+def roles(
+  analysis: Analysis,
+  names: list[str],
+  shapes: list[tuple[int, ...]],
+  confirmed: list[list[Candidate]],
+) -> dict[str, tuple[str, ...]]:
+  """Role -> path patterns, as ``equivariant.symmetry_compatible(patterns=...)`` takes them:
+  attention, router, experts, embedding and LM head from the jaxpr's structure; the MLP's
+  up/gate/down from the pairs found (stacked copies that no scan made: experts)."""
+  flow = analysis.flow
+  fused = {u.leaf for u in analysis.units if u.part is not None}  # no one role for the leaf
+  leaves = collections.defaultdict(set)
+  router, widths = routers(flow)
+  leaves["router"] = router
+  leaves["experts"] = experts(flow, widths)
+  found = attention(flow)
+  leaves["query"] = found["query"]
+  leaves["key_value"] = found["key"] | found["value"]
+  leaves["output"] = found["output"]
+  for insts in confirmed:
+    for inst in insts:
+      if inst.name not in _MLP:
+        continue
+      a, b = (
+        [unit for unit, _ in side if analysis.units[unit].part is None] for side in (inst.a, inst.b)
+      )
+      if inst.name == "gated MLP up/down":  # the gate: the other factor of up's product
+        a += [
+          g
+          for leaf in a
+          for glu in analysis.gates_of[leaf]
+          for g in analysis.gated[glu]
+          if g != leaf and len(shapes[g]) - len(copy_axes(inst.stacked)) >= 2
+        ]
+      scanned = min(len(u.view.consumed) for leaf in a for u in analysis.uses[leaf]) if a else 0
+      copies = len(copy_axes(inst.stacked))
+      found_roles = ("experts", "experts") if copies > scanned else _MLP[inst.name]
+      for role, side in zip(found_roles, (a, b)):
+        leaves[role].update(side)
+  matrices = {x for x in range(len(names)) if len(shapes[x]) >= 2 and x not in fused}
+  taken = set()
+  for role in ("router", "experts", "query", "key_value", "output", "gate_up", "down"):
+    leaves[role] = (leaves[role] & matrices) - taken
+    taken |= leaves[role]
+  leaves["embedding"] = {x for x in embeddings(flow) if len(shapes[x]) == 2} - taken
+  leaves["lm_head"] = {x for x in heads(flow) if len(shapes[x]) == 2} - taken - leaves["embedding"]
+  return {r: _cover(names, {names[x] for x in leaves[r]}) for r in ORDER if leaves[r]}
