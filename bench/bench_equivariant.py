@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import optax
 
 import common
+from harness import lm
 from saggs_jax import equivariant as eqv
-from saggs_jax.testing import lm
 
 
 def variants(config: lm.ModelConfig, extra: bool) -> dict[str, optax.GradientTransformation]:

@@ -10,7 +10,7 @@ over a mesh axis along each leaf's largest axis.
 Example::
 
   >>> import jax, jax.numpy as jnp, optax
-  >>> from saggs_jax.testing import shapes
+  >>> from harness import shapes
   >>> params = shapes.llama(**shapes.SIZES["1b"], scanned=True)
   >>> params["layers"]["attn"]["k_proj"]["kernel"].shape  # 16 layers, 8 KV heads of 128
   (16, 2048, 1024)
