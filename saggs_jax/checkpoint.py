@@ -50,17 +50,19 @@ import collections
 import functools
 import sys
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 
 from saggs_jax import canonical, paths
 from saggs_jax.pairs import Pair, as_pairs, resolve
 from saggs_jax.transform import SaggsState
+
+if TYPE_CHECKING:
+  import orbax.checkpoint as ocp
 
 Layout = dict[str, str]  # path -> "float32[3, 4]", "key<fry>[]" or an empty node "EmptyState()"
 Checksums = dict[str, list[int]]  # path -> two uint32 hashes
@@ -260,6 +262,8 @@ def _storable(tree: Any) -> Any:
 
 def _abstract(leaf) -> jax.ShapeDtypeStruct:
   """What Orbax restores ``leaf`` from: its shape, dtype and sharding (key data for keys)."""
+  import orbax.checkpoint as ocp  # here, not at the top: `import saggs_jax` loads no Orbax
+
   if not _is_key(leaf):
     return cast(jax.ShapeDtypeStruct, ocp.utils.to_shape_dtype_struct(leaf))  # an array's
   data = jax.eval_shape(jax.random.key_data, leaf)
@@ -342,6 +346,8 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
     True
     >>> manager.close()
   """
+  import orbax.checkpoint as ocp  # as in _abstract
+
   _check_step(step)
   _check_not_nnx_objects(params, opt_state)
   state = {"params": params, "opt_state": opt_state}
@@ -525,6 +531,8 @@ def restore(
     (3, 2.0, 2.0)
     >>> manager.close()
   """
+  import orbax.checkpoint as ocp  # as in _abstract
+
   if step is not None:
     _check_step(step)
   _check_not_nnx_objects(params, opt_state)
