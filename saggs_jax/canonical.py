@@ -11,9 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from saggs_jax.balance import TOLERANCE, Factors, compute_factors, scale_tree
+from saggs_jax.balance import TOLERANCE, compute_factors
 from saggs_jax.degrees import measure
+from saggs_jax.numerics import Factors
 from saggs_jax.pairs import Pair, Plan, resolve
+from saggs_jax.scaling import scale_tree
 from saggs_jax.transport import transport
 
 FactorSpec = float | Callable[[str, tuple[int, ...]], Any]

@@ -54,8 +54,9 @@ import numpy as np
 import optax
 
 from saggs_jax import paths
-from saggs_jax.balance import Factors, scale_tree
+from saggs_jax.numerics import Factors
 from saggs_jax.pairs import Plan, Slot
+from saggs_jax.scaling import scale_tree
 from saggs_jax.transport import AS_REGISTERED, transport
 
 CANDIDATES = (1, 2, 0, -1, -2, 3, 4)

@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from saggs_jax.balance import log_norms, scale_tree
+from saggs_jax.balance import log_norms
 from saggs_jax.pairs import Block, Instance, Pair, Plan, resolve
+from saggs_jax.scaling import scale_tree
 
 
 def imbalance(params: Any, pairs: Sequence[Pair]) -> dict[str, jax.Array]:

@@ -35,10 +35,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from saggs_jax.balance import scale_tree
 from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
-from saggs_jax.transform import SymmetryTransformation, _caller, _check_number, _land_on
+from saggs_jax.scaling import land_on, scale_tree
+from saggs_jax.transform import SymmetryTransformation
 from saggs_jax.transport import transport
+from saggs_jax.validation import check_number, user_frame
 
 
 def max_logits(
@@ -251,8 +252,8 @@ def qk_clip(
     Array([0.5, 1. ], dtype=float32)
   """
   pairs = as_pairs(pairs)
-  _check_number("tau", tau, lambda t: 0 < t < math.inf, "in (0, inf)", integer=False)
-  _check_number("alpha", alpha, lambda a: 0 <= a <= 1, "in [0, 1]", integer=False)
+  check_number("tau", tau, lambda t: 0 < t < math.inf, "in (0, inf)", integer=False)
+  check_number("alpha", alpha, lambda a: 0 <= a <= 1, "in [0, 1]", integer=False)
   warned = []
 
   def plan_of(params) -> Plan:
@@ -270,7 +271,7 @@ def qk_clip(
     factors, gauge = _clip_factors(plan, logits, tau, alpha)
     clipped = _heads_plan(plan, heads)
     target = scale_tree(clipped, optax.apply_updates(params, updates), factors, 1.0)
-    return _land_on(params, updates, target, clipped, factors), plan, gauge
+    return land_on(params, updates, target, clipped, factors), plan, gauge
 
   def around(prior, grads, state, prior_states, params, degrees=None, **extra_args):
     _checked_logits(plan_of(params), extra_args)  # fails before the inner step runs
@@ -281,7 +282,7 @@ def qk_clip(
   def update(updates, state, params=None, **extra_args):
     if alpha != 0.5 and not warned:
       warned.append(True)
-      frame = _caller()
+      frame = user_frame()
       warnings.warn_explicit(
         f"qk_clip(alpha={alpha}) outside saggs_jax.chain cannot transport the moments of the"
         " optimizer before it by the gauge part of its split; use saggs_jax.chain(...).",

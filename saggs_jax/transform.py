@@ -10,8 +10,6 @@ inner optimizer's inputs, so it fuses into that optimizer's own kernels.
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -22,20 +20,13 @@ import numpy as np
 import optax
 
 from saggs_jax import paths
-from saggs_jax.balance import (
-  AxisName,
-  Factors,
-  compute_dtype,
-  compute_factors,
-  leaf_multiplier,
-  replicated,
-  scale_tree,
-)
+from saggs_jax.balance import compute_factors
 from saggs_jax.degrees import measure
-from saggs_jax.numerics import is_explicit
+from saggs_jax.numerics import AxisName, Factors, is_explicit, replicated
 from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
-from saggs_jax.scaling import Shared
+from saggs_jax.scaling import Shared, land_on, scale_tree
 from saggs_jax.transport import register_transport, transport
+from saggs_jax.validation import check_number, user_frame
 
 
 class SaggsState(NamedTuple):
@@ -168,33 +159,6 @@ def _within_step(plan, params, factors):
   }
 
 
-def _land_on(params, updates, target, plan, factors):
-  """Updates that move the declared leaves of ``params`` to ``target``; others untouched.
-
-  Where the factor is 1 (which includes every group with a zero or non-finite
-  norm) the inner update is kept bit for bit: ``target - params`` would
-  perturb it by rounding, and turn an inf parameter into NaN (inf - inf).
-  """
-
-  def visit(key_path, u, p, t):
-    slots = plan.slots.get(paths.path_str(key_path))
-    if slots is None:
-      return u
-    dtype = compute_dtype(p.dtype)
-    moved = (t.astype(dtype) - p.astype(dtype)).astype(u.dtype)
-    return jnp.where(leaf_multiplier(slots, p, factors, 1.0, dtype) == 1, u, moved)
-
-  return jax.tree_util.tree_map_with_path(visit, updates, params, target)
-
-
-def _check_number(name, value, ok, interval, integer):
-  kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
-  if isinstance(value, bool) or not isinstance(value, kinds) or not ok(value):
-    raise ValueError(
-      f"{name} must be {'an int' if integer else 'a number'} {interval}, got {value!r}."
-    )
-
-
 def _check_axis_name(axis_name) -> None:
   if not (
     axis_name is None
@@ -238,17 +202,6 @@ def _check_whole_groups(plan, global_shapes) -> None:
           " each device would balance its slices as groups of their own. Keep that axis"
           " whole on every device, or balance outside shard_map (jit on a mesh)."
         )
-
-
-def _caller():
-  """The innermost frame outside saggs_jax, optax and jax: the user's line."""
-  internal = tuple(os.path.dirname(m.__file__ or "") for m in (optax, jax)) + (
-    os.path.dirname(__file__),
-  )
-  frame = sys._getframe(1)
-  while frame is not None and frame.f_code.co_filename.startswith(internal):
-    frame = frame.f_back
-  return frame
 
 
 def scale_by_saggs(
@@ -322,8 +275,8 @@ def scale_by_saggs(
   """
   pairs = as_pairs(pairs)
   _check_axis_name(axis_name)
-  _check_number("strength", strength, lambda s: 0 < s <= 1, "in (0, 1]", integer=False)
-  _check_number("every", every, lambda k: k >= 1, ">= 1", integer=True)
+  check_number("strength", strength, lambda s: 0 < s <= 1, "in (0, 1]", integer=False)
+  check_number("every", every, lambda k: k >= 1, ">= 1", integer=True)
   warned, global_shapes = [], {}  # the shapes init saw outside shard_map
   types = {}  # the factors' types per parameter type (see _no_balancing)
 
@@ -380,14 +333,14 @@ def scale_by_saggs(
       transport(plan, prior_states, shared, degrees=degrees),
       balanced,
     )
-    updates = _land_on(params, updates, optax.apply_updates(balanced, updates), plan, shared)
+    updates = land_on(params, updates, optax.apply_updates(balanced, updates), plan, shared)
     return updates, SaggsState(count, factors, residual), prior_states
 
   def update(updates, state, params=None, **extra_args):
     del extra_args
     if not warned:
       warned.append(True)
-      frame = _caller()
+      frame = user_frame()
       warnings.warn_explicit(
         "A SAGGS stage outside saggs_jax.chain balances the parameters after the optimizer's"
         " step but cannot transport that optimizer's moments; use saggs_jax.chain(...)"
@@ -400,7 +353,7 @@ def scale_by_saggs(
     stepped = optax.apply_updates(params, updates)
     factors, residual = scheduled_factors(count, stepped)
     target = scale_tree(plan, stepped, factors, 1.0)
-    return _land_on(params, updates, target, plan, factors), SaggsState(count, factors, residual)
+    return land_on(params, updates, target, plan, factors), SaggsState(count, factors, residual)
 
   return SymmetryTransformation(init, update, around, lambda params: resolve(pairs, params))
 

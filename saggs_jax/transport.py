@@ -47,8 +47,9 @@ import optax
 import optax.contrib
 
 from saggs_jax import paths
-from saggs_jax.balance import Factors, scale_leaf
+from saggs_jax.numerics import Factors
 from saggs_jax.pairs import Plan
+from saggs_jax.scaling import scale_leaf
 
 NESTED = "nested"
 """Marks a field that holds an inner optimizer state to transport recursively."""
