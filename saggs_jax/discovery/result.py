@@ -6,7 +6,7 @@ import collections.abc
 from collections.abc import Sequence
 from typing import NamedTuple, cast
 
-from saggs_jax.equivariant.stack import role_dimension_numbers
+from saggs_jax.equivariant.roles import role_dimension_numbers
 from saggs_jax.pairs import Pair, Spec
 
 

@@ -34,6 +34,11 @@ from saggs_jax.equivariant._linalg import (
   newton_schulz,
 )
 from saggs_jax.equivariant.dimension_numbers import UnitDimensionNumbers, muon_dimension_numbers
+from saggs_jax.equivariant.roles import (
+  ROLE_DIMENSION_NUMBERS,
+  ROLE_PATTERNS,
+  role_dimension_numbers,
+)
 from saggs_jax.equivariant.rules import (
   REFERENCE,
   MomentumState,
@@ -46,11 +51,8 @@ from saggs_jax.equivariant.rules import (
 from saggs_jax.equivariant.stack import (
   REFERENCE_LEARNING_RATES,
   REFERENCE_WEIGHT_DECAYS,
-  ROLE_DIMENSION_NUMBERS,
-  ROLE_PATTERNS,
   layerwise,
   optimizer,
-  role_dimension_numbers,
   symmetry_compatible,
   symmetry_compatible_reference,
 )

@@ -8,14 +8,13 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from optax.contrib import MuonDimensionNumbers
 
 from saggs_jax.equivariant import _linalg
 from saggs_jax.equivariant.dimension_numbers import (
   Patterns,
   UnitDimensionNumbers,
-  muon_dimension_numbers,
 )
+from saggs_jax.equivariant.roles import ROLE_PATTERNS, as_patterns
 from saggs_jax.equivariant.rules import (
   REFERENCE,
   scale_by_hybrid,
@@ -60,10 +59,6 @@ def optimizer(
   )
 
 
-def _as_patterns(patterns: Patterns) -> tuple[str, ...]:
-  return (patterns,) if isinstance(patterns, str) else tuple(patterns)
-
-
 def layerwise(
   rules: Rules,
   default: optax.GradientTransformation | None = None,
@@ -96,7 +91,7 @@ def layerwise(
     >>> state = tx.init(params)
   """
   entries = list(rules.items() if isinstance(rules, Mapping) else rules)
-  entries = [(_as_patterns(pats), tx) for pats, tx in entries]
+  entries = [(as_patterns(pats), tx) for pats, tx in entries]
 
   def label(key_path, _):
     path = path_str(key_path)
@@ -120,59 +115,6 @@ def layerwise(
     transforms["default"] = default
   return optax.multi_transform(
     transforms, lambda params: jax.tree_util.tree_map_with_path(label, params)
-  )
-
-
-# Role -> path patterns: LLaMA-style Hugging Face names on Flax modules, with
-# Flax (in, out) kernels: q/k/v (d, H*hd), o (H*hd, d), gate/up (d, F),
-# down (F, d), embedding (V, d), lm_head (d, V), router (d, E) and stacked
-# experts (E, in, out).
-ROLE_PATTERNS: dict[str, tuple[str, ...]] = {
-  "embedding": ("embed/embedding",),
-  "lm_head": ("lm_head/kernel",),
-  "query": ("q_proj/kernel",),
-  "key_value": ("k_proj/kernel", "v_proj/kernel"),
-  "output": ("o_proj/kernel",),
-  "gate_up": ("gate_proj/kernel", "up_proj/kernel"),
-  "down": ("down_proj/kernel",),
-  "router": ("router/kernel",),
-  "experts": ("experts/*",),
-}
-
-
-# Per role of ``symmetry_compatible``: the hidden matrices, reduced over the
-# Flax (in, out) kernel's rows, every leading axis (layers, experts) batched.
-# Embedding, LM head and router: None, as Muon leaves them to AdamW.
-ROLE_DIMENSION_NUMBERS: dict[str, MuonDimensionNumbers | None] = {
-  **dict.fromkeys(
-    ("query", "key_value", "output", "gate_up", "down", "experts"), MuonDimensionNumbers(-2, -1)
-  ),
-  **dict.fromkeys(("embedding", "lm_head", "router"), None),
-}
-
-
-def role_dimension_numbers(params: Any, roles: Mapping[str, Patterns] | None = None) -> Any:
-  """:func:`muon_dimension_numbers` for the roles of ``symmetry_compatible``.
-
-  ``roles`` maps roles to path patterns, as :data:`ROLE_PATTERNS` (the
-  default) or ``saggs_jax.discover(...).roles`` do; each role's leaves get
-  :data:`ROLE_DIMENSION_NUMBERS`. Query, key/value and output kernels are
-  orthogonalised whole: ``MuonDimensionNumbers`` cannot split one axis into
-  heads (``scale_by_polar(num_heads=...)`` can).
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> params = {"q_proj": {"kernel": jnp.ones((2, 8, 8))}, "embed": {"embedding": jnp.ones((16, 8))}}
-    >>> role_dimension_numbers(params)["q_proj"]["kernel"]
-    MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
-  """
-  roles = ROLE_PATTERNS if roles is None else roles
-  if unknown := set(roles) - set(ROLE_DIMENSION_NUMBERS):
-    raise ValueError(
-      f"Unknown roles {sorted(unknown)}; the roles are {sorted(ROLE_DIMENSION_NUMBERS)}."
-    )
-  return muon_dimension_numbers(
-    params, {_as_patterns(pats): ROLE_DIMENSION_NUMBERS[r] for r, pats in roles.items()}
   )
 
 
@@ -437,7 +379,7 @@ def _stack(
       raise ValueError(
         f"Unknown roles {sorted(unknown)}; the roles are {sorted(roles) + ['adamw']}."
       )
-  roles.update({r: _as_patterns(p) for r, p in (c.patterns or {}).items()})
+  roles.update({r: as_patterns(p) for r, p in (c.patterns or {}).items()})
   if c.down not in ("column", "polar"):
     raise ValueError(f"down must be 'column' or 'polar', got {c.down!r}.")
   layer = (0,) if c.stacked else ()
