@@ -77,7 +77,8 @@ def make_optimizer(
   }
   if name == "reference":
     scale = lr / eqv.REFERENCE_LEARNING_RATES["query"]
-    return eqv.symmetry_compatible_reference(
+    return eqv.symmetry_compatible(
+      preset="reference",
       **heads,
       learning_rates={
         r: schedule(v * scale, args) for r, v in eqv.REFERENCE_LEARNING_RATES.items()

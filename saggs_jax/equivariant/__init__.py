@@ -48,19 +48,24 @@ from saggs_jax.equivariant.rules import (
   scale_by_right_spectral,
   scale_by_row_norm,
 )
+from saggs_jax.equivariant.settings import InverseSqrt, NewtonSchulz
 from saggs_jax.equivariant.stack import (
+  PRESETS,
   REFERENCE_LEARNING_RATES,
   REFERENCE_WEIGHT_DECAYS,
+  RoleRules,
   layerwise,
   optimizer,
   symmetry_compatible,
-  symmetry_compatible_reference,
 )
 
 __all__ = [
   "CoefficientSet",
+  "InverseSqrt",
   "MomentumState",
   "MuonDimensionNumbers",
+  "NewtonSchulz",
+  "PRESETS",
   "NS_COEFFS",
   "POLAR_EXPRESS",
   "QUINTIC",
@@ -69,6 +74,7 @@ __all__ = [
   "REFERENCE_WEIGHT_DECAYS",
   "ROLE_DIMENSION_NUMBERS",
   "ROLE_PATTERNS",
+  "RoleRules",
   "UnitDimensionNumbers",
   "layerwise",
   "muon_dimension_numbers",
@@ -81,5 +87,4 @@ __all__ = [
   "scale_by_right_spectral",
   "scale_by_row_norm",
   "symmetry_compatible",
-  "symmetry_compatible_reference",
 ]
