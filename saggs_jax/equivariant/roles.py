@@ -4,6 +4,7 @@ dimension numbers of each (read by ``symmetry_compatible`` and by ``discover``'s
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from optax.contrib import MuonDimensionNumbers
@@ -20,28 +21,32 @@ def as_patterns(patterns: Patterns) -> tuple[str, ...]:
 # Flax (in, out) kernels: q/k/v (d, H*hd), o (H*hd, d), gate/up (d, F),
 # down (F, d), embedding (V, d), lm_head (d, V), router (d, E) and stacked
 # experts (E, in, out).
-ROLE_PATTERNS: dict[str, tuple[str, ...]] = {
-  "embedding": ("embed/embedding",),
-  "lm_head": ("lm_head/kernel",),
-  "query": ("q_proj/kernel",),
-  "key_value": ("k_proj/kernel", "v_proj/kernel"),
-  "output": ("o_proj/kernel",),
-  "gate_up": ("gate_proj/kernel", "up_proj/kernel"),
-  "down": ("down_proj/kernel",),
-  "router": ("router/kernel",),
-  "experts": ("experts/*",),
-}
+ROLE_PATTERNS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+  {
+    "embedding": ("embed/embedding",),
+    "lm_head": ("lm_head/kernel",),
+    "query": ("q_proj/kernel",),
+    "key_value": ("k_proj/kernel", "v_proj/kernel"),
+    "output": ("o_proj/kernel",),
+    "gate_up": ("gate_proj/kernel", "up_proj/kernel"),
+    "down": ("down_proj/kernel",),
+    "router": ("router/kernel",),
+    "experts": ("experts/*",),
+  }
+)
 
 
 # Per role of ``symmetry_compatible``: the hidden matrices, reduced over the
 # Flax (in, out) kernel's rows, every leading axis (layers, experts) batched.
 # Embedding, LM head and router: None, as Muon leaves them to AdamW.
-ROLE_DIMENSION_NUMBERS: dict[str, MuonDimensionNumbers | None] = {
-  **dict.fromkeys(
-    ("query", "key_value", "output", "gate_up", "down", "experts"), MuonDimensionNumbers(-2, -1)
-  ),
-  **dict.fromkeys(("embedding", "lm_head", "router"), None),
-}
+ROLE_DIMENSION_NUMBERS: Mapping[str, MuonDimensionNumbers | None] = MappingProxyType(
+  {
+    **dict.fromkeys(
+      ("query", "key_value", "output", "gate_up", "down", "experts"), MuonDimensionNumbers(-2, -1)
+    ),
+    **dict.fromkeys(("embedding", "lm_head", "router"), None),
+  }
+)
 
 
 def role_dimension_numbers(params: Any, roles: Mapping[str, Patterns] | None = None) -> Any:
