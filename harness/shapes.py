@@ -7,8 +7,7 @@ declares), unrolled (``layers/0/...``) or scanned (one leading layer axis).
 :data:`SIZES` holds the 1B, 7B and 70B shapes; :func:`fsdp` shards such a tree
 over a mesh axis along each leaf's largest axis.
 
-Example::
-
+Example:
   >>> import jax, jax.numpy as jnp, optax
   >>> from harness import shapes
   >>> params = shapes.llama(**shapes.SIZES["1b"], scanned=True)

@@ -107,8 +107,7 @@ def reparameterize(
   Returns:
     ``(params, opt_state)`` transformed.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> params = {"q": jnp.ones((4, 2)), "k": jnp.ones((4, 2))}
     >>> opt_state = optax.adam(1e-3).init(params)
@@ -135,8 +134,7 @@ def canonicalize(
   ``canonicalize(reparameterize(s, f)) == canonicalize(s)`` for every f > 0
   up to floating point, so equivalent checkpoints become the same state.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> pairs = [saggs.Pair("q", "k")]
     >>> params = {"q": jnp.full((4, 2), 4.0), "k": jnp.ones((4, 2))}

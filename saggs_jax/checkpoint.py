@@ -27,8 +27,7 @@ updates the restored arrays in place. Typed PRNG keys
 the target's implementation. Use a manager dedicated to these two functions
 (the items are fixed).
 
-Example::
-
+Example:
   >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp
   >>> import saggs_jax as saggs
   >>> pairs = [saggs.Pair("up", "down", axes=(1, 0))]
@@ -96,8 +95,7 @@ def layout(tree: Any) -> Layout:
   :func:`saggs_jax.paths.is_array`) is not saved: :func:`restore` takes it from
   the target.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> saggs.checkpoint.layout(optax.adam(1e-3).init({"w": jnp.ones((2, 3))}))
     {'0/count': 'int32[]', '0/mu/w': 'float32[2, 3]', '0/nu/w': 'float32[2, 3]', '1': 'EmptyState()'}
@@ -110,8 +108,7 @@ def check_layout(saved: Layout, target: Any, what: str = "The checkpoint") -> No
 
   Target entries are compared in flatten order, then entries only ``saved`` has.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, saggs_jax as saggs
     >>> saved = saggs.checkpoint.layout({"w": jnp.ones((2, 3))})
     >>> saggs.checkpoint.check_layout(saved, {"w": jnp.ones((2, 4))})  # doctest: +ELLIPSIS
@@ -209,8 +206,7 @@ def checksums(tree: Any) -> Checksums:
   Computed where the arrays live, sharded or spread over processes; every
   process gets the same result.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, saggs_jax as saggs
     >>> x = jnp.arange(4.0)
     >>> sums = saggs.checkpoint.checksums
@@ -337,8 +333,7 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
     TypeError: ``step`` is not an int, or ``params`` or ``opt_state`` is an
       nnx object or ``nnx.state(optimizer)``.
 
-  Example::
-
+  Example:
     >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, saggs_jax as saggs
     >>> params = {"w": jnp.ones((2, 3))}
     >>> manager = ocp.CheckpointManager(tempfile.mkdtemp())
@@ -516,8 +511,7 @@ def restore(
       any array is read. Or the arrays could not be read, or one read back
       does not match its checksum or has none (the message names it).
 
-  Example::
-
+  Example:
     >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, saggs_jax as saggs
     >>> pairs = [saggs.Pair("q", "k")]
     >>> params = {"q": jnp.full((2, 2), 4.0), "k": jnp.ones((2, 2))}

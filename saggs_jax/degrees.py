@@ -140,8 +140,7 @@ def proxy(plan: Plan) -> Plan:
     TypeError: a layout whose cut leaves some slot with unequal groups (a group axis cut
       inside its groups by another pair's blocks).
 
-  Example::
-
+  Example:
     >>> import jax, jax.numpy as jnp, saggs_jax as saggs
     >>> from saggs_jax.pairs import resolve
     >>> params = {"q": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
@@ -403,8 +402,7 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
       the registered rules refuse, or one whose layout depends on the leaves'
       sizes so that the proxy's differs; the message names the state type and the path.
 
-  Example::
-
+  Example:
     >>> import jax, jax.numpy as jnp, optax, saggs_jax as saggs
     >>> from saggs_jax.degrees import measure
     >>> from saggs_jax.pairs import resolve

@@ -23,8 +23,7 @@ def imbalance(params: Any, pairs: Sequence[Pair]) -> dict[str, jax.Array]:
   ``stacked_shape + (groups,)``. Zero after hard SAGGS; ``log 64 ~ 4.16`` for
   Q scaled by 8 and K by 1/8 from a balanced start. Jit-friendly.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, saggs_jax as saggs
     >>> params = {"q": jnp.full((4, 2), 8.0), "k": jnp.ones((4, 2))}
     >>> float(saggs.imbalance(params, [saggs.Pair("q", "k")])["q|k"])  # log 8
@@ -92,8 +91,7 @@ def check_symmetry(
     ValueError: naming the first pair instance whose transform changes the
       output beyond tolerance, what was measured and the likely cause.
 
-  Example::
-
+  Example:
     >>> import jax, jax.numpy as jnp, saggs_jax as saggs
     >>> def f(p, x): return (x @ p["up"]) @ p["down"]  # linear: any rescaling is exact
     >>> params = {"up": jnp.ones((3, 5)), "down": jnp.ones((5, 2))}

@@ -186,8 +186,7 @@ class Pair:
     follow_b: likewise for ``b``.
     name: label used in errors (with the patterns) and in :func:`saggs_jax.describe`.
 
-  Example::
-
+  Example:
     >>> import saggs_jax as saggs
     >>> qk = saggs.Pair("attn/q_proj/kernel", "attn/k_proj/kernel",
     ...                 axes=(1, 1), groups=2, follow_a="attn/q_proj/bias")
@@ -760,8 +759,7 @@ def as_pairs(pairs: Pair | Iterable[Pair]) -> tuple[Pair, ...]:
 def describe(pairs: Sequence[Pair], params: Any) -> str:
   """A readable table of what each declared pair resolved to on ``params``.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, saggs_jax as saggs
     >>> params = {"q": jnp.ones((8, 4)), "k": jnp.ones((8, 4))}
     >>> print(saggs.describe([saggs.Pair("q", "k", axes=(1, 1), groups=2)], params))

@@ -71,8 +71,7 @@ def arrays_with_paths(tree: Any) -> Iterator[tuple[str, Any]]:
   """Yields ``(path, leaf)`` for every array leaf of ``tree`` (see :func:`is_array`), in
   flatten order.
 
-  Example::
-
+  Example:
     >>> import jax, jax.numpy as jnp
     >>> dict(arrays_with_paths({"w": jnp.ones(2), "act": jax.nn.relu, "p": 0.1}))
     {'w': Array([1., 1.], dtype=float32)}
@@ -143,8 +142,7 @@ def nearest(pattern: str, candidates: Iterable[str], n: int = 3) -> list[str]:
   whose closest suffixes differ only in their numbers (one weight in every
   layer) are suggested once, by the closest (the first on a tie).
 
-  Example::
-
+  Example:
     >>> nearest("atn/q_proj", ["layers/0/attn/q_proj", "layers/1/attn/q_proj", "head"])
     ['layers/0/attn/q_proj']
   """

@@ -5,8 +5,7 @@ they apply to every layer of a model at once; ``prefix`` restricts them to
 part of the tree (e.g. ``"decoder/**"``). :func:`muon_dimension_numbers`
 declares the same layouts' matrices for ``optax.contrib.muon``.
 
-Example::
-
+Example:
   >>> import saggs_jax as saggs
   >>> [pair.name for pair in saggs.presets.llama(num_kv_heads=2)]
   ['attention Q/K', 'attention V/O', 'SwiGLU up/down']
@@ -39,8 +38,7 @@ def flax_mha(*, bias: bool = True, stacked: int = 0, prefix: str | None = None) 
   scale-invariant: the Q/K pair is still exact, but balancing it is moot; drop it
   to save the work.
 
-  Example::
-
+  Example:
     >>> import saggs_jax as saggs
     >>> pairs = saggs.presets.flax_mha()
   """
@@ -104,8 +102,7 @@ def llama(
     prefix: restricts the patterns to part of the tree.
     q, k, v, o, up, down: module names.
 
-  Example::
-
+  Example:
     >>> import saggs_jax as saggs
     >>> pairs = saggs.presets.llama(num_kv_heads=2)
   """
@@ -164,8 +161,7 @@ def gpt2(
     stacked: leading layer axes of scanned layers.
     prefix: restricts the patterns to part of the tree.
 
-  Example::
-
+  Example:
     >>> import saggs_jax as saggs
     >>> pairs = saggs.presets.gpt2(num_heads=12)
     >>> pairs[0].a
@@ -257,8 +253,7 @@ def muon_dimension_numbers(
   biases, embeddings, the LM head) ``None``, which Muon leaves to AdamW. The
   same declarations serve :func:`saggs_jax.equivariant.scale_by_polar`.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, optax
     >>> import saggs_jax as saggs
     >>> params = {"attn": {"query": {"kernel": jnp.ones((8, 2, 4))}, "out": {"kernel": jnp.ones((2, 4, 8))}},

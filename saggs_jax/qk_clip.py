@@ -74,8 +74,7 @@ def max_logits(
     mask: boolean, True where a query may attend.
     is_causal: mask positions after the query's (query i at the end of the keys).
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, saggs_jax as saggs
     >>> q = jnp.ones((1, 2, 2, 4)).at[:, :, 1].set(2.0)  # 2 heads, 2 positions
     >>> k = jnp.ones((1, 2, 1, 4)).at[:, 1].set(3.0)     # 1 KV head; key 1 is large
@@ -239,8 +238,7 @@ def qk_clip(
   References:
     Kimi Team, *Kimi K2: Open Agentic Intelligence*, arXiv:2507.20534 (2025), MuonClip.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> params = {"q": jnp.ones((4, 2)), "k": jnp.ones((4, 2))}  # (d, heads·head_dim), 2 heads
     >>> tx = saggs.chain(optax.sgd(0.0), saggs.qk_clip([saggs.Pair("q", "k", axes=(1, 1))],

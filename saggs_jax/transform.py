@@ -45,8 +45,7 @@ class SaggsState(NamedTuple):
       and on updates that do not balance. Read on the host; the update never
       syncs on it.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> pairs = [saggs.Pair("up", "down", axes=(1, 0))]
     >>> params = {"up": jnp.full((2, 3), 4.0), "down": jnp.ones((3, 2))}
@@ -80,8 +79,7 @@ class SymmetryTransformation(optax.GradientTransformationExtraArgs):
   :func:`chain` calls it; a plain ``optax.chain`` calls ``update``, which can
   balance the parameters only.
 
-  Example::
-
+  Example:
     >>> import optax, saggs_jax as saggs
     >>> stage = saggs.saggs([saggs.Pair("up", "down", axes=(1, 0))])
     >>> isinstance(stage, saggs.SymmetryTransformation), callable(stage.around)
@@ -260,8 +258,7 @@ def scale_by_saggs(
     Equivariant to Transformer Reparameterization`, preprint, 2026 (SAGGS
     and its damped variant, Soft SAGGS).
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> params = {"q": jnp.full((2, 2), 4.0), "k": jnp.ones((2, 2))}  # norms 8 and 2
     >>> tx = saggs.chain(optax.sgd(0.0), saggs.scale_by_saggs([saggs.Pair("q", "k")]))
@@ -369,8 +366,7 @@ def saggs(
     Bum Jun Kim, `Same Function, Different Trajectory: No Standard Optimizer Is
     Equivariant to Transformer Reparameterization`, preprint, 2026.
 
-  Example::
-
+  Example:
     >>> import optax, saggs_jax as saggs
     >>> pairs = [saggs.Pair("attn/q_proj/kernel", "attn/k_proj/kernel", axes=(1, 1), groups=4)]
     >>> tx = saggs.chain(optax.adamw(3e-4), saggs.saggs(pairs, every=100))
@@ -391,8 +387,7 @@ def soft(
     Equivariant to Transformer Reparameterization`, preprint, 2026 (Soft
     SAGGS).
 
-  Example::
-
+  Example:
     >>> import optax, saggs_jax as saggs
     >>> pairs = [saggs.Pair("mlp/up_proj/kernel", "mlp/down_proj/kernel", axes=(1, 0))]
     >>> tx = saggs.chain(optax.adamw(3e-4, weight_decay=0.1), saggs.soft(pairs, strength=0.5))
@@ -411,8 +406,7 @@ class Chain(optax.GradientTransformationExtraArgs):
       :func:`saggs_jax.checkpoint.restore` transports a saved chain state by the
       degrees measured on it.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> tx = saggs.chain(optax.adamax(1e-3), saggs.saggs([saggs.Pair("q", "k")]))
     >>> params = {"q": jnp.ones((2, 2)), "k": jnp.ones((2, 2))}
@@ -442,8 +436,7 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
   and raises a TypeError naming the state and the path of a leaf that no
   degree transports, as when a stage before it clips by a global norm.
 
-  Example::
-
+  Example:
     >>> import optax, saggs_jax as saggs
     >>> pairs = [saggs.Pair("attn/v_proj/kernel", "attn/o_proj/kernel", axes=(1, 0), groups=4)]
     >>> tx = saggs.chain(optax.adamw(3e-4), saggs.soft(pairs, strength=0.5))

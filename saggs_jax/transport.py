@@ -83,8 +83,7 @@ def register_transport(state_type: type, fields: Mapping[str, Degree]) -> None:
       :data:`NESTED` for a field holding inner optimizer state(s). Fields not
       named (counters, hyperparameters) are left untouched.
 
-  Example::
-
+  Example:
     >>> import typing, saggs_jax as saggs
     >>> class MyState(typing.NamedTuple):
     ...   count: object

@@ -99,8 +99,7 @@ def discover(
   Raises:
     ValueError: ``rtol`` is negative or NaN.
 
-  Example::
-
+  Example:
     >>> import jax, jax.numpy as jnp
     >>> from saggs_jax.discovery import discover
     >>> def mlp(p, x): return jax.nn.relu(x @ p["up"]) @ p["down"]
