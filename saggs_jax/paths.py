@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 Captures = tuple[str, ...]
@@ -65,6 +66,20 @@ def is_array(leaf: Any) -> bool:
   from the target rather than from the files.
   """
   return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def is_parameter(leaf: Any) -> bool:
+  """Whether ``leaf`` is a parameter: an array (see :func:`is_array`) of an inexact dtype.
+
+  Integer and boolean arrays (an Equinox module's buffers, step counters) are arrays but
+  not parameters: nothing differentiates, balances or transports them.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> [is_parameter(x) for x in (jnp.ones(2), jnp.arange(2), 1.0)]
+    [True, False, False]
+  """
+  return is_array(leaf) and bool(jnp.issubdtype(leaf.dtype, jnp.inexact))
 
 
 def arrays_with_paths(tree: Any) -> Iterator[tuple[str, Any]]:

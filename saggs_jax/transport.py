@@ -383,7 +383,7 @@ def _image_path(plan: Plan, tree: Any, is_leaf=None) -> str | None:
   """
   shapes = {plan.shapes[p] for p in plan.slots} - {()}
   for path, x in paths.leaves_with_paths(tree, is_leaf=is_leaf):
-    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.inexact):
+    if not paths.is_parameter(x):
       continue
     segs = path.split("/")
     if (

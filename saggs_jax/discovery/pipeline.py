@@ -8,7 +8,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import core
 
 from saggs_jax import paths
@@ -70,7 +69,7 @@ def discover(
     apply_fn: ``apply_fn(params, *example_args, **example_kwargs)``, returning
       an array or a pytree.
     params: the parameter tree (an ``nnx.State``, a Linen dict, an Equinox
-      module): its inexact arrays, concrete or abstract (see ``is_parameter``),
+      module): its inexact arrays, concrete or abstract (see ``saggs_jax.paths.is_parameter``),
       are the parameters; every other leaf (flags, activation functions, integer
       buffers) is static, as under ``eqx.filter``.
     *example_args: small example inputs (one short sequence is enough).
@@ -164,7 +163,7 @@ class _Traced(NamedTuple):
 def _trace(apply_fn, params, args, kwargs) -> _Traced:
   """``apply_fn(params, *args, **kwargs)`` traced on shapes and analysed."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-  traced = [is_parameter(x) for _, x in flat]
+  traced = [paths.is_parameter(x) for _, x in flat]
   names = [paths.path_str(k) for (k, _), t in zip(flat, traced) if t]
   leaves = [x for (_, x), t in zip(flat, traced) if t]
 
@@ -245,16 +244,6 @@ def _kind(key: tuple) -> tuple:
   name, rel, parts, counts, axes, stacked = key
   parts = tuple(p and (p.axis, p.bounds.index((p.lo, p.hi)), len(p.bounds)) for p in parts)
   return name, rel, parts, counts, axes, stacked
-
-
-def is_parameter(leaf: Any) -> bool:
-  """Whether a leaf of the parameter tree is a parameter: an inexact array, concrete
-  (``jax.Array``, ``np.ndarray``) or abstract (``jax.ShapeDtypeStruct``, a tracer). Every
-  other leaf (flags, activation functions, integer buffers of an Equinox module, Python
-  scalars) is static, as under ``eqx.filter``."""
-  return isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) and bool(
-    jnp.issubdtype(leaf.dtype, jnp.inexact)
-  )
 
 
 def _rejection(analysis: Analysis, inst: Candidate, reason: str):
