@@ -124,7 +124,7 @@ def main():
   graphdef, params = lm.init_model(config, seed=args.seed)
   pairs = saggs.presets.llama(num_kv_heads=config.num_kv_heads)
   print(f"{lm.num_params(params):,} parameters, {corpus.train.size:,} training bytes\n")
-  print(f"{saggs.describe(pairs, params)}\n")  # check that the declaration matched
+  print(f"{saggs.describe(params, pairs)}\n")  # check that the declaration matched
 
   metrics_fn = make_metrics_fn(pairs)
   histories = {}

@@ -365,10 +365,10 @@ def test_saggs_balances_what_discover_found_without_changing_the_function(name):
 def test_describe_and_check_symmetry_accept_a_discovery():
   forward, params, inputs = model("gpt2")
   d = found("gpt2")
-  assert "norm gain" in saggs.describe(d, params)
+  assert "norm gain" in saggs.describe(params, d)
   assert (
     "Rejected: 'fc/kernel' against 'proj/kernel': not positively homogeneous"
-    in saggs.describe(d, params)
+    in saggs.describe(params, d)
   )
   deviations = saggs.check_symmetry(forward, params, d, *inputs)
   assert max(deviations.values()) < 1e-4
@@ -383,3 +383,4 @@ def test_the_module_and_the_function_have_different_names():
   assert importlib.import_module("saggs_jax.discovery").discover is saggs_jax.discover
   with pytest.raises(ModuleNotFoundError):
     importlib.import_module("saggs_jax.discover")
+
