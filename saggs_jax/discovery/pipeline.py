@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import core
 
 from saggs_jax import paths
@@ -40,7 +41,7 @@ def discover(
   params: Any,
   *example_args,
   rtol: float | None = None,
-  seed: int = 0,
+  key: jax.Array | None = None,
   reduced: tuple | None = None,
   **example_kwargs,
 ) -> Discovery:
@@ -75,7 +76,8 @@ def discover(
     *example_args: small example inputs (one short sequence is enough).
     rtol: relative tolerance of the numerical check (>= 0); default 1e-4 in
       float32, 3e-2 with 16-bit parameters or outputs.
-    seed: seed of the random factors.
+    key: PRNG key of the random factors (a ``jax.random.key``; default fixed), as
+      :func:`saggs_jax.check_symmetry` takes it.
     reduced: with abstract ``params``, ``(apply_fn, params, *args)`` of a copy of the model
       reduced in width and depth (fewer heads, channels, layers; the same paths, and the
       same head structure: GQA for GQA), with concrete parameters: the candidates are
@@ -114,6 +116,12 @@ def discover(
   """
   if rtol is not None and not rtol >= 0:  # NaN too
     raise ValueError(f"rtol must be a non-negative number, got {rtol!r}.")
+  if "seed" in example_kwargs:  # discover's own argument until it took key=, as check_symmetry
+    raise TypeError(
+      "discover takes key=jax.random.key(seed) for its random factors, not seed=; a model"
+      " keyword named seed goes in through functools.partial(apply_fn, seed=...)."
+    )
+  seed = 0 if key is None else _seed(key)
   found = _trace(apply_fn, params, example_args, example_kwargs)
   analysis = found.analysis
   if found.concrete:
@@ -191,6 +199,14 @@ def _options(found: _Traced, instances: list[Candidate]) -> list[int]:
   """The groupings to try for a kind of candidate, finest first."""
   sizes = [found.analysis.shapes[unit][axis] for unit, axis in instances[0].a + instances[0].b]
   return group_options(sizes, set().union(*(i.splits for i in instances)))
+
+
+def _seed(key: jax.Array) -> np.ndarray:
+  """The NumPy seed of the numerical check's random factors, from a JAX PRNG key (typed, or
+  the raw uint32 data of ``jax.random.PRNGKey``)."""
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  return np.asarray(key, np.uint32).ravel()
 
 
 def _check(found: _Traced, args, kwargs, rtol, seed) -> tuple[list, bool]:
