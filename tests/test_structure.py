@@ -108,3 +108,36 @@ def test_no_import_cycles():
   for m in sorted(graph):
     if m not in state:
       visit(m, [m])
+
+
+TESTS = PACKAGE.parent / "tests"
+# Modules whose tests live in theme files for now (one file per theme spans several modules).
+THEMES = {
+  "saggs_jax.canonical": "test_checkpoint.py",  # canonicalize, and restoring through it
+  "saggs_jax.norms": "test_transform.py",
+  "saggs_jax.presets": "test_models.py",  # each preset on its model layout
+  "saggs_jax.discovery.candidates": "test_discover_helpers.py",
+  "saggs_jax.discovery.confirmation": "test_discover_guards.py",
+  "saggs_jax.discovery.declarations": "test_discover_helpers.py",
+  "saggs_jax.discovery.pipeline": "test_discover.py",
+  "saggs_jax.discovery.program": "test_discover_helpers.py",
+  "saggs_jax.discovery.propagation": "test_discover_helpers.py",
+  "saggs_jax.discovery.result": "test_discover.py",
+  "saggs_jax.equivariant._gather": "test_equivariant_sharding.py",
+  "saggs_jax.equivariant._linalg": "test_equivariant.py",
+  "saggs_jax.equivariant.rules": "test_equivariant.py",
+}
+
+
+def test_every_module_has_its_tests():
+  """tests/test_<module>.py for each module (a private one without its underscore), or the
+  theme file that THEMES names for it."""
+  missing = []
+  for name, path in MODULES.items():
+    if path.name == "__init__.py":
+      continue
+    own = TESTS / f"test_{path.stem.lstrip('_')}.py"
+    if not own.exists() and not (TESTS / THEMES.get(name, own.name)).exists():
+      missing.append(f"{name}: neither {own.name} nor a theme file")
+    assert not (own.exists() and name in THEMES), f"{name} has {own.name}: drop it from THEMES"
+  assert not missing, "\n".join(missing)
