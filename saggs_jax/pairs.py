@@ -766,7 +766,7 @@ def _is_declaration(x: Any) -> bool:
   return all(isinstance(p, Pair) for p in x)
 
 
-def describe(params: Any, pairs: Pair | Sequence[Pair]) -> str:
+def describe(params: Any, pairs: Sequence[Pair]) -> str:
   """A readable table of what each declared pair resolved to on ``params``.
 
   ``params`` first, as :func:`saggs_jax.imbalance` and optax take it. The old order
