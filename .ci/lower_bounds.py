@@ -1,5 +1,8 @@
 """The lower bounds of pyproject.toml's dependencies, as pip constraints (``name==version``).
 
+The dependencies, and the libraries of the ``test`` extra that saggs_jax is used with (flax,
+chex); not its tools (pytest, hypothesis, ...).
+
 With ``--check``: that the installed versions are those bounds, so the oldest CI run tests
 what the package claims to support.
 """
@@ -12,10 +15,13 @@ import tomllib
 from importlib import metadata
 
 PYPROJECT = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+LIBRARIES = ("flax", "chex")  # of the test extra
 
 
 def bounds() -> dict[str, str]:
-  deps = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+  project = tomllib.loads(PYPROJECT.read_text())["project"]
+  test = project["optional-dependencies"]["test"]
+  deps = project["dependencies"] + [d for d in test if re.match(rf"({'|'.join(LIBRARIES)})\b", d)]
   found = {}
   for dep in deps:
     m = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9][0-9.]*)", dep.replace(" ", ""))

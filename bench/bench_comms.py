@@ -95,7 +95,7 @@ def measure(tx: optax.GradientTransformation, params, shardings, form: str) -> t
 def rules() -> dict[str, optax.GradientTransformation]:
   return {
     "scale_by_polar, 5 steps": eqv.scale_by_polar(),
-    "scale_by_polar, 10 steps": eqv.scale_by_polar(ns_steps=10),
+    "scale_by_polar, 10 steps": eqv.scale_by_polar(newton_schulz=eqv.NewtonSchulz(steps=10)),
     "scale_by_hybrid": eqv.scale_by_hybrid(0),
     "scale_by_right_spectral": eqv.scale_by_right_spectral(0),
     "optax.contrib.muon, 5 steps": optax.contrib.muon(0.02),

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 import common
+from harness import lm
 from saggs_jax.discovery import discover
-from saggs_jax.testing import lm
 
 
 def main(argv=None):

@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import optax
 
 import common
+from harness import lm
 from saggs_jax import equivariant as eqv
-from saggs_jax.testing import lm
 
 
 def variants(config: lm.ModelConfig, extra: bool) -> dict[str, optax.GradientTransformation]:
@@ -55,8 +55,8 @@ def variants(config: lm.ModelConfig, extra: bool) -> dict[str, optax.GradientTra
     "stack": stack(),
   }
   if extra:
-    txs["stack f32-NS"] = stack(ns_dtype=jnp.float32)
-    txs["stack quintic"] = stack(ns_coeffs="quintic")
+    txs["stack f32-NS"] = stack(newton_schulz=eqv.NewtonSchulz(dtype=jnp.float32))
+    txs["stack quintic"] = stack(newton_schulz=eqv.NewtonSchulz(coeffs="quintic"))
   return txs
 
 

@@ -40,7 +40,9 @@ def main():
     params = {"w": jnp.zeros(shape, jnp.float32)}
     grads = {"w": jax.random.normal(jax.random.key(0), shape)}
     txs = {
-      name: eqv.scale_by_polar(batch_axes=0, ns_dtype=dtype, ns_gram=name == "gram")
+      name: eqv.scale_by_polar(
+        batch_axes=0, newton_schulz=eqv.NewtonSchulz(dtype=dtype, gram=name == "gram")
+      )
       for name in ("plain", "gram")
     }
     common.bench(

@@ -31,9 +31,9 @@ import optax
 
 import common
 import saggs_jax as saggs
+from harness import lm
 from saggs_jax import paths
 from saggs_jax.pairs import resolve
-from saggs_jax.testing import lm
 
 
 def adamw():

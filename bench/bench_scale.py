@@ -1,7 +1,7 @@
 """SAGGS at LLaMA scale: init, the compiled update, canonicalize, checkpoints and discover,
 each next to its plain optax / Orbax baseline measured in the same run.
 
-Sizes: 1B, 7B and 70B LLaMA shapes (:mod:`saggs_jax.testing.shapes`: GQA, SwiGLU,
+Sizes: 1B, 7B and 70B LLaMA shapes (:mod:`harness.shapes`: GQA, SwiGLU,
 head_dim 128, vocabulary 32000, float32) as abstract values (nothing allocated), and a
 concrete ~170M model (d 1024, 8 layers) built briefly for the rows that need arrays.
 The optimizer is ``saggs.chain(optax.adamw(1e-3), saggs.saggs(presets.llama(...),
@@ -55,8 +55,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import common  # noqa: F401  (the repository root on sys.path, for harness)
 import saggs_jax as saggs
-from saggs_jax.testing import shapes
+from harness import shapes
 
 CONCRETE = dict(d_model=1024, num_layers=8, num_kv_heads=8, mlp_hidden=2816)
 SIZES = {**shapes.SIZES, "200m": CONCRETE}
@@ -250,7 +251,7 @@ def row_checkpoint(size, args):
 
 
 def llama_forward(params, tokens, num_kv_heads, head_dim=128):
-  """A LLaMA-style forward pass over a :func:`saggs_jax.testing.shapes.llama` tree (scanned),
+  """A LLaMA-style forward pass over a :func:`harness.shapes.llama` tree (scanned),
   without RoPE (which commutes with the per-head scalings)."""
 
   def norm(x, scale):

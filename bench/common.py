@@ -9,7 +9,9 @@ ratios to baselines.
 from __future__ import annotations
 
 import os
+import pathlib
 import platform
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -20,7 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from saggs_jax.testing import lm
+# The harness is a folder of the repository, not an installed package: a script's own folder
+# is on sys.path, the repository root is not.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from harness import lm  # noqa: E402
 
 SIZES = {
   # d_model, layers, heads, kv heads, head_dim, mlp hidden, seq, batch

@@ -10,7 +10,7 @@ out=${1:-runs/gpu}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import jax; print(jax.__version__, jax.devices())" 2>&1 | tee "$out/env.txt"
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_saggs.py tests/test_models.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_transform.py tests/test_models.py \
   tests/test_trajectory.py tests/test_equivariant.py 2>&1 | tail -n 25 | tee "$out/tests.txt"
 timeout 90 python3 bench/bench_saggs.py --size gpt2 --rounds 3 2>&1 | tee "$out/bench_saggs.txt"
 timeout 80 python3 bench/bench_equivariant.py --size gpt2 --rounds 3 2>&1 | tee "$out/bench_equivariant.txt"

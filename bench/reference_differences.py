@@ -32,9 +32,16 @@ from saggs_jax import equivariant as eqv  # noqa: E402
 
 
 def without(**drop):
-  """``eqv.REFERENCE`` with the named keys of each rule's settings dropped (library defaults)."""
+  """``eqv.REFERENCE`` with the named keys of each rule's settings dropped (library defaults);
+  ``"group.field"`` resets one field of a settings group (``"inverse_sqrt.method"``)."""
+
+  def keep(rule, key, value):
+    fields = [d.partition(".")[2] for d in drop.get(rule, ()) if d.startswith(key + ".")]
+    default = type(value)()
+    return value._replace(**{f: getattr(default, f) for f in fields}) if fields else value
+
   return {
-    rule: {k: v for k, v in kw.items() if k not in drop.get(rule, ())}
+    rule: {k: keep(rule, k, v) for k, v in kw.items() if k not in drop.get(rule, ())}
     for rule, kw in eqv.REFERENCE.items()
   }
 
@@ -59,7 +66,7 @@ ROWS = [
     "Muon: Polar Express set and normaliser max(1.01 ||X||, 1e-7), not the cushioned set "
     "and 1.02 ||X|| + 1e-6",
     cases("muon_"),
-    dict(settings=without(scale_by_polar=("ns_coeffs", "eps", "eps_form"))),
+    dict(settings=without(scale_by_polar=("newton_schulz.coeffs", "eps", "eps_form"))),
   ),
   (
     "Muon: EMA momentum, not b <- beta b + g",
@@ -74,7 +81,7 @@ ROWS = [
   (
     "spectral: exact eigh, not 5 damped Polar-Express steps",
     cases("right_polar", "left_polar"),
-    dict(settings=without(**dict.fromkeys(SPECTRAL, ("inv_sqrt",)))),
+    dict(settings=without(**dict.fromkeys(SPECTRAL, ("inverse_sqrt.method",)))),
   ),
   (
     "spectral: floor 1e-6 ||X||^2, not 1e-8 (with the iteration)",
@@ -84,12 +91,14 @@ ROWS = [
   (
     "spectral: exact eigh and floor 1e-6 ||X||^2 (both defaults)",
     cases("right_polar", "left_polar"),
-    dict(settings=without(**dict.fromkeys(SPECTRAL, ("inv_sqrt", "eps", "relative_eps")))),
+    dict(
+      settings=without(**dict.fromkeys(SPECTRAL, ("inverse_sqrt.method", "eps", "relative_eps")))
+    ),
   ),
   (
     "hybrid: Newton-Schulz polar factor, not the damped Gram inverse square root",
     cases("hybrid_", "swiglu_dense_hybrid", "swiglu_gptoss_hybrid"),
-    dict(settings=without(scale_by_hybrid=("polar", "relative_eps", "inv_sqrt"))),
+    dict(settings=without(scale_by_hybrid=("polar", "relative_eps", "inverse_sqrt.method"))),
   ),
   (
     "hybrid: row scaling x / max(||x||, eps)",

@@ -7,7 +7,7 @@ that computes the same function and holds the same optimizer information.
 AdamW nevertheless continues it on a different trajectory: its steps have the
 same size whatever the parameters' scale.
 
-For each seed this script pretrains the LLaMA-style byte LM of ``saggs_jax.testing.lm`` with
+For each seed this script pretrains the LLaMA-style byte LM of ``harness.lm`` with
 AdamW, saves the state with Orbax, saves the same state rescaled by
 ``--factor`` as a second checkpoint, and resumes from the checkpoints:
 
@@ -39,8 +39,9 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+import common  # noqa: F401  (the repository root on sys.path, for harness)
 import saggs_jax as saggs
-from saggs_jax.testing import lm
+from harness import lm
 
 ARMS = (
   "control",

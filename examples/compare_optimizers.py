@@ -5,8 +5,8 @@ LM Heads, SwiGLU MLPs, and MoE Routers" (2026), give every weight block an updat
 equivariant under that block's symmetry group and reports final
 validation-loss gains over AdamW of about 0.01-0.06 nats on 0.6B-3.5B
 parameter models. This script runs the comparison at toy scale: the LLaMA-style
-LM of ``saggs_jax.testing.lm`` (its default sizes: ~124k parameters) on bytes of the Python
-standard library, trained with (built by ``saggs_jax.testing.optimizers``, shared with the study)
+LM of ``harness.lm`` (its default sizes: ~124k parameters) on bytes of the Python
+standard library, trained with (built by ``harness.optimizers``, shared with the study)
 
 * ``adamw``: ``optax.adamw`` on every parameter;
 * ``muon``: ``optax.contrib.muon`` with its defaults (quintic Newton-Schulz on
@@ -67,8 +67,9 @@ import time
 import numpy as np
 from matplotlib.figure import Figure
 
-from saggs_jax.testing import lm
-from saggs_jax.testing.optimizers import DEFAULT_LRS, OPTIMIZERS, floats, make_optimizer
+import common  # noqa: F401  (the repository root on sys.path, for harness)
+from harness import lm
+from harness.optimizers import DEFAULT_LRS, OPTIMIZERS, floats, make_optimizer
 
 
 def parse_args() -> argparse.Namespace:

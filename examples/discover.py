@@ -1,7 +1,7 @@
 r"""Finding the example LM's symmetries with ``saggs.discover``, then training with them.
 
 ``discover`` reads the model's jaxpr and returns every exact rescaling
-symmetry it can confirm numerically: on ``saggs_jax.testing.lm``'s LLaMA, the Q/K and V/O
+symmetry it can confirm numerically: on ``harness.lm``'s LLaMA, the Q/K and V/O
 pairs per KV head and SwiGLU up/down per channel that ``saggs.presets.llama``
 declares by hand, plus what no two-tensor preset can express: each RMSNorm
 gain against the input rows of every linear that reads it (q, k and v; gate
@@ -25,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import common  # noqa: F401  (the repository root on sys.path, for harness)
 import saggs_jax as saggs
+from harness import lm
 from saggs_jax.discovery import discover
-from saggs_jax.testing import lm
 
 
 def parse_args() -> argparse.Namespace:

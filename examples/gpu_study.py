@@ -1,10 +1,10 @@
 r"""Kim (2026)'s imbalance experiment at GPT-2-small size, on one GPU.
 
-``saggs_jax.testing.study``'s ``imbalance`` experiment (the same runner, JSONL, tables and
+``harness.study``'s ``imbalance`` experiment (the same runner, JSONL, tables and
 verdicts): every ``presets.llama`` pair rescaled by 8 and 1/8 at
 initialisation, then AdamW, AdamW + hard SAGGS and AdamW + soft SAGGS, on 4
 seeds (200-203), on the LLaMA-style byte LM of
-``saggs_jax.testing.lm`` at the size of
+``harness.lm`` at the size of
 ``bench/common.py``'s ``gpt2`` entry (d_model 768, 12 layers, 12 heads of 64,
 SwiGLU 2048: 85M parameters, GPT-2 small's non-embedding count; Kim reports
 101M) on the whole embedded corpus (the standard library's source, about
@@ -52,7 +52,8 @@ from collections.abc import Sequence
 
 import jax
 
-from saggs_jax.testing import study
+import common  # noqa: F401  (the repository root on sys.path, for harness)
+from harness import study
 
 GPU = {
   "d_model": 768,

@@ -1,7 +1,7 @@
 r"""QK-clip (MuonClip) on the example LM: max attention logits held to τ, and the loss it costs.
 
 At a high learning rate the largest pre-softmax attention logit of the small
-LLaMA-style LM of ``saggs_jax.testing.lm`` grows far past its initial scale, under AdamW and
+LLaMA-style LM of ``harness.lm`` grows far past its initial scale, under AdamW and
 under the Muon-style ``saggs_jax.equivariant.symmetry_compatible`` stack alike.
 ``saggs.qk_clip`` rescales, after each step, the query rows of every head whose
 max logit on the step's batch exceeded τ (and its KV head's key rows, the
@@ -21,7 +21,7 @@ more ``q·kᵀ`` per layer and no second forward pass.
 
 It prints a table (peak and final max logit on the training batches, as the
 clip sees them before each update, final validation loss, and the per-seed paired difference to ``none`` with its 95%
-t-interval, see ``saggs_jax.testing.stats``) and writes ``max_logit.png`` (the max logit over
+t-interval, see ``harness.stats``) and writes ``max_logit.png`` (the max logit over
 training, mean over seeds) to ``--out``.
 
 τ is set by the logit scale of this tiny model: at initialisation its max
@@ -46,9 +46,10 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
+import common  # noqa: F401  (the repository root on sys.path, for harness)
 import saggs_jax as saggs
+from harness import lm, stats
 from saggs_jax import equivariant as eqv
-from saggs_jax.testing import lm, stats
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""The study of ``saggs_jax.testing.study``: the papers' claims measured over seeds.
+"""The study of ``harness.study``: the papers' claims measured over seeds.
 
 Its docstring (``python examples/study.py --help`` prints the flags) describes the
 experiments, seeds, verdicts and the resumable ``runs.jsonl``; docs/study.md gives the
@@ -8,7 +8,8 @@ results. From the repository root::
   python examples/study.py --seeds 10 --opt-seeds 6 --tune-seeds 2
 """
 
-from saggs_jax.testing import study
+import common  # noqa: F401  (the repository root on sys.path, for harness)
+from harness import study
 
 if __name__ == "__main__":
   study.main()

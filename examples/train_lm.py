@@ -9,7 +9,7 @@ equalises the norms inside every exact symmetry pair (Q/K and V/O per KV head,
 SwiGLU up/down per channel) and transports AdamW's moments with them; soft
 SAGGS (``saggs.soft``) moves only part of the way each time.
 
-This script trains the small LLaMA-style LM of ``saggs_jax.testing.lm`` on bytes of the Python
+This script trains the small LLaMA-style LM of ``harness.lm`` on bytes of the Python
 standard library (no downloads) four times, from the same initial function and
 on the same batches:
 
@@ -40,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import common  # noqa: F401  (the repository root on sys.path, for harness)
 import saggs_jax as saggs
-from saggs_jax.testing import lm
+from harness import lm
 
 
 def parse_args() -> argparse.Namespace:
@@ -123,7 +124,7 @@ def main():
   graphdef, params = lm.init_model(config, seed=args.seed)
   pairs = saggs.presets.llama(num_kv_heads=config.num_kv_heads)
   print(f"{lm.num_params(params):,} parameters, {corpus.train.size:,} training bytes\n")
-  print(f"{saggs.describe(pairs, params)}\n")  # check that the declaration matched
+  print(f"{saggs.describe(params, pairs)}\n")  # check that the declaration matched
 
   metrics_fn = make_metrics_fn(pairs)
   histories = {}

@@ -37,26 +37,10 @@ import numpy as np
 
 from saggs_jax import paths
 from saggs_jax.norms import Stats, along_slot, leaf_stats, stacked_axes
-from saggs_jax.numerics import AxisName, Factors, compute_dtype, log_dtype_max, replicated
+from saggs_jax.numerics import AxisName, Factors, log_dtype_max
 from saggs_jax.pairs import Instance, Plan
-from saggs_jax.scaling import leaf_multiplier, scale_leaf, scale_tree
 
-# Re-exported: the library's modules import the balancing names from here.
-__all__ = [
-  "TOLERANCE",
-  "AxisName",
-  "Factors",
-  "Stats",
-  "compute_dtype",
-  "compute_factors",
-  "leaf_multiplier",
-  "leaf_stats",
-  "log_norms",
-  "replicated",
-  "scale_leaf",
-  "scale_tree",
-  "solve",
-]
+__all__ = ["TOLERANCE", "compute_factors", "log_norms", "solve"]
 
 
 def _marginal(

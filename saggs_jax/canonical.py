@@ -11,9 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from saggs_jax.balance import TOLERANCE, Factors, compute_factors, scale_tree
+from saggs_jax.balance import TOLERANCE, compute_factors
 from saggs_jax.degrees import measure
+from saggs_jax.numerics import Factors
 from saggs_jax.pairs import Pair, Plan, resolve
+from saggs_jax.scaling import scale_tree
 from saggs_jax.transform import ChainUpdate
 from saggs_jax.transport import transport
 
@@ -124,8 +126,7 @@ def reparameterize(
   Returns:
     ``(params, opt_state)`` transformed.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> params = {"q": jnp.ones((4, 2)), "k": jnp.ones((4, 2))}
     >>> opt_state = optax.adam(1e-3).init(params)
@@ -152,8 +153,7 @@ def canonicalize(
   ``canonicalize(reparameterize(s, f)) == canonicalize(s)`` for every f > 0
   up to floating point, so equivalent checkpoints become the same state.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> pairs = [saggs.Pair("q", "k")]
     >>> params = {"q": jnp.full((4, 2), 4.0), "k": jnp.ones((4, 2))}

@@ -27,8 +27,7 @@ updates the restored arrays in place. Typed PRNG keys
 the target's implementation. Use a manager dedicated to these two functions
 (the items are fixed).
 
-Example::
-
+Example:
   >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp
   >>> import saggs_jax as saggs
   >>> pairs = [saggs.Pair("up", "down", axes=(1, 0))]
@@ -50,17 +49,19 @@ import collections
 import functools
 import sys
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 
 from saggs_jax import canonical, paths
 from saggs_jax.pairs import Pair, as_pairs, resolve
 from saggs_jax.transform import SaggsState
+
+if TYPE_CHECKING:
+  import orbax.checkpoint as ocp
 
 Layout = dict[str, str]  # path -> "float32[3, 4]", "key<fry>[]" or an empty node "EmptyState()"
 Checksums = dict[str, list[int]]  # path -> two uint32 hashes
@@ -94,8 +95,7 @@ def layout(tree: Any) -> Layout:
   :func:`saggs_jax.paths.is_array`) is not saved: :func:`restore` takes it from
   the target.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> saggs.checkpoint.layout(optax.adam(1e-3).init({"w": jnp.ones((2, 3))}))
     {'0/count': 'int32[]', '0/mu/w': 'float32[2, 3]', '0/nu/w': 'float32[2, 3]', '1': 'EmptyState()'}
@@ -108,8 +108,7 @@ def check_layout(saved: Layout, target: Any, what: str = "The checkpoint") -> No
 
   Target entries are compared in flatten order, then entries only ``saved`` has.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, saggs_jax as saggs
     >>> saved = saggs.checkpoint.layout({"w": jnp.ones((2, 3))})
     >>> saggs.checkpoint.check_layout(saved, {"w": jnp.ones((2, 4))})  # doctest: +ELLIPSIS
@@ -207,8 +206,7 @@ def checksums(tree: Any) -> Checksums:
   Computed where the arrays live, sharded or spread over processes; every
   process gets the same result.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, saggs_jax as saggs
     >>> x = jnp.arange(4.0)
     >>> sums = saggs.checkpoint.checksums
@@ -260,6 +258,8 @@ def _storable(tree: Any) -> Any:
 
 def _abstract(leaf) -> jax.ShapeDtypeStruct:
   """What Orbax restores ``leaf`` from: its shape, dtype and sharding (key data for keys)."""
+  import orbax.checkpoint as ocp  # here, not at the top: `import saggs_jax` loads no Orbax
+
   if not _is_key(leaf):
     return cast(jax.ShapeDtypeStruct, ocp.utils.to_shape_dtype_struct(leaf))  # an array's
   data = jax.eval_shape(jax.random.key_data, leaf)
@@ -333,8 +333,7 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
     TypeError: ``step`` is not an int, or ``params`` or ``opt_state`` is an
       nnx object or ``nnx.state(optimizer)``.
 
-  Example::
-
+  Example:
     >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, saggs_jax as saggs
     >>> params = {"w": jnp.ones((2, 3))}
     >>> manager = ocp.CheckpointManager(tempfile.mkdtemp())
@@ -342,6 +341,8 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
     True
     >>> manager.close()
   """
+  import orbax.checkpoint as ocp  # as in _abstract
+
   _check_step(step)
   _check_not_nnx_objects(params, opt_state)
   state = {"params": params, "opt_state": opt_state}
@@ -513,8 +514,7 @@ def restore(
       any array is read. Or the arrays could not be read, or one read back
       does not match its checksum or has none (the message names it).
 
-  Example::
-
+  Example:
     >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, saggs_jax as saggs
     >>> pairs = [saggs.Pair("q", "k")]
     >>> params = {"q": jnp.full((2, 2), 4.0), "k": jnp.ones((2, 2))}
@@ -528,6 +528,8 @@ def restore(
     (3, 2.0, 2.0)
     >>> manager.close()
   """
+  import orbax.checkpoint as ocp  # as in _abstract
+
   if step is not None:
     _check_step(step)
   _check_not_nnx_objects(params, opt_state)

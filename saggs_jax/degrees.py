@@ -54,8 +54,9 @@ import numpy as np
 import optax
 
 from saggs_jax import paths
-from saggs_jax.balance import Factors, scale_tree
+from saggs_jax.numerics import Factors
 from saggs_jax.pairs import Plan, Slot
+from saggs_jax.scaling import scale_tree
 from saggs_jax.transport import AS_REGISTERED, transport
 
 CANDIDATES = (1, 2, 0, -1, -2, 3, 4)
@@ -139,8 +140,7 @@ def proxy(plan: Plan) -> Plan:
     TypeError: a layout whose cut leaves some slot with unequal groups (a group axis cut
       inside its groups by another pair's blocks).
 
-  Example::
-
+  Example:
     >>> import jax, jax.numpy as jnp, saggs_jax as saggs
     >>> from saggs_jax.pairs import resolve
     >>> params = {"q": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
@@ -269,12 +269,12 @@ def _multipliers(plan: Plan, spec: Any, state: Any) -> tuple[Any, list, list]:
     factors = probe_factors(plan)
 
     def ones(tree):
-      return jax.tree.map(lambda x: np.ones(x.shape, x.dtype) if _is_float(x) else x, tree)
+      return jax.tree.map(lambda x: np.ones(x.shape, x.dtype) if paths.is_parameter(x) else x, tree)
 
     params = jax.tree.map(np.asarray, scale_tree(plan, ones(spec), factors, 1.0))
     degree_1 = transport(plan, ones(state), factors, degrees=jax.tree.map(lambda _: 1, state))
     registered = transport(plan, ones(state), factors)
-  floats = lambda t: [np.asarray(x) for x in jax.tree.leaves(t) if _is_float(x)]  # noqa: E731
+  floats = lambda t: [np.asarray(x) for x in jax.tree.leaves(t) if paths.is_parameter(x)]  # noqa: E731
   return params, floats(degree_1), floats(registered)
 
 
@@ -294,11 +294,13 @@ def _probe(tx, spec, param_mult):
       new = jax.vmap(lambda s, p, g: tx.update(g, s, p, value=value)[1])(states, sides, g)
       # The loop's carry keeps its dtypes: jax 0.12's adam turns the moments of an int or
       # bool parameter float (no degree is read off those).
-      return jax.tree.map(lambda n, s: n if _is_float(s) else n.astype(s.dtype), new, states)
+      return jax.tree.map(
+        lambda n, s: n if paths.is_parameter(s) else n.astype(s.dtype), new, states
+      )
 
     try:  # one vmapped history compiles the update once for both sides
       start, treedef = jax.tree.flatten(jax.vmap(tx.init)(sides))
-      floats = [j for j, x in enumerate(start) if _is_float(x)]
+      floats = [j for j, x in enumerate(start) if paths.is_parameter(x)]
       for n, seed in seeds.items():
         start[floats[n]] = seed
       states = jax.lax.fori_loop(0, steps, step, treedef.unflatten(start))
@@ -309,7 +311,7 @@ def _probe(tx, spec, param_mult):
         " extra argument value=1, on a proxy with every axis cut to a few entries per group:"
         f" saggs_jax.degrees.proxy), on which the optimizer fails: {type(e).__name__}: {e}"
       ) from e
-    return [[x[i] for x in jax.tree.leaves(states) if _is_float(x)] for i in (0, 1)]
+    return [[x[i] for x in jax.tree.leaves(states) if paths.is_parameter(x)] for i in (0, 1)]
 
   rng = np.random.default_rng(0)
   p, history = _random(spec, rng), _random(spec, rng, STEPS[-1])
@@ -317,7 +319,7 @@ def _probe(tx, spec, param_mult):
   def both(x, m, power):  # side A, side B: the new axis just before the parameter's axes
     if not isinstance(x, np.ndarray):
       return x
-    b = (x * m**power).astype(x.dtype) if _is_float(x) else x
+    b = (x * m**power).astype(x.dtype) if paths.is_parameter(x) else x
     return np.stack([x, b], axis=x.ndim - np.ndim(m))
 
   inputs = (  # the sides' parameters, and their gradients (steps, side, ...)
@@ -345,10 +347,6 @@ def _probe(tx, spec, param_mult):
 
   compiled[()] = compile({})
   return None if compiled[()] is None else run
-
-
-def _is_float(x) -> bool:
-  return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def _fits(state, moved, mult, registered) -> tuple[np.ndarray, bool]:
@@ -402,8 +400,7 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
       the registered rules refuse, or one whose layout depends on the leaves'
       sizes so that the proxy's differs; the message names the state type and the path.
 
-  Example::
-
+  Example:
     >>> import jax, jax.numpy as jnp, optax, saggs_jax as saggs
     >>> from saggs_jax.degrees import measure
     >>> from saggs_jax.pairs import resolve
@@ -468,7 +465,7 @@ def _decide(tx, spec, small):
     )
     return None
   leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-  floats = [n for n, (_, x) in enumerate(leaves) if _is_float(x)]
+  floats = [n for n, (_, x) in enumerate(leaves) if paths.is_parameter(x)]
   decided: dict[int, Any] = {n: AS_REGISTERED for n in range(len(leaves)) if n not in floats}
   for steps in STEPS:
     values = list(zip(*probe(steps), mults, registered))

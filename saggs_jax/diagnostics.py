@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from saggs_jax.balance import log_norms, scale_tree
+from saggs_jax.balance import log_norms
 from saggs_jax.pairs import Block, Instance, Pair, Plan, per_copy_axis, resolve
+from saggs_jax.scaling import scale_tree
 
 
 class MootPairWarning(UserWarning):
@@ -28,8 +29,7 @@ def imbalance(params: Any, pairs: Sequence[Pair]) -> dict[str, jax.Array]:
   ``stacked_shape + (groups,)``. Zero after hard SAGGS; ``log 64 ~ 4.16`` for
   Q scaled by 8 and K by 1/8 from a balanced start. Jit-friendly.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, saggs_jax as saggs
     >>> params = {"q": jnp.full((4, 2), 8.0), "k": jnp.ones((4, 2))}
     >>> float(saggs.imbalance(params, [saggs.Pair("q", "k")])["q|k"])  # log 8
@@ -101,8 +101,7 @@ def check_symmetry(
   Warns:
     MootPairWarning: once per pair that is exact but moot (each side alone is invisible).
 
-  Example::
-
+  Example:
     >>> import jax, jax.numpy as jnp, saggs_jax as saggs
     >>> def f(p, x): return (x @ p["up"]) @ p["down"]  # linear: any rescaling is exact
     >>> params = {"up": jnp.ones((3, 5)), "down": jnp.ones((5, 2))}

@@ -385,8 +385,7 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
   instance off a mesh takes one scale-safe pass (:func:`_one_pass_stats`), others
   :func:`_two_pass_stats`.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, saggs_jax as saggs
     >>> from saggs_jax.norms import leaf_stats
     >>> params = {"q": jnp.full((2, 4), 1e30), "k": jnp.ones((2, 4))}  # squares overflow

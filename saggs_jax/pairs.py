@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, TypeGuard
 
@@ -223,8 +224,7 @@ class Pair:
       (a scanned layer axis taken for the heads). A check only: not shown in the
       repr nor compared.
 
-  Example::
-
+  Example:
     >>> import saggs_jax as saggs
     >>> qk = saggs.Pair("attn/q_proj/kernel", "attn/k_proj/kernel",
     ...                 axes=(1, 1), groups=2, follow_a="attn/q_proj/bias")
@@ -859,20 +859,39 @@ def as_pairs(pairs: Pair | Iterable[Pair]) -> tuple[Pair, ...]:
   return tuple(pairs)
 
 
-def describe(pairs: Sequence[Pair], params: Any) -> str:
+def _is_declaration(x: Any) -> bool:
+  """Whether ``x`` is a Pair or a non-empty collection of Pairs (a list, a discover result)."""
+  if isinstance(x, Pair):
+    return True
+  if isinstance(x, (str, bytes, dict)) or not isinstance(x, Sequence) or not x:
+    return False
+  return all(isinstance(p, Pair) for p in x)
+
+
+def describe(params: Any, pairs: Sequence[Pair]) -> str:
   """A readable table of what each declared pair resolved to on ``params``.
 
-  Example::
+  ``params`` first, as :func:`saggs_jax.imbalance` and optax take it. The old order
+  ``describe(pairs, params)`` still works, with a DeprecationWarning: a declaration is never
+  a parameter tree (its leaves are strings and ints, no arrays), so the two cannot be confused.
 
+  Example:
     >>> import jax.numpy as jnp, saggs_jax as saggs
     >>> params = {"q": jnp.ones((8, 4)), "k": jnp.ones((8, 4))}
-    >>> print(saggs.describe([saggs.Pair("q", "k", axes=(1, 1), groups=2)], params))
+    >>> print(saggs.describe(params, [saggs.Pair("q", "k", axes=(1, 1), groups=2)]))
     pair            side  path  shape   group axis  factors
     --------------  ----  ----  ------  ----------  -------
     Pair('q', 'k')  a     q     (8, 4)  1           (2,)
     Pair('q', 'k')  b     k     (8, 4)  1           (2,)
     1 pair instance, 2 factors in all.
   """
+  if _is_declaration(params) and not _is_declaration(pairs):
+    warnings.warn(
+      "describe(pairs, params) is now describe(params, pairs), as imbalance(params, pairs).",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    params, pairs = pairs, params
   plan = resolve(pairs, params)
   blocks = any(part.block for part in plan.parts.values())  # a column only when some are
   rows = [("pair", "side", "path", "shape") + (("block",) * blocks + ("group axis", "factors"))]

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 Captures = tuple[str, ...]
@@ -67,12 +68,25 @@ def is_array(leaf: Any) -> bool:
   return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
+def is_parameter(leaf: Any) -> bool:
+  """Whether ``leaf`` is a parameter: an array (see :func:`is_array`) of an inexact dtype.
+
+  Integer and boolean arrays (an Equinox module's buffers, step counters) are arrays but
+  not parameters: nothing differentiates, balances or transports them.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> [is_parameter(x) for x in (jnp.ones(2), jnp.arange(2), 1.0)]
+    [True, False, False]
+  """
+  return is_array(leaf) and bool(jnp.issubdtype(leaf.dtype, jnp.inexact))
+
+
 def arrays_with_paths(tree: Any) -> Iterator[tuple[str, Any]]:
   """Yields ``(path, leaf)`` for every array leaf of ``tree`` (see :func:`is_array`), in
   flatten order.
 
-  Example::
-
+  Example:
     >>> import jax, jax.numpy as jnp
     >>> dict(arrays_with_paths({"w": jnp.ones(2), "act": jax.nn.relu, "p": 0.1}))
     {'w': Array([1., 1.], dtype=float32)}
@@ -143,8 +157,7 @@ def nearest(pattern: str, candidates: Iterable[str], n: int = 3) -> list[str]:
   whose closest suffixes differ only in their numbers (one weight in every
   layer) are suggested once, by the closest (the first on a tie).
 
-  Example::
-
+  Example:
     >>> nearest("atn/q_proj", ["layers/0/attn/q_proj", "layers/1/attn/q_proj", "head"])
     ['layers/0/attn/q_proj']
   """

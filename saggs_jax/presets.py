@@ -5,8 +5,7 @@ they apply to every layer of a model at once; ``prefix`` restricts them to
 part of the tree (e.g. ``"decoder/**"``). :func:`muon_dimension_numbers`
 declares the same layouts' matrices for ``optax.contrib.muon``.
 
-Example::
-
+Example:
   >>> import saggs_jax as saggs
   >>> [pair.name for pair in saggs.presets.llama(num_kv_heads=2)]
   ['attention Q/K', 'attention V/O', 'SwiGLU up/down']
@@ -44,8 +43,7 @@ def flax_mha(
   scale-invariant: the Q/K pair is still exact, but balancing it is moot; drop it
   to save the work.
 
-  Example::
-
+  Example:
     >>> import saggs_jax as saggs
     >>> pairs = saggs.presets.flax_mha()
   """
@@ -111,8 +109,7 @@ def llama(
     prefix: restricts the patterns to part of the tree.
     q, k, v, o, up, down: module names.
 
-  Example::
-
+  Example:
     >>> import saggs_jax as saggs
     >>> pairs = saggs.presets.llama(num_kv_heads=2)
   """
@@ -179,8 +176,7 @@ def gpt2(
     stacked: the copy axes of scanned layers (see :class:`~saggs_jax.Pair`).
     prefix: restricts the patterns to part of the tree.
 
-  Example::
-
+  Example:
     >>> import saggs_jax as saggs
     >>> pairs = saggs.presets.gpt2(num_heads=12)
     >>> pairs[0].a
@@ -314,8 +310,7 @@ def maxtext(
     qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank: MLA's (deepseek).
     prefix: restricts the patterns to part of the tree.
 
-  Example::
-
+  Example:
     >>> import saggs_jax as saggs
     >>> pairs = saggs.presets.maxtext({"num_kv_heads": 2, "decoder_block": "llama2"})
     >>> [(pair.name, pair.stacked) for pair in pairs]
@@ -529,8 +524,7 @@ def muon_dimension_numbers(
   router and the attention kernels over the layer axis (``docs/dimension_numbers.md``); this
   one does not.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, optax
     >>> import saggs_jax as saggs
     >>> params = {"attn": {"query": {"kernel": jnp.ones((8, 2, 4))}, "out": {"kernel": jnp.ones((2, 4, 8))}},

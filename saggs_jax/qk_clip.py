@@ -35,17 +35,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from saggs_jax.balance import scale_tree
 from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
-from saggs_jax.transform import (
-  Stage,
-  SymmetryTransformation,
-  _check_number,
-  _land_on,
-  symmetry_stage,
-  wrappable,
-)
+from saggs_jax.scaling import land_on, scale_tree
+from saggs_jax.transform import Stage, SymmetryTransformation, symmetry_stage, wrappable
 from saggs_jax.transport import transport
+from saggs_jax.validation import check_number
 
 
 def max_logits(
@@ -80,8 +74,7 @@ def max_logits(
     mask: boolean, True where a query may attend.
     is_causal: mask positions after the query's (query i at the end of the keys).
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, saggs_jax as saggs
     >>> q = jnp.ones((1, 2, 2, 4)).at[:, :, 1].set(2.0)  # 2 heads, 2 positions
     >>> k = jnp.ones((1, 2, 1, 4)).at[:, 1].set(3.0)     # 1 KV head; key 1 is large
@@ -277,8 +270,7 @@ def qk_clip(
   References:
     Kimi Team, *Kimi K2: Open Agentic Intelligence*, arXiv:2507.20534 (2025), MuonClip.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> params = {"q": jnp.ones((4, 2)), "k": jnp.ones((4, 2))}  # (d, heads·head_dim), 2 heads
     >>> tx = saggs.chain(optax.sgd(0.0), saggs.qk_clip([saggs.Pair("q", "k", axes=(1, 1))],
@@ -290,8 +282,8 @@ def qk_clip(
     Array([0.5, 1. ], dtype=float32)
   """
   pairs = as_pairs(pairs)
-  _check_number("tau", tau, lambda t: 0 < t < math.inf, "in (0, inf)", integer=False)
-  _check_number("alpha", alpha, lambda a: 0 <= a <= 1, "in [0, 1]", integer=False)
+  check_number("tau", tau, lambda t: 0 < t < math.inf, "in (0, inf)", integer=False)
+  check_number("alpha", alpha, lambda a: 0 <= a <= 1, "in [0, 1]", integer=False)
 
   def clip(params, plan, updates, extra_args):
     """Updates landing on the clipped ``params + updates``, and the gauge factors."""
@@ -300,7 +292,7 @@ def qk_clip(
     factors, gauge = _clip_factors(plan, logits, tau, alpha)
     clipped = _heads_plan(plan, heads)
     target = scale_tree(clipped, optax.apply_updates(params, updates), factors, 1.0)
-    return _land_on(params, updates, target, clipped, factors), gauge
+    return land_on(params, updates, target, clipped, factors), gauge
 
   def around(prior, grads, state, prior_states, params, plan, degrees=None, **extra_args):
     _checked_logits(plan, extra_args)  # fails before the inner step runs

@@ -133,3 +133,22 @@ def scale_tree(
     return scale_leaf(x, slots, factors, power)
 
   return jax.tree_util.tree_map_with_path(visit, tree, is_leaf=is_leaf)
+
+
+def land_on(params, updates, target, plan, factors):
+  """Updates that move the declared leaves of ``params`` to ``target``; others untouched.
+
+  Where the factor is 1 (which includes every group with a zero or non-finite
+  norm) the inner update is kept bit for bit: ``target - params`` would
+  perturb it by rounding, and turn an inf parameter into NaN (inf - inf).
+  """
+
+  def visit(key_path, u, p, t):
+    slots = plan.slots.get(paths.path_str(key_path))
+    if slots is None:
+      return u
+    dtype = compute_dtype(p.dtype)
+    moved = (t.astype(dtype) - p.astype(dtype)).astype(u.dtype)
+    return jnp.where(leaf_multiplier(slots, p, factors, 1.0, dtype) == 1, u, moved)
+
+  return jax.tree_util.tree_map_with_path(visit, updates, params, target)

@@ -31,20 +31,13 @@ import numpy as np
 import optax
 
 from saggs_jax import paths
-from saggs_jax.balance import (
-  AxisName,
-  Factors,
-  compute_dtype,
-  compute_factors,
-  leaf_multiplier,
-  replicated,
-  scale_tree,
-)
+from saggs_jax.balance import compute_factors
 from saggs_jax.degrees import measure
-from saggs_jax.numerics import is_explicit
+from saggs_jax.numerics import AxisName, Factors, is_explicit, replicated
 from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
-from saggs_jax.scaling import Shared
+from saggs_jax.scaling import Shared, land_on, scale_tree
 from saggs_jax.transport import NESTED, register_transport, transport
+from saggs_jax.validation import check_number
 
 
 class SaggsState(NamedTuple):
@@ -64,8 +57,7 @@ class SaggsState(NamedTuple):
       and on updates that do not balance. Read on the host; the update never
       syncs on it.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> pairs = [saggs.Pair("up", "down", axes=(1, 0))]
     >>> params = {"up": jnp.full((2, 3), 4.0), "down": jnp.ones((3, 2))}
@@ -141,8 +133,7 @@ class SymmetryTransformation(optax.GradientTransformationExtraArgs):
   before it. On its own (in a plain ``optax.chain``) ``init`` refuses it where it
   could not transport the moments before it, and shows the one-line fix.
 
-  Example::
-
+  Example:
     >>> import optax, saggs_jax as saggs
     >>> stage = saggs.saggs([saggs.Pair("up", "down", axes=(1, 0))])
     >>> isinstance(stage, saggs.SymmetryTransformation), stage.stage.name
@@ -222,33 +213,6 @@ def _within_step(plan, params, factors):
     k: jnp.clip(f, np.exp(-limits[k]), np.exp(limits[k])).astype(f.dtype)
     for k, f in factors.items()
   }
-
-
-def _land_on(params, updates, target, plan, factors):
-  """Updates that move the declared leaves of ``params`` to ``target``; others untouched.
-
-  Where the factor is 1 (which includes every group with a zero or non-finite
-  norm) the inner update is kept bit for bit: ``target - params`` would
-  perturb it by rounding, and turn an inf parameter into NaN (inf - inf).
-  """
-
-  def visit(key_path, u, p, t):
-    slots = plan.slots.get(paths.path_str(key_path))
-    if slots is None:
-      return u
-    dtype = compute_dtype(p.dtype)
-    moved = (t.astype(dtype) - p.astype(dtype)).astype(u.dtype)
-    return jnp.where(leaf_multiplier(slots, p, factors, 1.0, dtype) == 1, u, moved)
-
-  return jax.tree_util.tree_map_with_path(visit, updates, params, target)
-
-
-def _check_number(name, value, ok, interval, integer):
-  kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
-  if isinstance(value, bool) or not isinstance(value, kinds) or not ok(value):
-    raise ValueError(
-      f"{name} must be {'an int' if integer else 'a number'} {interval}, got {value!r}."
-    )
 
 
 def _check_axis_name(axis_name) -> None:
@@ -355,8 +319,7 @@ def scale_by_saggs(
     Equivariant to Transformer Reparameterization`, preprint, 2026 (SAGGS
     and its damped variant, Soft SAGGS).
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> params = {"q": jnp.full((2, 2), 4.0), "k": jnp.ones((2, 2))}  # norms 8 and 2
     >>> tx = saggs.chain(optax.sgd(0.0), saggs.scale_by_saggs([saggs.Pair("q", "k")]))
@@ -370,8 +333,8 @@ def scale_by_saggs(
   """
   pairs = as_pairs(pairs)
   _check_axis_name(axis_name)
-  _check_number("strength", strength, lambda s: 0 < s <= 1, "in (0, 1]", integer=False)
-  _check_number("every", every, lambda k: k >= 1, ">= 1", integer=True)
+  check_number("strength", strength, lambda s: 0 < s <= 1, "in (0, 1]", integer=False)
+  check_number("every", every, lambda k: k >= 1, ">= 1", integer=True)
   # The one record kept: the shapes init saw outside shard_map, which an update inside it
   # checks its shards against (_check_whole_groups). A state cannot carry them: a static
   # part of it would differ from the one optax.tree.map_params' placeholder init makes.
@@ -427,7 +390,7 @@ def scale_by_saggs(
       transport(plan, prior_states, shared, degrees=degrees),
       balanced,
     )
-    updates = _land_on(params, updates, optax.apply_updates(balanced, updates), plan, shared)
+    updates = land_on(params, updates, optax.apply_updates(balanced, updates), plan, shared)
     return updates, SaggsState(step, factors, residual), prior_states
 
   name = "saggs_jax.saggs" if strength == 1 else "saggs_jax.soft"
@@ -446,8 +409,7 @@ def saggs(
     Bum Jun Kim, `Same Function, Different Trajectory: No Standard Optimizer Is
     Equivariant to Transformer Reparameterization`, preprint, 2026.
 
-  Example::
-
+  Example:
     >>> import optax, saggs_jax as saggs
     >>> pairs = [saggs.Pair("attn/q_proj/kernel", "attn/k_proj/kernel", axes=(1, 1), groups=4)]
     >>> tx = saggs.chain(optax.adamw(3e-4), saggs.saggs(pairs, every=100))
@@ -470,8 +432,7 @@ def soft(
     Equivariant to Transformer Reparameterization`, preprint, 2026 (Soft
     SAGGS).
 
-  Example::
-
+  Example:
     >>> import optax, saggs_jax as saggs
     >>> pairs = [saggs.Pair("mlp/up_proj/kernel", "mlp/down_proj/kernel", axes=(1, 0))]
     >>> tx = saggs.chain(optax.adamw(3e-4, weight_decay=0.1), saggs.soft(pairs, strength=0.5))
@@ -530,8 +491,7 @@ class Chain(optax.GradientTransformationExtraArgs):
   """What :func:`chain` and :func:`wrap` return: an optax transformation whose ``update``
   (a :class:`ChainUpdate`) also names its optimizer.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> tx = saggs.chain(optax.adamax(1e-3), saggs.saggs([saggs.Pair("q", "k")]))
     >>> params = {"q": jnp.ones((2, 2)), "k": jnp.ones((2, 2))}
@@ -579,8 +539,7 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
   degree transports, as when a stage before it clips by a global norm. Each
   update resolves each symmetry stage's pairs once and passes the plan down.
 
-  Example::
-
+  Example:
     >>> import optax, saggs_jax as saggs
     >>> pairs = [saggs.Pair("attn/v_proj/kernel", "attn/o_proj/kernel", axes=(1, 0), groups=4)]
     >>> tx = saggs.chain(optax.adamw(3e-4), saggs.soft(pairs, strength=0.5))
@@ -662,8 +621,7 @@ def wrap(inner: optax.GradientTransformation, stage: SymmetryTransformation) -> 
   ``optax.apply_if_finite`` and ``flax.nnx.Optimizer`` like any optimizer. To wrap
   several stages, chain them: ``chain(inner, stage_1, stage_2)``.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> params = {"q": jnp.full((2, 2), 4.0), "k": jnp.ones((2, 2))}
     >>> tx = saggs.saggs(optax.sgd(0.0), [saggs.Pair("q", "k")])

@@ -47,8 +47,9 @@ import optax
 import optax.contrib
 
 from saggs_jax import paths
-from saggs_jax.balance import Factors, scale_leaf
+from saggs_jax.numerics import Factors
 from saggs_jax.pairs import Plan
+from saggs_jax.scaling import scale_leaf
 
 NESTED = "nested"
 """Marks a field that holds an inner optimizer state to transport recursively."""
@@ -82,8 +83,7 @@ def register_transport(state_type: type, fields: Mapping[str, Degree]) -> None:
       :data:`NESTED` for a field holding inner optimizer state(s). Fields not
       named (counters, hyperparameters) are left untouched.
 
-  Example::
-
+  Example:
     >>> import typing, saggs_jax as saggs
     >>> class MyState(typing.NamedTuple):
     ...   count: object
@@ -383,7 +383,7 @@ def _image_path(plan: Plan, tree: Any, is_leaf=None) -> str | None:
   """
   shapes = {plan.shapes[p] for p in plan.slots} - {()}
   for path, x in paths.leaves_with_paths(tree, is_leaf=is_leaf):
-    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.inexact):
+    if not paths.is_parameter(x):
       continue
     segs = path.split("/")
     if (

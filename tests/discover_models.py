@@ -1,6 +1,6 @@
 """Small models for the tests of ``saggs.discover``, each with the symmetries it has.
 
-* the example LLaMA of ``saggs_jax.testing.lm`` (flax.nnx: RMSNorm, GQA with RoPE,
+* the example LLaMA of ``harness.lm`` (flax.nnx: RMSNorm, GQA with RoPE,
   SwiGLU), per layer and with its blocks stacked and run by ``nnx.scan``;
 * a GPT-2-style decoder (LayerNorm, attention with biases, GELU MLP);
 * a GeGLU MLP;
@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from harness import lm
 from models import random_like
-from saggs_jax.testing import lm
 
 # ---------------------------------------------------------------------------
-# The example LLaMA (saggs_jax.testing.lm), per layer and scanned.
+# The example LLaMA (harness.lm), per layer and scanned.
 
 LM_CONFIG = lm.ModelConfig(
   d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, mlp_hidden=24, seq_len=8

@@ -248,7 +248,7 @@ def test_imbalance_and_describe_show_blocks():
     np.testing.assert_allclose(got[match[0]], np.log(a / b), rtol=1e-5, atol=1e-6)
   qk = "transformer/h/0/attn/c_attn/kernel"
   assert f"{qk}[q]|{qk}[k]" in got
-  text = saggs.describe(GPT2_PAIRS, params)
+  text = saggs.describe(params, GPT2_PAIRS)
   rows = [line.split() for line in text.splitlines()]
   for row in (
     f"attention Q/K a {qk}[q] (24, 8) axis 0 [0:8] 0 (2,)",

@@ -16,7 +16,7 @@ import discover_models as dm
 import saggs_jax as saggs
 from saggs_jax import equivariant as eqv
 
-EXACT_NS = {"ns_coeffs": "polar_express", "ns_steps": 10, "ns_dtype": jnp.float32}
+EXACT_NS = {"newton_schulz": eqv.NewtonSchulz("polar_express", steps=10, dtype=jnp.float32)}
 
 
 def polar(x):
@@ -201,9 +201,7 @@ def test_optax_muon_with_the_discovered_tree_equals_the_polar_rule(scanned_lm):
     MDN(-2, -1),
     beta=beta,
     nesterov=False,
-    ns_coeffs=eqv.CoefficientSet(eqv.QUINTIC, headroom=1.0),
-    ns_steps=5,
-    ns_dtype=jnp.float32,
+    newton_schulz=eqv.NewtonSchulz(eqv.CoefficientSet(eqv.QUINTIC, headroom=1.0), 5, jnp.float32),
     eps=eps,
     eps_form="add",
   )
@@ -253,8 +251,7 @@ def test_flax_mha_preset_orthogonalises_each_head_in_optax_and_the_library():
     rule = eqv.scale_by_polar(
       dims,
       beta=0.0,
-      ns_coeffs=eqv.CoefficientSet(eqv.QUINTIC, 1.0),
-      ns_dtype=jnp.float32,
+      newton_schulz=eqv.NewtonSchulz(eqv.CoefficientSet(eqv.QUINTIC, 1.0), dtype=jnp.float32),
       eps=1e-8,
       eps_form="add",
     )

@@ -365,10 +365,10 @@ def test_saggs_balances_what_discover_found_without_changing_the_function(name):
 def test_describe_and_check_symmetry_accept_a_discovery():
   forward, params, inputs = model("gpt2")
   d = found("gpt2")
-  assert "norm gain" in saggs.describe(d, params)
+  assert "norm gain" in saggs.describe(params, d)
   assert (
     "Rejected: 'fc/kernel' against 'proj/kernel': not positively homogeneous"
-    in saggs.describe(d, params)
+    in saggs.describe(params, d)
   )
   deviations = saggs.check_symmetry(forward, params, d, *inputs)
   assert max(deviations.values()) < 1e-4
@@ -383,3 +383,22 @@ def test_the_module_and_the_function_have_different_names():
   assert importlib.import_module("saggs_jax.discovery").discover is saggs_jax.discover
   with pytest.raises(ModuleNotFoundError):
     importlib.import_module("saggs_jax.discover")
+
+
+def test_discover_takes_a_prng_key_as_check_symmetry_does():
+  """``key=`` (typed or raw) seeds the random factors; the old ``seed=`` is a TypeError that
+  names the new spelling, not a keyword silently handed to the model."""
+  mlp = lambda p, x: jax.nn.relu(x @ p["up"]) @ p["down"]  # noqa: E731
+  params = {
+    "up": jax.random.normal(jax.random.key(0), (3, 4)),
+    "down": jax.random.normal(jax.random.key(1), (4, 2)),
+  }
+  x = jnp.ones((2, 3))
+  default = saggs.discover(mlp, params, x).pairs
+  for key in (jax.random.key(7), jax.random.PRNGKey(7)):
+    assert saggs.discover(mlp, params, x, key=key).pairs == default
+  seed = saggs.discovery.pipeline._seed  # the NumPy seed the factors are drawn with
+  np.testing.assert_array_equal(seed(jax.random.key(7)), seed(jax.random.PRNGKey(7)))
+  assert not np.array_equal(seed(jax.random.key(7)), seed(jax.random.key(8)))
+  with pytest.raises(TypeError, match=r"key=jax.random.key\(seed\)"):
+    saggs.discover(mlp, params, x, seed=0)

@@ -24,7 +24,7 @@ from saggs_jax.paths import path_str
 
 U, F = 12, 5  # units x features of the test matrices (U > F + 1: P(G) keeps full rank)
 EPS_SPECTRAL = 1e-6
-EXACT_NS = dict(ns_coeffs="polar_express", ns_steps=10, ns_dtype=jnp.float32)
+EXACT_NS = dict(newton_schulz=eqv.NewtonSchulz("polar_express", steps=10, dtype=jnp.float32))
 
 
 # ----------------------------------------------------------------- references
@@ -648,9 +648,16 @@ def stack_step(stacked, **variants):
     stacked=stacked,
     beta=0.0,
     **EXACT_NS,
-    **variants,
+    **rules_and_rest(variants),
   )
   return jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])
+
+
+def rules_and_rest(variants):
+  """``symmetry_compatible``'s keywords for ``variants``: the role rules as a RoleRules."""
+  rules = {k: v for k, v in variants.items() if k in eqv.RoleRules._fields}
+  rest = {k: v for k, v in variants.items() if k not in eqv.RoleRules._fields}
+  return dict(rules=eqv.RoleRules(**rules), **rest)
 
 
 def flat_paths(tree):
@@ -724,7 +731,7 @@ def test_symmetry_compatible_tied_and_errors():
   with pytest.raises(ValueError, match=r"Unknown roles \['bogus'\]"):
     eqv.symmetry_compatible(1.0, patterns={"bogus": "x"})
   with pytest.raises(ValueError, match="down must be 'column' or 'polar', got 'rows'"):
-    eqv.symmetry_compatible(1.0, down="rows")
+    eqv.symmetry_compatible(1.0, rules=eqv.RoleRules(down="rows"))  # pyright: ignore[reportArgumentType]
 
 
 @pytest.mark.parametrize(
@@ -738,7 +745,7 @@ def test_stack_defaults_on_zero_gradients(variants):
   """The default Newton-Schulz (bfloat16 Polar Express, 5 steps): zero
   gradients give a zero update, never a NaN, from a fresh state and after
   steps with gradients whose squares underflow float32."""
-  tx = eqv.symmetry_compatible(0.1, num_heads=H, num_kv_heads=KV, **variants)
+  tx = eqv.symmetry_compatible(0.1, num_heads=H, num_kv_heads=KV, **rules_and_rest(variants))
   zeros = jax.tree.map(np.zeros_like, llama_grads(500))
   tiny = jax.tree.map(lambda x: 1e-30 * x, llama_grads(500))
   step = jax.jit(lambda g, state: tx.update(g, state, zeros))
@@ -789,7 +796,10 @@ def test_gram_newton_schulz_default_bfloat16(shape):
 def test_polar_rule_with_gram_newton_schulz():
   g = rand(31, (8, 3 * 16), np.float32)  # three (8, 16) heads
   tx, gram_tx = (
-    eqv.scale_by_polar(num_heads=3, beta=0.0, ns_gram=flag, **EXACT_NS) for flag in (False, True)
+    eqv.scale_by_polar(
+      num_heads=3, beta=0.0, newton_schulz=EXACT_NS["newton_schulz"]._replace(gram=flag)
+    )
+    for flag in (False, True)
   )
   close(gram_tx.update(g, gram_tx.init(g))[0], tx.update(g, tx.init(g))[0], rtol=1e-4)
 

@@ -79,9 +79,8 @@ def rule(opt, name, ns_dtype, settings=eqv.REFERENCE, shared_nuclear_norm=True):
       *axes,
       beta=kw["momentum"],
       nesterov=kw["nesterov"],
-      ns_dtype=ns_dtype,
       **heads,
-      **settings["scale_by_polar"],
+      **with_ns_dtype(settings["scale_by_polar"], ns_dtype),
     )
   if cls in ("RightPolarGradM", "LeftPolarGradM"):
     make = eqv.scale_by_right_spectral if cls == "RightPolarGradM" else eqv.scale_by_left_spectral
@@ -97,10 +96,27 @@ def rule(opt, name, ns_dtype, settings=eqv.REFERENCE, shared_nuclear_norm=True):
     **common,
     order=kw["order"],
     alpha=kw["alpha"],
-    ns_dtype=ns_dtype,
     nuclear_norm_axes=0 if expert and shared_nuclear_norm else (),
-    **{**settings["scale_by_hybrid"], "gram": "left" if kw["left"] else "right"},
+    **with_gram(
+      with_ns_dtype(settings["scale_by_hybrid"], ns_dtype), "left" if kw["left"] else "right"
+    ),
   )
+
+
+def with_ns_dtype(settings, dtype):
+  """``settings`` with the Newton-Schulz iterations in ``dtype``."""
+  return {
+    **settings,
+    "newton_schulz": settings.get("newton_schulz", eqv.NewtonSchulz())._replace(dtype=dtype),
+  }
+
+
+def with_gram(settings, gram):
+  """``settings`` with the inverse square root of Gram matrix ``gram``."""
+  return {
+    **settings,
+    "inverse_sqrt": settings.get("inverse_sqrt", eqv.InverseSqrt())._replace(gram=gram),
+  }
 
 
 def optimizer(case, ns_dtype, **kw):
@@ -226,8 +242,12 @@ def flat(tree):
 
 
 def stack_update(grads, params, **kw):
-  tx = eqv.symmetry_compatible_reference(
-    num_heads=H, num_kv_heads=KV, ns_coeffs="polar_express", ns_steps=10, ns_dtype=jnp.float32, **kw
+  tx = eqv.symmetry_compatible(
+    preset="reference",
+    num_heads=H,
+    num_kv_heads=KV,
+    newton_schulz=eqv.NewtonSchulz("polar_express", steps=10, dtype=jnp.float32),
+    **kw,
   )  # polar ~ exact
   return flat(jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])(grads, params))
 
@@ -301,7 +321,7 @@ def test_reference_preset_weight_decay_per_role():
 def test_polar_summed_momentum_state():
   """``ema=False`` keeps torch's SGD buffer ``b <- beta b + g``; the golden
   vectors cannot tell it from the EMA (the polar factor ignores the scale)."""
-  tx = eqv.scale_by_polar(beta=0.9, ema=False, ns_dtype=jnp.float32)
+  tx = eqv.scale_by_polar(beta=0.9, ema=False, newton_schulz=eqv.NewtonSchulz(dtype=jnp.float32))
   g1, g2 = (np.random.default_rng(k).normal(size=(4, 6)).astype(np.float32) for k in (1, 2))
   _, state = tx.update(g1, tx.init(g1))
   _, state = tx.update(g2, state)
@@ -339,7 +359,7 @@ def test_reference_polar_normaliser_adds_its_eps(norm):
   with Nesterov: the first step orthogonalises (1 + beta) G)."""
   g = np.random.default_rng(21).standard_normal((4, 6))
   g *= norm / (1.95 * np.linalg.norm(g))
-  tx = eqv.scale_by_polar(beta=0.95, ns_dtype=jnp.float32, **eqv.REFERENCE["scale_by_polar"])
+  tx = eqv.scale_by_polar(beta=0.95, **with_ns_dtype(eqv.REFERENCE["scale_by_polar"], jnp.float32))
   out, _ = tx.update(jnp.asarray(g, jnp.float32), tx.init(jnp.zeros((4, 6), jnp.float32)))
   expected = np.sqrt(6 / 4) * muon_polar_express(1.95 * g)
   np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())

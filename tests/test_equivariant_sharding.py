@@ -44,8 +44,9 @@ CODE = textwrap.dedent("""
     mesh = Mesh(np.array(jax.devices()), ("x",))
     shardings = tree(lambda s: NamedSharding(mesh, s[1]))
 
-    tx = eqv.symmetry_compatible(0.1, num_heads=4, weight_decay=0.1, router="left_spectral",
-                                 ns_dtype=jnp.float32)
+    tx = eqv.symmetry_compatible(0.1, num_heads=4, weight_decay=0.1,
+                                 rules=eqv.RoleRules(router="left_spectral"),
+                                 newton_schulz=eqv.NewtonSchulz(dtype=jnp.float32))
     def two_steps(g, p):
         state = tx.init(p)
         u, state = tx.update(g, state, p)

@@ -106,7 +106,7 @@ def test_stacked_factors_have_shape_layers_by_groups():
 
 def test_describe_lists_every_resolved_leaf():
   params = models.llama_init(0)
-  text = saggs.describe(saggs.presets.llama(num_kv_heads=C.num_kv_heads), params)
+  text = saggs.describe(params, saggs.presets.llama(num_kv_heads=C.num_kv_heads))
   for layer in range(C.num_layers):
     for m in (
       "attn/q_proj",
@@ -124,10 +124,10 @@ def test_describe_lists_every_resolved_leaf():
 
 def test_describe_counts_one_instance_in_the_singular():
   params = {"q": jnp.ones((2, 4)), "k": jnp.ones((2, 4))}
-  assert saggs.describe([saggs.Pair("q", "k")], params).splitlines()[-1] == (
+  assert saggs.describe(params, [saggs.Pair("q", "k")]).splitlines()[-1] == (
     "1 pair instance, 1 factor in all."
   )
-  assert saggs.describe([saggs.Pair("q", "k", axes=(1, 1))], params).splitlines()[-1] == (
+  assert saggs.describe(params, [saggs.Pair("q", "k", axes=(1, 1))]).splitlines()[-1] == (
     "1 pair instance, 4 factors in all."
   )
 
@@ -203,7 +203,7 @@ def test_misspelled_pattern_suggests_nearest_paths():
   with pytest.raises(
     ValueError, match=re.escape("Pair('wq', 'wk'): pattern 'wq' matches no parameter path.") + "$"
   ):
-    saggs.describe([saggs.Pair("wq", "wk")], {"embed": jnp.ones(2), "head": jnp.ones(2)})
+    saggs.describe({"embed": jnp.ones(2), "head": jnp.ones(2)}, [saggs.Pair("wq", "wk")])
 
 
 def test_unpaired_matches():
@@ -511,7 +511,7 @@ def test_equinox_module_static_fields_are_not_parameters():
   the function is the same; a pattern naming a static field matches no parameter."""
   model = equinox_mlp.imbalanced()
   up, down = (np.asarray(w, np.float64) for w in (model.up.weight, model.down.weight))
-  text = saggs.describe(equinox_mlp.PAIRS, model)
+  text = saggs.describe(model, equinox_mlp.PAIRS)
   assert "ReLU channels  a     up/weight    (4, 3)  0           (4,)" in text
   assert "dropout" not in text and "activation" not in text
 
@@ -542,4 +542,14 @@ def test_equinox_module_static_fields_are_not_parameters():
     with pytest.raises(
       ValueError, match=re.escape(f"pattern {pattern!r} matches no parameter path")
     ):
-      saggs.describe([saggs.Pair(pattern, "down/weight")], model)
+      saggs.describe(model, [saggs.Pair(pattern, "down/weight")])
+
+
+def test_describe_takes_params_first_and_the_old_order_with_a_warning():
+  params = {"q": jnp.ones((8, 4)), "k": jnp.ones((8, 4))}
+  pairs = [saggs.Pair("q", "k", axes=(1, 1), groups=2)]
+  new = saggs.describe(params, pairs)
+  assert new.splitlines()[2].split() == ["Pair('q',", "'k')", "a", "q", "(8,", "4)", "1", "(2,)"]
+  for old_order in (pairs, pairs[0]):  # a list of pairs, or one
+    with pytest.warns(DeprecationWarning, match=r"describe\(params, pairs\)"):
+      assert saggs.describe(old_order, params) == new

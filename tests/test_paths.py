@@ -234,3 +234,23 @@ def test_arrays_are_jax_numpy_or_abstract_and_everything_else_is_static():
   assert jax.jit(lambda x: jnp.asarray(paths.is_array(x)))(jnp.ones(2))
   tree = {"w": jnp.ones(2), "act": jax.nn.relu, "drop": {"p": 0.1, "inference": True}, "n": 3}
   assert [p for p, _ in paths.arrays_with_paths(tree)] == ["w"]
+
+
+def test_is_parameter_is_an_inexact_array_concrete_or_abstract():
+  """The one "is a parameter" predicate of discover, transport and the degree probe."""
+  yes = [
+    jnp.ones(2),
+    np.ones(2, np.float16),
+    np.float32(1.0),
+    jax.ShapeDtypeStruct((2,), jnp.bfloat16),
+    jnp.ones(2, jnp.complex64),
+  ]
+  no = [jnp.arange(2), np.ones(2, bool), jax.ShapeDtypeStruct((2,), jnp.int32), 1.0, None, "x"]
+  no.append(jax.nn.relu)
+  assert [paths.is_parameter(x) for x in yes] == [True] * len(yes)
+  assert [paths.is_parameter(x) for x in no] == [False] * len(no)
+  traced = []
+  jax.jit(lambda x, i: traced.extend([paths.is_parameter(x), paths.is_parameter(i)]))(
+    jnp.ones(2), jnp.arange(2)
+  )
+  assert traced == [True, False]

@@ -71,9 +71,10 @@ SCRIPT = textwrap.dedent(r"""
     MATRIX_BYTES = sum(4 * np.prod(shape) for path, (shape, _) in LAYOUT.items() if "norm" not in path)
 
     def stack(steps):
-      return eqv.symmetry_compatible(0.1, num_heads=2, num_kv_heads=1, stacked=True, mlp="hybrid",
-                                     embedding="hybrid", router="left_spectral", weight_decay=0.1,
-                                     ns_steps=steps, ns_dtype=jnp.float32)
+      return eqv.symmetry_compatible(
+        0.1, num_heads=2, num_kv_heads=1, stacked=True, weight_decay=0.1,
+        rules=eqv.RoleRules(mlp="hybrid", embedding="hybrid", router="left_spectral"),
+        newton_schulz=eqv.NewtonSchulz(steps=steps, dtype=jnp.float32))
 
     def update_fn(tx, out_shardings=None):
       # Under an Auto mesh the partitioner places the outputs: ask for the parameters' shardings
@@ -84,7 +85,7 @@ SCRIPT = textwrap.dedent(r"""
     SEVEN = {f"w{i}": normal((16, 16), None) for i in range(7)}
 
     def polar(steps):
-      return eqv.scale_by_polar(beta=0.0, ns_steps=steps, ns_dtype=jnp.float32)
+      return eqv.scale_by_polar(beta=0.0, newton_schulz=eqv.NewtonSchulz(steps=steps, dtype=jnp.float32))
 
     def numpy_polar(x, steps):
       # Newton-Schulz in float64, written from the docstring: X0 = X / (1.01 ||X||_F),

@@ -232,7 +232,7 @@ def test_example_lm_sows_logits_by_query_path_and_its_step_clips_them():
   """lm.make_max_logits_step (examples/qk_clip.py's step) on a tiny lm.LM, with the
   example's clip arm: its sown logits, keyed as the clip reads them, land on τ after an
   update with lr 0."""
-  from saggs_jax.testing import lm
+  from harness import lm
 
   config = lm.ModelConfig(
     d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4, mlp_hidden=24, seq_len=8

@@ -21,10 +21,10 @@ import optax
 import pytest
 
 import saggs_jax as saggs
+from harness import shapes
 from saggs_jax import norms
 from saggs_jax.numerics import log_dtype_max
 from saggs_jax.pairs import resolve
-from saggs_jax.testing import shapes
 from xla_env import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -141,7 +141,7 @@ FSDP_SCRIPT = textwrap.dedent(r"""
     sys.path[:0] = [@TESTS@, @ROOT@]
     import jax, optax
     import saggs_jax as saggs
-    from saggs_jax.testing import shapes
+    from harness import shapes
     from test_scale import compiled_update
 
     Type = jax.sharding.AxisType

@@ -1,4 +1,4 @@
-"""The study's statistics, verdicts and resumable runner (saggs_jax.testing.stats, study).
+"""The study's statistics, verdicts and resumable runner (harness.stats, study).
 
 The end-to-end check runs ``examples/gpu_study.py --tiny`` twice in
 subprocesses: the second run must train nothing, leave the JSONL byte for byte
@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from saggs_jax.testing import stats, study
+from harness import stats, study
 from xla_env import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -181,7 +181,7 @@ def _state_types(state):
 def test_every_registered_state_type_has_a_case():
   covered = set().union(*(_state_types(opt.init(PARAMS)) for opt, _ in CASES.values()))
   covered |= {optax.FactoredState, optax.LookaheadState}  # the tests below
-  covered |= {saggs.SaggsState}  # test_saggs: two symmetry stages in one chain
+  covered |= {saggs.SaggsState}  # test_transform: two symmetry stages in one chain
   covered |= {saggs.SymmetryState}  # test_optax_wrappers: the wrapper form
   library = {
     t for t in _RULES if t.__module__.split(".")[0] in ("optax", "saggs_jax")

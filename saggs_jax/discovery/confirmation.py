@@ -71,7 +71,7 @@ class Checker:
     args,
     kwargs,
     rtol: float,
-    seed: int,
+    seed: int | np.ndarray,
     units: list[Unit],
     candidates: list[Candidate],
   ):

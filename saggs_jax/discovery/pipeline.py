@@ -41,7 +41,7 @@ def discover(
   params: Any,
   *example_args,
   rtol: float | None = None,
-  seed: int = 0,
+  key: jax.Array | None = None,
   reduced: tuple | None = None,
   **example_kwargs,
 ) -> Discovery:
@@ -70,13 +70,14 @@ def discover(
     apply_fn: ``apply_fn(params, *example_args, **example_kwargs)``, returning
       an array or a pytree.
     params: the parameter tree (an ``nnx.State``, a Linen dict, an Equinox
-      module): its inexact arrays, concrete or abstract (see ``is_parameter``),
+      module): its inexact arrays, concrete or abstract (see ``saggs_jax.paths.is_parameter``),
       are the parameters; every other leaf (flags, activation functions, integer
       buffers) is static, as under ``eqx.filter``.
     *example_args: small example inputs (one short sequence is enough).
     rtol: relative tolerance of the numerical check (>= 0); default 1e-4 in
       float32, 3e-2 with 16-bit parameters or outputs.
-    seed: seed of the random factors.
+    key: PRNG key of the random factors (a ``jax.random.key``; default fixed), as
+      :func:`saggs_jax.check_symmetry` takes it.
     reduced: with abstract ``params``, ``(apply_fn, params, *args)`` of a copy of the model
       reduced in width and depth (fewer heads, channels, layers; the same paths, and the
       same head structure: GQA for GQA), with concrete parameters: the candidates are
@@ -99,8 +100,7 @@ def discover(
   Raises:
     ValueError: ``rtol`` is negative or NaN.
 
-  Example::
-
+  Example:
     >>> import jax, jax.numpy as jnp
     >>> from saggs_jax.discovery import discover
     >>> def mlp(p, x): return jax.nn.relu(x @ p["up"]) @ p["down"]
@@ -116,6 +116,12 @@ def discover(
   """
   if rtol is not None and not rtol >= 0:  # NaN too
     raise ValueError(f"rtol must be a non-negative number, got {rtol!r}.")
+  if "seed" in example_kwargs:  # discover's own argument until it took key=, as check_symmetry
+    raise TypeError(
+      "discover takes key=jax.random.key(seed) for its random factors, not seed=; a model"
+      " keyword named seed goes in through functools.partial(apply_fn, seed=...)."
+    )
+  seed = 0 if key is None else _seed(key)
   found = _trace(apply_fn, params, example_args, example_kwargs)
   analysis = found.analysis
   if found.concrete:
@@ -165,7 +171,7 @@ class _Traced(NamedTuple):
 def _trace(apply_fn, params, args, kwargs) -> _Traced:
   """``apply_fn(params, *args, **kwargs)`` traced on shapes and analysed."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-  traced = [is_parameter(x) for _, x in flat]
+  traced = [paths.is_parameter(x) for _, x in flat]
   names = [paths.path_str(k) for (k, _), t in zip(flat, traced) if t]
   leaves = [x for (_, x), t in zip(flat, traced) if t]
 
@@ -193,6 +199,14 @@ def _options(found: _Traced, instances: list[Candidate]) -> list[int]:
   """The groupings to try for a kind of candidate, finest first."""
   sizes = [found.analysis.shapes[unit][axis] for unit, axis in instances[0].a + instances[0].b]
   return group_options(sizes, set().union(*(i.splits for i in instances)))
+
+
+def _seed(key: jax.Array) -> np.ndarray:
+  """The NumPy seed of the numerical check's random factors, from a JAX PRNG key (typed, or
+  the raw uint32 data of ``jax.random.PRNGKey``)."""
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  return np.asarray(key, np.uint32).ravel()
 
 
 def _check(found: _Traced, args, kwargs, rtol, seed) -> tuple[list, bool]:
@@ -247,16 +261,6 @@ def _kind(key: tuple) -> tuple:
   name, rel, parts, counts, axes, stacked, _ = key
   parts = tuple(p and (p.axis, p.bounds.index((p.lo, p.hi)), len(p.bounds)) for p in parts)
   return name, rel, parts, counts, axes, stacked
-
-
-def is_parameter(leaf: Any) -> bool:
-  """Whether a leaf of the parameter tree is a parameter: an inexact array, concrete
-  (``jax.Array``, ``np.ndarray``) or abstract (``jax.ShapeDtypeStruct``, a tracer). Every
-  other leaf (flags, activation functions, integer buffers of an Equinox module, Python
-  scalars) is static, as under ``eqx.filter``."""
-  return isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) and bool(
-    jnp.issubdtype(leaf.dtype, jnp.inexact)
-  )
 
 
 def _rejection(analysis: Analysis, inst: Candidate, reason: str):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import collections.abc
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import NamedTuple, cast
 
-from saggs_jax.equivariant.stack import role_dimension_numbers
+from saggs_jax.equivariant.roles import role_dimension_numbers
 from saggs_jax.pairs import Pair, Spec
 
 
@@ -19,20 +20,22 @@ class Rejected(NamedTuple):
 
 
 # How the pairs were confirmed (``Discovery.confirmation``), as the report says it.
-CONFIRMATIONS = {
-  "parameters": (
-    "numerically, on the given parameters and example inputs (finite moves and first order)"
-  ),
-  "parameters, finite only": (
-    "numerically, on the given parameters and example inputs, finite moves only (the model"
-    " cannot be differentiated forward: a custom_vjp function)"
-  ),
-  "reduced": (
-    "numerically, on a width-reduced copy of the model (reduced=), each pair at the grouping"
-    " of the same rank"
-  ),
-  "none": "not checked (abstract parameters): no pair is confirmed",
-}
+CONFIRMATIONS = MappingProxyType(
+  {
+    "parameters": (
+      "numerically, on the given parameters and example inputs (finite moves and first order)"
+    ),
+    "parameters, finite only": (
+      "numerically, on the given parameters and example inputs, finite moves only (the model"
+      " cannot be differentiated forward: a custom_vjp function)"
+    ),
+    "reduced": (
+      "numerically, on a width-reduced copy of the model (reduced=), each pair at the grouping"
+      " of the same rank"
+    ),
+    "none": "not checked (abstract parameters): no pair is confirmed",
+  }
+)
 
 
 class Discovery(collections.abc.Sequence):

@@ -17,8 +17,7 @@ key), so each is read from the jaxpr:
 * LM head: the linear map producing an output, through axis moves and bias sums;
 * gated MLP: the up/down pairs found, and the GLU gate read from the jaxpr.
 
-Example::
-
+Example:
   >>> import jax, jax.numpy as jnp
   >>> from saggs_jax.discovery import discover
   >>> def attend(p, x):  # the key is the side the softmax runs over, whatever its name

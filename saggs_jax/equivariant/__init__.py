@@ -34,6 +34,11 @@ from saggs_jax.equivariant._linalg import (
   newton_schulz,
 )
 from saggs_jax.equivariant.dimension_numbers import UnitDimensionNumbers, muon_dimension_numbers
+from saggs_jax.equivariant.roles import (
+  ROLE_DIMENSION_NUMBERS,
+  ROLE_PATTERNS,
+  role_dimension_numbers,
+)
 from saggs_jax.equivariant.rules import (
   REFERENCE,
   MomentumState,
@@ -43,22 +48,24 @@ from saggs_jax.equivariant.rules import (
   scale_by_right_spectral,
   scale_by_row_norm,
 )
+from saggs_jax.equivariant.settings import InverseSqrt, NewtonSchulz
 from saggs_jax.equivariant.stack import (
+  PRESETS,
   REFERENCE_LEARNING_RATES,
   REFERENCE_WEIGHT_DECAYS,
-  ROLE_DIMENSION_NUMBERS,
-  ROLE_PATTERNS,
+  RoleRules,
   layerwise,
   optimizer,
-  role_dimension_numbers,
   symmetry_compatible,
-  symmetry_compatible_reference,
 )
 
 __all__ = [
   "CoefficientSet",
+  "InverseSqrt",
   "MomentumState",
   "MuonDimensionNumbers",
+  "NewtonSchulz",
+  "PRESETS",
   "NS_COEFFS",
   "POLAR_EXPRESS",
   "QUINTIC",
@@ -67,6 +74,7 @@ __all__ = [
   "REFERENCE_WEIGHT_DECAYS",
   "ROLE_DIMENSION_NUMBERS",
   "ROLE_PATTERNS",
+  "RoleRules",
   "UnitDimensionNumbers",
   "layerwise",
   "muon_dimension_numbers",
@@ -79,5 +87,4 @@ __all__ = [
   "scale_by_right_spectral",
   "scale_by_row_norm",
   "symmetry_compatible",
-  "symmetry_compatible_reference",
 ]

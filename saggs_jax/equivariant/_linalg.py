@@ -8,6 +8,7 @@ copies. Inputs are floating arrays of at least float32; callers promote.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Literal, NamedTuple, cast
 
 import jax
@@ -71,12 +72,14 @@ class CoefficientSet(NamedTuple):
 Coeffs = str | CoefficientSet | Sequence[float] | Sequence[Sequence[float]]
 
 
-NS_COEFFS = {
-  "quintic": CoefficientSet(QUINTIC),
-  "polar_express": CoefficientSet(POLAR_EXPRESS),
-  "polar_express_cushion": CoefficientSet(POLAR_EXPRESS_CUSHION, 1.02),
-  "polar_express_1.05": CoefficientSet(POLAR_EXPRESS_105, 1.02),
-}
+NS_COEFFS = MappingProxyType(
+  {
+    "quintic": CoefficientSet(QUINTIC),
+    "polar_express": CoefficientSet(POLAR_EXPRESS),
+    "polar_express_cushion": CoefficientSet(POLAR_EXPRESS_CUSHION, 1.02),
+    "polar_express_1.05": CoefficientSet(POLAR_EXPRESS_105, 1.02),
+  }
+)
 
 EpsForm = Literal["floor", "add"]
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
-from typing import Literal, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,7 @@ from saggs_jax.equivariant.dimension_numbers import (
 )
 from saggs_jax.equivariant.dimension_numbers import as_tuple as _as_tuple
 from saggs_jax.equivariant.dimension_numbers import normalize as _normalize
+from saggs_jax.equivariant.settings import InverseSqrt, NewtonSchulz
 from saggs_jax.paths import match, path_str
 from saggs_jax.transport import register_transport
 
@@ -313,12 +315,9 @@ def scale_by_polar(
   beta: float = 0.95,
   nesterov: bool = True,
   ema: bool = True,
-  ns_coeffs: _linalg.Coeffs = "polar_express",
-  ns_steps: int = 5,
-  ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
+  newton_schulz: NewtonSchulz = NewtonSchulz(),
   eps: float = 1e-7,
   eps_form: _linalg.EpsForm = "floor",
-  ns_gram: bool = False,
   mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   """Muon: the polar factor of the Nesterov momentum, per matrix (and per head).
@@ -360,14 +359,10 @@ def scale_by_polar(
     ema: ``False`` accumulates ``M <- beta M + G`` (look-ahead ``beta M +
       G``) like torch's SGD momentum; the polar factor is the same up to the
       normaliser's eps.
-    ns_coeffs: ``"polar_express"`` (default), ``"quintic"`` (Keller Jordan's
-      Muon) or explicit triples; see :func:`newton_schulz`.
-    ns_steps: Newton-Schulz iterations.
-    ns_dtype: dtype of the iterations' matmuls.
+    newton_schulz: the iterations' coefficients, steps, dtype and Gram form
+      (:class:`NewtonSchulz`).
     eps: floor of the Frobenius normaliser.
     eps_form: ``"floor"`` (``max(h ||X||, eps)``) or ``"add"`` (``h ||X|| + eps``).
-    ns_gram: iterate on the Gram matrix of each block (faster for blocks
-      several times as long as wide; see :func:`newton_schulz`).
     mu_dtype: momentum dtype (default: the parameter's).
 
   Example:
@@ -401,7 +396,8 @@ def scale_by_polar(
 
   def direction(x):
     width = math.sqrt(max(1.0, x.shape[-1] / x.shape[-2]))
-    return width * _linalg.newton_schulz(x, ns_coeffs, ns_steps, ns_dtype, eps, eps_form, ns_gram)
+    ns = newton_schulz
+    return width * _linalg.newton_schulz(x, ns.coeffs, ns.steps, ns.dtype, eps, eps_form, ns.gram)
 
   return _rule(
     "scale_by_polar",
@@ -489,28 +485,21 @@ def _nuclear_scale(nu: jax.Array, alpha: float, floor: float) -> jax.Array:
 def _spectral_rule(
   name,
   unit_axis,
-  *,
   center,
   joint,
   beta,
   eps,
   relative_eps,
   alpha,
-  inv_sqrt,
-  inv_sqrt_steps,
-  gram,
+  inverse_sqrt,
   mu_dtype,
 ):
-  """Both spectral rules, which differ only in their name and ``center``'s default: each
-  passes its arguments on whole (``**locals()``), so a keyword added to one signature
-  must be added here and to the other."""
+  """Both spectral rules, which differ only in their name and ``center``'s default."""
   p = _maybe_center(center)
   floor = 0.0 if relative_eps else eps
 
   def direction(m):
-    u, nu = _linalg.spectral(
-      p(m), eps, relative=relative_eps, method=inv_sqrt, steps=inv_sqrt_steps, gram=gram
-    )
+    u, nu = _linalg.spectral(p(m), eps, relative=relative_eps, **inverse_sqrt._asdict())
     return p(_nuclear_scale(nu, alpha, floor) * u)
 
   return _rule(
@@ -535,9 +524,7 @@ def scale_by_right_spectral(
   eps: float = 1e-6,
   relative_eps: bool = True,
   alpha: float = 1.0,
-  inv_sqrt: str | _linalg.Coeffs = "eigh",
-  inv_sqrt_steps: int = 5,
-  gram: _linalg.Gram = "smaller",
+  inverse_sqrt: InverseSqrt = InverseSqrt(),
   mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   """Right (one-sided) spectral update.
@@ -559,11 +546,8 @@ def scale_by_right_spectral(
     relative_eps: scale the floor with ``||X||_F²``.
     alpha: power of the nuclear-norm factor (0: none; ``ν`` is clamped
       below at ``eps`` when the floor is absolute).
-    inv_sqrt: ``"eigh"`` (exact) or a coefficient set for the iterative
-      inverse square root (see :func:`saggs_jax.equivariant._linalg.inv_sqrt`).
-    inv_sqrt_steps: iterations of the iterative inverse square root.
-    gram: ``"smaller"``, ``"right"`` (``Xᵀ X``) or ``"left"`` (``X Xᵀ``):
-      the Gram matrix whose inverse square root is taken.
+    inverse_sqrt: the method, steps and Gram matrix of the inverse square root
+      (:class:`InverseSqrt`).
     mu_dtype: momentum dtype (default: the parameter's).
 
   Example:
@@ -578,7 +562,18 @@ def scale_by_right_spectral(
     Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
     Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
   """
-  return _spectral_rule("scale_by_right_spectral", **locals())
+  return _spectral_rule(
+    "scale_by_right_spectral",
+    unit_axis,
+    center,
+    joint,
+    beta,
+    eps,
+    relative_eps,
+    alpha,
+    inverse_sqrt,
+    mu_dtype,
+  )
 
 
 def scale_by_left_spectral(
@@ -590,9 +585,7 @@ def scale_by_left_spectral(
   eps: float = 1e-6,
   relative_eps: bool = True,
   alpha: float = 1.0,
-  inv_sqrt: str | _linalg.Coeffs = "eigh",
-  inv_sqrt_steps: int = 5,
-  gram: _linalg.Gram = "smaller",
+  inverse_sqrt: InverseSqrt = InverseSqrt(),
   mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   """Left spectral update, for MoE routers (units = experts).
@@ -618,7 +611,18 @@ def scale_by_left_spectral(
     Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
     Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
   """
-  return _spectral_rule("scale_by_left_spectral", **locals())
+  return _spectral_rule(
+    "scale_by_left_spectral",
+    unit_axis,
+    center,
+    joint,
+    beta,
+    eps,
+    relative_eps,
+    alpha,
+    inverse_sqrt,
+    mu_dtype,
+  )
 
 
 def scale_by_hybrid(
@@ -633,14 +637,9 @@ def scale_by_hybrid(
   alpha: float = 1.0,
   nuclear_norm_axes: Axes = (),
   polar: Literal["newton_schulz", "gram"] = "newton_schulz",
-  ns_coeffs: _linalg.Coeffs = "polar_express",
-  ns_steps: int = 5,
-  ns_dtype: jax.typing.DTypeLike = jnp.bfloat16,
-  ns_gram: bool = False,
+  newton_schulz: NewtonSchulz = NewtonSchulz(),
   relative_eps: bool = True,
-  inv_sqrt: str | _linalg.Coeffs = "eigh",
-  inv_sqrt_steps: int = 5,
-  gram: _linalg.Gram = "smaller",
+  inverse_sqrt: InverseSqrt = InverseSqrt(),
   mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   """Hybrid row-norm / spectral update.
@@ -657,8 +656,8 @@ def scale_by_hybrid(
 
   The polar factor is :func:`newton_schulz` of X (``polar="newton_schulz"``)
   or ``X (Xᵀ X + ε' I)^(-1/2)`` (``polar="gram"``, the spectral map of
-  :func:`scale_by_right_spectral` with its ``relative_eps``, ``inv_sqrt``,
-  ``inv_sqrt_steps`` and ``gram``).
+  :func:`scale_by_right_spectral` with its ``relative_eps`` and
+  ``inverse_sqrt``).
 
   Args:
     unit_axis: the axis of units, or a :class:`UnitDimensionNumbers`.
@@ -676,12 +675,10 @@ def scale_by_hybrid(
       over the experts of a tensor); default one factor per matrix. Needs
       the layout's ``batch_axis`` named, and no ``feature_axis``.
     polar: how the polar factor is computed, see above.
-    ns_coeffs: Newton-Schulz coefficients (see :func:`newton_schulz`).
-    ns_steps: Newton-Schulz iterations.
-    ns_dtype: dtype of the iterations' matmuls.
-    ns_gram: iterate on the Gram matrix (see :func:`newton_schulz`).
-    relative_eps, inv_sqrt, inv_sqrt_steps, gram: the Gram inverse square
-      root of ``polar="gram"``, see :func:`scale_by_right_spectral`.
+    newton_schulz: the Newton-Schulz iterations of ``polar="newton_schulz"``
+      (:class:`NewtonSchulz`).
+    relative_eps, inverse_sqrt: the Gram inverse square root of ``polar="gram"``,
+      see :func:`scale_by_right_spectral`.
     mu_dtype: momentum dtype (default: the parameter's).
 
   Example:
@@ -724,11 +721,10 @@ def scale_by_hybrid(
 
   def polar_and_scale(x):
     if polar == "gram":
-      o, nu = _linalg.spectral(
-        x, eps, relative=relative_eps, method=inv_sqrt, steps=inv_sqrt_steps, gram=gram
-      )
+      o, nu = _linalg.spectral(x, eps, relative=relative_eps, **inverse_sqrt._asdict())
     else:
-      o = _linalg.newton_schulz(x, ns_coeffs, ns_steps, ns_dtype, eps, eps_form, ns_gram)
+      ns = newton_schulz
+      o = _linalg.newton_schulz(x, ns.coeffs, ns.steps, ns.dtype, eps, eps_form, ns.gram)
       nu = jnp.sum(o * x, axis=(-2, -1), keepdims=True)
     if nuclear_norm_axes != ():
       batch = sorted(_normalize(batch_axes, x.ndim))
@@ -769,25 +765,34 @@ def scale_by_hybrid(
 #     ("col", gpt-oss pairs with fused=2, interleaved=True); the hybrid with
 #     nuclear_norm_axes=0;
 #   Right/LeftPolarGradM: unit_axis=0, center=center_rows, alpha.
-REFERENCE: dict[str, dict] = {
-  # MuonHeadsPolarExpress, BatchedExpertMuonPolarExpress.
-  "scale_by_polar": dict(ema=False, ns_coeffs="polar_express_cushion", eps=1e-6, eps_form="add"),
-  # RowNormM, BatchedExpertRowNormM (row_mode="inverse_eps").
-  "scale_by_row_norm": dict(eps=1e-8, eps_form="add"),
-  # RightPolarGradM, LeftPolarGradM (backend="polar_express", num_steps=5).
-  "scale_by_right_spectral": dict(
-    eps=1e-8, relative_eps=False, inv_sqrt="polar_express_1.05", gram="right"
-  ),
-  "scale_by_left_spectral": dict(
-    eps=1e-8, relative_eps=False, inv_sqrt="polar_express_1.05", gram="left"
-  ),
-  # HybridPolarGradM, BatchedExpertHybridPolarGradM.
-  "scale_by_hybrid": dict(
-    eps=1e-8,
-    eps_form="add",
-    polar="gram",
-    relative_eps=False,
-    inv_sqrt="polar_express_1.05",
-    gram="right",
-  ),
-}
+REFERENCE: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+  {
+    # MuonHeadsPolarExpress, BatchedExpertMuonPolarExpress.
+    "scale_by_polar": MappingProxyType(
+      dict(ema=False, newton_schulz=NewtonSchulz("polar_express_cushion"), eps=1e-6, eps_form="add")
+    ),
+    # RowNormM, BatchedExpertRowNormM (row_mode="inverse_eps").
+    "scale_by_row_norm": MappingProxyType(dict(eps=1e-8, eps_form="add")),
+    # RightPolarGradM, LeftPolarGradM (backend="polar_express", num_steps=5).
+    "scale_by_right_spectral": MappingProxyType(
+      dict(
+        eps=1e-8, relative_eps=False, inverse_sqrt=InverseSqrt("polar_express_1.05", gram="right")
+      )
+    ),
+    "scale_by_left_spectral": MappingProxyType(
+      dict(
+        eps=1e-8, relative_eps=False, inverse_sqrt=InverseSqrt("polar_express_1.05", gram="left")
+      )
+    ),
+    # HybridPolarGradM, BatchedExpertHybridPolarGradM.
+    "scale_by_hybrid": MappingProxyType(
+      dict(
+        eps=1e-8,
+        eps_form="add",
+        polar="gram",
+        relative_eps=False,
+        inverse_sqrt=InverseSqrt("polar_express_1.05", gram="right"),
+      )
+    ),
+  }
+)

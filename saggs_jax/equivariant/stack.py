@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from optax.contrib import MuonDimensionNumbers
 
-from saggs_jax.equivariant import _linalg
 from saggs_jax.equivariant.dimension_numbers import (
-  Layout,
   Patterns,
   UnitDimensionNumbers,
-  dense_dimension_numbers,
-  muon_dimension_numbers,
 )
+from saggs_jax.equivariant.roles import ROLE_PATTERNS, as_patterns
 from saggs_jax.equivariant.rules import (
   REFERENCE,
   scale_by_hybrid,
@@ -25,6 +22,7 @@ from saggs_jax.equivariant.rules import (
   scale_by_polar,
   scale_by_row_norm,
 )
+from saggs_jax.equivariant.settings import NewtonSchulz
 from saggs_jax.paths import match, path_str
 
 Rules = (
@@ -62,10 +60,6 @@ def optimizer(
   )
 
 
-def _as_patterns(patterns: Patterns) -> tuple[str, ...]:
-  return (patterns,) if isinstance(patterns, str) else tuple(patterns)
-
-
 def layerwise(
   rules: Rules,
   default: optax.GradientTransformation | None = None,
@@ -98,7 +92,7 @@ def layerwise(
     >>> state = tx.init(params)
   """
   entries = list(rules.items() if isinstance(rules, Mapping) else rules)
-  entries = [(_as_patterns(pats), tx) for pats, tx in entries]
+  entries = [(as_patterns(pats), tx) for pats, tx in entries]
 
   def label(key_path, _):
     path = path_str(key_path)
@@ -125,138 +119,100 @@ def layerwise(
   )
 
 
-# Role -> path patterns: LLaMA-style Hugging Face names on Flax modules, with
-# Flax (in, out) kernels: q/k/v (d, H*hd), o (H*hd, d), gate/up (d, F),
-# down (F, d), embedding (V, d), lm_head (d, V), router (d, E) and stacked
-# experts (E, in, out): the expert matrices by name (HF gpt-oss's ``gate_up_proj``
-# and ``down_proj``, ``w_in``/``w_up``/...), never ``experts/*``, which takes an MoE's
-# expert biases (E, F) too.
-ROLE_PATTERNS: dict[str, tuple[str, ...]] = {
-  "embedding": ("embed/embedding",),
-  "lm_head": ("lm_head/kernel",),
-  "query": ("q_proj/kernel",),
-  "key_value": ("k_proj/kernel", "v_proj/kernel"),
-  "output": ("o_proj/kernel",),
-  "gate_up": ("gate_proj/kernel", "up_proj/kernel"),
-  "down": ("down_proj/kernel",),
-  "router": ("router/kernel",),
-  "experts": (
-    "experts/*_proj",
-    *(f"experts/w_{n}" for n in ("in", "out", "up", "down", "gate")),
-  ),
-}
-
-
-# Per role of ``symmetry_compatible``: the hidden matrices, reduced over the
-# Flax (in, out) kernel's rows, every leading axis (layers, experts) batched.
-# Embedding, LM head and router: None, as Muon leaves them to AdamW.
-ROLE_DIMENSION_NUMBERS: dict[str, MuonDimensionNumbers | None] = {
-  **dict.fromkeys(
-    ("query", "key_value", "output", "gate_up", "down", "experts"), MuonDimensionNumbers(-2, -1)
-  ),
-  **dict.fromkeys(("embedding", "lm_head", "router"), None),
-}
-
-
-# Whether a role's kernels read the hidden state (reduced over their first axis per copy) or
-# write it (producing their last): see dense_dimension_numbers.
-_WRITES = frozenset({"output", "down"})
-
-
-def role_dimension_numbers(
-  params: Any,
-  roles: Mapping[str, Patterns] | None = None,
-  *,
-  copy_axes: int | Sequence[int] | Mapping[str, Sequence[int]] | None = None,
-) -> Any:
-  """:func:`muon_dimension_numbers` for the roles of ``symmetry_compatible``.
-
-  ``roles`` maps roles to path patterns, as :data:`ROLE_PATTERNS` (the
-  default) or ``saggs_jax.discover(...).roles`` do; each role's leaves get
-  :data:`ROLE_DIMENSION_NUMBERS`: Dense (in, out) kernels, any leading axes
-  batched. Query, key/value and output kernels are orthogonalised whole:
-  ``MuonDimensionNumbers`` cannot split one axis into heads
-  (``scale_by_polar(num_heads=...)`` can).
-
-  With ``copy_axes`` (the copy axes of every leaf: a number of leading axes, their
-  positions, or ``{path: positions}`` as :func:`saggs_jax.copy_axes` reads them) the
-  kernels may have several input or output axes, as MaxText's (emb, layers, heads,
-  head_dim) query and (heads, layers, head_dim, emb) output do: each gets
-  :func:`~saggs_jax.equivariant.dimension_numbers.dense_dimension_numbers`, the copy
-  axes batched, the output and down projections producing their last axis and the
-  others reduced over their first.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> params = {"q_proj": {"kernel": jnp.ones((2, 8, 8))}, "embed": {"embedding": jnp.ones((16, 8))}}
-    >>> role_dimension_numbers(params)["q_proj"]["kernel"]
-    MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
-  """
-  roles = ROLE_PATTERNS if roles is None else roles
-  if unknown := set(roles) - set(ROLE_DIMENSION_NUMBERS):
-    raise ValueError(
-      f"Unknown roles {sorted(unknown)}; the roles are {sorted(ROLE_DIMENSION_NUMBERS)}."
-    )
-  layouts: dict[Patterns, Layout]
-  if copy_axes is None:
-    layouts = {_as_patterns(pats): ROLE_DIMENSION_NUMBERS[r] for r, pats in roles.items()}
-  else:
-
-    def dims_of(role):
-      def dims(path, shape):
-        copy = copy_axes.get(path, ()) if isinstance(copy_axes, Mapping) else copy_axes
-        copy = range(copy) if isinstance(copy, int) else copy
-        return dense_dimension_numbers(len(shape), tuple(copy), reads=role not in _WRITES)
-
-      return None if ROLE_DIMENSION_NUMBERS[role] is None else dims
-
-    layouts = {_as_patterns(pats): dims_of(r) for r, pats in roles.items()}
-  return muon_dimension_numbers(params, layouts)
-
-
 # Lau & Su's training scripts (timlautk/equivariant_optimizers, train_qwen3.py
 # defaults; the router's rate from train_olmoe.py and train_gpt-oss.py):
 # learning rate and decoupled weight decay per role, "adamw" for the rest.
-REFERENCE_LEARNING_RATES: dict[str, float] = {
-  "embedding": 0.5,
-  "lm_head": 5e-3,
-  "router": 7.5e-4,
-  "adamw": 5e-2,
-  **{r: 2e-2 for r in ("query", "key_value", "output", "gate_up", "down", "experts")},
-}
-REFERENCE_WEIGHT_DECAYS: dict[str, float] = {
-  "embedding": 0.0,
-  "lm_head": 0.0,
-  "router": 0.0,
-  "adamw": 1e-3,
-  **{r: 1e-3 for r in ("query", "key_value", "output", "gate_up", "down", "experts")},
-}
+REFERENCE_LEARNING_RATES: Mapping[str, float] = MappingProxyType(
+  {
+    "embedding": 0.5,
+    "lm_head": 5e-3,
+    "router": 7.5e-4,
+    "adamw": 5e-2,
+    **{r: 2e-2 for r in ("query", "key_value", "output", "gate_up", "down", "experts")},
+  }
+)
+REFERENCE_WEIGHT_DECAYS: Mapping[str, float] = MappingProxyType(
+  {
+    "embedding": 0.0,
+    "lm_head": 0.0,
+    "router": 0.0,
+    "adamw": 1e-3,
+    **{r: 1e-3 for r in ("query", "key_value", "output", "gate_up", "down", "experts")},
+  }
+)
+
+
+class RoleRules(NamedTuple):
+  """The rule of each role of :func:`symmetry_compatible` that has a choice; ``None``: the
+  preset's (``"row_norm"`` everywhere, but ``mlp="polar"`` for ``preset="reference"``).
+
+  Attributes:
+    embedding: rule of an untied embedding: ``"row_norm"`` or ``"hybrid"``.
+    lm_head: rule of the LM head (always centred): ``"row_norm"`` or ``"hybrid"``.
+    mlp: rule of gate/up and of a column-aware down: ``"row_norm"``, ``"hybrid"`` or
+      ``"polar"``.
+    down: ``"column"`` (column-aware, the ``mlp`` rule) or ``"polar"``.
+    router: rule of an MoE router (always centred): ``"row_norm"`` or ``"left_spectral"``.
+  """
+
+  embedding: Literal["row_norm", "hybrid"] | None = None
+  lm_head: Literal["row_norm", "hybrid"] | None = None
+  mlp: Literal["row_norm", "hybrid", "polar"] | None = None
+  down: Literal["column", "polar"] | None = None
+  router: Literal["row_norm", "left_spectral"] | None = None
+
+
+class _Preset(NamedTuple):
+  """What a preset of :func:`symmetry_compatible` sets: the keyword arguments of each rule by
+  name (as :data:`REFERENCE`), its role rules and Newton-Schulz iterations, the experts'
+  matrix orientation (transposed: Muon's shape factor of ``(E, in, out)`` experts),
+  AdamW's ``b2``, and its rates and weight decays per role (``None``: the builder's)."""
+
+  settings: Mapping[str, Mapping[str, Any]]
+  rules: RoleRules
+  newton_schulz: NewtonSchulz
+  experts_transposed: bool
+  adamw_b2: float
+  learning_rates: Mapping[str, float] | None
+  weight_decays: Mapping[str, float] | None
+
+
+_ROW_NORM = RoleRules("row_norm", "row_norm", "row_norm", "column", "row_norm")
+PRESETS: Mapping[str, _Preset] = MappingProxyType(
+  {
+    "default": _Preset({}, _ROW_NORM, NewtonSchulz(), False, 0.999, None, None),
+    "reference": _Preset(
+      REFERENCE,
+      _ROW_NORM._replace(mlp="polar"),
+      NewtonSchulz("polar_express_cushion"),
+      experts_transposed=True,
+      adamw_b2=0.95,
+      learning_rates=REFERENCE_LEARNING_RATES,
+      weight_decays=REFERENCE_WEIGHT_DECAYS,
+    ),
+  }
+)
+_MATRICES = ("query", "key_value", "output", "gate_up", "down", "experts")
 
 
 def symmetry_compatible(
-  learning_rate: optax.ScalarOrSchedule,
+  learning_rate: optax.ScalarOrSchedule | None = None,
   *,
+  preset: Literal["default", "reference"] = "default",
   adamw_learning_rate: optax.ScalarOrSchedule | None = None,
-  weight_decay: optax.ScalarOrSchedule = 0.0,
-  adamw_weight_decay: optax.ScalarOrSchedule = 0.0,
+  weight_decay: optax.ScalarOrSchedule | None = None,
+  adamw_weight_decay: optax.ScalarOrSchedule | None = None,
+  learning_rates: Mapping[str, optax.ScalarOrSchedule] | None = None,
+  weight_decays: Mapping[str, optax.ScalarOrSchedule] | None = None,
   num_heads: int | None = None,
   num_kv_heads: int | None = None,
   head_dim: int | None = None,
   tie_embeddings: bool = False,
-  embedding: Literal["row_norm", "hybrid"] = "row_norm",
-  lm_head: Literal["row_norm", "hybrid"] = "row_norm",
-  mlp: Literal["row_norm", "hybrid", "polar"] = "row_norm",
-  down: Literal["column", "polar"] = "column",
-  router: Literal["row_norm", "left_spectral"] = "row_norm",
+  rules: RoleRules = RoleRules(),
   stacked: bool = False,
   patterns: Mapping[str, Patterns] | None = None,
-  learning_rates: Mapping[str, optax.ScalarOrSchedule] | None = None,
-  weight_decays: Mapping[str, optax.ScalarOrSchedule] | None = None,
   beta: float = 0.95,
-  ns_coeffs: _linalg.Coeffs = "polar_express",
-  ns_steps: int = 5,
-  ns_dtype: Any = jnp.bfloat16,
-  ns_gram: bool = False,
+  newton_schulz: NewtonSchulz | None = None,
 ) -> optax.GradientTransformation:
   """The symmetry-compatible layerwise stack for a decoder LM (Lau and Su 2026).
 
@@ -282,101 +238,14 @@ def symmetry_compatible(
   Every rule runs under :func:`optimizer` with its role's learning rate and
   weight decay; AdamW uses ``adamw_learning_rate`` (default
   ``learning_rate``) and ``adamw_weight_decay``.
-  :func:`symmetry_compatible_reference` builds the same stack with the
-  settings of Lau & Su's training scripts.
 
-  Roles are routed by path pattern (:data:`ROLE_PATTERNS`, LLaMA-style Hugging
-  Face names, or ``patterns``). ``init`` raises a ValueError naming the role
-  and its patterns when a role matches no parameter: one given in
-  ``patterns``, or any but ``router`` and ``experts`` (and a tied
-  ``lm_head``) while a matrix falls to AdamW, as every matrix of a model
-  named otherwise would. ``patterns=saggs_jax.discover(...).roles`` reads the
-  roles from the model itself, whatever its names.
-
-  Args:
-    learning_rate: learning rate (or schedule) of the matrix rules.
-    adamw_learning_rate: learning rate of AdamW for the remaining parameters.
-    weight_decay: decoupled weight decay of the matrix rules.
-    adamw_weight_decay: weight decay of AdamW.
-    num_heads: query / output heads.
-    num_kv_heads: key / value heads (GQA); default ``num_heads``.
-    head_dim: head size; splits every attention kernel, GQA included.
-    tie_embeddings: the embedding is also the LM head.
-    embedding: rule of an untied embedding.
-    lm_head: rule of the LM head (always centred).
-    mlp: rule of gate/up and of a column-aware down.
-    down: ``"column"`` (column-aware, the ``mlp`` rule) or ``"polar"``.
-    router: rule of an MoE router (always centred).
-    stacked: hidden-layer parameters carry a leading layer axis (scan).
-    patterns: per-role overrides of :data:`ROLE_PATTERNS`, e.g. ``discovery.roles``
-      of :func:`saggs_jax.discover`, which reads them from the model.
-    learning_rates: per-role overrides of the learning rates.
-    weight_decays: per-role overrides of the weight decays.
-    beta: momentum decay of every rule.
-    ns_coeffs: Newton-Schulz coefficients of the polar and hybrid rules
-      (see :func:`newton_schulz`).
-    ns_steps: Newton-Schulz iterations.
-    ns_dtype: dtype of the iterations' matmuls.
-    ns_gram: Newton-Schulz on the Gram matrix (see :func:`newton_schulz`).
-
-  Example:
-    >>> import jax.numpy as jnp, optax
-    >>> params = {"embed": {"embedding": jnp.ones((32, 8))},
-    ...           "layers_0": {"q_proj": {"kernel": jnp.ones((8, 8))},
-    ...                        "norm": {"scale": jnp.ones(8)}},
-    ...           "lm_head": {"kernel": jnp.ones((8, 32))}}
-    >>> tx = symmetry_compatible(0.02, adamw_learning_rate=3e-4, num_heads=2)
-    >>> updates, state = tx.update(params, tx.init(params), params)
-
-  References:
-    Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
-    Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
-  """
-  choices = _Choices.of(locals())
-  matrices = tuple(r for r in ROLE_PATTERNS if r != "adamw")
-  lrs = {
-    **dict.fromkeys(REFERENCE_LEARNING_RATES, learning_rate),
-    "adamw": learning_rate if adamw_learning_rate is None else adamw_learning_rate,
-  }
-  wds = {**dict.fromkeys(matrices, weight_decay), "adamw": adamw_weight_decay}
-  return _stack(
-    _DEFAULT, choices, {**lrs, **(learning_rates or {})}, {**wds, **(weight_decays or {})}
-  )
-
-
-def symmetry_compatible_reference(
-  learning_rate: optax.ScalarOrSchedule | None = None,
-  *,
-  adamw_learning_rate: optax.ScalarOrSchedule | None = None,
-  weight_decay: optax.ScalarOrSchedule | None = None,
-  adamw_weight_decay: optax.ScalarOrSchedule | None = None,
-  num_heads: int | None = None,
-  num_kv_heads: int | None = None,
-  head_dim: int | None = None,
-  tie_embeddings: bool = False,
-  embedding: Literal["row_norm", "hybrid"] = "row_norm",
-  lm_head: Literal["row_norm", "hybrid"] = "row_norm",
-  mlp: Literal["row_norm", "hybrid", "polar"] = "polar",
-  down: Literal["column", "polar"] = "column",
-  router: Literal["row_norm", "left_spectral"] = "row_norm",
-  stacked: bool = False,
-  patterns: Mapping[str, Patterns] | None = None,
-  learning_rates: Mapping[str, optax.ScalarOrSchedule] | None = None,
-  weight_decays: Mapping[str, optax.ScalarOrSchedule] | None = None,
-  beta: float = 0.95,
-  ns_coeffs: _linalg.Coeffs = "polar_express_cushion",
-  ns_steps: int = 5,
-  ns_dtype: Any = jnp.bfloat16,
-  ns_gram: bool = False,
-) -> optax.GradientTransformation:
-  """:func:`symmetry_compatible` as Lau & Su's training scripts set it up.
-
-  It differs from the default builder in:
+  ``preset="reference"`` builds the same stack as Lau & Su's training scripts
+  set it up. It differs from ``"default"`` in:
 
   * every rule with its :data:`REFERENCE` settings (Muon's summed momentum
     and ``"polar_express_cushion"`` coefficient set, the ``x / (||x|| + eps)``
     row scaling, ...);
-  * ``mlp="polar"``: dense SwiGLU gate, up and down each orthogonalised whole;
+  * ``RoleRules(mlp="polar")``: dense SwiGLU gate, up and down each orthogonalised whole;
   * Muon's shape factor of experts ``sqrt(max(1, in/out))``, as for
     gpt-oss's ``(E, in, out)`` experts;
   * AdamW with ``b2=0.95``;
@@ -387,77 +256,111 @@ def symmetry_compatible_reference(
     ``weight_decays`` any role's; a tied embedding takes the LM head's, as
     the scripts route it.
 
-  Arguments as in :func:`symmetry_compatible`.
+  Roles are routed by path pattern (:data:`ROLE_PATTERNS`, LLaMA-style Hugging
+  Face names, or ``patterns``). ``init`` raises a ValueError naming the role
+  and its patterns when a role matches no parameter: one given in
+  ``patterns``, or any but ``router`` and ``experts`` (and a tied
+  ``lm_head``) while a matrix falls to AdamW, as every matrix of a model
+  named otherwise would. ``patterns=saggs_jax.discover(...).roles`` reads the
+  roles from the model itself, whatever its names.
+
+  Args:
+    learning_rate: learning rate (or schedule) of the matrix rules; required by
+      ``preset="default"``.
+    preset: ``"default"`` or ``"reference"`` (Lau & Su's scripts, above).
+    adamw_learning_rate: learning rate of AdamW for the remaining parameters.
+    weight_decay: decoupled weight decay of the matrix rules.
+    adamw_weight_decay: weight decay of AdamW.
+    num_heads: query / output heads.
+    num_kv_heads: key / value heads (GQA); default ``num_heads``.
+    head_dim: head size; splits every attention kernel, GQA included.
+    tie_embeddings: the embedding is also the LM head.
+    rules: the rule of each role that has a choice (:class:`RoleRules`).
+    stacked: hidden-layer parameters carry a leading layer axis (scan).
+    patterns: per-role overrides of :data:`ROLE_PATTERNS`, e.g. ``discovery.roles``
+      of :func:`saggs_jax.discover`, which reads them from the model.
+    learning_rates: per-role overrides of the learning rates.
+    weight_decays: per-role overrides of the weight decays.
+    beta: momentum decay of every rule.
+    newton_schulz: the Newton-Schulz iterations of the polar and hybrid rules
+      (:class:`NewtonSchulz`); default the preset's (``"polar_express"``
+      coefficients, or ``"polar_express_cushion"`` for ``"reference"``).
 
   Example:
-    >>> import jax.numpy as jnp
+    >>> import jax.numpy as jnp, optax
     >>> params = {"embed": {"embedding": jnp.ones((32, 8))},
-    ...           "layers_0": {"q_proj": {"kernel": jnp.ones((8, 8))}},
+    ...           "layers_0": {"q_proj": {"kernel": jnp.ones((8, 8))},
+    ...                        "norm": {"scale": jnp.ones(8)}},
     ...           "lm_head": {"kernel": jnp.ones((8, 32))}}
-    >>> tx = symmetry_compatible_reference(num_heads=2, learning_rates={"lm_head": 1e-2})
+    >>> tx = symmetry_compatible(0.02, adamw_learning_rate=3e-4, num_heads=2)
     >>> updates, state = tx.update(params, tx.init(params), params)
+    >>> ref = symmetry_compatible(preset="reference", num_heads=2, learning_rates={"lm_head": 1e-2})
+    >>> updates, state = ref.update(params, ref.init(params), params)
 
   References:
     Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
     Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026; training
     scripts in timlautk/equivariant_optimizers.
   """
-  choices = _Choices.of(locals())
-  matrices = ("query", "key_value", "output", "gate_up", "down", "experts")
-  lrs: dict[str, optax.ScalarOrSchedule] = dict(REFERENCE_LEARNING_RATES)
-  wds: dict[str, optax.ScalarOrSchedule] = dict(REFERENCE_WEIGHT_DECAYS)
-  for rates, value, adamw, overrides in (
-    (lrs, learning_rate, adamw_learning_rate, learning_rates),
-    (wds, weight_decay, adamw_weight_decay, weight_decays),
-  ):
-    if value is not None:
-      rates.update(dict.fromkeys(matrices, value))
-    if adamw is not None:
-      rates["adamw"] = adamw
-    rates.update(overrides or {})
-    if tie_embeddings and "embedding" not in (overrides or {}):
-      rates["embedding"] = rates["lm_head"]
-  return _stack(_REFERENCE, choices, lrs, wds)
+  if preset not in PRESETS:
+    raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}.")
+  chosen = PRESETS[preset]
+  if chosen.learning_rates is None and learning_rate is None:
+    raise TypeError(f"symmetry_compatible(preset={preset!r}) needs a learning_rate.")
+  if not isinstance(rules, RoleRules):
+    raise TypeError(f"rules must be a RoleRules, got {rules!r}.")
+  given = rules._asdict()
+  choices = _Choices(
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    tie_embeddings,
+    RoleRules(**{k: given[k] or v for k, v in chosen.rules._asdict().items()}),
+    stacked,
+    patterns,
+    beta,
+    chosen.newton_schulz if newton_schulz is None else newton_schulz,
+  )
+  if chosen.weight_decays is None:  # the default preset: no weight decay unless given
+    weight_decay = 0.0 if weight_decay is None else weight_decay
+    adamw_weight_decay = 0.0 if adamw_weight_decay is None else adamw_weight_decay
+  tied = tie_embeddings
+  lrs = _rates(chosen.learning_rates, learning_rate, adamw_learning_rate, learning_rates, tied)
+  wds = _rates(chosen.weight_decays, weight_decay, adamw_weight_decay, weight_decays, tied)
+  return _stack(chosen, choices, lrs, wds)
 
 
-class _Preset(NamedTuple):
-  """Where the two builders differ beyond their defaults: the keyword arguments of each
-  rule by name (as :data:`REFERENCE`), the experts' matrix orientation (transposed:
-  Muon's shape factor of ``(E, in, out)`` experts) and AdamW's ``b2``."""
-
-  settings: Mapping[str, Mapping[str, Any]]
-  experts_transposed: bool
-  adamw_b2: float
-
-
-_DEFAULT = _Preset({}, experts_transposed=False, adamw_b2=0.999)
-_REFERENCE = _Preset(REFERENCE, experts_transposed=True, adamw_b2=0.95)
+def _rates(table, value, adamw, overrides, tied) -> dict[str, optax.ScalarOrSchedule]:
+  """A learning rate (or weight decay) per role. Without a preset ``table``: ``value`` for
+  every role, ``adamw`` (default ``value``) for AdamW. With one: the table's, ``value`` for
+  the matrix roles and ``adamw`` for AdamW where given, and a ``tied`` embedding the LM
+  head's, as Lau & Su's scripts route it. Then ``overrides``."""
+  if table is None:
+    rates = {**dict.fromkeys(ROLE_PATTERNS, value), "adamw": value if adamw is None else adamw}
+    return {**rates, **(overrides or {})}
+  rates = dict(table)
+  if value is not None:
+    rates.update(dict.fromkeys(_MATRICES, value))
+  if adamw is not None:
+    rates["adamw"] = adamw
+  rates.update(overrides or {})
+  if tied and "embedding" not in (overrides or {}):
+    rates["embedding"] = rates["lm_head"]
+  return rates
 
 
 class _Choices(NamedTuple):
-  """The arguments that both builders take alike and pass to :func:`_stack` unchanged."""
+  """The builder's arguments that :func:`_stack` reads, the preset's defaults filled in."""
 
   num_heads: int | None
   num_kv_heads: int | None
   head_dim: int | None
   tie_embeddings: bool
-  embedding: str
-  lm_head: str
-  mlp: str
-  down: str
-  router: str
+  rules: RoleRules
   stacked: bool
   patterns: Mapping[str, Patterns] | None
   beta: float
-  ns_coeffs: _linalg.Coeffs
-  ns_steps: int
-  ns_dtype: Any
-  ns_gram: bool
-
-  @classmethod
-  def of(cls, args: Mapping[str, Any]) -> _Choices:
-    """The fields from a builder's arguments (its ``locals()``)."""
-    return cls(**{name: args[name] for name in cls._fields})
+  newton_schulz: NewtonSchulz
 
 
 def _stack(
@@ -466,7 +369,7 @@ def _stack(
   lrs: Mapping[str, optax.ScalarOrSchedule],
   wds: Mapping[str, optax.ScalarOrSchedule],
 ) -> optax.GradientTransformationExtraArgs:
-  """The stack of both builders: each role's rule, with ``preset.settings`` per rule name,
+  """The stack of every preset: each role's rule, with ``preset.settings`` per rule name,
   under :func:`optimizer` with its rate ``lrs[role]`` and decay ``wds[role]``, AdamW for
   the rest."""
   roles = {**ROLE_PATTERNS}
@@ -475,13 +378,13 @@ def _stack(
       raise ValueError(
         f"Unknown roles {sorted(unknown)}; the roles are {sorted(roles) + ['adamw']}."
       )
-  roles.update({r: _as_patterns(p) for r, p in (c.patterns or {}).items()})
-  if c.down not in ("column", "polar"):
-    raise ValueError(f"down must be 'column' or 'polar', got {c.down!r}.")
+  roles.update({r: as_patterns(p) for r, p in (c.patterns or {}).items()})
+  if c.rules.down not in ("column", "polar"):
+    raise ValueError(f"down must be 'column' or 'polar', got {c.rules.down!r}.")
   layer = (0,) if c.stacked else ()
-  ns = dict(ns_coeffs=c.ns_coeffs, ns_steps=c.ns_steps, ns_dtype=c.ns_dtype, ns_gram=c.ns_gram)
+  ns = dict(newton_schulz=c.newton_schulz)
 
-  def settings(rule, **ns):  # the momentum, the preset's keywords, then the builder's ns_*
+  def settings(rule, **ns):  # the momentum, the preset's keywords, then the builder's ns
     return {"beta": c.beta, **preset.settings.get(rule, {}), **ns}
 
   def polar(*axes, **kw):
@@ -504,23 +407,27 @@ def _stack(
       return polar(batch_axes=layer, head_dim=c.head_dim, head_axis=axis)
     return polar(batch_axes=layer, num_heads=n, head_axis=axis)
 
-  if c.mlp == "polar":
+  if c.rules.mlp == "polar":
     gate_up = down_rule = polar(batch_axes=layer)
   else:
-    gate_up = units(c.mlp, -1, batch_axis=layer, joint=roles["gate_up"])
+    gate_up = units(c.rules.mlp, -1, batch_axis=layer, joint=roles["gate_up"])
     down_rule = (
-      units(c.mlp, -2, batch_axis=layer) if c.down == "column" else polar(batch_axes=layer)
+      units(c.rules.mlp, -2, batch_axis=layer)
+      if c.rules.down == "column"
+      else polar(batch_axes=layer)
     )
   experts = layer + (len(layer),)
   rules = {
-    "embedding": units(c.lm_head, 0, center=True) if c.tie_embeddings else units(c.embedding, 0),
-    "lm_head": units(c.lm_head, 1, center=True),
+    "embedding": units(c.rules.lm_head, 0, center=True)
+    if c.tie_embeddings
+    else units(c.rules.embedding, 0),
+    "lm_head": units(c.rules.lm_head, 1, center=True),
     "query": heads(c.num_heads, -1),
     "key_value": heads(c.num_kv_heads or c.num_heads, -1),
     "output": heads(c.num_heads, -2),
     "gate_up": gate_up,
     "down": down_rule,
-    "router": units(c.router, -1, center=True, batch_axis=layer),
+    "router": units(c.rules.router, -1, center=True, batch_axis=layer),
     "experts": polar(-1, -2, experts) if preset.experts_transposed else polar(batch_axes=experts),
   }
   default = optax.adamw(lrs["adamw"], b2=preset.adamw_b2, weight_decay=wds["adamw"])

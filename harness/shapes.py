@@ -7,10 +7,9 @@ declares), unrolled (``layers/0/...``) or scanned (one leading layer axis).
 :data:`SIZES` holds the 1B, 7B and 70B shapes; :func:`fsdp` shards such a tree
 over a mesh axis along each leaf's largest axis.
 
-Example::
-
+Example:
   >>> import jax, jax.numpy as jnp, optax
-  >>> from saggs_jax.testing import shapes
+  >>> from harness import shapes
   >>> params = shapes.llama(**shapes.SIZES["1b"], scanned=True)
   >>> params["layers"]["attn"]["k_proj"]["kernel"].shape  # 16 layers, 8 KV heads of 128
   (16, 2048, 1024)

@@ -21,7 +21,7 @@ Everything here runs on a laptop CPU without downloads:
 
 Typical use::
 
-  from saggs_jax.testing import lm
+  from harness import lm
   corpus = lm.load_corpus()
   graphdef, params = lm.init_model(lm.ModelConfig(), seed=0)
   params, opt_state, history = lm.train(

@@ -1,9 +1,9 @@
 r"""The papers' claims, measured over seeds, with what each test can and cannot show.
 
-Four experiments on the byte-level LLaMA-style LM of ``saggs_jax.testing.lm``. Within a seed
+Four experiments on the byte-level LLaMA-style LM of ``harness.lm``. Within a seed
 every arm starts from the same initialisation (up to an exact symmetry
 transform) and sees the same batches, so arms are compared on their per-seed
-differences of the final validation loss, in nats per byte (``saggs_jax.testing.stats``:
+differences of the final validation loss, in nats per byte (``harness.stats``:
 mean ± std, t-intervals, seeds in favour), and relative to the control as
 ``ΔPPL/PPL = exp(Δ) - 1``:
 
@@ -18,7 +18,7 @@ mean ± std, t-intervals, seeds in favour), and relative to the control as
   anything when there is nothing to balance?
 * ``optimizers`` (Lau & Su 2026): AdamW, ``optax.contrib.muon``, this
   library's symmetry-compatible stack and Lau & Su's own settings
-  (``symmetry_compatible_reference``), built by ``saggs_jax.testing.optimizers``,
+  (``symmetry_compatible_reference``), built by ``harness.optimizers``,
   each tuned over the same multiplier grid around its default rate.
 
 Seeds. ``compare_optimizers``' default rates come from pilots on seeds 0-2;
@@ -83,7 +83,7 @@ import numpy as np
 import optax
 
 import saggs_jax as saggs
-from saggs_jax.testing import lm, optimizers, stats
+from harness import lm, optimizers, stats
 
 EXPERIMENTS = ("imbalance", "resume", "balanced", "optimizers")
 IMBALANCE_ARMS = ("AdamW", "hard SAGGS", "soft SAGGS")
@@ -501,7 +501,7 @@ def source_hash(
 
 
 def run_files() -> list[pathlib.Path]:
-  """The ``.py`` files of ``RUN_MODULES``, packages whole but for ``saggs_jax.testing``,
+  """The ``.py`` files of ``RUN_MODULES``, packages whole but for ``harness``,
   whose run modules are listed one by one (this file and ``stats.py`` are not)."""
   files = []
   testing = pathlib.Path(__file__).parent

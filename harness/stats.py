@@ -15,10 +15,10 @@ correction lowers it):
   is the ``1 - 2α`` interval (90% at ``α = 0.05``) lies inside ``(-m, m)`` for
   a margin ``m`` fixed before the data.
 
-Used by the study (:mod:`saggs_jax.testing.study`) and ``examples/qk_clip.py``;
-like the rest of :mod:`saggs_jax.testing`, not a stable API.
+Used by the study (:mod:`harness.study`) and ``examples/qk_clip.py``;
+like the rest of :mod:`harness`, not a stable API.
 
->>> from saggs_jax.testing import stats
+>>> from harness import stats
 >>> d = stats.paired_differences([2.0, 2.1, 1.9, 2.0], [2.1, 2.3, 2.0, 2.2])
 >>> interval = stats.t_interval(d)
 >>> print(f"{interval.mean:+.3f} [{interval.low:+.3f}, {interval.high:+.3f}]")

@@ -1,13 +1,13 @@
 """The four optimizers of the comparison and the study: AdamW, Muon, the stack, the reference.
 
 ``make_optimizer(name, lr, config, args)`` builds one of ``OPTIMIZERS`` for the
-example LM of :mod:`saggs_jax.testing.lm`, on the warm-up + cosine schedule of
+example LM of :mod:`harness.lm`, on the warm-up + cosine schedule of
 ``schedule``. ``examples/compare_optimizers.py`` describes them and sweeps
-their rates; :mod:`saggs_jax.testing.study` tunes them over multiples of
-``DEFAULT_LRS``. Like the rest of :mod:`saggs_jax.testing`, not a stable API.
+their rates; :mod:`harness.study` tunes them over multiples of
+``DEFAULT_LRS``. Like the rest of :mod:`harness`, not a stable API.
 
 >>> import argparse
->>> from saggs_jax.testing import lm, optimizers
+>>> from harness import lm, optimizers
 >>> args = argparse.Namespace(steps=100, warmup=0.1, weight_decay=0.0, aux_lr=1e-2)
 >>> lr = optimizers.schedule(0.05, args)  # the peak after 10% of the steps, 1/10 at the end
 >>> print(f"{lr(0):g} {lr(10):g} {lr(100):g}")
@@ -24,8 +24,8 @@ from typing import Any
 
 import optax
 
+from harness import lm
 from saggs_jax import equivariant as eqv
-from saggs_jax.testing import lm
 
 OPTIMIZERS = ("adamw", "muon", "stack", "reference")
 # Peak learning rates swept by default: for muon and stack the rate of the
@@ -77,7 +77,8 @@ def make_optimizer(
   }
   if name == "reference":
     scale = lr / eqv.REFERENCE_LEARNING_RATES["query"]
-    return eqv.symmetry_compatible_reference(
+    return eqv.symmetry_compatible(
+      preset="reference",
       **heads,
       learning_rates={
         r: schedule(v * scale, args) for r, v in eqv.REFERENCE_LEARNING_RATES.items()

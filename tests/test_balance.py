@@ -90,7 +90,7 @@ def test_axes_per_pattern_and_moments_transported_by_hand():
 )
 def test_malformed_multi_tensor_declarations(pair, msg):
   with pytest.raises(ValueError, match=re.escape(msg)):
-    saggs.describe([pair], _small())
+    saggs.describe(_small(), [pair])
 
 
 @pytest.mark.parametrize(
@@ -119,7 +119,7 @@ def test_missing_partner_in_one_pattern_is_named():
   with pytest.raises(
     ValueError, match=re.escape("'layers/0/g' (matched by a) has no partner matching 'layers/*/k'")
   ):
-    saggs.describe([pair], params)
+    saggs.describe(params, [pair])
 
 
 def _newton_oracle(leaves, slots, shapes, iters=60):
@@ -399,7 +399,7 @@ def test_check_symmetry_rejects_a_gain_missing_one_reader():
 
 
 def test_describe_lists_every_tensor_and_the_shared_leaves():
-  text = saggs.describe(PAIRS, models.llama_init(0))
+  text = saggs.describe(models.llama_init(0), PAIRS)
   assert "attention norm gain  b     layers/0/attn/v_proj/kernel" in text
   assert re.search(r"In several pairs, so balanced jointly: .*layers/0/attn/q_proj/kernel", text)
 
