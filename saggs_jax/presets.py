@@ -1,4 +1,4 @@
-"""Ready-made pair declarations for common Flax attention, LLaMA-style and GPT-2 layouts.
+"""Ready-made pair declarations for common Flax attention, LLaMA-style, GPT-2 and MaxText layouts.
 
 Patterns are anchored at the end of a path and pair up within one module, so
 they apply to every layer of a model at once; ``prefix`` restricts them to
