@@ -116,6 +116,7 @@ THEMES = {
   "saggs_jax.canonical": "test_checkpoint.py",  # canonicalize, and restoring through it
   "saggs_jax.norms": "test_transform.py",
   "saggs_jax.presets": "test_models.py",  # each preset on its model layout
+  "saggs_jax.scan_axes": "test_copy_axes.py",  # copy axes read off Flax scan metadata
   "saggs_jax.discovery.candidates": "test_discover_helpers.py",
   "saggs_jax.discovery.confirmation": "test_discover_guards.py",
   "saggs_jax.discovery.declarations": "test_discover_helpers.py",
