@@ -14,6 +14,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -32,7 +33,7 @@ from saggs_jax.balance import (
   scale_tree,
 )
 from saggs_jax.degrees import measure
-from saggs_jax.numerics import is_explicit
+from saggs_jax.numerics import is_explicit, ordered_control_flow
 from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
 from saggs_jax.scaling import Shared
 from saggs_jax.transport import register_transport, transport
@@ -339,9 +340,11 @@ def scale_by_saggs(
     does not balance."""
     if every == 1:
       return step_factors(params)
-    factors = jax.lax.cond(
-      (count - 1) % every == 0, step_factors, lambda p: _no_balancing(factors_of, p, types), params
-    )
+    scheduled, none = (count - 1) % every == 0, lambda p: _no_balancing(factors_of, p, types)
+    if ordered_control_flow():
+      factors = jax.lax.cond(scheduled, step_factors, none, params)
+    else:  # the norms' collectives must run on every update (see ordered_control_flow)
+      factors = jax.tree.map(partial(jnp.where, scheduled), step_factors(params), none(params))
     return jax.tree.map(replicated, factors)  # else XLA may shard them, then gather each update
 
   def init(params):  # may run outside shard_map: no axis to sum over
