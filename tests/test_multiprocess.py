@@ -44,7 +44,7 @@ def start(role, num_processes, directory, started, **env):
   """Starts the processes of one job, appending ``(name, Popen)`` to ``started`` at once;
   ``env`` adds or replaces variables of their environment."""
   port, job = free_port(), []
-  env = cpu_env(8 // num_processes, WORKER_TIMEOUT=str(TIMEOUT), **env)
+  env = cpu_env(8 // num_processes, **{"WORKER_TIMEOUT": str(TIMEOUT), **env})
   for i in range(num_processes):
     with open(directory / f"{role}{i}.log", "w") as log:
       command = [
