@@ -219,12 +219,14 @@ def _check_global(axis_name) -> None:
     )
 
 
-def _check_whole_groups(plan, global_shapes) -> None:
+def _check_whole_groups(plan, global_shapes, axis_name) -> None:
   """Inside ``shard_map`` a pair is resolved on each device's shard. Declared ``groups``
   along an axis that the shards split would resolve there to smaller groups (and the
   psum over ``axis_name`` would add different groups together): refuse it. The global
-  shapes are those ``init`` saw outside ``shard_map``."""
-  if not global_shapes or not jax.sharding.get_abstract_mesh().manual_axes:
+  shapes are those ``init`` saw outside ``shard_map``; without them, a psum over
+  ``axis_name`` could add pieces of different groups, and nothing inside ``shard_map``
+  says which axes the shards split: refuse that too."""
+  if not jax.sharding.get_abstract_mesh().manual_axes:
     return
   for inst in plan.instances:
     if inst.pair.groups is None:
@@ -232,7 +234,17 @@ def _check_whole_groups(plan, global_shapes) -> None:
     for name in inst.members_a + inst.members_b + inst.followers_a + inst.followers_b:
       axis, path = plan.slot(name, inst.key).axis, plan.part(name).path
       local, whole = plan.shapes[path], global_shapes.get(path)
-      if axis is not None and whole is not None and local[axis] != whole[axis]:
+      if axis is None:
+        continue
+      if whole is None and axis_name:
+        raise ValueError(
+          f"{inst.pair!r} declares groups={inst.pair.groups} along axis {axis} of {path!r}"
+          f" (shape {local} per device) inside shard_map, where axis_name={axis_name!r} sums"
+          " its norms over shards; if the shards split that axis, pieces of different groups"
+          " would be summed as one. The global shapes tell: call tx.init on the global"
+          " parameters outside shard_map (jit on the mesh), or balance outside shard_map."
+        )
+      if whole is not None and local[axis] != whole[axis]:
         raise ValueError(
           f"{inst.pair!r} declares groups={inst.pair.groups} along axis {axis} of {path!r},"
           f" which shard_map splits over devices (shape {whole} holds {local} per device):"
@@ -369,7 +381,7 @@ def scale_by_saggs(
       raise ValueError("SAGGS needs the current parameters: call update(updates, state, params).")
     _check_global(axis_name)
     plan = resolve(pairs, params)
-    _check_whole_groups(plan, global_shapes)
+    _check_whole_groups(plan, global_shapes, axis_name)
     return plan, jnp.asarray(optax.safe_increment(state.count)), params
 
   def around(prior, grads, state, prior_states, params, degrees=None, **extra_args):
