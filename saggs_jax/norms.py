@@ -358,8 +358,8 @@ def _two_pass_stats(
   """The statistics of ``pieces`` from one float32 pass each, those whose sums overflowed,
   underflowed or met a non-finite entry (or so large a norm that a factor bounded by it
   could overflow a dtype of its pair) recomputed by the scale-safe passes
-  (:func:`_safe_stats`): under jit by :func:`_recompute_traced`, called eagerly by
-  :func:`_recompute_eager`."""
+  (:func:`_safe_stats`): under jit by :func:`_recompute_traced` (by :func:`_recompute_all`
+  where control flow must hold no collective), called eagerly by :func:`_recompute_eager`."""
   packing = _Packing.of(pieces, leaves)
   log_sq = packing.pack(
     {

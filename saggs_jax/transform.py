@@ -288,7 +288,9 @@ def scale_by_saggs(
   function of the orbit: equivalent states (same function, transported
   moments, same count) follow one trajectory. On updates that do not balance
   the factors are ones from a ``lax.cond`` that computes no norms and
-  communicates nothing.
+  communicates nothing (on XLA:CPU across processes the norms run on every update
+  and are discarded: no collective may sit in a ``lax.cond`` there, see
+  :func:`~saggs_jax.numerics.ordered_control_flow`).
 
   Inside a plain ``optax.chain`` the stage cannot reach the optimizer before
   it: on the same updates it balances the parameters *after* that optimizer's
