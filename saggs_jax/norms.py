@@ -43,7 +43,14 @@ import numpy as np
 from jax import core
 
 from saggs_jax import paths
-from saggs_jax.numerics import AxisName, compute_dtype, is_explicit, log_dtype_max, replicated
+from saggs_jax.numerics import (
+  AxisName,
+  compute_dtype,
+  is_explicit,
+  log_dtype_max,
+  ordered_control_flow,
+  replicated,
+)
 from saggs_jax.pairs import Piece, Plan, Slot, Span
 
 # A float32 sum of squares this small may have lost digits to underflow: such
@@ -315,6 +322,21 @@ def _recompute_traced(
   return log_sq, log_max
 
 
+def _recompute_all(
+  packing: _Packing,
+  safe: list[Recompute],
+  operands: list[jax.Array],
+  trusted: jax.Array,
+  log_sq: jax.Array,
+  log_max: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+  """Every piece recomputed, kept where untrusted: where collectives inside a loop could be
+  overtaken by later ones (see :func:`~saggs_jax.numerics.ordered_control_flow`)."""
+  del packing
+  sq, top = (jnp.concatenate(v) for v in zip(*(f(x) for f, x in zip(safe, operands))))
+  return jnp.where(trusted, log_sq, sq), jnp.where(trusted, log_max, top)
+
+
 def _recompute_eager(
   packing: _Packing,
   safe: list[Recompute],
@@ -346,8 +368,8 @@ def _two_pass_stats(
   """The statistics of ``pieces`` from one float32 pass each, those whose sums overflowed,
   underflowed or met a non-finite entry (or so large a norm that a factor bounded by it
   could overflow a dtype of its pair) recomputed by the scale-safe passes
-  (:func:`_safe_stats`): under jit by :func:`_recompute_traced`, called eagerly by
-  :func:`_recompute_eager`."""
+  (:func:`_safe_stats`): under jit by :func:`_recompute_traced` (by :func:`_recompute_all`
+  where control flow must hold no collective), called eagerly by :func:`_recompute_eager`."""
   packing = _Packing.of(pieces, leaves)
   log_sq = packing.pack(
     {
@@ -366,7 +388,10 @@ def _two_pass_stats(
     for pc in pieces.values()
   ]
   traced = isinstance(trusted, core.Tracer) or not trusted.is_fully_addressable
-  recompute = _recompute_traced if traced else _recompute_eager
+  if not traced:
+    recompute = _recompute_eager
+  else:
+    recompute = _recompute_traced if ordered_control_flow() else _recompute_all
   log_sq, log_max = recompute(
     packing, safe, [leaves[pc.path] for pc in pieces.values()], trusted, log_sq, log_max
   )

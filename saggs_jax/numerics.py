@@ -40,6 +40,19 @@ def replicated(x: jax.Array) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, PartitionSpec())
 
 
+def ordered_control_flow() -> bool:
+  """Whether collectives inside ``lax.cond`` or ``lax.while_loop`` keep their order with the
+  collectives outside them, on every device of every process.
+
+  Not on XLA:CPU across processes (gloo or MPI collectives): its runtime orders two
+  collectives only by when they *start*, and a conditional or loop starts before its body
+  issues its collectives, so a later collective outside it can overtake them on some
+  devices and not others; the job then aborts ("collective mismatch"). There, no
+  collective may sit inside control flow. The answer is the same on every process.
+  """
+  return jax.process_count() == 1 or jax.default_backend() != "cpu"
+
+
 def log_dtype_max(dtype: DTypeLike) -> float:
   """log of the largest value a leaf of ``dtype`` may be scaled to, with a rounding margin."""
   return float(np.log(float(jnp.finfo(dtype).max)) + np.log1p(-(2.0**-8)))

@@ -33,7 +33,7 @@ import optax
 from saggs_jax import paths
 from saggs_jax.balance import compute_factors
 from saggs_jax.degrees import measure
-from saggs_jax.numerics import AxisName, Factors, is_explicit, replicated
+from saggs_jax.numerics import AxisName, Factors, is_explicit, ordered_control_flow, replicated
 from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
 from saggs_jax.scaling import Shared, land_on, scale_tree
 from saggs_jax.transport import NESTED, register_transport, transport
@@ -238,12 +238,14 @@ def _check_global(axis_name) -> None:
     )
 
 
-def _check_whole_groups(plan, global_shapes: dict) -> None:
+def _check_whole_groups(plan, global_shapes, axis_name) -> None:
   """Inside ``shard_map`` a pair is resolved on each device's shard. Declared ``groups``
   along an axis that the shards split would resolve there to smaller groups (and the
   psum over ``axis_name`` would add different groups together): refuse it. The global
-  shapes are those ``init`` saw outside ``shard_map``."""
-  if not global_shapes or not jax.sharding.get_abstract_mesh().manual_axes:
+  shapes are those ``init`` saw outside ``shard_map``; without them, a psum over
+  ``axis_name`` could add pieces of different groups, and nothing inside ``shard_map``
+  says which axes the shards split: refuse that too."""
+  if not jax.sharding.get_abstract_mesh().manual_axes:
     return
   for inst in plan.instances:
     if inst.pair.groups is None:
@@ -251,7 +253,17 @@ def _check_whole_groups(plan, global_shapes: dict) -> None:
     for name in inst.members_a + inst.members_b + inst.followers_a + inst.followers_b:
       axis, path = plan.slot(name, inst.key).axis, plan.part(name).path
       local, whole = plan.shapes[path], global_shapes.get(path)
-      if axis is not None and whole is not None and local[axis] != whole[axis]:
+      if axis is None:
+        continue
+      if whole is None and axis_name:
+        raise ValueError(
+          f"{inst.pair!r} declares groups={inst.pair.groups} along axis {axis} of {path!r}"
+          f" (shape {local} per device) inside shard_map, where axis_name={axis_name!r} sums"
+          " its norms over shards; if the shards split that axis, pieces of different groups"
+          " would be summed as one. The global shapes tell: call tx.init on the global"
+          " parameters outside shard_map (jit on the mesh), or balance outside shard_map."
+        )
+      if whole is not None and local[axis] != whole[axis]:
         raise ValueError(
           f"{inst.pair!r} declares groups={inst.pair.groups} along axis {axis} of {path!r},"
           f" which shard_map splits over devices (shape {whole} holds {local} per device):"
@@ -284,7 +296,9 @@ def scale_by_saggs(
   function of the orbit: equivalent states (same function, transported
   moments, same count) follow one trajectory. On updates that do not balance
   the factors are ones from a ``lax.cond`` that computes no norms and
-  communicates nothing.
+  communicates nothing (on XLA:CPU across processes the norms run on every update
+  and are discarded: no collective may sit in a ``lax.cond`` there, see
+  :func:`~saggs_jax.numerics.ordered_control_flow`).
 
   Inside a plain ``optax.chain`` the stage could not reach the optimizer before
   it, whose moments would stay untransported: its ``init`` refuses it there and
@@ -352,12 +366,14 @@ def scale_by_saggs(
     does not balance."""
     if every == 1:
       return step_factors(plan, params)
-    factors = jax.lax.cond(
-      (count - 1) % every == 0,
-      lambda p: step_factors(plan, p),
-      lambda p: _no_balancing(lambda q: factors_of(plan, q), p),
-      params,
-    )
+    scheduled = (count - 1) % every == 0
+    none = lambda p: _no_balancing(lambda q: factors_of(plan, q), p)  # noqa: E731
+    if ordered_control_flow():
+      factors = jax.lax.cond(scheduled, lambda p: step_factors(plan, p), none, params)
+    else:  # the norms' collectives must run on every update (see ordered_control_flow)
+      factors = jax.tree.map(
+        functools.partial(jnp.where, scheduled), step_factors(plan, params), none(params)
+      )
     return jax.tree.map(replicated, factors)  # else XLA may shard them, then gather each update
 
   def init(params):  # may run outside shard_map: no axis to sum over
@@ -380,7 +396,7 @@ def scale_by_saggs(
   def around(prior, grads, state, prior_states, params, plan, degrees=None, **extra_args):
     del extra_args  # the stages before it receive them through prior
     _check_global(axis_name)
-    _check_whole_groups(plan, global_shapes)
+    _check_whole_groups(plan, global_shapes, axis_name)
     step = jnp.asarray(optax.safe_increment(state.step))
     factors, residual = scheduled_factors(plan, step, params)
     shared = Shared(factors)  # the same multipliers for parameters, gradients and moments

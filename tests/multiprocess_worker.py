@@ -20,7 +20,13 @@ processes and trains it with ``saggs.chain(optax.adamw(...), saggs.saggs(pairs))
   updates run the gradient's collectives next to a ``lax.cond`` branch that
   communicates nothing. Writes the final params and which updates balanced to
   ``DIR/every-<Auto|Explicit>.npz``; process 0 then writes those of the same
-  run on one of its devices, without a mesh, to ``DIR/every-oracle.npz``.
+  run on one of its devices, without a mesh, to ``DIR/every-oracle.npz``;
+* ``order``: the 2-process setup that once aborted in gloo: ``head_axis_llama.py``,
+  FSDP on each leaf's first axis that divides over the devices, an eager ``tx.init``,
+  each process making its batch with eager JAX ops, a jitted full step under
+  ``jax.set_mesh`` on an Auto mesh, for each optimizer of ``_order_variants``: writes
+  ``DIR/order-<name>.npz``, and process 0 the same run on one device to
+  ``DIR/order-<name>-oracle.npz``.
 
 With NUM_PROCESSES > 1 the process first joins a ``jax.distributed`` job on
 ``localhost:PORT`` with gloo CPU collectives. It exits with a traceback of
@@ -40,6 +46,36 @@ import time
 BEFORE, AFTER = 5, 4
 LEARNING_RATE, WEIGHT_DECAY, EVERY = 3e-2, 0.1, 3
 SKIPPING_STEPS, SKIPPING_EVERY = 4, 2  # role "every": updates 1 and 3 balance, 2 and 4 skip
+ORDER_STEPS = 4  # role "order"
+
+
+def _order_variants():
+  """Role ``order``'s optimizers by name: skipped updates (hard, soft) and every update."""
+  import optax
+
+  import head_axis_llama as m
+  import saggs_jax as saggs
+
+  pairs = [saggs.Pair(a, b, axes=axes, groups=g) for a, b, axes, g in m.PAIRS]
+  adamw = functools.partial(optax.adamw, 1e-2, weight_decay=0.1)
+  return {
+    "every2": lambda: saggs.chain(adamw(), saggs.saggs(pairs, every=2)),
+    "soft2": lambda: saggs.chain(adamw(), saggs.soft(pairs, every=2)),
+    "every1": lambda: saggs.chain(adamw(), saggs.saggs(pairs)),
+  }
+
+
+def order_start():
+  """Role ``order``'s initial parameters (NumPy), Q and K reciprocally scaled by 4."""
+  import jax
+  import numpy as np
+
+  import head_axis_llama as m
+
+  params = jax.tree.map(np.asarray, m.init(jax.random.PRNGKey(0)))
+  for layer in params["layers"].values():
+    layer["attn"]["wq"], layer["attn"]["wk"] = layer["attn"]["wq"] * 4, layer["attn"]["wk"] / 4
+  return params
 
 
 _START = time.monotonic()
@@ -215,8 +251,43 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
       local = functools.partial(jax.device_put, device=jax.local_devices()[0])
       params, balanced = skipping_run(models.llama_loss, local(models.llama_init(0)), local)
       save_npz("every-oracle", params, balanced=np.array(balanced))
+  elif role == "order":
+    import head_axis_llama as m
+
+    order_mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def fsdp(x):  # on the first axis that divides over the devices
+      axis = next((a for a, n in enumerate(x.shape) if n % 8 == 0), None)
+      spec = P() if axis is None else P(*[None] * axis, "x")
+      return jax.make_array_from_callback(
+        x.shape, NamedSharding(order_mesh, spec), lambda index: x[index]
+      )
+
+    def ordered_run(make_tx, params):
+      """ORDER_STEPS jitted full steps from an eager init, each process making its batch
+      with eager JAX ops."""
+      tx = make_tx()
+
+      @jax.jit
+      def full_step(params, state, tokens):
+        updates, state = tx.update(jax.grad(m.loss)(params, tokens), state, params)
+        return optax.apply_updates(params, updates), state
+
+      state = tx.init(params)
+      for i in range(ORDER_STEPS):
+        params, state = full_step(params, state, m.batch(jax.random.PRNGKey(100 + i)))
+      return params
+
+    for name, make_tx in _order_variants().items():
+      with jax.set_mesh(order_mesh):
+        params = ordered_run(make_tx, jax.tree.map(fsdp, order_start()))
+      save_npz(f"order-{name}", params)
+      log(f"order: {name}")
+      if jax.process_index() == 0:
+        local = jax.device_put(order_start(), jax.local_devices()[0])
+        save_npz(f"order-{name}-oracle", ordered_run(make_tx, local))
   else:
-    raise ValueError(f"Unknown role {role!r}: expected train, resume, reference or every.")
+    raise ValueError(f"Unknown role {role!r}: expected train, resume, reference, every or order.")
   log("done")
 
 

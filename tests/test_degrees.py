@@ -14,6 +14,7 @@ import functools
 import inspect
 import re
 import warnings
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -449,3 +450,37 @@ def test_equivalent_states_stay_equal_under_hard_saggs(name):
       p, s = step(p, s)
     ends.append(p)
   assert_close(ends[1], ends[0], name)
+
+
+class _SignedState(NamedTuple):
+  acc: Any
+
+
+saggs.register_transport(_SignedState, {"acc": 1})  # a gradient moment, it claims
+
+
+def _sign_dependent_accumulator():
+  """A moment of degree 1 where the gradient is positive and 2 where it is negative:
+  ``acc = acc / 2 + max(g, 0) + min(g, 0) ** 2``. No degree transports it (its registered
+  1 included), which only gradients of both signs can show."""
+
+  def init(params):
+    return _SignedState(jax.tree.map(jnp.zeros_like, params))
+
+  def update(updates, state, params=None):
+    del params
+    acc = jax.tree.map(
+      lambda a, g: a / 2 + jnp.maximum(g, 0) + jnp.minimum(g, 0) ** 2, state.acc, updates
+    )
+    return updates, _SignedState(acc)
+
+  return optax.GradientTransformation(init, update)
+
+
+def test_the_probe_sees_both_signs_of_the_gradient():
+  # Probe values of one sign would fit degree 1 here and transport the moment wrongly.
+  plan = saggs.pairs.resolve(GROUPED, PARAMS)
+  with pytest.raises(
+    TypeError, match=r"Cannot transport _SignedState at .*not the transported one"
+  ):
+    saggs.degrees.measure(_sign_dependent_accumulator(), PARAMS, plan)

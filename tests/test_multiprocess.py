@@ -9,7 +9,10 @@ match a single process running the same trajectory on 8 devices. A second
 job trains with ``saggs.saggs(pairs, every=2)`` in a jitted full step on an
 Auto and an Explicit mesh: its skipped updates run the gradient's collectives
 beside a ``lax.cond`` branch that communicates nothing, and must match the
-same run on one device. What each process does is in ``multiprocess_worker.py``.
+same run on one device. A third trains ``head_axis_llama.py`` in the setup where skipped
+updates once aborted both processes in gloo (a later collective overtook a ``lax.cond``'s,
+see :func:`saggs_jax.numerics.ordered_control_flow`). What each process does is in
+``multiprocess_worker.py``.
 """
 
 import pathlib
@@ -22,6 +25,7 @@ import numpy as np
 import pytest
 
 import models
+from multiprocess_worker import order_start
 from xla_env import cpu_env
 
 pytestmark = pytest.mark.heavy  # run by .ci/run (pytest -m heavy), not by default
@@ -36,10 +40,11 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def start(role, num_processes, directory, started):
-  """Starts the processes of one job, appending ``(name, Popen)`` to ``started`` at once."""
+def start(role, num_processes, directory, started, **env):
+  """Starts the processes of one job, appending ``(name, Popen)`` to ``started`` at once;
+  ``env`` adds or replaces variables of their environment."""
   port, job = free_port(), []
-  env = cpu_env(8 // num_processes, WORKER_TIMEOUT=str(TIMEOUT))
+  env = cpu_env(8 // num_processes, **{"WORKER_TIMEOUT": str(TIMEOUT), **env})
   for i in range(num_processes):
     with open(directory / f"{role}{i}.log", "w") as log:
       command = [
@@ -122,3 +127,24 @@ def test_multiprocess_skipped_updates_in_a_full_step_match_one_device(tmp_path):
     # Updates 1 and 3 balanced (some factor differs from 1), 2 and 4 were skipped.
     assert got["balanced"].tolist() == want["balanced"].tolist() == [True, False, True, False]
     assert_same_params(got, want, kind)
+
+
+def test_multiprocess_collectives_keep_their_order(tmp_path):
+  """Eager init, FSDP on each leaf's first axis that divides, each process making its
+  batch: SAGGS on every 2nd update (hard and soft) and on every update. XLA:CPU lets a
+  later collective overtake those inside a ``lax.cond`` (gloo then aborts both processes:
+  "collective mismatch"); each run must instead match the same run on one device."""
+  started = []
+  try:
+    # XLA's default CPU code generation: the fast-compile flags schedule the step otherwise.
+    flags = "--xla_force_host_platform_device_count=4"
+    job = start("order", 2, tmp_path, started, XLA_FLAGS=flags, WORKER_TIMEOUT=str(2 * TIMEOUT))
+    wait(job, time.monotonic() + 2 * TIMEOUT, tmp_path)
+  finally:
+    stop(started)
+
+  initial = models.leaf_dict(order_start())
+  for name in ("every2", "soft2", "every1"):
+    want = np.load(tmp_path / f"order-{name}-oracle.npz")
+    assert max(np.max(np.abs(want[k] - initial[k])) for k in initial) > 1e-2  # it trained
+    assert_same_params(np.load(tmp_path / f"order-{name}.npz"), want, name)

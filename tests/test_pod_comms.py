@@ -175,3 +175,39 @@ def test_comms_once_per_update_and_sharded_equals_unsharded():
   starts = ("FAIL", "Traceback", "  File", "E", "V")
   fails = "\n".join(line[:600] for line in result.stderr.splitlines() if line.startswith(starts))
   assert result.returncode == 0 and "POD-COMMS-OK" in result.stdout, fails or result.stderr[-4000:]
+
+
+ONE_MATRIX = textwrap.dedent(r"""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    from saggs_jax import equivariant as eqv
+    from bench_comms import collectives
+
+    assert jax.device_count() == 8, jax.devices()
+    x = np.asarray(np.random.default_rng(0).standard_normal((32, 16)), np.float32)
+    tx = eqv.scale_by_polar(beta=0.0, ns_steps=3, ns_dtype=jnp.float32)
+    for axis_type in (AxisType.Auto, AxisType.Explicit):
+      mesh = jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
+      row = NamedSharding(mesh, P("x", None))
+      with jax.set_mesh(mesh):
+        g = {"w": jax.device_put(x, row)}
+        out = {"w": row} if axis_type == AxisType.Auto else None
+        update = jax.jit(lambda g, s, p: tx.update(g, s, p)[0], out_shardings=out)
+        found = collectives(update.lower(g, tx.init(g), g).compile().as_text())
+      print(axis_type.name, found)
+""")
+
+
+def test_a_single_fsdp_matrix_is_gathered_once():
+  """One matrix, its rows split over 8 devices: one all-gather of its bytes, and the way
+  back a local slice. Two all-to-alls (there and back) would move it twice."""
+  env = cpu_env(
+    8,
+    PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")]),
+  )
+  result = subprocess.run(
+    [sys.executable, "-c", ONE_MATRIX], env=env, capture_output=True, text=True, timeout=300
+  )
+  assert result.returncode == 0, result.stderr[-4000:]
+  found = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+  assert found == {kind: "[('all-gather', 2048)]" for kind in ("Auto", "Explicit")}, found
