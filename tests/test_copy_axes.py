@@ -282,7 +282,7 @@ def test_canonicalize_is_idempotent_and_orbit_invariant():
 
 def test_describe_and_imbalance_put_the_copy_axes_first():
   params = maxtext_params()
-  text = saggs.describe(per_layer_pairs(), params)
+  text = saggs.describe(params, per_layer_pairs())
   assert f"{ATTN}/out/kernel" in text and f"({L}, {KV})" in text and f"({L}, {M})" in text
   shapes = {k: v.shape for k, v in saggs.imbalance(params, per_layer_pairs()).items()}
   assert sorted(shapes.values()) == [(L, KV), (L, KV), (L, M)]
