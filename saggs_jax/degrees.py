@@ -42,6 +42,7 @@ model's size is made: the full-size checks run on abstract values.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import warnings
@@ -264,8 +265,9 @@ def _multipliers(plan: Plan, spec: Any, state: Any) -> tuple[Any, list, list]:
   """Per leaf of ``spec`` (the parameters) what the probe factors multiply it by; per float
   leaf of ``state`` what they multiply it by as a moment of degree 1 and of its registered
   degree. Transport multiplies entry by entry, so these say all it does to a state. Small and
-  evaluated now (also inside a trace): no program of the model's size or of its own."""
-  with jax.ensure_compile_time_eval():
+  evaluated now (also inside a trace, see :func:`_alone`): no program of the model's size."""
+
+  def evaluate():
     factors = probe_factors(plan)
 
     def ones(tree):
@@ -274,8 +276,19 @@ def _multipliers(plan: Plan, spec: Any, state: Any) -> tuple[Any, list, list]:
     params = jax.tree.map(np.asarray, scale_tree(plan, ones(spec), factors, 1.0))
     degree_1 = transport(plan, ones(state), factors, degrees=jax.tree.map(lambda _: 1, state))
     registered = transport(plan, ones(state), factors)
-  floats = lambda t: [np.asarray(x) for x in jax.tree.leaves(t) if paths.is_parameter(x)]  # noqa: E731
-  return params, floats(degree_1), floats(registered)
+    floats = lambda t: [np.asarray(x) for x in jax.tree.leaves(t) if paths.is_parameter(x)]  # noqa: E731
+    return params, floats(degree_1), floats(registered)
+
+  return _alone(evaluate)
+
+
+def _alone(fn: Any) -> Any:
+  """``fn()`` on a thread of its own, where no context of the caller's reaches it: not its
+  trace (so that it runs now, even while an init or an update is traced: a value it closes
+  over from that trace would become one more input), nor its ``jax.set_mesh`` (which would
+  run each small op, and compile the probe, for every device of the mesh)."""
+  with concurrent.futures.ThreadPoolExecutor(1) as thread:
+    return thread.submit(fn).result()
 
 
 def _probe(tx, spec, param_mult):
@@ -329,14 +342,17 @@ def _probe(tx, spec, param_mult):
   compiled = {}
 
   def compile(seeds):
-    """Traced and compiled on its own, so that it runs now even while an init or an update
-    is being traced: a value it closes over from that trace would become one more input.
-    XLA's cheapest code generation: the program is tiny and runs a few times."""
+    """Traced and compiled on its own (:func:`_alone`), for one device. XLA's cheapest code
+    generation: the program is tiny and runs a few times."""
     args = jax.ShapeDtypeStruct((), jnp.int32), *inputs, seeds
-    traced = jax.jit(probe).trace(*args)
-    if len(traced.jaxpr.jaxpr.invars) != len(jax.tree.leaves(args)):
-      return None
-    return traced.lower().compile(FAST_COMPILE if jax.default_backend() == "cpu" else None)
+
+    def build():
+      traced = jax.jit(probe).trace(*args)
+      if len(traced.jaxpr.jaxpr.invars) != len(jax.tree.leaves(args)):
+        return None
+      return traced.lower().compile(FAST_COMPILE if jax.default_backend() == "cpu" else None)
+
+    return _alone(build)
 
   def run(steps, seeds=None):
     seeds = seeds or {}

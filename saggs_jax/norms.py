@@ -97,9 +97,11 @@ def _on_mesh(x: jax.Array) -> bool:
   return not jax.sharding.get_abstract_mesh().empty or is_explicit(x)
 
 
-def _group_reduce(vs: Sequence[jax.Array], slot: Slot, combine: Combine) -> list[jax.Array]:
-  """``vs`` reduced by ``combine`` over each group of ``slot``: each of shape
-  ``stacked_shape (+ (groups,))``.
+def _group_reduce(
+  vs: Sequence[jax.Array], slot: Slot, combine: Combine, square: bool = False
+) -> list[jax.Array]:
+  """``vs`` (squared first with ``square``) reduced by ``combine`` over each group of
+  ``slot``: each of shape ``stacked_shape (+ (groups,))``.
 
   On a mesh it is one reduction over every axis but the stacked ones, whatever the
   layout: each device reduces its own entries per group and a single all-reduce of
@@ -111,6 +113,9 @@ def _group_reduce(vs: Sequence[jax.Array], slot: Slot, combine: Combine) -> list
   that small vector are cheapest.
   """
   v, axis = vs[0], slot.axis
+  masked = axis is not None and not slot.per_index(v.shape[axis]) and _on_mesh(v)
+  if square and not masked:
+    vs = [jnp.square(x) for x in vs]
   if axis is None or slot.per_index(v.shape[axis]):
     return [_group_last(r, slot) for r in _reduce_all(vs, slot.reduce_axes(v.ndim), combine)]
   if not _on_mesh(v):  # per index, then per group of that small vector
@@ -122,7 +127,10 @@ def _group_reduce(vs: Sequence[jax.Array], slot: Slot, combine: Combine) -> list
   # membership, which XLA broadcasts inside the reduction unless two reductions share
   # it: then it is materialised, the size of the leaf times its groups. The mask passes
   # an optimization barrier with the operand, so that leaves of one shape (k and v) do
-  # not share theirs, and the maximum (of the safe passes) puts the group axis first.
+  # not share theirs, and the maximum (of the safe passes) puts the group axis first. A sum
+  # of squares squares inside the masked product: jax 0.11+'s CPU backend hands the
+  # reduction and the mask's product to a library fusion that takes no other elementwise
+  # work, so a square before it was materialised (the size of the leaf's shard).
   (x,) = vs
   one_hot = slot.membership(x.shape[axis]).astype(x.dtype)  # (size, groups)
   if combine is _max:
@@ -135,7 +143,8 @@ def _group_reduce(vs: Sequence[jax.Array], slot: Slot, combine: Combine) -> list
       [x[None] * mask], [i + 1 for i in slot.reduce_axes(x.ndim) + (axis,)], combine
     )
     return [jnp.moveaxis(r, 0, -1)]
-  return _reduce_all([x[..., None] * mask], slot.reduce_axes(x.ndim) + (axis,), combine)
+  masked = x[..., None] * mask * x[..., None] if square else x[..., None] * mask
+  return _reduce_all([masked], slot.reduce_axes(x.ndim) + (axis,), combine)
 
 
 def _group_last(r: jax.Array, slot: Slot) -> jax.Array:
@@ -156,8 +165,9 @@ def _one_pass_stats(x: jax.Array, slot: Slot) -> tuple[jax.Array, jax.Array]:
   return log_sq.astype(jnp.float32), log_max.astype(jnp.float32)
 
 
-def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str = "sum") -> jax.Array:
-  """``v >= 0`` reduced per group of every slot of one leaf: the leaf's stacked axes (those
+def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str) -> jax.Array:
+  """``v`` reduced per group of every slot of one leaf, ``op`` ``"sum_sq"`` (its squares
+  summed) or ``"max"`` (of ``v >= 0``): the leaf's stacked axes (those
   of its slot with the most) plus one axis per slot (of size 1 for a whole-tensor slot),
   replicated.
 
@@ -168,16 +178,16 @@ def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str = 
   """
   stacked = stacked_axes(slots)
   if len(slots) == 1:
-    (r,) = _group_reduce([v], slots[0], _sum if op == "sum" else _max)
+    (r,) = _group_reduce([v], slots[0], _sum if op == "sum_sq" else _max, op == "sum_sq")
     r = replicated(r if slots[0].axis is not None else r[..., None])
-    collective = jax.lax.psum if op == "sum" else jax.lax.pmax
+    collective = jax.lax.psum if op == "sum_sq" else jax.lax.pmax
     return collective(r, axis_name) if axis_name else r  # () names no axis: nothing to sum
   if op == "max":
     return functools.reduce(
       jnp.minimum,
       [along_slot(_reduce(v, (s,), axis_name, op), i, slots) for i, s in enumerate(slots)],
     )
-  operands, out = [v, list(range(v.ndim))], list(stacked)
+  operands, out = [jnp.square(v), list(range(v.ndim))], list(stacked)
   for s in slots:
     if s.axis is None:
       continue
@@ -197,7 +207,7 @@ def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str = 
 def _fast_log_sq(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
   """``log sum x**2`` per group from one float32 pass. Inexact or infinite when the
   squares over- or underflow."""
-  return jnp.log(_reduce(jnp.square(x.astype(compute_dtype(x.dtype))), slots, axis_name))
+  return jnp.log(_reduce(x.astype(compute_dtype(x.dtype)), slots, axis_name, "sum_sq"))
 
 
 def _safe_stats(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
@@ -220,7 +230,7 @@ def _safe_stats(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
   x = x * jnp.ldexp(jnp.ones((), dtype), -(per_copy // 2))
   x = x * jnp.ldexp(jnp.ones((), dtype), per_copy // 2 - per_copy)
   log_scale = (e.reshape(e.shape + (1,) * len(slots)) * np.log(2.0)).astype(dtype)
-  sq = _reduce(jnp.square(x), slots, axis_name)
+  sq = _reduce(x, slots, axis_name, "sum_sq")
   return jnp.where(jnp.isfinite(sq), 2 * log_scale + jnp.log(sq), jnp.inf), jnp.log(group_max)
 
 
@@ -309,9 +319,9 @@ def _recompute_traced(
     index = jnp.arange(bad.size)
     span = (index >= starts[leaf]) & (index < stops[leaf])
 
-    def place(v):  # (on the mesh of an Explicit-sharded v, which types even its zeros)
-      zeros = jnp.zeros(bad.size + width, jnp.float32, out_sharding=jax.typeof(v).sharding)
-      return jax.lax.dynamic_update_slice(zeros, v, (starts[leaf],))[: bad.size]
+    def place(v):  # v at its span, padded with zeros: typed as v (on its Explicit mesh even
+      # outside jax.set_mesh, where jax 0.11+ make new zeros on no mesh)
+      return jax.lax.dynamic_slice(jnp.pad(v, bad.size), (bad.size - starts[leaf],), (bad.size,))
 
     sq, top = jax.lax.switch(leaf, branches, operands)
     return bad & ~span, jnp.where(span, place(sq), log_sq), jnp.where(span, place(top), log_max)

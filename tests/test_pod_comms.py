@@ -21,8 +21,8 @@ from xla_env import cpu_env
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent(r"""
-    import sys
-    import jax, jax.numpy as jnp, numpy as np
+    import contextlib, sys, warnings
+    import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     from saggs_jax import equivariant as eqv
     from saggs_jax.equivariant import _linalg
@@ -152,6 +152,36 @@ SCRIPT = textwrap.dedent(r"""
             kept(got, {k: row for k in SEVEN}, f"{what} polar")
         check(sorted(found[3]) == sorted(found[6]), f"{what} polar: collectives grow with the steps: {found}")
         check(sum(b for _, b in found[3]) <= 2.0 * 7 * 16 * 16 * 4, f"{what} polar: {found[3]}")
+
+    # Without jax.set_mesh the mesh is read off the arrays' types: the deprecated `with mesh:`
+    # and jit's in_shardings alone (Auto), and Explicit-typed arrays (jax 0.11+: 0.10's jit
+    # needs set_mesh for those). Before, the first two all-gathered every iterate (16 and 31
+    # collectives, 15x and 30x the bytes for 5 and 10 steps) and the third raised.
+    cases = [("with mesh", AxisType.Auto), ("in_shardings", AxisType.Auto)]
+    if jax.__version_info__ >= (0, 11):
+      cases.append(("Explicit, no context", AxisType.Explicit))
+    for what, axis_type in cases:
+      mesh = jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
+      row = NamedSharding(mesh, P("x", None))
+      rows = {k: row for k in SEVEN}
+      seven = jax.device_put(SEVEN, rows)
+      found = {}
+      for steps in (3, 6):
+        tx = polar(steps)
+        state = tx.init(seven)
+        with warnings.catch_warnings():
+          warnings.simplefilter("ignore", DeprecationWarning)  # `with mesh:`
+          with mesh if what == "with mesh" else contextlib.nullcontext():
+            in_shardings = (rows, None, rows) if what == "in_shardings" else None
+            fn = jax.jit(lambda g, s, p: optax.apply_updates(p, tx.update(g, s, p)[0]),
+                         in_shardings=in_shardings)
+            compiled = fn.lower(seven, state, seven).compile()
+            found[steps] = collectives(compiled.as_text())
+            got = compiled(seven, state, seven)
+        if steps == 3:
+          compare({k: got[k] - seven[k] for k in SEVEN}, want_seven, f"{what} polar vs numpy")
+      check(sorted(found[3]) == sorted(found[6]), f"{what}: collectives grow with the steps: {found}")
+      check(sum(b for _, b in found[3]) <= 2.0 * 7 * 16 * 16 * 4, f"{what}: {found[3]}")
 
     if failures:
       sys.exit(f"{len(failures)} check(s) failed")

@@ -11,7 +11,10 @@ that each device holds whole matrices, orthogonalised locally, and moved back:
 * all-gather: a single matrix (``B = 1``), for which the all-to-all would move
   it twice, is gathered whole onto every device; the way back is a local slice.
 
-The mesh comes from the context (``jax.set_mesh``). Under an Explicit mesh the
+The mesh comes from the context (``jax.set_mesh``), else from the arrays' own types
+(:func:`on_mesh`): under ``jit`` the type of an array placed by a ``NamedSharding``
+carries its mesh, Auto or Explicit, also with the deprecated ``with mesh:`` or
+``jit``'s ``in_shardings`` alone. Under an Explicit mesh the
 types name the axes that shard the parameters: those carry the batch, and the
 update gets the parameter's sharding back. Under an Auto mesh the types do not
 say, so every mesh axis carries the batch and the partitioner places the update
@@ -19,13 +22,15 @@ from where it is used: added to the parameters, or ``jit``'s ``out_shardings``.
 JAX 0.12 removed the one hint that could tie it to the gradient's sharding
 (``shard_alike``); an update returned bare from ``jit`` under an Auto mesh
 comes back replicated (bench/bench_comms.py counts the collectives of both
-uses). Without a mesh nothing changes.
+uses). Without a mesh in either (arrays on one device, or inside ``shard_map``)
+nothing changes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 
 import jax
@@ -36,6 +41,21 @@ from jax.sharding import PartitionSpec as P
 
 def _names(entry) -> tuple[str, ...]:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+@contextlib.contextmanager
+def on_mesh(leaves: Sequence[jax.Array]) -> Iterator[None]:
+  """The context's mesh, or the mesh that types ``leaves`` when the context has none, made
+  the abstract mesh of the block it guards (where :func:`spread_axes`, :func:`in_place` and
+  :func:`locally` read it): without it, the iterations would all-gather their sharded
+  iterates on every step, silently."""
+  mesh = jax.sharding.get_abstract_mesh()
+  typed = [m for m in (jax.typeof(x).sharding.mesh for x in leaves) if not m.empty]
+  if not mesh.empty or not typed:
+    yield
+    return
+  with jax.sharding.use_abstract_mesh(typed[0]):
+    yield
 
 
 def spread_axes(leaves: Sequence[jax.Array]) -> tuple[str, ...]:

@@ -273,7 +273,6 @@ def _rule(
     m = _accumulate(updates, mu, beta, ema) if nesterov else mu
     leaves, treedef, plans, blocks = plan_tree(m)
     dtypes = [g.dtype for g in jax.tree.leaves(updates)]
-    axes = _gather.spread_axes(leaves) if whole else ()
 
     def local(x):
       return _gather.locally(direction, x, axes, batched)
@@ -291,7 +290,9 @@ def _rule(
           out[i] = _from_matrix(piece, plans[i], leaves[i].shape).astype(dtypes[i])
       return out
 
-    out = _gather.in_place(matrices, leaves, jax.tree.leaves(updates), axes)
+    with _gather.on_mesh(leaves):  # the mesh of the context, else of the leaves' types
+      axes = _gather.spread_axes(leaves) if whole else ()
+      out = _gather.in_place(matrices, leaves, jax.tree.leaves(updates), axes)
     return jax.tree_util.tree_unflatten(treedef, out), MomentumState(
       optax.tree.cast_like(mu, state.mu)
     )
