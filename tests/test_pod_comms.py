@@ -215,7 +215,7 @@ ONE_MATRIX = textwrap.dedent(r"""
 
     assert jax.device_count() == 8, jax.devices()
     x = np.asarray(np.random.default_rng(0).standard_normal((32, 16)), np.float32)
-    tx = eqv.scale_by_polar(beta=0.0, ns_steps=3, ns_dtype=jnp.float32)
+    tx = eqv.scale_by_polar(beta=0.0, newton_schulz=eqv.NewtonSchulz(steps=3, dtype=jnp.float32))
     for axis_type in (AxisType.Auto, AxisType.Explicit):
       mesh = jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
       row = NamedSharding(mesh, P("x", None))

@@ -26,7 +26,7 @@ def as_patterns(patterns: Patterns) -> tuple[str, ...]:
 # Flax (in, out) kernels: q/k/v (d, H*hd), o (H*hd, d), gate/up (d, F),
 # down (F, d), embedding (V, d), lm_head (d, V), router (d, E) and stacked
 # experts (E, in, out): the expert matrices by name (HF gpt-oss's ``gate_up_proj``
-# and ``down_proj``, ``w_in``/``w_up``/...), never ``experts/*``, which takes an MoE's
+# and ``down_proj``, ``w``, ``w_in``/``w_up``/...), never ``experts/*``, which takes an MoE's
 # expert biases (E, F) too.
 ROLE_PATTERNS: Mapping[str, tuple[str, ...]] = MappingProxyType(
   {
@@ -40,6 +40,7 @@ ROLE_PATTERNS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     "router": ("router/kernel",),
     "experts": (
       "experts/*_proj",
+      "experts/w",
       *(f"experts/w_{n}" for n in ("in", "out", "up", "down", "gate")),
     ),
   }
