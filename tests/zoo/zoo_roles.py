@@ -29,7 +29,9 @@ import saggs_jax as saggs
 from zoo_oracle import Zoo, found, leaves, match, path_str
 
 ROW = 1e-4  # relative error of the row rules (float32)
-POLAR = 0.999  # least cosine of a polar update with the SVD's (Newton-Schulz in float32)
+# a polar update against the SVD's: Polar Express's 5 steps leave the singular values within a
+# few percent of 1 (float32), as tests/test_equivariant_reference.py allows Muon in bfloat16
+POLAR_COSINE, POLAR_NORM = 0.99, 0.1
 
 
 def _paths(values, patterns):
@@ -108,14 +110,15 @@ def check_stack_rules(zoo: Zoo, roles: dict, head_dim: int):
   for role, patterns in roles.items():
     for path in _paths(g, patterns):
       partner = None
-      if role == "gate_up":  # the other projection of the same layer
-        others = [p for p in _paths(g, patterns) if p != path]
+      if role == "gate_up":  # the other projection (another pattern) of the same layer
+        mine = [q for q in patterns if match(q, path) is not None]
+        others = _paths(g, [q for q in patterns if q not in mine])
         partner = g[min(others, key=lambda p: _distance(p, path))]
       want = reference(role, g[path], head_dim, partner)
       if role in ("query", "key_value", "output", "experts"):
         cos = np.sum(want * got[path]) / np.linalg.norm(want) / np.linalg.norm(got[path])
         scale = np.linalg.norm(got[path]) / np.linalg.norm(want)
-        if cos < POLAR or abs(scale - 1) > 0.05:
+        if cos < POLAR_COSINE or abs(scale - 1) > POLAR_NORM:
           bad.append(f"{role} {path}: cosine {cos:.4f}, norm ratio {scale:.3f}")
       else:
         err = np.linalg.norm(got[path] - want) / np.linalg.norm(want)
