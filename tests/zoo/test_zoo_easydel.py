@@ -4,7 +4,12 @@ architecture's leaves, and the symmetry-compatible stack they route, rule by rul
 NumPy. Needs the third leg's venv (``.ci/zoo-requirements.txt``): skipped where EasyDeL is not
 installed."""
 
+import os
+
 import pytest
+
+# before easydel is first imported (by importorskip): see zoo_easydel
+os.environ.setdefault("EASYDEL_AUTO", "0")
 
 pytestmark = pytest.mark.heavy  # run by .ci/run's third leg (pytest -m heavy), not by default
 
