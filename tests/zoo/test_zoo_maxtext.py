@@ -14,7 +14,11 @@ import numpy as np
 import optax
 import pytest
 
-pytestmark = pytest.mark.heavy  # run by .ci/run's third leg (pytest -m heavy), not by default
+pytestmark = [
+  pytest.mark.heavy,  # run by .ci/run's third leg (pytest -m heavy), not by default
+  # MaxText 0.2.5 passes jax.random's `sharding=`, which jax 0.11 deprecates
+  pytest.mark.filterwarnings("ignore:'sharding' is deprecated:DeprecationWarning"),
+]
 
 pytest.importorskip("maxtext", reason="MaxText is not installed: see .ci/zoo-requirements.txt")
 
