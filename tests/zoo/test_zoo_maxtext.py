@@ -16,8 +16,9 @@ import pytest
 
 pytestmark = [
   pytest.mark.heavy,  # run by .ci/run's third leg (pytest -m heavy), not by default
-  # MaxText 0.2.5 passes jax.random's `sharding=`, which jax 0.11 deprecates
-  pytest.mark.filterwarnings("ignore:'sharding' is deprecated:DeprecationWarning"),
+  # MaxText 0.2.5 calls what jax 0.11.1 and flax 0.12.12 deprecate (jax.random's `sharding=`,
+  # nnx.Rngs.fork's `split=`, `with mesh:`): MaxText's warnings, not ours
+  pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 ]
 
 pytest.importorskip("maxtext", reason="MaxText is not installed: see .ci/zoo-requirements.txt")
@@ -54,16 +55,15 @@ def _per_layer_imbalance(zoo, pairs, params):
 
 @pytest.mark.parametrize("name", ["llama2", "mixtral"])
 def test_maxtext_hand_written_per_layer(name):
-  """The architecture's declarations with the layer axis at 1 (``stacked=(1,)``): exact, and one
-  hard update balances a per-layer imbalance (layer 0 moved by 8, layer 1 by 1/8) to 1e-4 per
-  layer, which a factor shared across layers cannot."""
+  """The architecture's declarations with the layer axis at 1 (``stacked=(1,)``; exact: see
+  ``expected_list_is_exact``): one hard update balances an imbalance that differs per layer and
+  group (atoms moved alternately by 4 and 1/4) to 1e-4 per atom, which a factor shared across
+  layers cannot, and keeps the logits."""
   zoo = zoo_maxtext.zoo(name)
   pairs = zoo.expected()
-  assert zoo_oracle.deviation(zoo, zoo_oracle.random_move(zoo, pairs, seed=4)) < zoo_oracle.EXACT
   values = zoo_oracle.leaves(zoo.params)
   atom_list = zoo_oracle.atoms(pairs, values)
-  # the copy index of each atom: its first member's layer (axis 1, or 0 for the final norm)
-  factors = np.array([8.0 if i % 2 == 0 else 1 / 8 for i in range(len(atom_list))])
+  factors = np.array([4.0 if i % 2 == 0 else 1 / 4 for i in range(len(atom_list))])
   params = zoo_oracle.rebuild(zoo.params, zoo_oracle.orbit_move(values, atom_list, factors))
   assert _per_layer_imbalance(zoo, pairs, params).max() > 1.0
   tx = saggs.chain(optax.sgd(0.0), saggs.saggs(pairs))
