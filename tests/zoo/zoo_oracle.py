@@ -339,6 +339,7 @@ def check_no_wrong_pair_is_found(zoo: Zoo, tmp_dir=None):
 def _imbalanced(zoo: Zoo, factor=8.0):
   values = leaves(zoo.params)
   atom_list = atoms(found(zoo), values)
+  assert atom_list, f"{zoo.name}: discover found nothing to balance"
   moved = orbit_move(values, atom_list, np.full(len(atom_list), factor))
   return rebuild(zoo.params, moved), atom_list
 
