@@ -146,7 +146,6 @@ def atoms(pairs, values: dict[str, np.ndarray]) -> list[Atom]:
   out = []
   for pair in pairs:
     axes = pair.axes if pair.axes is not None else (None, None)
-    s = pair.stacked
     sides = []
     for sign, side, ax, follow in (
       (1, pair.a, axes[0], pair.follow_a),
@@ -164,15 +163,27 @@ def atoms(pairs, values: dict[str, np.ndarray]) -> list[Atom]:
           instances.setdefault(caps, {})[k] = path
     for caps, paths in instances.items():
       assert len(paths) == len(sides), (pair, caps, paths)
-      out += _instance_atoms(pair, s, [(*sides[k], paths[k]) for k in range(len(sides))], values)
+      members = [(*sides[k], paths[k]) for k in range(len(sides))]
+      out += _instance_atoms(pair, members, values)
   return out
 
 
-def _instance_atoms(pair, s, members, values):
-  regions, group_axis = [], {}
+def _copy_first(stacked, ndim) -> tuple[int, ...]:
+  """The axis order that puts a leaf's copy axes first: ``stacked`` leading axes (an int) or
+  the positions it names (a tuple), in order, then the others."""
+  copy = tuple(range(stacked)) if isinstance(stacked, int) else tuple(stacked)
+  return copy + tuple(i for i in range(ndim) if i not in copy)
+
+
+def _instance_atoms(pair, members, values):
+  """The atoms of one instance. Each leaf is viewed with its copy axes first (so that blocks,
+  group axes and copies count as for leading copy axes) and its ids put back in its own order."""
+  s = pair.stacked if isinstance(pair.stacked, int) else len(pair.stacked)
+  regions, group_axis, orders = [], {}, {}
   for sign, role, spec, ax, path in members:
-    index = _block_slice(spec, values[path].shape, s)
-    shape = values[path][index].shape
+    order = orders[path] = _copy_first(pair.stacked, values[path].ndim)
+    index = _block_slice(spec, values[path].transpose(order).shape, s)
+    shape = values[path].transpose(order)[index].shape
     if role == "m":
       gax = None if ax is None else (s + ax if ax >= 0 else len(shape) + ax)
       group_axis.setdefault(sign, (gax, shape))
@@ -195,8 +206,9 @@ def _instance_atoms(pair, s, members, values):
       group = (np.arange(shape[gax]) // (shape[gax] // groups)).reshape(
         (1,) * gax + (-1,) + (1,) * (len(shape) - gax - 1)
       )
-    full = np.full(values[path].shape, -1)
+    full = np.full(values[path].transpose(orders[path]).shape, -1)
     full[index] = np.broadcast_to(copy * groups + group, shape)
+    full = full.transpose(np.argsort(orders[path]))
     ids_per_member.append((path, role, sign, full.ravel()))
   result = []
   for atom_id in range(copies * groups):
@@ -327,6 +339,7 @@ def check_no_wrong_pair_is_found(zoo: Zoo, tmp_dir=None):
 def _imbalanced(zoo: Zoo, factor=8.0):
   values = leaves(zoo.params)
   atom_list = atoms(found(zoo), values)
+  assert atom_list, f"{zoo.name}: discover found nothing to balance"
   moved = orbit_move(values, atom_list, np.full(len(atom_list), factor))
   return rebuild(zoo.params, moved), atom_list
 
