@@ -13,7 +13,7 @@
 
 from saggs_jax import checkpoint, degrees, equivariant, presets
 from saggs_jax.canonical import canonicalize, reparameterize
-from saggs_jax.diagnostics import check_symmetry, imbalance
+from saggs_jax.diagnostics import MootPairWarning, check_symmetry, imbalance
 from saggs_jax.discovery import Discovery, Rejected, discover
 from saggs_jax.equivariant import MuonDimensionNumbers, UnitDimensionNumbers, muon_dimension_numbers
 from saggs_jax.pairs import Block, Pair, describe
@@ -33,6 +33,7 @@ from saggs_jax.transport import NESTED, register_transport
 
 __all__ = [
   "NESTED",
+  "MootPairWarning",
   "Block",
   "Discovery",
   "MuonDimensionNumbers",

@@ -14,6 +14,7 @@ subprocess) run the same checks.
 """
 
 import fnmatch
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -374,7 +375,10 @@ def check_canonicalize_keeps_logits(zoo: Zoo, tmp_dir=None):
 
 
 def check_check_symmetry(zoo: Zoo, tmp_dir=None):
-  with jax.default_matmul_precision("highest"):
+  with jax.default_matmul_precision("highest"), warnings.catch_warnings():
+    # Exactness is what this asserts; a pair that is exact but moot (Gemma 3's sandwich norms
+    # hide each side of its MLP on its own) is reported by a MootPairWarning, not an error.
+    warnings.simplefilter("ignore", saggs.MootPairWarning)
     saggs.check_symmetry(zoo.apply, zoo.params, list(found(zoo)), *zoo.inputs)
     for pair in zoo.not_symmetries():
       try:

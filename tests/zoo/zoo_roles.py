@@ -96,7 +96,10 @@ def reference(role, g, head_dim, partner=None):
 def check_stack_rules(zoo: Zoo, roles: dict, head_dim: int):
   """Every leaf of every role in ``roles``: the stack's first update against :func:`reference`."""
   tx = saggs.equivariant.symmetry_compatible(
-    1.0, patterns=found(zoo).roles, head_dim=head_dim, ns_dtype=jnp.float32
+    1.0,
+    patterns=found(zoo).roles,
+    head_dim=head_dim,
+    newton_schulz=saggs.equivariant.NewtonSchulz(dtype=jnp.float32),
   )
   grads = jax.tree_util.tree_map_with_path(
     lambda kp, x: jax.random.normal(
