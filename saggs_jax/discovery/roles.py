@@ -11,7 +11,9 @@ key), so each is read from the jaxpr:
   linear map that reads ``s . v``;
 * router: the linear map whose output (through a softmax, a bias) feeds ``top_k``;
 * experts: a matrix whose leading axis, as many as the router has outputs, indexes copies read
-  by a matmul that does not contract it (or is gathered by the router's choices, ``jnp.take``);
+  by a matmul that does not contract it (or is gathered by the router's choices, ``jnp.take``,
+  or groups a ``ragged_dot``'s rows, or is contracted against the expert axis another expert
+  matmul made: the down projection summing the weighted experts in one product);
 * embedding: a leaf gathered by indices that come from the inputs alone (token ids), not from
   the parameters (an expert bias gathered by the router's choices is none);
 * LM head: the linear map producing an output, through axis moves and bias sums;
@@ -246,12 +248,10 @@ def experts(flow: Flow, widths: set[int]) -> dict[int, int]:
   held = _carried(flow, seeds)
   for leaf, lead, use, axes in later:
     eqn = prog.eqns[use.eqn]
-    mine, theirs = (
-      eqn.params["dimension_numbers"][0][use.operand],
-      eqn.params["dimension_numbers"][0][1 - use.operand],
-    )
-    other = eqn.ins[1 - use.operand]
-    if any(theirs[mine.index(a)] in held.get(other, ()) for a in axes if a in mine):
+    contract = eqn.params["dimension_numbers"][0]
+    mine, theirs = contract[use.operand], contract[1 - use.operand]
+    partners = {theirs[mine.index(a)] for a in axes if a in mine}  # the other side's axes
+    if partners & held.get(eqn.ins[1 - use.operand], set()):
       found[leaf] = lead
   return found
 
