@@ -30,6 +30,7 @@ READS = MappingProxyType(
     "slice": ("start_indices", "limit_indices", "strides"),
     "dot_general": ("dimension_numbers",),
     "gather": ("dimension_numbers", "slice_sizes"),
+    "ragged_dot_general": ("ragged_dot_dimension_numbers",),  # an MoE's grouped matmul
     "unstack": ("axis",),  # jax >= 0.12
     **{p: ("axes",) for p in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")},
     **{p: ("axes",) for p in ("argmax", "argmin")},
@@ -132,3 +133,9 @@ def gather(eqn: jcore.JaxprEqn) -> Gather:
     tuple(getattr(dims, "operand_batching_dims", ())),
     tuple(param(eqn, "slice_sizes")),
   )
+
+
+def ragged_groups(eqn: jcore.JaxprEqn) -> tuple[int, ...]:
+  """The group axes of a ``ragged_dot_general``'s right operand (``lax.ragged_dot``'s
+  (groups, in, out) matrices, one per run of rows ``group_sizes`` counts: an MoE's experts)."""
+  return tuple(param(eqn, "ragged_dot_dimension_numbers").rhs_group_dimensions)

@@ -12,8 +12,10 @@ d), ``mlp/wi_0``/``wi_1``/``wo``, ``MoeBlock_0/gate`` and stacked ``wi_0``/``wi_
 * gpt-oss: q/k/v/o biases, attention sinks (one logit per head concatenated to the scores,
   dropped after the softmax), an MoE with a router bias and expert biases;
 * an OLMoE/mixtral-style MoE: ``softmax(x @ gate)``, ``lax.top_k``, the experts run densely
-  and combined by one-hot weights (``dispatch="dense"``) or gathered by ``jnp.take`` on the
-  chosen indices (``dispatch="take"``);
+  and combined by one-hot weights (``moe="dense"``; ``"combined"``: weighted and summed by
+  the down projection's own product, as Hugging Face's OLMoE einsum does), gathered by
+  ``jnp.take`` on the chosen indices (``"take"``), or run on the tokens sorted by expert by
+  ``lax.ragged_dot`` (``"ragged"``, as EasyDeL's gpt-oss);
 * Gemma 3's GeGLU MLP.
 
 Weights are drawn with NumPy; d = 16, 4 heads of 4 (2 KV heads), 2 layers, 8 tokens.
@@ -35,7 +37,7 @@ class Arch(NamedTuple):
   qk_norm: bool = False  # Qwen3 / Gemma 3 / OLMoE
   gemma: bool = False  # (1 + w) norm gains and a GeGLU MLP
   biases: bool = False  # gpt-oss: q/k/v/o biases, attention sinks, router and expert biases
-  moe: str | None = None  # "dense" or "take": an MoE block in place of the MLP
+  moe: str | None = None  # "dense", "combined", "take" or "ragged": an MoE block for the MLP
   deepseek: bool = False  # with moe: layer 0 a dense MLP, the others add a shared expert of F/2
   layers: int = 2
   scan_axis: int | None = None  # layers stacked on this axis of every leaf and run by lax.scan
@@ -168,7 +170,21 @@ def moe(x, p, arch: Arch):
   weights, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), K)
   weights = weights / weights.sum(-1, keepdims=True)
   bias = (lambda name: p[name]) if arch.biases else (lambda name: 0.0)
-  if arch.moe == "dense":  # every expert runs, combined by one-hot weights
+  if arch.moe == "ragged":  # the tokens sorted by expert, each run through its expert's matrices
+    order = jnp.argsort(idx.reshape(-1))
+    rows, sizes = order // K, jnp.bincount(idx.reshape(-1), length=E)
+    xs = t[rows]
+    gate = jax.lax.ragged_dot(xs, p["wi_0"], sizes)
+    up = jax.lax.ragged_dot(xs, p["wi_1"], sizes)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p["wo"], sizes)
+    y = jnp.zeros_like(t).at[rows].add(out * weights.reshape(-1)[order][:, None])
+  elif arch.moe == "combined":  # the down projection weighted and summed in one product (HF)
+    combine = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(idx, E))
+    h = jax.nn.silu(jnp.einsum("td,edf->tef", t, p["wi_0"])) * jnp.einsum(
+      "td,edf->tef", t, p["wi_1"]
+    )
+    y = jnp.einsum("te,tef,efd->td", combine, h, p["wo"])
+  elif arch.moe == "dense":  # every expert runs, combined by one-hot weights
     combine = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(idx, E))
     gate = checkpoint_name(jnp.einsum("td,edf->tef", t, p["wi_0"]) + bias("wi_0_bias"), "mlpwi_0")
     up = checkpoint_name(jnp.einsum("td,edf->tef", t, p["wi_1"]) + bias("wi_1_bias"), "mlpwi_1")

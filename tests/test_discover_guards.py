@@ -437,6 +437,19 @@ def per_rule(tx, params):
   }
 
 
+def test_a_given_role_claims_its_leaves_from_the_default_patterns():
+  """gpt-oss's HF names: ``experts/down_proj/kernel`` (E, F, d) is an expert, though the default
+  ``down`` pattern ``down_proj/kernel`` matches it too (the dense MLP roles match nothing)."""
+  experts = {n: {"kernel": jnp.ones((3, 4, 4))} for n in ("gate_proj", "up_proj", "down_proj")}
+  params = {"mlp": {"experts": experts, "router": {"kernel": jnp.ones((4, 3))}}}
+  patterns = {
+    "experts": ("gate_proj/kernel", "up_proj/kernel", "down_proj/kernel"),
+    "router": ("router/kernel",),
+  }
+  tx = eqv.symmetry_compatible(0.02, patterns=patterns, **STACK)
+  assert {r: n for r, n in per_rule(tx, params).items() if n} == {"experts": 3, "router": 1}
+
+
 def test_roles_route_a_meta_named_llama():
   params = meta_init()
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, V, (2, 8)), jnp.int32)

@@ -147,6 +147,14 @@ def test_olmoe_roles_do_not_need_the_moot_qk_pair():
   check_roles(d, {**ATTENTION_ROLES, **MOE_ROLES})
 
 
+@pytest.mark.parametrize("moe", ["combined", "ragged"])
+def test_every_expert_matrix_is_found_however_the_experts_are_combined(moe):
+  """The down projection contracting its expert axis with the router's weights in one product
+  (HF OLMoE's einsum), and the grouped matmul of tokens sorted by expert (``lax.ragged_dot``,
+  EasyDeL's gpt-oss): the experts are gate, up and down all three."""
+  check_roles(found(dt.Arch(moe=moe)), {**ATTENTION_ROLES, **MOE_ROLES})
+
+
 def test_a_dense_mlp_and_a_narrower_shared_expert_pair_apart():
   d = found(DEEPSEEK)  # layer 0: mlp of F; layer 1: MoE and shared_experts of F / 2
   dense = dataclasses.replace(UP_DOWN, a="mlp/wi_1/kernel", b="mlp/wo/kernel")
@@ -340,3 +348,43 @@ def test_experts_and_layers_at_positions_0_and_1_with_qk_norm():
   assert scanned_deviation(MIXTRAL_SCANNED, list(d)) < 1e-5
   assert reasons(d)[("key/kernel", "query/kernel")] == MOOT
   check_roles(d, {**ATTENTION_ROLES, **MOE_ROLES})
+
+
+# Muon's matrices of each scanned kernel, by hand: (reduction, output) axes, the layer axis (1)
+# and the expert axis (0) batched; the router, embedding, LM head and norms to AdamW (absent).
+SCANNED_MATRICES = {
+  "self_attention/query/kernel": ((0,), (2, 3)),  # (d, L, heads, head_dim)
+  "self_attention/key/kernel": ((0,), (2, 3)),
+  "self_attention/value/kernel": ((0,), (2, 3)),
+  "self_attention/out/kernel": ((0, 2), (3,)),  # (heads, L, head_dim, d)
+}
+DENSE_MATRICES = {f"mlp/{n}/kernel": ((0,), (2,)) for n in ("wi_0", "wi_1", "wo")}  # (in, L, out)
+EXPERT_MATRICES = {f"MoeBlock_0/{n}": ((2,), (3,)) for n in ("wi_0", "wi_1", "wo")}  # (E, L, ..)
+
+
+def axes_of(axes) -> tuple[int, ...]:
+  return (axes,) if isinstance(axes, int) else tuple(axes)
+
+
+@needs_copy_axes
+@pytest.mark.parametrize(
+  "arch, want",
+  [
+    (LLAMA_SCANNED, {**SCANNED_MATRICES, **DENSE_MATRICES}),
+    (MIXTRAL_SCANNED, {**SCANNED_MATRICES, **EXPERT_MATRICES}),
+    # no up/down pair through ragged_dot: the expert axis from the roles alone
+    (dt.Arch(scan_axis=1, moe="ragged"), {**SCANNED_MATRICES, **EXPERT_MATRICES}),
+  ],
+)
+def test_muon_dimension_numbers_batch_the_layer_and_expert_axes_wherever_they_sit(arch, want):
+  """Every kernel's copy axes from the program (the axis the scan slices, an expert's expert
+  axis), the unpaired ones too (query and key under QK-norm)."""
+  params = dt.init(arch)
+  dims = found(arch).muon_dimension_numbers(params)
+  got = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    dn = functools.reduce(lambda t, k: t[k.key], path, dims)
+    if dn is not None:
+      name = "/".join(str(k.key) for k in path).removeprefix("decoder/layers/")
+      got[name] = tuple(tuple(sorted(a % x.ndim for a in axes_of(ax))) for ax in dn)
+  assert got == want

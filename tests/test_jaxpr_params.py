@@ -26,6 +26,8 @@ TAKE = jax.lax.GatherDimensionNumbers(
   offset_dims=(1, 2), collapsed_slice_dims=(0,), start_index_map=(0,)
 )
 
+RAGGED = jax.lax.RaggedDotDimensionNumbers((((1,), (1,)), ((), ())), (0,), (0,))
+
 # primitive -> (a function of X that emits it, the parameters as the function asked for them)
 READ_CASES = {
   "transpose": (lambda x: jnp.transpose(x, (2, 0, 1)), {"permutation": (2, 0, 1)}),
@@ -52,6 +54,10 @@ READ_CASES = {
   "gather": (  # jnp.take(x, idx, axis=0), as an MoE gathers its chosen experts
     lambda x: jax.lax.gather(x, jnp.zeros((5, 1), jnp.int32), TAKE, (1, 3, 4)),
     {"dimension_numbers": TAKE, "slice_sizes": (1, 3, 4)},
+  ),
+  "ragged_dot_general": (  # lax.ragged_dot: rows 0 | 1..3 through matrices x[0] | x[1]
+    lambda x: jax.lax.ragged_dot(x[0].T, x, jnp.array([1, 3], jnp.int32)),
+    {"ragged_dot_dimension_numbers": RAGGED},
   ),
 }
 
@@ -150,6 +156,11 @@ def test_call_bodies_are_found_and_take_the_inputs(prim):
 
 def test_other_equations_have_no_body():
   assert jaxpr_params.call_body(eqns_of(jnp.sin, X)["sin"]) is None
+
+
+def test_ragged_groups_are_the_right_operands_group_axes():
+  eqn = eqns_of(READ_CASES["ragged_dot_general"][0], X)["ragged_dot_general"]
+  assert jaxpr_params.ragged_groups(eqn) == (0,)
 
 
 def test_gather_reads_a_take():

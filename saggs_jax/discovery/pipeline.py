@@ -144,12 +144,8 @@ def discover(
       pairs += declarations.declare(analysis.units, analysis.names, analysis.shapes, insts, groups)
     else:
       rejections += [_rejection(analysis, i, reason) for i in insts]
-  return Discovery(
-    pairs,
-    declarations.rejected(rejections),
-    roles.roles(analysis, found.names, found.shapes, confirmed),
-    confirmation,
-  )
+  patterns, copies = roles.roles(analysis, found.names, found.shapes, confirmed)
+  return Discovery(pairs, declarations.rejected(rejections), patterns, confirmation, copies)
 
 
 class _Traced(NamedTuple):

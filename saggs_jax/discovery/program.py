@@ -5,7 +5,8 @@
 ``scan_stack`` of its ``ys``; a ``cond`` becomes every branch inlined and a
 ``select_n`` on the index; jax 0.12's ``unstack`` becomes the ``split`` and
 ``squeeze`` that older jaxes emit; a ``gather`` carries its dimension numbers read
-(``params["gather"]``). Nothing here knows what a primitive does; the equations'
+(``params["gather"]``), a ``ragged_dot_general`` its group axes
+(``params["ragged_groups"]``). Nothing here knows what a primitive does; the equations'
 parameters are read through :mod:`saggs_jax.jaxpr_params`.
 """
 
@@ -94,9 +95,11 @@ class Program:
         outs = self._inline(body[0], ins, body[1])
       else:
         jaxpr_params.check(eqn)
-        params = (
-          {**eqn.params, "gather": jaxpr_params.gather(eqn)} if name == "gather" else eqn.params
-        )
+        params = dict(eqn.params)
+        if name == "gather":
+          params["gather"] = jaxpr_params.gather(eqn)
+        elif name == "ragged_dot_general":
+          params["ragged_groups"] = jaxpr_params.ragged_groups(eqn)
         outs = self._emit(name, ins, [_shape(v) for v in eqn.outvars], params)
       env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]

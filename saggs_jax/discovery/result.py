@@ -49,7 +49,9 @@ class Discovery(collections.abc.Sequence):
   pairs were checked, one of :data:`CONFIRMATIONS`: ``"parameters"`` (on the given parameters
   and example inputs), ``"parameters, finite only"``, ``"reduced"`` (on a width-reduced copy
   of an abstract model), or ``"none"`` (the parameters were abstract: nothing is confirmed,
-  every candidate is in ``rejected``).
+  every candidate is in ``rejected``). ``copy_axes`` maps the path of every matrix of
+  ``roles`` that has copy axes to their positions, read from the program: the axes a scan
+  slices (layers, wherever they sit: MaxText's at 1) and an expert's expert axis.
   """
 
   def __init__(
@@ -58,11 +60,13 @@ class Discovery(collections.abc.Sequence):
     rejected: Sequence[Rejected] = (),
     roles: dict[str, tuple[str, ...]] | None = None,
     confirmation: str = "parameters",
+    copy_axes: dict[str, tuple[int, ...]] | None = None,
   ):
     if confirmation not in CONFIRMATIONS:
       raise ValueError(f"confirmation must be one of {list(CONFIRMATIONS)}, got {confirmation!r}.")
     self.pairs, self.rejected, self.roles = tuple(pairs), tuple(rejected), dict(roles or {})
     self.confirmation = confirmation
+    self.copy_axes = {path: tuple(axes) for path, axes in (copy_axes or {}).items()}
 
   def __getitem__(self, i):
     return self.pairs[i]
@@ -77,6 +81,7 @@ class Discovery(collections.abc.Sequence):
       and self.rejected == other.rejected
       and self.roles == other.roles
       and self.confirmation == other.confirmation
+      and self.copy_axes == other.copy_axes
     )
 
   def __repr__(self):
@@ -84,9 +89,10 @@ class Discovery(collections.abc.Sequence):
       return "".join(f"\n    {x!r}," for x in items) + ("\n" if items else "")
 
     roles = f", roles={self.roles!r}" if self.roles else ""
+    copies = f", copy_axes={self.copy_axes!r}" if self.copy_axes else ""
     return (
       f"Discovery(pairs=[{block(self.pairs)}], rejected=[{block(self.rejected)}]{roles},"
-      f" confirmation={self.confirmation!r})"
+      f" confirmation={self.confirmation!r}{copies})"
     )
 
   def report(self) -> str:
@@ -116,8 +122,9 @@ class Discovery(collections.abc.Sequence):
 
   def muon_dimension_numbers(self, params):
     """The ``optax.contrib.muon`` tree of ``MuonDimensionNumbers`` for the matrices of
-    :attr:`roles`, ``None`` elsewhere (see :func:`saggs_jax.equivariant.role_dimension_numbers`)."""
-    return role_dimension_numbers(params, self.roles)
+    :attr:`roles`, ``None`` elsewhere (see :func:`saggs_jax.equivariant.role_dimension_numbers`):
+    each kernel's :attr:`copy_axes` batched, its other axes its inputs and outputs."""
+    return role_dimension_numbers(params, self.roles, copy_axes=self.copy_axes)
 
 
 def _followers(pair: Pair) -> tuple[Spec, ...]:

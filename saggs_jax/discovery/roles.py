@@ -11,7 +11,9 @@ key), so each is read from the jaxpr:
   linear map that reads ``s . v``;
 * router: the linear map whose output (through a softmax, a bias) feeds ``top_k``;
 * experts: a matrix whose leading axis, as many as the router has outputs, indexes copies read
-  by a matmul that does not contract it (or is gathered by the router's choices, ``jnp.take``);
+  by a matmul that does not contract it (or is gathered by the router's choices, ``jnp.take``,
+  or groups a ``ragged_dot``'s rows, or is contracted against the expert axis another expert
+  matmul made: the down projection summing the weighted experts in one product);
 * embedding: a leaf gathered by indices that come from the inputs alone (token ids), not from
   the parameters (an expert bias gathered by the router's choices is none);
 * LM head: the linear map producing an output, through axis moves and bias sums;
@@ -50,6 +52,8 @@ ORDER = (
   "experts",
 )
 TOP_K = ("top_k", "approx_top_k")
+# the roles whose leaves are matrices per copy (Muon's; embedding and LM head are tables)
+MATRIX_ROLES = ("query", "key_value", "output", "gate_up", "down", "router", "experts")
 
 
 def _producers(prog: Program) -> dict[int, int]:
@@ -176,25 +180,79 @@ def routers(flow: Flow) -> tuple[set[int], set[int]]:
   return found, widths
 
 
-def experts(flow: Flow, widths: set[int]) -> set[int]:
-  """Matrices with a leading expert axis (one of ``widths`` long) that a matmul reads without
-  contracting it, or gathers by indices the parameters compute (a router's choices)."""
-  prog, found = flow.prog, set()
+def _lead(flow: Flow, leaf: int, view, widths: set[int]) -> int | None:
+  """The expert axis a matrix ``leaf`` may have: its first axis no scan slices, one of ``widths``
+  long, with two more after it."""
+  shape = flow.prog.shapes[flow.prog.leaf_ids[leaf]]
+  rest = [a for a in range(len(shape)) if a not in view.consumed]
+  return rest[0] if len(rest) >= 3 and shape[rest[0]] in widths else None
+
+
+def _carried(flow: Flow, seeds: dict[int, set[int]]) -> dict[int, set[int]]:
+  """Value -> its axes that hold an expert axis, forward from ``seeds`` (the outputs of the
+  expert matmuls) through axis moves, elementwise maps and the free and batch axes of products
+  (the routing weights')."""
+  prog, held = flow.prog, collections.defaultdict(set, seeds)
+  for eqn in prog.eqns[min((_producers(prog)[v] for v in seeds), default=len(prog.eqns)) :]:
+    for k, i in enumerate(eqn.ins):
+      if not held.get(i):
+        continue
+      rule = rule_of(eqn.prim)
+      if rule.identity:
+        held[eqn.outs[k]] |= held[i]
+      elif rule.axes is not None and (k == 0 or rule.joins):
+        moves = rule.axes(prog.shapes[i], prog.shapes[eqn.outs[0]], eqn.params)
+        held[eqn.outs[0]] |= {o for a in held[i] for o in moves[a]}
+      elif eqn.prim == "dot_general":
+        out = dot_out_axis(eqn.params["dimension_numbers"], [prog.shapes[j] for j in eqn.ins], k)
+        held[eqn.outs[0]] |= {out[a] for a in held[i] if a in out}
+      elif len(eqn.outs) == 1 and prog.shapes[eqn.outs[0]] == prog.shapes[i]:
+        held[eqn.outs[0]] |= held[i]
+  return held
+
+
+def experts(flow: Flow, widths: set[int]) -> dict[int, int]:
+  """Leaf -> its expert axis: a leading axis (one of ``widths`` long) of a matrix that indexes
+  copies, each its own map: a matmul reads it without contracting it, or it is gathered by
+  indices the parameters compute (a router's choices), or it is the group axis of a
+  ``ragged_dot`` (rows grouped by the router's counts), or a matmul contracts it against an
+  expert axis another expert matmul produced (the down projection summing the experts'
+  outputs, weighted by the router, in one product)."""
+  prog, found, seeds, later = flow.prog, {}, collections.defaultdict(set), []
   for leaf, uses in flow.uses.items():
     for use in uses:
       eqn, view = prog.eqns[use.eqn], use.view
-      shape = prog.shapes[prog.leaf_ids[leaf]]
-      rest = [a for a in range(len(shape)) if a not in view.consumed]  # not sliced by a scan
-      if len(rest) < 3 or shape[rest[0]] not in widths:
+      lead = _lead(flow, leaf, view, widths)
+      if lead is None:
         continue
-      lead = rest[0]
       axes = [a for a, held in enumerate(view.axes) if lead in held]
       if eqn.prim == "dot_general":
         (lc, rc), _ = eqn.params["dimension_numbers"]
         if axes and not set(axes) & set((lc, rc)[use.operand]):
-          found.add(leaf)
+          found[leaf] = lead
+          out = dot_out_axis(
+            eqn.params["dimension_numbers"], [prog.shapes[j] for j in eqn.ins], use.operand
+          )
+          seeds[eqn.outs[0]] |= {out[a] for a in axes}
+        elif axes:
+          later.append((leaf, lead, use, axes))
       elif eqn.prim == "gather" and use.operand == 0 and flow.dep[eqn.ins[1]]:
-        found.add(leaf)
+        found[leaf] = lead
+      elif (
+        eqn.prim == "ragged_dot_general"
+        and use.operand == 1
+        and flow.dep[eqn.ins[2]]
+        and set(axes) & set(eqn.params["ragged_groups"])
+      ):
+        found[leaf] = lead
+  held = _carried(flow, seeds)
+  for leaf, lead, use, axes in later:
+    eqn = prog.eqns[use.eqn]
+    contract = eqn.params["dimension_numbers"][0]
+    mine, theirs = contract[use.operand], contract[1 - use.operand]
+    partners = {theirs[mine.index(a)] for a in axes if a in mine}  # the other side's axes
+    if partners & held.get(eqn.ins[1 - use.operand], set()):
+      found[leaf] = lead
   return found
 
 
@@ -255,16 +313,25 @@ def roles(
   names: list[str],
   shapes: list[tuple[int, ...]],
   confirmed: list[list[Candidate]],
-) -> dict[str, tuple[str, ...]]:
+) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[int, ...]]]:
   """Role -> path patterns, as ``equivariant.symmetry_compatible(patterns=...)`` takes them:
   attention, router, experts, embedding and LM head from the jaxpr's structure; the MLP's
-  up/gate/down from the pairs found (stacked copies that no scan made: experts)."""
+  up/gate/down from the pairs found (stacked copies that no scan made: experts). And the copy
+  axes of each leaf of a matrix role that has some (path -> positions): the axes a scan slices
+  (layers, wherever they sit) and an expert's expert axis."""
   flow = analysis.flow
   fused = {u.leaf for u in analysis.units if u.part is not None}  # no one role for the leaf
   leaves = collections.defaultdict(set)
   router, widths = routers(flow)
   leaves["router"] = router
-  leaves["experts"] = experts(flow, widths)
+  expert_axes = experts(flow, widths)
+  leaves["experts"] = set(expert_axes)
+  # each leaf's copy axes: those a scan slices (layers), and an expert's expert axis
+  copied = collections.defaultdict(set)
+  for leaf, uses in flow.uses.items():
+    copied[leaf].update(a for u in uses for a in u.view.consumed)
+  for leaf, axis in expert_axes.items():
+    copied[leaf].add(axis)
   found = attention(flow)
   leaves["query"] = found["query"]
   leaves["key_value"] = found["key"] | found["value"]
@@ -289,6 +356,9 @@ def roles(
       found_roles = ("experts", "experts") if copies > scanned else _MLP[inst.name]
       for role, side in zip(found_roles, (a, b)):
         leaves[role].update(side)
+        if role == "experts":
+          for leaf in side:
+            copied[leaf].update(copy_axes(inst.stacked))
   matrices = {x for x in range(len(names)) if len(shapes[x]) >= 2 and x not in fused}
   taken = set()
   for role in ("router", "experts", "query", "key_value", "output", "gate_up", "down"):
@@ -296,4 +366,6 @@ def roles(
     taken |= leaves[role]
   leaves["embedding"] = {x for x in embeddings(flow) if len(shapes[x]) == 2} - taken
   leaves["lm_head"] = {x for x in heads(flow) if len(shapes[x]) == 2} - taken - leaves["embedding"]
-  return {r: _cover(names, {names[x] for x in leaves[r]}) for r in ORDER if leaves[r]}
+  patterns = {r: _cover(names, {names[x] for x in leaves[r]}) for r in ORDER if leaves[r]}
+  copies = {names[x]: tuple(sorted(copied[x])) for r in MATRIX_ROLES for x in leaves[r]}
+  return patterns, {n: c for n, c in sorted(copies.items()) if c}

@@ -86,7 +86,8 @@ def role_dimension_numbers(
   head_dim) query and (heads, layers, head_dim, emb) output do: each gets
   :func:`~saggs_jax.equivariant.dimension_numbers.dense_dimension_numbers`, the copy
   axes batched, the output and down projections producing their last axis and the
-  others reduced over their first.
+  others reduced over their first (a kernel whose copy axes are all but its last two, as
+  without ``copy_axes``: ``MuonDimensionNumbers(-2, -1)``).
 
   Example:
     >>> import jax.numpy as jnp
@@ -107,8 +108,10 @@ def role_dimension_numbers(
     def dims_of(role):
       def dims(path, shape):
         copy = copy_axes.get(path, ()) if isinstance(copy_axes, Mapping) else copy_axes
-        copy = range(copy) if isinstance(copy, int) else copy
-        return dense_dimension_numbers(len(shape), tuple(copy), reads=role not in _WRITES)
+        copy = tuple(range(copy) if isinstance(copy, int) else copy)
+        if copy == tuple(range(len(shape) - 2)):  # a Dense kernel, as without copy_axes
+          return ROLE_DIMENSION_NUMBERS[role]
+        return dense_dimension_numbers(len(shape), copy, reads=role not in _WRITES)
 
       return None if ROLE_DIMENSION_NUMBERS[role] is None else dims
 

@@ -91,14 +91,23 @@ def layerwise(
     >>> params = {"embed": {"embedding": jnp.ones((5, 4))}, "norm": {"scale": jnp.ones(4)}}
     >>> state = tx.init(params)
   """
-  entries = list(rules.items() if isinstance(rules, Mapping) else rules)
-  entries = [(as_patterns(pats), tx) for pats, tx in entries]
+  return _layerwise(list(rules.items() if isinstance(rules, Mapping) else rules), default, ())
+
+
+def _layerwise(rules, default, wins) -> optax.GradientTransformation:
+  """:func:`layerwise` on the ``(patterns, transformation)`` pairs ``rules``: those at indices
+  ``wins`` win over the others where both match (a role given in ``patterns`` over the
+  defaults: ``gpt-oss``'s ``experts/down_proj/kernel`` is an expert, not a ``down``), and
+  ``rule_i`` is the state of ``rules[i]``."""
+  entries = [(as_patterns(pats), tx) for pats, tx in rules]
+  wins = set(wins)
 
   def label(key_path, _):
     path = path_str(key_path)
     hits = [
       (p, i) for i, (pats, _) in enumerate(entries) for p in pats if match(p, path) is not None
     ]
+    hits = [h for h in hits if h[1] in wins] or hits
     if len(hits) > 1:
       raise ValueError(
         f"Parameter {path!r} is matched by several patterns: {[p for p, _ in hits]}."
@@ -278,7 +287,8 @@ def symmetry_compatible(
     rules: the rule of each role that has a choice (:class:`RoleRules`).
     stacked: hidden-layer parameters carry a leading layer axis (scan).
     patterns: per-role overrides of :data:`ROLE_PATTERNS`, e.g. ``discovery.roles``
-      of :func:`saggs_jax.discover`, which reads them from the model.
+      of :func:`saggs_jax.discover`, which reads them from the model. A parameter that
+      a role given here matches goes to that role, whatever default patterns match it too.
     learning_rates: per-role overrides of the learning rates.
     weight_decays: per-role overrides of the weight decays.
     beta: momentum decay of every rule.
@@ -431,9 +441,14 @@ def _stack(
     "experts": polar(-1, -2, experts) if preset.experts_transposed else polar(batch_axes=experts),
   }
   default = optax.adamw(lrs["adamw"], b2=preset.adamw_b2, weight_decay=wds["adamw"])
-  tx = layerwise([(roles[r], optimizer(rules[r], lrs[r], wds[r])) for r in roles], default)
+  given = set(c.patterns or ())  # a role given in patterns claims its leaves from the others
+  tx = _layerwise(
+    [(roles[r], optimizer(rules[r], lrs[r], wds[r])) for r in roles],
+    default,
+    [i for i, r in enumerate(roles) if r in given],
+  )
   optional = {"router", "experts"} | ({"lm_head"} if c.tie_embeddings else set())
-  return _routed(tx, roles, set(c.patterns or ()), optional, len(layer))
+  return _routed(tx, roles, given, optional, len(layer))
 
 
 def _routed(tx, roles, given, optional, stacked) -> optax.GradientTransformationExtraArgs:
