@@ -369,8 +369,8 @@ def maxtext(
   if glu and experts > 1:
     pairs.append(
       Pair(
-        p("MoeBlock_0/wi_1"),
-        p("MoeBlock_0/wo"),
+        _join(prefix, "MoeBlock_0/wi_1"),  # MaxText's experts are bare leaves, no kernel
+        _join(prefix, "MoeBlock_0/wo"),
         axes=(1, 0),
         stacked=expert,
         name="MoE wi_1/wo",
@@ -452,8 +452,8 @@ _MUON_LAYOUTS: dict[str, dict[tuple[str, ...], MuonDimensionNumbers]] = {
 # wins; the layer axis is then inserted at param_scan_axis (see _maxtext_muon).
 _MAXTEXT_EXCLUDED = frozenset({"scale", "bias", "embedding", "logits_dense"})
 _MAXTEXT_MATRICES: tuple[tuple[str, tuple[int, tuple[int, ...], tuple[int, ...]]], ...] = (
-  ("MoeBlock_0/wi_*/kernel", (3, (1,), (2,))),  # (experts, in, out): per expert
-  ("MoeBlock_0/wo/kernel", (3, (1,), (2,))),
+  ("MoeBlock_0/wi_*", (3, (1,), (2,))),  # (experts, in, out): per expert, bare leaves
+  ("MoeBlock_0/wo", (3, (1,), (2,))),
   ("self_attention*/out/kernel", (3, (0, 1), (2,))),  # (heads, head_dim, emb): one matrix
   *(
     (f"self_attention*/{name}/kernel", (3, (0,), (1, 2)))  # (in, heads, head_dim)

@@ -112,9 +112,9 @@ def moe_params(seed=0):
   del layers["mlp"]
   layers["MoeBlock_0"] = {
     "gate": {"kernel": mk(E, L, X)},
-    "wi_0": {"kernel": mk(X, L, E, M)},
-    "wi_1": {"kernel": mk(X, L, E, M)},
-    "wo": {"kernel": mk(X, L, M, E)},
+    "wi_0": mk(X, L, E, M),  # MaxText's experts are bare leaves
+    "wi_1": mk(X, L, E, M),
+    "wo": mk(X, L, M, E),
   }
   return params
 
@@ -135,9 +135,9 @@ def moe_forward(params, x):
       at["out"]["kernel"][:, i],
     )
     w = jax.nn.softmax(x @ moe["gate"]["kernel"][:, i], axis=-1)  # (b, t, experts)
-    up = jax.nn.silu(jnp.einsum("bte,xem->btxm", x, moe["wi_0"]["kernel"][:, i]))
-    up = up * jnp.einsum("bte,xem->btxm", x, moe["wi_1"]["kernel"][:, i])
-    x = x + jnp.einsum("btx,btxm,xme->bte", w, up, moe["wo"]["kernel"][:, i])
+    up = jax.nn.silu(jnp.einsum("bte,xem->btxm", x, moe["wi_0"][:, i]))
+    up = up * jnp.einsum("bte,xem->btxm", x, moe["wi_1"][:, i])
+    x = x + jnp.einsum("btx,btxm,xme->bte", w, up, moe["wo"][:, i])
   return x
 
 
@@ -145,9 +145,7 @@ def test_mixtral_experts_pair_per_expert_and_layer():
   params, pairs = moe_params(), saggs.presets.maxtext(_Config())
   assert [p.name for p in pairs][-1] == "MoE wi_1/wo" and pairs[-1].stacked == (0, 1)
   shapes = {k: v.shape for k, v in saggs.imbalance(params, pairs).items()}
-  assert shapes[
-    f"{'decoder/layers/MoeBlock_0/wi_1/kernel'}|decoder/layers/MoeBlock_0/wo/kernel"
-  ] == (X, L, M)
+  assert shapes[f"{'decoder/layers/MoeBlock_0/wi_1'}|decoder/layers/MoeBlock_0/wo"] == (X, L, M)
   assert_exact(moe_forward, params, pairs, batch())
 
 
@@ -235,9 +233,9 @@ def maxtext_shapes(scan_axis=1, moe=False):
   if moe:
     block["MoeBlock_0"] = {
       "gate": {"kernel": layer(D_E, D_X)},
-      "wi_0": {"kernel": experts(D_E, D_M)},
-      "wi_1": {"kernel": experts(D_E, D_M)},
-      "wo": {"kernel": experts(D_M, D_E)},
+      "wi_0": experts(D_E, D_M),
+      "wi_1": experts(D_E, D_M),
+      "wo": experts(D_M, D_E),
     }
   else:
     block["mlp"] = {n: {"kernel": layer(D_E, D_M)} for n in ("wi_0", "wi_1")}
@@ -266,9 +264,9 @@ MAXTEXT_MUON = {
   "mlp/wi_1/kernel": mdn((0,), (-1,)),
   "mlp/wo/kernel": mdn((0,), (-1,)),
   "MoeBlock_0/gate/kernel": mdn((0,), (-1,)),
-  "MoeBlock_0/wi_0/kernel": mdn((-2,), (-1,)),
-  "MoeBlock_0/wi_1/kernel": mdn((-2,), (-1,)),
-  "MoeBlock_0/wo/kernel": mdn((-2,), (-1,)),
+  "MoeBlock_0/wi_0": mdn((-2,), (-1,)),
+  "MoeBlock_0/wi_1": mdn((-2,), (-1,)),
+  "MoeBlock_0/wo": mdn((-2,), (-1,)),
   "decoder_norm/scale": None,
   "logits_dense/kernel": None,
   "embedding": None,
@@ -289,8 +287,9 @@ def flat(tree):
 
 
 def absolute(dims, ndim):
-  """``(reduction, output)`` as sorted non-negative axes."""
-  return tuple(tuple(sorted(a % ndim for a in axes)) for axes in dims)
+  """``(reduction, output)`` as sorted non-negative axes (an int is one axis)."""
+  as_tuple = lambda axes: axes if isinstance(axes, tuple) else (axes,)  # noqa: E731
+  return tuple(tuple(sorted(a % ndim for a in as_tuple(axes))) for axes in dims)
 
 
 @pytest.mark.parametrize("scan_axis, moe", [(1, False), (1, True), (None, False), (None, True)])
