@@ -14,7 +14,7 @@ standard library, trained with (built by ``harness.optimizers``, shared with the
 * ``stack``: ``saggs_jax.equivariant.symmetry_compatible`` with the model's
   heads: polar per attention head, row-norm embedding, centred row-norm LM
   head, row-aware SwiGLU gate/up, column-aware down, AdamW on the norms;
-* ``reference``: ``symmetry_compatible_reference``, Lau & Su's training
+* ``reference``: ``symmetry_compatible(preset="reference")``, Lau & Su's training
   scripts (Muon per head and on SwiGLU, row-norm embedding, centred row-norm
   LM head, their numerics) with their per-role rates, all scaled so that the
   hidden matrices get the swept rate (0.02 = the scripts' own) and AdamW gets

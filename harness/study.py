@@ -18,7 +18,7 @@ mean ± std, t-intervals, seeds in favour), and relative to the control as
   anything when there is nothing to balance?
 * ``optimizers`` (Lau & Su 2026): AdamW, ``optax.contrib.muon``, this
   library's symmetry-compatible stack and Lau & Su's own settings
-  (``symmetry_compatible_reference``), built by ``harness.optimizers``,
+  (``symmetry_compatible(preset="reference")``), built by ``harness.optimizers``,
   each tuned over the same multiplier grid around its default rate.
 
 Seeds. ``compare_optimizers``' default rates come from pilots on seeds 0-2;
