@@ -4,7 +4,7 @@ with ``param_scan_axis=0`` and unscanned.
 
 Every check of ``zoo_oracle.CHECKS``; the hand-written per-layer declarations
 (``stacked=(1,)``) balanced one layer at a time; ``saggs.presets.maxtext``; and discover's
-Muon dimension numbers against MaxText's own. Needs the third leg's venv
+Muon dimension numbers against MaxText's own. Needs .ci/zoo's venv
 (``.ci/zoo-requirements.txt``): skipped where MaxText is not installed.
 """
 
@@ -15,7 +15,7 @@ import optax
 import pytest
 
 pytestmark = [
-  pytest.mark.heavy,  # run by .ci/run's third leg (pytest -m heavy), not by default
+  pytest.mark.heavy,  # run by .ci/zoo (pytest -m heavy), not by default
   # MaxText 0.2.5 calls what jax 0.11.1 and flax 0.12.12 deprecate (jax.random's `sharding=`,
   # nnx.Rngs.fork's `split=`, `with mesh:`): MaxText's warnings, not ours
   pytest.mark.filterwarnings("ignore::DeprecationWarning"),

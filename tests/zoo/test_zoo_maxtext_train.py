@@ -1,7 +1,7 @@
 """MaxText 0.2.5's own train loop with SAGGS (``examples/maxtext_saggs.py``) on the tiny llama2
 of ``zoo_maxtext``: a few steps on synthetic data with a hard update every step leave every
 layer's pairs balanced, and MaxText's checkpointing saves the SAGGS chain state and restores
-it to continue. Needs the third leg's venv: skipped where MaxText is not installed."""
+it to continue. Needs .ci/zoo's venv: skipped where MaxText is not installed."""
 
 import os
 import sys
@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.heavy  # run by .ci/run's third leg (pytest -m heavy), not by default
+pytestmark = pytest.mark.heavy  # run by .ci/zoo (pytest -m heavy), not by default
 
 pytest.importorskip("maxtext", reason="MaxText is not installed: see .ci/zoo-requirements.txt")
 
