@@ -9,7 +9,7 @@ generation; it roughly halves the suite's compile time. The flags choose how
 the compiled HLO becomes machine code, not the HLO: what is computed and what
 is communicated are unchanged. XLA reads ``XLA_FLAGS`` once, at the first
 compile, so they are set here, before any, and the suite's subprocesses
-inherit them (see :func:`xla_env.cpu_env`).
+inherit them (see :func:`xla_env.cpu_env`), and the repository root on ``PYTHONPATH``.
 
 Many tests compile the same program (one optimizer over several checks, one
 model in several files), so each test process keeps a compilation cache, in a
@@ -18,6 +18,7 @@ cold. (Processes do not share one: JAX may read an entry another is writing.)
 """
 
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -28,6 +29,10 @@ from xla_env import FAST_COMPILE
 
 jax.config.update("jax_default_matmul_precision", "highest")
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+# pytest puts the repository root on sys.path (pyproject's pythonpath) for harness/; the
+# suite's subprocesses (workers, third-party checks) inherit it through PYTHONPATH.
+_ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 
 _cache = pytest.StashKey[str]()
 
