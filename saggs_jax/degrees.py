@@ -34,6 +34,11 @@ depends on the leaves' sizes (Adafactor factoring only large axes) is
 checked against its abstract state at full size and refused where the proxy
 differs from it.
 
+Values the optimizer closes over from a trace outside the probe (the hyperparameters
+``optax.inject_hyperparams`` around a whole chain turns into tracers of init and update)
+become inputs of the probe's program; they take :data:`HYPERPARAMETER` there, with gradients
+:data:`GRADIENT_SCALE` times larger so that an ``eps`` or a weight decay stays negligible.
+
 Results are kept per optimizer (weakly, by its ``update`` function) and proxy
 layout, so a chain's stages, its updates and ``canonicalize`` do not probe
 again; models that differ only in width share one proxy. Nothing of the
@@ -74,6 +79,19 @@ KEEP = 2
 
 GROUPS = 3
 """Groups a proxy keeps of each pair instance (factors alternate above and below 1)."""
+
+HYPERPARAMETER = 0.375
+"""The stand-in for a float value the optimizer closes over from a trace outside the probe (a
+rate, ``b1``, ``b2``, a decay, ``eps``, a weight decay that ``optax.inject_hyperparams`` around
+a whole chain makes tracers): in (0, 1) and away from both, as a decay rate must be for the
+moments it keeps to mix two steps; ints take 1. A degree is a property of the optimizer's
+structure, so any generic value reads it."""
+
+GRADIENT_SCALE = 2.0**16
+"""With such stand-ins the probe's gradients are scaled by this: an ``eps`` of
+:data:`HYPERPARAMETER` added to a moment, or a weight decay times the parameters added to the
+gradients, stays below the probe's rounding next to them (as the optimizer's own small
+values do at full size), while decay rates keep their weight."""
 
 FAST_COMPILE = {
   "xla_backend_optimization_level": 0,
@@ -294,8 +312,8 @@ def _alone(fn: Any) -> Any:
 def _probe(tx, spec, param_mult):
   """``probe(steps, seeds={})``: runs the history of ``steps`` updates from probe parameters
   with probe gradients, and the equivalent history (parameters times ``param_mult``,
-  gradients divided by it), and gives each float state leaf after both; None if the
-  optimizer closes over values traced outside it. ``seeds`` maps float leaves (by their
+  gradients divided by it), and gives each float state leaf after both; values the optimizer
+  closes over from a trace outside take stand-ins. ``seeds`` maps float leaves (by their
   index among them) to the values they start from on either side, in place of ``init``'s.
   Compiled once per set of seeded leaves."""
 
@@ -340,29 +358,58 @@ def _probe(tx, spec, param_mult):
     jax.tree.map(lambda x, m: both(x, m, -1), history, param_mult),
   )
   compiled = {}
+  options = FAST_COMPILE if jax.default_backend() == "cpu" else None
 
   def compile(seeds):
-    """Traced and compiled on its own (:func:`_alone`), for one device. XLA's cheapest code
-    generation: the program is tiny and runs a few times."""
+    """Traced and compiled on its own (:func:`_alone`), for one device, with XLA's cheapest
+    code generation (the program is tiny and runs a few times); and the scale of the
+    gradients it runs on."""
     args = jax.ShapeDtypeStruct((), jnp.int32), *inputs, seeds
 
     def build():
       traced = jax.jit(probe).trace(*args)
-      if len(traced.jaxpr.jaxpr.invars) != len(jax.tree.leaves(args)):
-        return None
-      return traced.lower().compile(FAST_COMPILE if jax.default_backend() == "cpu" else None)
+      closed = traced.jaxpr
+      extra = closed.jaxpr.invars[: len(closed.jaxpr.invars) - len(jax.tree.leaves(args))]
+      if not extra:
+        return traced.lower().compile(options), 1.0
+      # Values the optimizer closes over from a trace outside (the hyperparameters that
+      # optax.inject_hyperparams around a whole chain makes tracers) lead the jaxpr's
+      # inputs: bound to stand-ins (see HYPERPARAMETER), as a degree does not depend on them.
+      stand_ins = [_stand_in(v.aval) for v in extra]
+      evaluate = jax.extend.core.jaxpr_as_fun(closed)
+      out = jax.tree.structure(traced.out_info)
+      run = jax.jit(lambda *flat: out.unflatten(evaluate(*stand_ins, *flat)))
+      flat = run.trace(*jax.tree.leaves(args)).lower().compile(options)
+      return (lambda *a: flat(*jax.tree.leaves(a))), GRADIENT_SCALE
 
     return _alone(build)
+
+  compiled[()], scale = compile({})
+  grads = jax.tree.map(
+    lambda g: (g * scale).astype(g.dtype) if paths.is_parameter(g) else g, inputs[1]
+  )
 
   def run(steps, seeds=None):
     seeds = seeds or {}
     key = tuple(sorted(seeds))
     if key not in compiled:
-      compiled[key] = compile(seeds)
-    return compiled[key](np.int32(steps), *inputs, seeds)
+      compiled[key] = compile(seeds)[0]
+    return compiled[key](np.int32(steps), inputs[0], grads, seeds)
 
-  compiled[()] = compile({})
-  return None if compiled[()] is None else run
+  return run
+
+
+def _stand_in(aval) -> np.ndarray:
+  """The value a hyperparameter traced outside the probe takes in it (see HYPERPARAMETER)."""
+  dtype = np.dtype(aval.dtype)
+  if not (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_):
+    raise TypeError(
+      f"Cannot measure transport degrees: the optimizer closes over a {aval} traced outside"
+      " it (a saggs.chain built inside a transformation that traces it), for which the probe"
+      " has no stand-in. Build the chain outside, or pass that value as a number."
+    )
+  value = HYPERPARAMETER if jnp.issubdtype(dtype, jnp.inexact) else 1
+  return np.full(aval.shape, value, dtype)
 
 
 def _fits(state, moved, mult, registered) -> tuple[np.ndarray, bool]:
@@ -455,10 +502,7 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
   except TypeError:  # not weakly referable (a bound method, a callable object): no cache
     known = {}
   if layout not in known:
-    found = _decide(tx, spec, small)
-    if found is None:
-      return None
-    known[layout] = found
+    known[layout] = _decide(tx, spec, small)
   return jax.tree.structure(state).unflatten(known[layout])
 
 
@@ -467,19 +511,6 @@ def _decide(tx, spec, small):
   state = jax.eval_shape(tx.init, spec)
   param_mult, mults, registered = _multipliers(small, spec, state)
   probe = _probe(tx, spec, param_mult)
-  if probe is None:
-    # The optimizer closes over values traced outside, as when optax.inject_hyperparams
-    # wraps a whole saggs.chain (its hyperparameters are then tracers in init and update).
-    warnings.warn(
-      "saggs_jax could not measure the transport degrees of this optimizer: it depends on"
-      " values traced outside it (a saggs.chain built inside optax.inject_hyperparams?), so"
-      " its states move by their registered degrees, which are wrong for adamax's nu or a"
-      " trace after a normaliser. Put inject_hyperparams inside the chain:"
-      " saggs.chain(optax.inject_hyperparams(optax.adamw)(...), saggs.saggs(pairs)).",
-      UserWarning,
-      stacklevel=5,
-    )
-    return None
   leaves = jax.tree_util.tree_flatten_with_path(state)[0]
   floats = [n for n, (_, x) in enumerate(leaves) if paths.is_parameter(x)]
   decided: dict[int, Any] = {n: AS_REGISTERED for n in range(len(leaves)) if n not in floats}

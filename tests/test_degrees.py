@@ -368,14 +368,61 @@ def test_chain_steps_from_the_equivalent_history(name):
   assert_close(inner, want, name)
 
 
-def test_chain_inside_inject_hyperparams_warns_that_it_cannot_measure():
-  """inject_hyperparams around a whole chain makes its rate a tracer of the jitted init, which
-  the probe cannot evaluate: the registered degrees are used, and it says so."""
-  tx = optax.inject_hyperparams(
-    lambda learning_rate: saggs.chain(optax.adamax(learning_rate), saggs.saggs(GROUPED))
-  )(learning_rate=1e-2)
-  with pytest.warns(UserWarning, match="could not measure the transport degrees"):
-    jax.jit(tx.init)(PARAMS)
+INJECTED = {  # optimizer, pairs, hyperparameters injected besides the rate
+  "adamax": (optax.adamax, GROUPED, {}),
+  "adam": (optax.adam, GROUPED, {}),
+  "rmsprop_centered_momentum": (
+    lambda learning_rate: optax.rmsprop(learning_rate, centered=True, momentum=0.9),
+    GROUPED,
+    {},
+  ),
+  "lars_per_tensor": (optax.lars, PER_TENSOR, {}),
+  "adamax_every_hyperparameter": (optax.adamax, GROUPED, {"b1": 0.8, "b2": 0.99, "eps": 1e-7}),
+  "rmsprop_every_hyperparameter": (
+    functools.partial(optax.rmsprop, centered=True),
+    GROUPED,
+    {"decay": 0.8, "eps": 1e-7, "momentum": 0.9},
+  ),
+  "lars_every_hyperparameter": (
+    optax.lars,
+    PER_TENSOR,
+    {"weight_decay": 0.0, "trust_coefficient": 0.01, "eps": 1e-9, "momentum": 0.8},
+  ),
+}
+
+
+@pytest.mark.parametrize("rate", ["constant", "schedule"])
+@pytest.mark.parametrize("name", list(INJECTED))
+def test_chain_inside_inject_hyperparams_steps_from_the_equivalent_history(name, rate):
+  """inject_hyperparams around a whole chain makes its hyperparameters tracers of the jitted
+  init and update: the degrees are still measured (adamax's nu has degree 1, the traces of
+  rmsprop and lars other than registered), silently, and one jitted update reaches the state
+  of the equivalent history."""
+  build, pairs, extra = INJECTED[name]
+  learning_rate = 1e-2 if rate == "constant" else optax.linear_schedule(1e-2, 1e-3, 10)
+  hyperparameters = {"learning_rate": learning_rate, **extra}
+  signature = inspect.Signature(
+    [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in hyperparameters]
+  )
+
+  def injected(factory):  # inject_hyperparams reads the names of the factory's parameters
+    factory.__signature__ = signature
+    return optax.inject_hyperparams(factory)(**hyperparameters)
+
+  tx = injected(lambda **h: saggs.chain(build(**h), saggs.saggs(pairs)))
+  alone = injected(lambda **h: build(**h))
+  history = _history(alone)(PARAMS, GRADS)
+  start = history._replace(
+    inner_state=(history.inner_state, jax.jit(tx.init)(PARAMS).inner_state[1])
+  )
+  last = away_from_zero(4)
+  new = jax.jit(tx.update)(last, start, PARAMS)[1]
+  c = np.asarray(new.inner_state[1].factors["q|k"], np.float64)
+  c = c if pairs is PER_TENSOR else np.repeat(c, 2)
+  mults = {"q": c, "k": 1 / c, "b": c}
+  want = _history(alone)(moved(PARAMS, mults, -1), [moved(g, mults, 1) for g in GRADS + [last]])
+  assert np.all(np.abs(np.log(c)) > 0.1)  # the balancing moves every group
+  assert_close(new.inner_state[0], want.inner_state, name)
 
 
 # Where a two-step probe saw a leaf still at zero and took the registered degree: a
