@@ -55,6 +55,7 @@ import weakref
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -14,8 +14,8 @@ optimizer), so ``_replace``, ``copy`` and optax's wrappers keep them. The
 wrapper form ``saggs(inner, pairs, ...)`` (:func:`wrap`) is ``chain(inner,
 stage)`` with its state as ``SymmetryState(inner_state, stage_state)``. Each
 update resolves a stage's pairs once and passes the plan down; nothing is kept
-between calls but the shapes ``init`` saw outside ``shard_map`` (see
-:func:`scale_by_saggs`), against which a ``shard_map`` update checks its shards.
+between calls: the shapes ``init`` saw outside ``shard_map``, against which a
+``shard_map`` update checks its shards, travel in the state (:class:`GlobalShapes`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,24 @@ from saggs_jax.transport import NESTED, register_transport, transport
 from saggs_jax.validation import check_number
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class GlobalShapes:
+  """The shapes of the parameters ``init`` saw outside ``shard_map`` (None inside it), against
+  which an update inside ``shard_map`` checks that its shards hold whole groups. A pytree
+  without leaves: static, so it costs nothing, is the same in every update's trace and goes
+  with the state wherever the state goes (a restored one, another instance of the optimizer).
+
+  Attributes:
+    shapes: ``(path, shape)`` per parameter leaf, or None where ``init`` saw shards.
+  """
+
+  shapes: tuple[tuple[str, tuple[int, ...]], ...] | None = None
+
+  def get(self, path: str) -> tuple[int, ...] | None:
+    return dict(self.shapes or ()).get(path)
+
+
 class SaggsState(NamedTuple):
   """State of a SAGGS stage.
 
@@ -56,6 +74,8 @@ class SaggsState(NamedTuple):
       iteration cap and the pairs are not exactly balanced. 0 without overlaps
       and on updates that do not balance. Read on the host; the update never
       syncs on it.
+    global_shapes: the parameters' shapes as ``init`` saw them (:class:`GlobalShapes`, no
+      array); a leaf for ``optax.tree.map_params``' placeholder parameters.
 
   Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
@@ -70,6 +90,7 @@ class SaggsState(NamedTuple):
   step: jax.Array
   factors: Factors | jax.Array  # a placeholder array when init sees no parameters
   residual: jax.Array
+  global_shapes: GlobalShapes | jax.Array = GlobalShapes()
 
   @property
   def count(self) -> jax.Array:
@@ -242,7 +263,7 @@ def _check_whole_groups(plan, global_shapes, axis_name) -> None:
   """Inside ``shard_map`` a pair is resolved on each device's shard. Declared ``groups``
   along an axis that the shards split would resolve there to smaller groups (and the
   psum over ``axis_name`` would add different groups together): refuse it. The global
-  shapes are those ``init`` saw outside ``shard_map``; without them, a psum over
+  shapes are those ``init`` saw outside ``shard_map``, from the state; without them, a psum over
   ``axis_name`` could add pieces of different groups, and nothing inside ``shard_map``
   says which axes the shards split: refuse that too."""
   if not jax.sharding.get_abstract_mesh().manual_axes:
@@ -349,10 +370,6 @@ def scale_by_saggs(
   _check_axis_name(axis_name)
   check_number("strength", strength, lambda s: 0 < s <= 1, "in (0, 1]", integer=False)
   check_number("every", every, lambda k: k >= 1, ">= 1", integer=True)
-  # The one record kept: the shapes init saw outside shard_map, which an update inside it
-  # checks its shards against (_check_whole_groups). A state cannot carry them: a static
-  # part of it would differ from the one optax.tree.map_params' placeholder init makes.
-  global_shapes: dict[str, tuple[int, ...]] = {}
 
   def factors_of(plan, params, axis_name=axis_name):
     return compute_factors(plan, params, strength, axis_name)
@@ -377,26 +394,27 @@ def scale_by_saggs(
     return jax.tree.map(replicated, factors)  # else XLA may shard them, then gather each update
 
   def init(params):  # may run outside shard_map: no axis to sum over
-    step = jnp.zeros([], jnp.int32)
-    if not jax.sharding.get_abstract_mesh().manual_axes:
-      global_shapes.update((p, tuple(x.shape)) for p, x in paths.leaves_with_paths(params))
+    step, zero = jnp.zeros([], jnp.int32), jnp.zeros([], jnp.float32)
     if not jax.tree.leaves(params):
       # optax.tree.map_params traces init on a leafless placeholder for the params to
-      # find the params-shaped parts of a state; the factors are not one of them.
-      return SaggsState(step, jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32))
+      # find the params-shaped parts of a state; a leaf here stands for any subtree there.
+      return SaggsState(step, jnp.ones([], jnp.float32), zero, zero)
+    shapes = None
+    if not jax.sharding.get_abstract_mesh().manual_axes:
+      shapes = tuple((p, tuple(x.shape)) for p, x in paths.leaves_with_paths(params))
     plan = resolve(pairs, params)
     if any(is_explicit(x) for x in jax.tree.leaves(params)):  # their sharding comes from tracing
       fn = lambda p: factors_of(plan, p, axis_name=None)  # noqa: E731
-      return SaggsState(step, *_no_balancing(fn, params))
+      return SaggsState(step, *_no_balancing(fn, params), GlobalShapes(shapes))
     # Else their type is the plan's: float32 factors of each instance's factor_shape, the
     # ones _no_balancing would find by tracing the norms of every leaf at full size.
     factors = {i.key: jnp.ones(i.factor_shape, jnp.float32) for i in plan.instances}
-    return SaggsState(step, factors, jnp.zeros([], jnp.float32))
+    return SaggsState(step, factors, zero, GlobalShapes(shapes))
 
   def around(prior, grads, state, prior_states, params, plan, degrees=None, **extra_args):
     del extra_args  # the stages before it receive them through prior
     _check_global(axis_name)
-    _check_whole_groups(plan, global_shapes, axis_name)
+    _check_whole_groups(plan, state.global_shapes, axis_name)
     step = jnp.asarray(optax.safe_increment(state.step))
     factors, residual = scheduled_factors(plan, step, params)
     shared = Shared(factors)  # the same multipliers for parameters, gradients and moments
@@ -407,7 +425,7 @@ def scale_by_saggs(
       balanced,
     )
     updates = land_on(params, updates, optax.apply_updates(balanced, updates), plan, shared)
-    return updates, SaggsState(step, factors, residual), prior_states
+    return updates, SaggsState(step, factors, residual, state.global_shapes), prior_states
 
   name = "saggs_jax.saggs" if strength == 1 else "saggs_jax.soft"
   return symmetry_stage(Stage(name, pairs, init, around))

@@ -5,8 +5,9 @@ when every shard holds a slice of every group, refused when the shards split the
 Split by rows, each group's norm is the psum of its 8 shards' partial norms; split by
 columns (``P(None, "m")``), each group spans 4 shards of 2 columns, which a device cannot
 tell from its own (8, 2) shard: it would balance each column pair as 2 groups and the psum
-would add columns of both groups. XLA fixes the device count when JAX starts, so the checks
-run in a fresh interpreter.
+would add columns of both groups. The global shapes travel in the state, so a state made by
+another instance of the optimizer (a restored one) is checked alike. XLA fixes the device
+count when JAX starts, so the checks run in a fresh interpreter.
 """
 
 import subprocess
@@ -28,8 +29,11 @@ SCRIPT = textwrap.dedent(r"""
               "k": rng.standard_normal((8, 16)).astype(np.float32)}
     pairs = [saggs.Pair("q", "k", axes=(1, 1), groups=2)]
 
-    def balance(spec, init_outside):  # a fresh optimizer: nothing seen by another run
-      tx = saggs.chain(optax.sgd(0.0), saggs.saggs(pairs, axis_name="m"))
+    def make():
+      return saggs.chain(optax.sgd(0.0), saggs.saggs(pairs, axis_name="m"))
+
+    def balance(spec, init_outside, restored=False):  # a fresh optimizer for each run
+      tx = make()
       specs = {"q": spec, "k": spec}
       put = {k: jax.device_put(v, NamedSharding(mesh, spec)) for k, v in params.items()}
 
@@ -38,7 +42,7 @@ SCRIPT = textwrap.dedent(r"""
         return optax.apply_updates(p, tx.update(p, state, p)[0])
 
       if init_outside:
-        state = jax.jit(tx.init)(put)
+        state = jax.jit((make() if restored else tx).init)(put)  # restored: another's state
         state_specs = jax.tree.map(lambda x: P(*[None] * x.ndim), state)
         fn = jax.shard_map(step, mesh=mesh, in_specs=(specs, state_specs), out_specs=specs)
         return jax.jit(fn)(put, state)
@@ -53,13 +57,18 @@ SCRIPT = textwrap.dedent(r"""
       np.testing.assert_allclose(np.asarray(got[n]), want[n], rtol=1e-5, err_msg=n)
     print("ROWS OK")
 
-    for init_outside, says in ((True, "shard_map splits"), (False, "axis_name='m' sums")):
+    for init_outside, restored, says in (
+      (True, False, "shard_map splits"),
+      (True, True, "shard_map splits"),
+      (False, False, "axis_name='m' sums"),
+    ):
+      what = f"COLUMNS init_outside={init_outside} restored={restored}"
       try:
-        balance(P(None, "m"), init_outside)
-        print(f"COLUMNS init_outside={init_outside}: balanced silently")
+        balance(P(None, "m"), init_outside, restored)
+        print(f"{what}: balanced silently")
       except ValueError as e:
         ok = all(s in str(e) for s in ("groups=2", "'q'", says))
-        print(f"COLUMNS init_outside={init_outside}: {'refused' if ok else e}")
+        print(f"{what}: {'refused' if ok else e}")
 """)
 
 
@@ -70,6 +79,7 @@ def test_gqa_groups_inside_shard_map_balance_across_shards_or_are_refused():
   assert result.returncode == 0, result.stderr[-4000:]
   assert result.stdout.splitlines() == [
     "ROWS OK",
-    "COLUMNS init_outside=True: refused",
-    "COLUMNS init_outside=False: refused",
+    "COLUMNS init_outside=True restored=False: refused",
+    "COLUMNS init_outside=True restored=True: refused",
+    "COLUMNS init_outside=False restored=False: refused",
   ], result.stdout

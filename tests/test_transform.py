@@ -867,7 +867,7 @@ def test_optax_map_params_maps_the_moments_not_the_factors():
   )
   assert set(jax.tree.leaves(marked[0][0].mu)) == {"param"}
   assert set(jax.tree.leaves(marked[0][0].nu)) == {"param"}
-  assert jax.tree.leaves(marked[1]) == ["other", "other", "other"]  # step, factors, residual
+  assert jax.tree.leaves(marked[1]) == ["other"] * 4  # step, factors, residual, global_shapes
 
 
 # --- inside a plain optax.chain ------------------------------------------------------
