@@ -179,6 +179,18 @@ def proxy(plan: Plan) -> Plan:
     path: [_kept(n, a, plan.slots.get(path, ()), groups) for a, n in enumerate(shape)]
     for path, shape in plan.shapes.items()
   }
+  # An undeclared leaf is cut along each axis as the grouped axes of its length are (the most
+  # entries any keeps): the inner optimizer may tie it to a declared leaf (a row-aware rule
+  # treats an undeclared gate_proj and a declared up_proj as one neuron's vector).
+  grouped: dict[int, np.ndarray] = {}
+  for path, found in plan.slots.items():
+    for axis in {s.axis for s in found if s.axis is not None}:
+      n, k = plan.shapes[path][axis], kept[path][axis]
+      if len(k) > len(grouped.get(n, ())):
+        grouped[n] = k
+  for path, shape in plan.shapes.items():
+    if not plan.slots.get(path):
+      kept[path] = [grouped.get(n, k) for n, k in zip(shape, kept[path])]
 
   def span(path, block):
     if block is None:

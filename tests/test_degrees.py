@@ -24,7 +24,9 @@ import optax
 import optax.contrib
 import pytest
 
+import models
 import saggs_jax as saggs
+from saggs_jax import equivariant as eqv
 
 rng = np.random.default_rng(0)
 PARAMS = {
@@ -423,6 +425,41 @@ def test_chain_inside_inject_hyperparams_steps_from_the_equivalent_history(name,
   want = _history(alone)(moved(PARAMS, mults, -1), [moved(g, mults, 1) for g in GRADS + [last]])
   assert np.all(np.abs(np.log(c)) > 0.1)  # the balancing moves every group
   assert_close(new.inner_state[0], want.inner_state, name)
+
+
+def test_symmetry_compatible_stack_before_llama_pairs_steps_from_the_equivalent_history():
+  """The stack ties an undeclared gate_proj to the declared up_proj (one neuron's vector in the
+  row-aware rule): the proxy cuts them alike, so the chain inits, and one jitted update
+  reaches the state of the equivalent history (multipliers per KV head and per channel,
+  spelled out here from the factors)."""
+  params, pairs = models.llama_init(0), models.llama_pairs()
+  opt = eqv.symmetry_compatible(
+    1e-2, num_heads=4, num_kv_heads=2, newton_schulz=eqv.NewtonSchulz(steps=3)
+  )
+  tx = saggs.chain(opt, saggs.saggs(pairs))
+  grads = [models.random_like(params, seed) for seed in (1, 2)]
+  last = models.random_like(params, 3)
+  history = _history(opt)
+  _, (inner, balancing) = jax.jit(tx.update)(
+    last, (history(params, grads), tx.init(params)[1]), params
+  )
+  leaves = models.leaf_dict(params)
+  mults = {}  # path -> the multiplier of each entry, broadcast along the leaf's group axis
+  for key, c in balancing.factors.items():
+    path_a, path_b = key.split("|")
+    (pair,) = [p for p in pairs if path_a.endswith(p.a)]
+    for path, axis, power in ((path_a, pair.axes[0], 1), (path_b, pair.axes[1], -1)):
+      m = np.repeat(np.asarray(c, np.float64) ** power, leaves[path].shape[axis] // c.shape[0])
+      mults[path] = m.reshape((-1,) + (1,) * (1 - axis))
+
+  def moved(tree, k):
+    return jax.tree_util.tree_map_with_path(
+      lambda kp, x: x * mults.get("/".join(str(q.key) for q in kp), 1.0) ** -k, tree
+    )
+
+  assert len(mults) == 12 and all(np.ptp(np.log(m)) > 0 for m in mults.values())
+  want = history(moved(params, -1), [moved(g, 1) for g in grads + [last]])
+  assert_close(inner, want, "symmetry_compatible")
 
 
 # Where a two-step probe saw a leaf still at zero and took the registered degree: a
