@@ -154,7 +154,8 @@ def _kept(n: int, axis: int, slots: tuple[Slot, ...], groups: dict[str, int]) ->
 def proxy(plan: Plan) -> Plan:
   """A small plan with the layout of ``plan``: same paths, ranks, pairs and slots, every
   axis cut by :func:`_kept` (each instance to :data:`GROUPS` groups of at most :data:`KEEP`
-  entries, stacked axes to :data:`KEEP` copies, other axes to :data:`KEEP` entries).
+  entries, stacked axes to :data:`KEEP` copies, other axes to :data:`KEEP` entries); an
+  undeclared leaf's axes as the grouped axes of their length, if any.
 
   Raises:
     TypeError: a layout whose cut leaves some slot with unequal groups (a group axis cut
