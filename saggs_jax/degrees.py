@@ -37,7 +37,9 @@ differs from it.
 Values the optimizer closes over from a trace outside the probe (the hyperparameters
 ``optax.inject_hyperparams`` around a whole chain turns into tracers of init and update)
 become inputs of the probe's program; they take :data:`HYPERPARAMETER` there, with gradients
-:data:`GRADIENT_SCALE` times larger so that an ``eps`` or a weight decay stays negligible.
+:data:`GRADIENT_SCALE` times larger so that an ``eps`` or a weight decay stays negligible;
+the degrees must also hold with gradients of the stand-ins' size, since whether such a value
+is negligible depends on its real size, which a tracer does not tell (else a TypeError).
 
 Results are kept per optimizer (weakly, by its ``update`` function) and proxy
 layout, so a chain's stages, its updates and ``canonicalize`` do not probe
@@ -323,7 +325,7 @@ def _alone(fn: Any) -> Any:
     return thread.submit(fn).result()
 
 
-def _probe(tx, spec, param_mult):
+def _probe(tx, spec, param_mult, outer_scale=GRADIENT_SCALE):
   """``probe(steps, seeds={})``: runs the history of ``steps`` updates from probe parameters
   with probe gradients, and the equivalent history (parameters times ``param_mult``,
   gradients divided by it), and gives each float state leaf after both; values the optimizer
@@ -394,7 +396,7 @@ def _probe(tx, spec, param_mult):
       out = jax.tree.structure(traced.out_info)
       run = jax.jit(lambda *flat: out.unflatten(evaluate(*stand_ins, *flat)))
       flat = run.trace(*jax.tree.leaves(args)).lower().compile(options)
-      return (lambda *a: flat(*jax.tree.leaves(a))), GRADIENT_SCALE
+      return (lambda *a: flat(*jax.tree.leaves(a))), outer_scale
 
     return _alone(build)
 
@@ -410,6 +412,7 @@ def _probe(tx, spec, param_mult):
       compiled[key] = compile(seeds)[0]
     return compiled[key](np.int32(steps), inputs[0], grads, seeds)
 
+  run.outer = scale != 1.0  # type: ignore[attr-defined]
   return run
 
 
@@ -516,15 +519,35 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
   except TypeError:  # not weakly referable (a bound method, a callable object): no cache
     known = {}
   if layout not in known:
-    known[layout] = _decide(tx, spec, small)
+    found, outer = _decide(tx, spec, small)
+    if outer:
+      # Stand-ins small next to the gradients (an eps) read the degrees; whether a value
+      # added to a moment or to the gradients is negligible depends on its real size, which
+      # a tracer does not tell: the same degrees must hold next to gradients of its size.
+      try:
+        plain = _decide(tx, spec, small, outer_scale=1.0)[0]
+      except TypeError:
+        plain = None
+      if plain != found:
+        raise TypeError(
+          f"Cannot measure the transport degrees of {type(state).__name__}: it closes over"
+          " values traced outside it (optax.inject_hyperparams around the whole chain), and"
+          " whether its state transports depends on their size (an eps inside a normaliser"
+          " or a trust ratio, a weight decay before a moment), which a tracer does not tell."
+          " Pass those hyperparameters as numbers (inject_hyperparams(...,"
+          " static_args=(...))), or put inject_hyperparams inside the chain."
+        )
+    known[layout] = found
   return jax.tree.structure(state).unflatten(known[layout])
 
 
-def _decide(tx, spec, small):
-  """The degree of each state leaf of the proxy, in flatten order (see :func:`measure`)."""
+def _decide(tx, spec, small, outer_scale=GRADIENT_SCALE):
+  """The degree of each state leaf of the proxy, in flatten order (see :func:`measure`), and
+  whether the optimizer closes over values traced outside (probed with stand-ins, the
+  gradients scaled by ``outer_scale``)."""
   state = jax.eval_shape(tx.init, spec)
   param_mult, mults, registered = _multipliers(small, spec, state)
-  probe = _probe(tx, spec, param_mult)
+  probe = _probe(tx, spec, param_mult, outer_scale)
   leaves = jax.tree_util.tree_flatten_with_path(state)[0]
   floats = [n for n, (_, x) in enumerate(leaves) if paths.is_parameter(x)]
   decided: dict[int, Any] = {n: AS_REGISTERED for n in range(len(leaves)) if n not in floats}
@@ -550,7 +573,7 @@ def _decide(tx, spec, small):
           " tensor (axes=None) when a per-tensor norm is the cause."
         )
     if len(decided) == len(leaves):
-      return [decided[n] for n in range(len(leaves))]
+      return [decided[n] for n in range(len(leaves))], probe.outer
   pending = [i for i, n in enumerate(floats) if n not in decided]
   unchecked = []
   seeded = _seeded(probe, pending, [mults[i] for i in pending], [registered[i] for i in pending])
@@ -582,7 +605,7 @@ def _decide(tx, spec, small):
       UserWarning,
       stacklevel=4,
     )
-  return [decided[n] for n in range(len(leaves))]
+  return [decided[n] for n in range(len(leaves))], probe.outer
 
 
 def _seeded(probe, pending: list[int], mults: list, registered: list) -> dict[int, tuple]:

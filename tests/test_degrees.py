@@ -379,18 +379,57 @@ INJECTED = {  # optimizer, pairs, hyperparameters injected besides the rate
     {},
   ),
   "lars_per_tensor": (optax.lars, PER_TENSOR, {}),
-  "adamax_every_hyperparameter": (optax.adamax, GROUPED, {"b1": 0.8, "b2": 0.99, "eps": 1e-7}),
-  "rmsprop_every_hyperparameter": (
+  "adamax_decays": (optax.adamax, GROUPED, {"b1": 0.8, "b2": 0.99}),
+  "rmsprop_decays": (
     functools.partial(optax.rmsprop, centered=True),
     GROUPED,
-    {"decay": 0.8, "eps": 1e-7, "momentum": 0.9},
+    {"decay": 0.8, "momentum": 0.9},
   ),
-  "lars_every_hyperparameter": (
-    optax.lars,
-    PER_TENSOR,
-    {"weight_decay": 0.0, "trust_coefficient": 0.01, "eps": 1e-9, "momentum": 0.8},
+  "lars_momentum": (optax.lars, PER_TENSOR, {"trust_coefficient": 0.01, "momentum": 0.8}),
+}
+# Injected values whose size decides whether the state transports (an eps inside a normaliser,
+# a trust ratio or adamax's max, a weight decay before a moment): a tracer does not tell it.
+SIZE_DEPENDENT = {
+  "adamax_eps": (optax.adamax, GROUPED, {"eps": 1e-7}),
+  "rmsprop_eps": (
+    functools.partial(optax.rmsprop, centered=True, momentum=0.9),
+    GROUPED,
+    {"eps": 1e-7},
+  ),
+  "lars_eps": (optax.lars, PER_TENSOR, {"eps": 1e-9}),
+  "weight_decay_before_adam": (
+    lambda learning_rate, weight_decay: optax.chain(
+      optax.add_decayed_weights(weight_decay), optax.adam(learning_rate)
+    ),
+    GROUPED,
+    {"weight_decay": 0.1},
   ),
 }
+
+
+def _injected(build, pairs, hyperparameters):
+  """``inject_hyperparams`` around ``saggs.chain(build(**hyperparameters), saggs(pairs))``, and
+  around ``build`` alone (inject_hyperparams reads the names of the factory's parameters)."""
+  signature = inspect.Signature(
+    [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in hyperparameters]
+  )
+
+  def injected(factory):
+    factory.__signature__ = signature
+    return optax.inject_hyperparams(factory)(**hyperparameters)
+
+  return (
+    injected(lambda **h: saggs.chain(build(**h), saggs.saggs(pairs))),
+    injected(lambda **h: build(**h)),
+  )
+
+
+@pytest.mark.parametrize("name", list(SIZE_DEPENDENT))
+def test_chain_inside_inject_hyperparams_refuses_what_depends_on_a_traced_size(name):
+  build, pairs, extra = SIZE_DEPENDENT[name]
+  tx, _ = _injected(build, pairs, {"learning_rate": 1e-2, **extra})
+  with pytest.raises(TypeError, match="depends on their size"):
+    jax.jit(tx.init)(PARAMS)
 
 
 @pytest.mark.parametrize("rate", ["constant", "schedule"])
@@ -403,16 +442,7 @@ def test_chain_inside_inject_hyperparams_steps_from_the_equivalent_history(name,
   build, pairs, extra = INJECTED[name]
   learning_rate = 1e-2 if rate == "constant" else optax.linear_schedule(1e-2, 1e-3, 10)
   hyperparameters = {"learning_rate": learning_rate, **extra}
-  signature = inspect.Signature(
-    [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in hyperparameters]
-  )
-
-  def injected(factory):  # inject_hyperparams reads the names of the factory's parameters
-    factory.__signature__ = signature
-    return optax.inject_hyperparams(factory)(**hyperparameters)
-
-  tx = injected(lambda **h: saggs.chain(build(**h), saggs.saggs(pairs)))
-  alone = injected(lambda **h: build(**h))
+  tx, alone = _injected(build, pairs, hyperparameters)
   history = _history(alone)(PARAMS, GRADS)
   start = history._replace(
     inner_state=(history.inner_state, jax.jit(tx.init)(PARAMS).inner_state[1])
