@@ -91,27 +91,51 @@ def llama(
   o: str = "o_proj",
   up: str = "up_proj",
   down: str = "down_proj",
+  qk_norm: Literal["head", "all"] | None = None,
+  experts: str | None = None,
+  expert_leaf: str | None = "kernel",
 ) -> list[Pair]:
-  """Q/K and V/O per KV head (GQA) and SwiGLU up/down per channel, LLaMA naming.
+  """Q/K and V/O per KV head (GQA) and SwiGLU up/down per channel, LLaMA naming; QK-norm
+  (Qwen3, Gemma 3, OLMoE) and stacked MoE experts (OLMoE, Qwen3-MoE) too.
 
   Kernels are Flax Dense (in, out): q (d, H*hd), k and v (d, KVH*hd),
   o (H*hd, d), up (d, F), down (F, d). Query head h reads KV head
   ``h // (H // KVH)``, so each KV head's query heads form one contiguous block
-  and one factor serves Q/K and V/O of the whole block. Exact with RoPE; with a
-  per-head QK-norm the Q/K pair is exact but moot, with one norm over all heads
-  it is not exact (drop it).
+  and one factor serves Q/K and V/O of the whole block. Exact with RoPE.
+
+  Under a QK-norm the Q/K kernel pair is left out: a per-head norm makes it moot
+  (each side is scale-invariant), one norm over all heads makes it inexact. The
+  norms' gains pair instead, ``q_norm`` against ``k_norm`` (their one leaf each):
+  ``qk_norm="head"`` (Qwen3, Gemma 3: each head normalised over ``hd``, one gain
+  (hd,) shared by the heads) gives one factor per layer, a scalar, which commutes
+  with RoPE; ``qk_norm="all"`` (OLMoE: one norm over the H*hd query, gain (H*hd,))
+  gives one factor per KV head, for the query heads that read it.
+
+  ``experts`` names the module of stacked experts, ``<experts>/<up>`` (E, d, F) and
+  ``<experts>/<down>`` (E, F, d) (each ``/<expert_leaf>``, or bare leaves when it is
+  None): up/down per channel of each expert. The expert axis is the first axis that
+  is not a layer copy axis of ``stacked``. The gated activation must be
+  ``act(gate) * up`` (gpt-oss's clamped ``(up + 1)`` is not homogeneous in ``up``).
 
   Args:
     num_kv_heads: number of KV heads (= heads without GQA).
-    mlp: include the SwiGLU up/down pair.
+    mlp: include the dense SwiGLU up/down pair (False for a model whose MLPs are all
+      experts: the dense pattern would also match the experts' kernels, and refuse
+      their rank).
     bias: the q/k/v projections have biases that move with their kernels.
     stacked: the copy axes of scanned layers (see :class:`~saggs_jax.Pair`).
     prefix: restricts the patterns to part of the tree.
     q, k, v, o, up, down: module names.
+    qk_norm: ``"head"`` or ``"all"``, the QK-norm's extent (above); None: no QK-norm.
+    experts: the module holding the stacked experts, e.g. ``"mlp/experts"``.
+    expert_leaf: the leaf name of the experts' kernels, or None for bare leaves.
 
   Example:
     >>> import saggs_jax as saggs
     >>> pairs = saggs.presets.llama(num_kv_heads=2)
+    >>> [pair.name for pair in saggs.presets.llama(2, qk_norm="head", experts="mlp/experts",
+    ...                                            mlp=False)]
+    ['attention V/O', 'QK-norm gains', 'expert up/down']
   """
 
   def p(module, leaf="kernel"):
@@ -120,8 +144,20 @@ def llama(
   def biases(*modules):
     return tuple(p(m, "bias") for m in modules) if bias else ()
 
-  pairs = [
-    Pair(
+  if qk_norm not in (None, "head", "all"):
+    raise ValueError(f"llama: qk_norm must be None, 'head' or 'all', got {qk_norm!r}.")
+  vo = Pair(
+    p(v),
+    p(o),
+    axes=(1, 0),
+    groups=num_kv_heads,
+    stacked=stacked,
+    follow_a=biases(v),
+    name="attention V/O",
+    ndim=(2, 2),
+  )
+  if qk_norm is None:
+    qk = Pair(
       p(q),
       p(k),
       axes=(1, 1),
@@ -131,21 +167,36 @@ def llama(
       follow_b=biases(k),
       name="attention Q/K",
       ndim=(2, 2),
-    ),
-    Pair(
-      p(v),
-      p(o),
-      axes=(1, 0),
-      groups=num_kv_heads,
+    )
+    pairs = [qk, vo]
+  else:
+    gains = Pair(
+      p("q_norm", "*"),
+      p("k_norm", "*"),
+      axes=(0, 0),
+      groups=1 if qk_norm == "head" else num_kv_heads,
       stacked=stacked,
-      follow_a=biases(v),
-      name="attention V/O",
-      ndim=(2, 2),
-    ),
-  ]
+      name="QK-norm gains",
+      ndim=(1, 1),
+    )
+    pairs = [vo, gains]
   if mlp:
     pairs.append(
       Pair(p(up), p(down), axes=(1, 0), stacked=stacked, name="SwiGLU up/down", ndim=(2, 2))
+    )
+  if experts is not None:
+    layers = tuple(range(stacked)) if isinstance(stacked, int) else tuple(stacked)
+    expert_axis = next(i for i in range(len(layers) + 1) if i not in layers)
+    leaf = "" if expert_leaf is None else f"/{expert_leaf}"
+    pairs.append(
+      Pair(
+        _join(prefix, f"{experts}/{up}{leaf}"),
+        _join(prefix, f"{experts}/{down}{leaf}"),
+        axes=(1, 0),
+        stacked=tuple(sorted((*layers, expert_axis))),
+        name="expert up/down",
+        ndim=(2, 2),
+      )
     )
   return pairs
 

@@ -6,6 +6,7 @@ import functools
 
 import pytest
 
+import saggs_jax as saggs
 import zoo_olmoe
 import zoo_oracle
 import zoo_roles
@@ -29,3 +30,16 @@ def test_olmoe_roles():
 
 def test_olmoe_stack_rules():
   zoo_roles.check_stack_rules(model(), zoo_olmoe.ROLES, head_dim=zoo_olmoe.HD)
+
+
+def test_olmoe_llama_preset():
+  """presets.llama(qk_norm="all", experts=...) declares the V/O, QK-norm gain and expert pairs
+  of the hand-written list, atom for atom (zoo_oracle's own resolution), and they are exact."""
+  zoo = model()
+  preset = saggs.presets.llama(
+    zoo_olmoe.KV, qk_norm="all", mlp=False, experts="mlp/experts", expert_leaf=None
+  )
+  values = zoo_oracle.leaves(zoo.params)
+  atoms = lambda pairs: sorted(map(zoo_oracle.key, zoo_oracle.atoms(pairs, values)))  # noqa: E731
+  assert atoms(preset) == atoms(zoo_olmoe.expected()[:3])
+  assert zoo_oracle.deviation(zoo, zoo_oracle.random_move(zoo, preset)) < zoo_oracle.EXACT
