@@ -29,3 +29,11 @@ def test_olmoe_roles():
 
 def test_olmoe_stack_rules():
   zoo_roles.check_stack_rules(model(), zoo_olmoe.ROLES, head_dim=zoo_olmoe.HD)
+
+
+def test_olmoe_expert_pair_is_named_by_what_it_is():
+  """The experts' up/down pair passes the router's weights (a product with another activation,
+  as attention's V/O) after its GLU: its name says it is an expert MLP, not attention."""
+  names = {p.name: p for p in zoo_oracle.found(model())}
+  assert (names["expert up/down"].a, names["expert up/down"].b) == ("up_proj", "down_proj")
+  assert (names["attention V/O"].a, names["attention V/O"].b) == ("v_proj/kernel", "o_proj/kernel")
