@@ -228,15 +228,15 @@ def gpt2(
   return pairs
 
 
-_MAXTEXT_BLOCKS = {  # decoder_block -> (its Q/K pair is exact and not moot, its MLP is SwiGLU/GeGLU)
-  "llama2": (True, True),
-  "mistral": (True, True),
-  "mixtral": (True, True),
-  "gemma": (True, True),
-  "gemma2": (True, True),
-  "qwen3": (False, True),  # QK-norm: Q and K are each scale-invariant, the pair is moot
-  "gemma3": (False, True),  # QK-norm
-  "deepseek": (True, False),  # MLA; its MLP and experts are not declared here
+_MAXTEXT_BLOCKS = {  # decoder_block -> its Q/K pair is exact and not moot
+  "llama2": True,
+  "mistral": True,
+  "mixtral": True,
+  "gemma": True,
+  "gemma2": True,
+  "qwen3": False,  # QK-norm: Q and K are each scale-invariant, the pair is moot
+  "gemma3": False,  # QK-norm
+  "deepseek": True,  # MLA (see _maxtext_mla); dense MLPs, shared and routed experts
 }
 
 
@@ -322,7 +322,7 @@ def maxtext(
       f"presets.maxtext: decoder_block {block!r} is not covered; expected one of"
       f" {sorted(_MAXTEXT_BLOCKS)}."
     )
-  qk_exact, glu = _MAXTEXT_BLOCKS[block]
+  qk_exact = _MAXTEXT_BLOCKS[block]
   scanned = bool(_setting(config, "scan_layers", scan_layers, True))
   axis = int(_setting(config, "param_scan_axis", param_scan_axis, 1))
   if axis not in (0, 1):
@@ -334,53 +334,99 @@ def maxtext(
   def p(module, leaf="kernel"):
     return _join(prefix, f"{module}/{leaf}")
 
-  attn = "self_attention*"  # gemma2's self_attention_local and _global too
   if block == "deepseek":
     return _maxtext_mla(
-      config, p, attn, layer, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank
-    )
+      config,
+      p,
+      "self_attention",
+      layer,
+      qk_nope_head_dim,
+      qk_rope_head_dim,
+      v_head_dim,
+      q_lora_rank,
+    ) + _maxtext_deepseek_mlps(config, p, layer, expert, experts, prefix)
   kv = int(_setting(config, "num_kv_heads", num_kv_heads, 0))
   if kv < 1:
     raise ValueError("presets.maxtext: pass num_kv_heads (or a config with it).")
-  pairs = []
-  if qk_exact:
-    pairs.append(
-      Pair(
-        p(f"{attn}/query"),
-        p(f"{attn}/key"),
-        axes=(1, 1),
-        groups=kv,
-        stacked=layer,
-        name="attention Q/K",
-        ndim=(3, 3),
+  if block == "gemma3" and scanned:  # see _gemma3_stacks
+    return [
+      pair
+      for scope, stacked in _gemma3_stacks(config, layer)
+      for pair in _maxtext_attention_mlp(
+        lambda m, leaf="kernel", scope=scope: p(scope + m, leaf), qk_exact, kv, stacked
       )
+    ]
+  pairs = _maxtext_attention_mlp(p, qk_exact, kv, layer)
+  return (pairs[:-1] + [_moe(prefix, expert)]) if experts > 1 else pairs  # MoE replaces the MLP
+
+
+# MaxText scans gemma3's layers in blocks of its 6-layer attention pattern (5 local, 1 global):
+# decoder/layers/layers_<0..5> with the layer axis, the remaining layers unscanned in
+# decoder/layers_remainder/layers_<i>.
+_GEMMA3_PATTERN = 6
+
+
+def _gemma3_stacks(config, layer) -> list[tuple[str, tuple[int, ...]]]:
+  """The scopes of gemma3's scanned and unscanned layers that the config has, with their
+  copy axes."""
+  layers = _setting(config, "num_decoder_layers", None, None)
+  if layers is None:
+    raise ValueError(
+      "presets.maxtext: gemma3 with scan_layers needs num_decoder_layers (or a config with"
+      " it): MaxText scans its layers in blocks of 6 and leaves the rest in layers_remainder."
     )
-  pairs.append(
+  blocks, rest = divmod(int(layers), _GEMMA3_PATTERN)
+  return [("layers/layers_*/", layer)] * bool(blocks) + [("layers_remainder/layers_*/", ())] * bool(
+    rest
+  )
+
+
+def _maxtext_attention_mlp(p, qk: bool, kv: int, layer) -> list[Pair]:
+  """Q/K (if ``qk``) and V/O per KV head, the dense MLP's wi_1/wo per channel."""
+  attn = "self_attention*"  # gemma2's self_attention_local and _global too
+  pairs = [
     Pair(
-      p(f"{attn}/value"),
-      p(f"{attn}/out"),
-      axes=(1, 0),
+      p(f"{attn}/{a}"),
+      p(f"{attn}/{b}"),
+      axes=axes,
       groups=kv,
       stacked=layer,
-      name="attention V/O",
+      name=f"attention {name}",
       ndim=(3, 3),
     )
+    for a, b, axes, name in (("query", "key", (1, 1), "Q/K"), ("value", "out", (1, 0), "V/O"))
+    if qk or name == "V/O"
+  ]
+  return pairs + [_mlp(p, "mlp*", layer, "MLP wi_1/wo")]
+
+
+def _mlp(p, module, layer, name) -> Pair:
+  """``wi_1``/``wo`` of a gated MLP per channel (gemma2's ``mlp_local``, ``mlp_global`` too)."""
+  return Pair(
+    p(f"{module}/wi_1"), p(f"{module}/wo"), axes=(1, 0), stacked=layer, name=name, ndim=(2, 2)
   )
-  if glu and experts > 1:
-    pairs.append(
-      Pair(
-        _join(prefix, "MoeBlock_0/wi_1"),  # MaxText's experts are bare leaves, no kernel
-        _join(prefix, "MoeBlock_0/wo"),
-        axes=(1, 0),
-        stacked=expert,
-        name="MoE wi_1/wo",
-        ndim=(2, 2),
-      )
-    )
-  elif glu:
-    pairs.append(
-      Pair(p("mlp/wi_1"), p("mlp/wo"), axes=(1, 0), stacked=layer, name="MLP wi_1/wo", ndim=(2, 2))
-    )
+
+
+def _moe(prefix, expert) -> Pair:
+  """``wi_1``/``wo`` per expert (and layer); MaxText's experts are bare leaves, no kernel."""
+  return Pair(
+    _join(prefix, "MoeBlock_0/wi_1"),
+    _join(prefix, "MoeBlock_0/wo"),
+    axes=(1, 0),
+    stacked=expert,
+    name="MoE wi_1/wo",
+    ndim=(2, 2),
+  )
+
+
+def _maxtext_deepseek_mlps(config, p, layer, expert, experts, prefix) -> list[Pair]:
+  """DeepSeek's ``first_num_dense_layers`` dense MLPs, then per MoE layer its shared experts
+  (one gated MLP) and routed experts, where the config has them."""
+  dense = int(_setting(config, "first_num_dense_layers", None, 0))
+  layers = _setting(config, "num_decoder_layers", None, None)
+  pairs = [_mlp(p, "mlp", layer, "MLP wi_1/wo")] if dense > 0 else []
+  if experts > 1 and (layers is None or int(layers) > dense):
+    pairs += [_mlp(p, "shared_experts", layer, "shared experts wi_1/wo"), _moe(prefix, expert)]
   return pairs
 
 
