@@ -291,8 +291,13 @@ def maxtext(
     non-rotary key and its value; Q/K pairs the non-rotary part of the query
     (``query``, or ``wq_b`` with ``q_lora_rank > 0``; (…, heads, qk_nope + qk_rope))
     with the key's, per head (the rotary part is shared by all heads through
-    ``wkv_a``, so it cannot move), and V/O the value part with ``out``. Its MLP and
-    experts are not declared here.
+    ``wkv_a``, so it cannot move), and V/O the value part with ``out``; ``wi_1``/``wo`` of
+    its ``first_num_dense_layers`` dense MLPs and, in its MoE layers
+    (``num_experts > 1``), of ``shared_experts`` and of the routed experts.
+  * ``gemma2``: ``self_attention_local``/``_global`` and ``mlp_local``/``_global`` each.
+    ``gemma3``: scanned in blocks of its 6-layer attention pattern
+    (``layers/layers_<j>``), the remaining layers unscanned (``layers_remainder``), from
+    ``num_decoder_layers``.
 
   Norm gains and the router are not declared. Each pair checks the rank of its
   leaves, so that another layout is an error naming the path rather than a
@@ -524,7 +529,7 @@ def _maxtext_muon(params: Any, prefix: str | None, scan_axis: int | None) -> Any
     if prefix is not None and match(_join(prefix, "**"), path) is None:
       return None
     rule = next((r for pat, r in _MAXTEXT_MATRICES if match(pat, path) is not None), None)
-    n = len(x.shape) - scanned
+    n = len(x.shape) - (scanned and "layers_remainder" not in path)  # gemma3's, unscanned
     if rule is None:  # a Dense kernel (in, out), or no matrix
       if n < 2:
         return None
