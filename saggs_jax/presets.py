@@ -297,7 +297,8 @@ def maxtext(
   * ``gemma2``: ``self_attention_local``/``_global`` and ``mlp_local``/``_global`` each.
     ``gemma3``: scanned in blocks of its 6-layer attention pattern
     (``layers/layers_<j>``), the remaining layers unscanned (``layers_remainder``), from
-    ``num_decoder_layers``.
+    ``num_decoder_layers``. Their post-norms make V/O and the MLP moot for one factor
+    common to all heads (channels), not for factors that differ per head (channel).
 
   Norm gains and the router are not declared. Each pair checks the rank of its
   leaves, so that another layout is an error naming the path rather than a
