@@ -572,9 +572,10 @@ def muon_dimension_numbers(
   (heads, head_dim), MoE experts one matrix per expert, every other kernel (in, out), and
   ``None`` for norm scales, biases, the embedding and ``logits_dense``. The layer axis at
   ``param_scan_axis`` (1, MaxText's default; 0; or ``None`` for ``scan_layers=False``) is
-  always a batch axis. With ``param_scan_axis=0`` MaxText's own tree reduces the MLP, the
-  router and the attention kernels over the layer axis (``docs/dimension_numbers.md``); this
-  one does not.
+  always a batch axis (gemma3's unscanned ``layers_remainder`` has none). With
+  ``param_scan_axis=0`` MaxText's own tree reduces the MLP, the router and the attention
+  kernels over the layer axis (``docs/dimension_numbers.md``); this one does not. On gemma2
+  MaxText's misses the attention (``self_attention_local``, ``_global``); this one does not.
 
   Example:
     >>> import jax.numpy as jnp, optax
