@@ -20,6 +20,8 @@ pytest.importorskip("maxtext", reason="MaxText is not installed: see .ci/zoo-req
 
 import saggs_jax as saggs  # noqa: E402
 import zoo_maxtext  # noqa: E402
+from saggs_jax import pairs as saggs_pairs  # noqa: E402
+from saggs_jax import paths  # noqa: E402
 from zoo_models import tokens  # noqa: E402
 
 # gemma3 with 7 layers: one scanned block of its 6-layer pattern and one unscanned remainder
@@ -70,7 +72,7 @@ def test_maxtext_preset_is_exact_pair_by_pair(name):
   # check_symmetry calls V/O and the MLP moot; factors that differ per head (channel) are not.
   moot = sorted({str(w.message).split(" is exact")[0] for w in moot})
   assert moot == (["MLP wi_1/wo", "attention V/O"] if name in ("gemma2", "gemma3") else [])
-  assert len(deviations) == len(saggs.pairs.resolve(pairs, params).instances)
+  assert len(deviations) == len(saggs_pairs.resolve(pairs, params).instances)
   for bad in not_symmetries(name):
     with pytest.raises(ValueError, match="is not a symmetry of the model"):
       saggs.check_symmetry(apply, params, [bad], x)
@@ -89,7 +91,7 @@ def differences(name):
   ours = saggs.presets.muon_dimension_numbers(params, "maxtext")
   is_dn = lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)  # noqa: E731
   flat = jax.tree_util.tree_flatten_with_path(ours, is_leaf=is_dn)[0]
-  ours = {saggs.paths.path_str(k): v for k, v in flat}
+  ours = {paths.path_str(k): v for k, v in flat}
   differ = {}
   for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]:
     path = tuple(str(getattr(k, "key", k)) for k in kp)
