@@ -279,15 +279,15 @@ def gpt2(
   return pairs
 
 
-_MAXTEXT_BLOCKS = {  # decoder_block -> (its Q/K pair is exact and not moot, its MLP is SwiGLU/GeGLU)
-  "llama2": (True, True),
-  "mistral": (True, True),
-  "mixtral": (True, True),
-  "gemma": (True, True),
-  "gemma2": (True, True),
-  "qwen3": (False, True),  # QK-norm: Q and K are each scale-invariant, the pair is moot
-  "gemma3": (False, True),  # QK-norm
-  "deepseek": (True, False),  # MLA; its MLP and experts are not declared here
+_MAXTEXT_BLOCKS = {  # decoder_block -> its Q/K pair is exact and not moot
+  "llama2": True,
+  "mistral": True,
+  "mixtral": True,
+  "gemma": True,
+  "gemma2": True,
+  "qwen3": False,  # QK-norm: Q and K are each scale-invariant, the pair is moot
+  "gemma3": False,  # QK-norm
+  "deepseek": True,  # MLA (see _maxtext_mla); dense MLPs, shared and routed experts
 }
 
 
@@ -342,8 +342,14 @@ def maxtext(
     non-rotary key and its value; Q/K pairs the non-rotary part of the query
     (``query``, or ``wq_b`` with ``q_lora_rank > 0``; (…, heads, qk_nope + qk_rope))
     with the key's, per head (the rotary part is shared by all heads through
-    ``wkv_a``, so it cannot move), and V/O the value part with ``out``. Its MLP and
-    experts are not declared here.
+    ``wkv_a``, so it cannot move), and V/O the value part with ``out``; ``wi_1``/``wo`` of
+    its ``first_num_dense_layers`` dense MLPs and, in its MoE layers
+    (``num_experts > 1``), of ``shared_experts`` and of the routed experts.
+  * ``gemma2``: ``self_attention_local``/``_global`` and ``mlp_local``/``_global`` each.
+    ``gemma3``: scanned in blocks of its 6-layer attention pattern
+    (``layers/layers_<j>``), the remaining layers unscanned (``layers_remainder``), from
+    ``num_decoder_layers``. Their post-norms make V/O and the MLP moot for one factor
+    common to all heads (channels), not for factors that differ per head (channel).
 
   Norm gains and the router are not declared. Each pair checks the rank of its
   leaves, so that another layout is an error naming the path rather than a
@@ -373,7 +379,7 @@ def maxtext(
       f"presets.maxtext: decoder_block {block!r} is not covered; expected one of"
       f" {sorted(_MAXTEXT_BLOCKS)}."
     )
-  qk_exact, glu = _MAXTEXT_BLOCKS[block]
+  qk_exact = _MAXTEXT_BLOCKS[block]
   scanned = bool(_setting(config, "scan_layers", scan_layers, True))
   axis = int(_setting(config, "param_scan_axis", param_scan_axis, 1))
   if axis not in (0, 1):
@@ -385,53 +391,99 @@ def maxtext(
   def p(module, leaf="kernel"):
     return _join(prefix, f"{module}/{leaf}")
 
-  attn = "self_attention*"  # gemma2's self_attention_local and _global too
   if block == "deepseek":
     return _maxtext_mla(
-      config, p, attn, layer, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank
-    )
+      config,
+      p,
+      "self_attention",
+      layer,
+      qk_nope_head_dim,
+      qk_rope_head_dim,
+      v_head_dim,
+      q_lora_rank,
+    ) + _maxtext_deepseek_mlps(config, p, layer, expert, experts, prefix)
   kv = int(_setting(config, "num_kv_heads", num_kv_heads, 0))
   if kv < 1:
     raise ValueError("presets.maxtext: pass num_kv_heads (or a config with it).")
-  pairs = []
-  if qk_exact:
-    pairs.append(
-      Pair(
-        p(f"{attn}/query"),
-        p(f"{attn}/key"),
-        axes=(1, 1),
-        groups=kv,
-        stacked=layer,
-        name="attention Q/K",
-        ndim=(3, 3),
+  if block == "gemma3" and scanned:  # see _gemma3_stacks
+    return [
+      pair
+      for scope, stacked in _gemma3_stacks(config, layer)
+      for pair in _maxtext_attention_mlp(
+        lambda m, leaf="kernel", scope=scope: p(scope + m, leaf), qk_exact, kv, stacked
       )
+    ]
+  pairs = _maxtext_attention_mlp(p, qk_exact, kv, layer)
+  return (pairs[:-1] + [_moe(prefix, expert)]) if experts > 1 else pairs  # MoE replaces the MLP
+
+
+# MaxText scans gemma3's layers in blocks of its 6-layer attention pattern (5 local, 1 global):
+# decoder/layers/layers_<0..5> with the layer axis, the remaining layers unscanned in
+# decoder/layers_remainder/layers_<i>.
+_GEMMA3_PATTERN = 6
+
+
+def _gemma3_stacks(config, layer) -> list[tuple[str, tuple[int, ...]]]:
+  """The scopes of gemma3's scanned and unscanned layers that the config has, with their
+  copy axes."""
+  layers = _setting(config, "num_decoder_layers", None, None)
+  if layers is None:
+    raise ValueError(
+      "presets.maxtext: gemma3 with scan_layers needs num_decoder_layers (or a config with"
+      " it): MaxText scans its layers in blocks of 6 and leaves the rest in layers_remainder."
     )
-  pairs.append(
+  blocks, rest = divmod(int(layers), _GEMMA3_PATTERN)
+  return [("layers/layers_*/", layer)] * bool(blocks) + [("layers_remainder/layers_*/", ())] * bool(
+    rest
+  )
+
+
+def _maxtext_attention_mlp(p, qk: bool, kv: int, layer) -> list[Pair]:
+  """Q/K (if ``qk``) and V/O per KV head, the dense MLP's wi_1/wo per channel."""
+  attn = "self_attention*"  # gemma2's self_attention_local and _global too
+  pairs = [
     Pair(
-      p(f"{attn}/value"),
-      p(f"{attn}/out"),
-      axes=(1, 0),
+      p(f"{attn}/{a}"),
+      p(f"{attn}/{b}"),
+      axes=axes,
       groups=kv,
       stacked=layer,
-      name="attention V/O",
+      name=f"attention {name}",
       ndim=(3, 3),
     )
+    for a, b, axes, name in (("query", "key", (1, 1), "Q/K"), ("value", "out", (1, 0), "V/O"))
+    if qk or name == "V/O"
+  ]
+  return pairs + [_mlp(p, "mlp*", layer, "MLP wi_1/wo")]
+
+
+def _mlp(p, module, layer, name) -> Pair:
+  """``wi_1``/``wo`` of a gated MLP per channel (gemma2's ``mlp_local``, ``mlp_global`` too)."""
+  return Pair(
+    p(f"{module}/wi_1"), p(f"{module}/wo"), axes=(1, 0), stacked=layer, name=name, ndim=(2, 2)
   )
-  if glu and experts > 1:
-    pairs.append(
-      Pair(
-        _join(prefix, "MoeBlock_0/wi_1"),  # MaxText's experts are bare leaves, no kernel
-        _join(prefix, "MoeBlock_0/wo"),
-        axes=(1, 0),
-        stacked=expert,
-        name="MoE wi_1/wo",
-        ndim=(2, 2),
-      )
-    )
-  elif glu:
-    pairs.append(
-      Pair(p("mlp/wi_1"), p("mlp/wo"), axes=(1, 0), stacked=layer, name="MLP wi_1/wo", ndim=(2, 2))
-    )
+
+
+def _moe(prefix, expert) -> Pair:
+  """``wi_1``/``wo`` per expert (and layer); MaxText's experts are bare leaves, no kernel."""
+  return Pair(
+    _join(prefix, "MoeBlock_0/wi_1"),
+    _join(prefix, "MoeBlock_0/wo"),
+    axes=(1, 0),
+    stacked=expert,
+    name="MoE wi_1/wo",
+    ndim=(2, 2),
+  )
+
+
+def _maxtext_deepseek_mlps(config, p, layer, expert, experts, prefix) -> list[Pair]:
+  """DeepSeek's ``first_num_dense_layers`` dense MLPs, then per MoE layer its shared experts
+  (one gated MLP) and routed experts, where the config has them."""
+  dense = int(_setting(config, "first_num_dense_layers", None, 0))
+  layers = _setting(config, "num_decoder_layers", None, None)
+  pairs = [_mlp(p, "mlp", layer, "MLP wi_1/wo")] if dense > 0 else []
+  if experts > 1 and (layers is None or int(layers) > dense):
+    pairs += [_mlp(p, "shared_experts", layer, "shared experts wi_1/wo"), _moe(prefix, expert)]
   return pairs
 
 
@@ -529,7 +581,7 @@ def _maxtext_muon(params: Any, prefix: str | None, scan_axis: int | None) -> Any
     if prefix is not None and match(_join(prefix, "**"), path) is None:
       return None
     rule = next((r for pat, r in _MAXTEXT_MATRICES if match(pat, path) is not None), None)
-    n = len(x.shape) - scanned
+    n = len(x.shape) - (scanned and "layers_remainder" not in path)  # gemma3's, unscanned
     if rule is None:  # a Dense kernel (in, out), or no matrix
       if n < 2:
         return None
@@ -571,9 +623,10 @@ def muon_dimension_numbers(
   (heads, head_dim), MoE experts one matrix per expert, every other kernel (in, out), and
   ``None`` for norm scales, biases, the embedding and ``logits_dense``. The layer axis at
   ``param_scan_axis`` (1, MaxText's default; 0; or ``None`` for ``scan_layers=False``) is
-  always a batch axis. With ``param_scan_axis=0`` MaxText's own tree reduces the MLP, the
-  router and the attention kernels over the layer axis (``docs/dimension_numbers.md``); this
-  one does not.
+  always a batch axis (gemma3's unscanned ``layers_remainder`` has none). With
+  ``param_scan_axis=0`` MaxText's own tree reduces the MLP, the router and the attention
+  kernels over the layer axis (``docs/dimension_numbers.md``); this one does not. On gemma2
+  MaxText's misses the attention (``self_attention_local``, ``_global``); this one does not.
 
   Example:
     >>> import jax.numpy as jnp, optax

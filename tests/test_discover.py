@@ -252,9 +252,7 @@ def test_moe_experts_are_stacked_and_the_norm_gain_reaches_router_and_experts():
   d = found("moe")
   assert set(d) == {
     saggs.Pair("norm/scale", ("router/kernel", "experts/w_up"), axes=(0, (0, 1)), name="norm gain"),
-    saggs.Pair(
-      "w_up", "w_down", axes=(1, 0), stacked=1, name="ReLU MLP up/down (positive factors)"
-    ),
+    saggs.Pair("w_up", "w_down", axes=(1, 0), stacked=1, name="expert up/down (positive factors)"),
   }
   assert found("moe").rejected == ()
   assert deviation("moe", d) < 1e-5

@@ -121,7 +121,7 @@ def test_gemma3_one_plus_w_gains_and_qk_norm_are_rejected_with_their_reasons():
 def test_gpt_oss_biases_sinks_and_experts_gathered_by_take():
   d = found(GPT_OSS)
   experts = saggs.Pair(
-    "wi_1", "wo", axes=(1, 0), stacked=1, follow_a=("wi_1_bias",), name="gated MLP up/down"
+    "wi_1", "wo", axes=(1, 0), stacked=1, follow_a=("wi_1_bias",), name="expert up/down"
   )
   post = saggs.Pair(
     "post_self_attention_norm/scale",
@@ -342,7 +342,7 @@ def test_a_layer_axis_at_position_1_gives_per_layer_pairs():
 @needs_copy_axes
 def test_experts_and_layers_at_positions_0_and_1_with_qk_norm():
   d = found(MIXTRAL_SCANNED)  # experts (E, L, in, out), the rest (.., L, ..)
-  experts = saggs.Pair("wi_1", "wo", axes=(1, 0), stacked=2, name="gated MLP up/down")
+  experts = saggs.Pair("wi_1", "wo", axes=(1, 0), stacked=2, name="expert up/down")
   assert experts in set(d)
   assert {p.stacked for p in d} == {0, 2, (1,)}
   assert scanned_deviation(MIXTRAL_SCANNED, list(d)) < 1e-5

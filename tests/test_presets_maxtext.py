@@ -92,9 +92,26 @@ def test_a_layout_the_preset_does_not_describe_is_an_error_naming_the_path():
 
 
 def test_qk_norm_blocks_leave_q_k_out():
-  for block in ("qwen3", "gemma3"):
-    pairs = saggs.presets.maxtext(num_kv_heads=KV, decoder_block=block)
+  for block, scan in (("qwen3", True), ("gemma3", False)):
+    pairs = saggs.presets.maxtext(num_kv_heads=KV, decoder_block=block, scan_layers=scan)
     assert [p.name for p in pairs] == ["attention V/O", "MLP wi_1/wo"]
+
+
+def test_gemma3_scanned_blocks_of_six_and_the_unscanned_remainder():
+  """MaxText scans gemma3 in blocks of its 6-layer attention pattern (decoder/layers/layers_<j>,
+  layer axis at 1) and leaves the rest unscanned (decoder/layers_remainder/layers_<j>)."""
+  config = {"decoder_block": "gemma3", "num_kv_heads": KV}
+  got = lambda n: [  # noqa: E731
+    (p.a, p.stacked) for p in saggs.presets.maxtext({**config, "num_decoder_layers": n})
+  ]
+  scanned = [
+    ("layers/layers_*/self_attention*/value/kernel", (1,)),
+    ("layers/layers_*/mlp*/wi_1/kernel", (1,)),
+  ]
+  rest = [(f"layers_remainder/{a[len('layers/') :]}", ()) for a, _ in scanned]
+  assert got(12) == scanned and got(2) == rest and got(8) == scanned + rest
+  with pytest.raises(ValueError, match="gemma3 with scan_layers needs num_decoder_layers"):
+    saggs.presets.maxtext(config)
 
 
 class _Config:  # attributes, as MaxText's pyconfig has them (decoder_block an enum there)
@@ -167,23 +184,78 @@ def mla_params(seed=0):
   }
 
 
+def mla(at, x, i):
+  """Layer ``i``'s MLA without q_lora (rotary embeddings left out: they act on the rotary
+  part, which no pair moves)."""
+  q = jnp.einsum("bte,ehd->bthd", x, at["query"]["kernel"][:, i])
+  kv_a = x @ at["wkv_a"]["kernel"][:, i]
+  latent, k_rope = rms_norm(kv_a[..., :RANK], at["kv_norm"]["scale"][:, i]), kv_a[..., RANK:]
+  kv = jnp.einsum("btr,rhd->bthd", latent, at["wkv_b"]["kernel"][:, i])
+  k = jnp.concatenate(
+    [kv[..., :NOPE], jnp.broadcast_to(k_rope[:, :, None], kv.shape[:3] + (ROPE,))], -1
+  )
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(NOPE + ROPE)
+  causal = jnp.tril(jnp.ones((x.shape[1],) * 2, bool))
+  weights = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
+  a = jnp.einsum("bhqk,bkhd->bqhd", weights, kv[..., NOPE:])  # v_head_dim != qk's
+  return jnp.einsum("bthd,hde->bte", a, at["out"]["kernel"][:, i])
+
+
 def mla_forward(params, x):
-  """DeepSeek's MLA without q_lora (rotary embeddings left out: they act on the rotary part,
-  which no pair moves)."""
   at = params["decoder"]["layers"]["self_attention"]
   for i in range(L):
-    q = jnp.einsum("bte,ehd->bthd", x, at["query"]["kernel"][:, i])
-    kv_a = x @ at["wkv_a"]["kernel"][:, i]
-    latent, k_rope = rms_norm(kv_a[..., :RANK], at["kv_norm"]["scale"][:, i]), kv_a[..., RANK:]
-    kv = jnp.einsum("btr,rhd->bthd", latent, at["wkv_b"]["kernel"][:, i])
-    k = jnp.concatenate(
-      [kv[..., :NOPE], jnp.broadcast_to(k_rope[:, :, None], kv.shape[:3] + (ROPE,))], -1
-    )
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(NOPE + ROPE)
-    causal = jnp.tril(jnp.ones((x.shape[1],) * 2, bool))
-    weights = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
-    a = jnp.einsum("bhqk,bkhd->bqhd", weights, kv[..., NOPE:])  # v_head_dim != qk's
-    x = x + jnp.einsum("bthd,hde->bte", a, at["out"]["kernel"][:, i])
+    x = x + mla(at, x, i)
+  return x
+
+
+def deepseek_params(seed=0):
+  """DeepSeek's two scanned stacks: ``dense_layers`` (MLA, a gated MLP), then ``moe_layers``
+  (MLA, shared experts and routed experts under ``DeepSeekMoeBlock_0``), L layers each."""
+  rng = np.random.default_rng(seed)
+  mk = lambda *s: jnp.asarray(rng.standard_normal(s) * np.exp(rng.uniform(-1, 1, s)), jnp.float32)
+  attention = lambda: mla_params(int(rng.integers(1 << 30)))["decoder"]["layers"]  # noqa: E731
+  mlp = lambda: {  # noqa: E731
+    "wi_0": {"kernel": mk(E, L, M)},
+    "wi_1": {"kernel": mk(E, L, M)},
+    "wo": {"kernel": mk(M, L, E)},
+  }
+  routed = {"gate": {"kernel": mk(E, L, X)}, "wi_0": mk(X, L, E, M), "wi_1": mk(X, L, E, M)}
+  routed["wo"] = mk(X, L, M, E)
+  return {
+    "decoder": {
+      "dense_layers": {**attention(), "mlp": mlp()},
+      "moe_layers": {
+        **attention(),
+        "DeepSeekMoeBlock_0": {"shared_experts": mlp(), "MoeBlock_0": routed},
+      },
+    }
+  }
+
+
+def deepseek_forward(params, x):
+  """Each layer: MLA, then a SwiGLU MLP; in MoE layers the shared experts' plus the routed
+  experts' (a dense softmax mixture, so that each expert's exactness shows). Pre-norms without
+  gains keep the four layers' activations finite."""
+
+  def glu(m, x, i):
+    up = jax.nn.silu(x @ m["wi_0"]["kernel"][:, i]) * (x @ m["wi_1"]["kernel"][:, i])
+    return up @ m["wo"]["kernel"][:, i]
+
+  norm = lambda x: rms_norm(x, 1.0)  # noqa: E731
+  dense, moe = params["decoder"]["dense_layers"], params["decoder"]["moe_layers"]
+  for i in range(L):
+    x = x + mla(dense["self_attention"], norm(x), i)
+    x = x + glu(dense["mlp"], norm(x), i)
+  block = moe["DeepSeekMoeBlock_0"]
+  routed = block["MoeBlock_0"]
+  for i in range(L):
+    x = x + mla(moe["self_attention"], norm(x), i)
+    h = norm(x)
+    w = jax.nn.softmax(h @ routed["gate"]["kernel"][:, i], axis=-1)
+    up = jax.nn.silu(jnp.einsum("bte,xem->btxm", h, routed["wi_0"][:, i]))
+    up = up * jnp.einsum("bte,xem->btxm", h, routed["wi_1"][:, i])
+    x = x + glu(block["shared_experts"], h, i)
+    x = x + jnp.einsum("btx,btxm,xme->bte", w, up, routed["wo"][:, i])
   return x
 
 
@@ -199,6 +271,27 @@ def test_deepseek_mla_pairs_the_non_rotary_keys_and_the_values_per_head():
   assert_exact(mla_forward, params, pairs, batch())
   with pytest.raises(ValueError, match="qk_nope_head_dim"):
     saggs.presets.maxtext(decoder_block="deepseek")
+
+
+def test_deepseek_pairs_its_dense_mlps_shared_and_routed_experts_per_layer():
+  mla_dims = dict(qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V_HD)
+  config = dict(decoder_block="deepseek", num_experts=X, first_num_dense_layers=L, **mla_dims)
+  pairs = saggs.presets.maxtext({**config, "num_decoder_layers": 2 * L})
+  assert [p.name for p in pairs] == [
+    "MLA Q/K (non-rotary)",
+    "MLA V/O",
+    "MLP wi_1/wo",
+    "shared experts wi_1/wo",
+    "MoE wi_1/wo",
+  ]
+  params = deepseek_params()
+  shapes = sorted(i.factor_shape for i in saggs.pairs.resolve(pairs, params).instances)
+  assert shapes == sorted([(L, H)] * 4 + [(L, M)] * 2 + [(X, L, M)])
+  assert_exact(deepseek_forward, params, pairs, batch())
+  # No dense layers, or only dense layers: those pairs are left out, not unmatched.
+  names = lambda **c: [p.name for p in saggs.presets.maxtext({**config, **c})][2:]  # noqa: E731
+  assert names(first_num_dense_layers=0) == ["shared experts wi_1/wo", "MoE wi_1/wo"]
+  assert names(num_decoder_layers=L) == ["MLP wi_1/wo"]
 
 
 # ---- Muon dimension numbers against MaxText's own (utils/muon_utils, written out by hand) ----

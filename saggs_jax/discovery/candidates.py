@@ -113,6 +113,7 @@ class Rejection(NamedTuple):
   reason: str
 
 
+EXPERTS = "expert up/down"  # the name of an MLP pair with a factor per expert
 OFFSET = propagation.inexact("a constant added to it first (a gain stored as w in 1 + w)")
 
 
@@ -405,6 +406,11 @@ class Analysis:
       if s.gain
       else next((via.value for via in Via if via in trace.through), "linear chain")
     )
+    # an MLP with copies that no scan made is one per expert (after a GLU, the router's weights
+    # are another activation's product too: the MLP, not attention, is what it is)
+    scanned = min(len(u.view.consumed) for u in self.uses[self.units[unit].leaf])
+    if not s.gain and {Via.GATE, Via.RELU} & trace.through and len(copies) > scanned:
+      name = EXPERTS
     return Candidate(
       name,
       [(unit, axis)],

@@ -39,7 +39,11 @@ from saggs_jax.discovery.candidates import Analysis, Candidate, copy_axes
 from saggs_jax.discovery.program import Program
 from saggs_jax.discovery.propagation import Flow, dot_out_axis, rule_of
 
-_MLP = {"gated MLP up/down": ("gate_up", "down"), "ReLU MLP up/down": ("gate_up", "down")}
+_MLP = {
+  "gated MLP up/down": ("gate_up", "down"),
+  "ReLU MLP up/down": ("gate_up", "down"),
+  "expert up/down": ("experts", "experts"),
+}
 ORDER = (
   "embedding",
   "lm_head",
@@ -343,7 +347,10 @@ def roles(
       a, b = (
         [unit for unit, _ in side if analysis.units[unit].part is None] for side in (inst.a, inst.b)
       )
-      if inst.name == "gated MLP up/down":  # the gate: the other factor of up's product
+      if inst.name in (
+        "gated MLP up/down",
+        "expert up/down",
+      ):  # the gate: the other factor of up's product
         a += [
           g
           for leaf in a

@@ -43,3 +43,11 @@ def test_olmoe_llama_preset():
   atoms = lambda pairs: sorted(map(zoo_oracle.key, zoo_oracle.atoms(pairs, values)))  # noqa: E731
   assert atoms(preset) == atoms(zoo_olmoe.expected()[:3])
   assert zoo_oracle.deviation(zoo, zoo_oracle.random_move(zoo, preset)) < zoo_oracle.EXACT
+
+
+def test_olmoe_expert_pair_is_named_by_what_it_is():
+  """The experts' up/down pair passes the router's weights (a product with another activation,
+  as attention's V/O) after its GLU: its name says it is an expert MLP, not attention."""
+  names = {p.name: p for p in zoo_oracle.found(model())}
+  assert (names["expert up/down"].a, names["expert up/down"].b) == ("up_proj", "down_proj")
+  assert (names["attention V/O"].a, names["attention V/O"].b) == ("v_proj/kernel", "o_proj/kernel")

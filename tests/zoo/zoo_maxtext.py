@@ -29,6 +29,9 @@ MODELS = {
   "mistral": ("mistral-7b", {}),
   "mixtral": ("mixtral-8x7b", dict(num_experts=EXPERTS, num_experts_per_tok=2)),
   "qwen3": ("qwen3-0.6b", {}),
+  "gemma": ("gemma-2b", {}),
+  "gemma2": ("gemma2-2b", dict(sliding_window_size=4)),
+  "gemma3": ("gemma3-4b", dict(sliding_window_size=4, use_multimodal=False)),
   "deepseek": (
     "deepseek3-tiny",
     dict(
