@@ -27,7 +27,8 @@ def test_a_discovery_is_the_sequence_of_its_pairs_and_rebuilds_from_its_repr():
   assert len(d) == 2 and list(d) == pairs and d[1] is d.pairs[1] and d[-1:] == tuple(pairs[1:])
   namespace = {"Discovery": Discovery, "Pair": Pair, "Rejected": Rejected}
   assert eval(repr(d), namespace) == d  # pylint: disable=eval-used
-  assert d != Discovery(pairs, rejected) and d != pairs  # roles, copy axes and type count
+  assert d != pairs and d != Discovery(pairs, rejected, roles=d.roles)  # the copy axes count
+  assert d != Discovery(pairs, rejected, copy_axes=d.copy_axes)  # and so do the roles
 
 
 def test_confirmation_is_one_of_the_reported_kinds():
