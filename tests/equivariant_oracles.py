@@ -1,5 +1,7 @@
 """Float64 NumPy definitions of the equivariant rules' directions (Lau and Su 2026), written
-from the paper's formulas, for tests/test_rules.py, test_linalg.py and test_stack.py."""
+from the paper's formulas, and the gradients of a tiny LLaMA-style decoder, for the tests of
+the rules, the Newton-Schulz iterations and the stack (test_rules.py, test_linalg.py,
+test_stack.py, test_equivariant_reference.py)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -61,3 +63,34 @@ def orthogonal(key, n):
 def close(actual, expected, rtol=1e-4):
   actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
   np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * np.abs(expected).max())
+
+
+H, KV, HD, D, FF, V, E = 2, 1, 4, 8, 6, 10, 3
+
+
+def llama_grads(key, layers=None):
+  """Gradients of a tiny LLaMA-style decoder with one MoE block, Flax layouts."""
+  lead = () if layers is None else (layers,)
+  shapes = {
+    "embed/embedding": (V, D),
+    "lm_head/kernel": (D, V),
+    "norm/scale": (D,),
+    "layers/attn/q_proj/kernel": lead + (D, H * HD),
+    "layers/attn/k_proj/kernel": lead + (D, KV * HD),
+    "layers/attn/v_proj/kernel": lead + (D, KV * HD),
+    "layers/attn/o_proj/kernel": lead + (H * HD, D),
+    "layers/mlp/gate_proj/kernel": lead + (D, FF),
+    "layers/mlp/up_proj/kernel": lead + (D, FF),
+    "layers/mlp/down_proj/kernel": lead + (FF, D),
+    "layers/moe/router/kernel": lead + (D, E),
+    "layers/moe/experts/w_in": lead + (E, D, FF),
+    "layers/attn_norm/scale": lead + (D,),
+  }
+  tree = {}
+  for i, (path, shape) in enumerate(shapes.items()):
+    *parents, leaf = path.split("/")
+    node = tree
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = rand(key + i, shape, np.float32)
+  return tree

@@ -18,11 +18,18 @@ from flax import nnx
 
 from equivariant_oracles import (
   EXACT_NS,
+  FF,
+  HD,
+  KV,
+  D,
   F,
+  H,
   U,
+  V,
   center,
   close,
   left_spectral,
+  llama_grads,
   nuclear,
   polar,
   rand,
@@ -181,37 +188,6 @@ def test_optimizer_decoupled_weight_decay_and_schedule():
   for step_lr in (0.1, 0.05):
     u, state = tx.update(g, state, w)
     close(optax.apply_updates(w, u), w * (1 - step_lr * 0.5) - step_lr * row_norm(g))
-
-
-H, KV, HD, D, FF, V, E = 2, 1, 4, 8, 6, 10, 3
-
-
-def llama_grads(key, layers=None):
-  """Gradients of a tiny LLaMA-style decoder with one MoE block, Flax layouts."""
-  lead = () if layers is None else (layers,)
-  shapes = {
-    "embed/embedding": (V, D),
-    "lm_head/kernel": (D, V),
-    "norm/scale": (D,),
-    "layers/attn/q_proj/kernel": lead + (D, H * HD),
-    "layers/attn/k_proj/kernel": lead + (D, KV * HD),
-    "layers/attn/v_proj/kernel": lead + (D, KV * HD),
-    "layers/attn/o_proj/kernel": lead + (H * HD, D),
-    "layers/mlp/gate_proj/kernel": lead + (D, FF),
-    "layers/mlp/up_proj/kernel": lead + (D, FF),
-    "layers/mlp/down_proj/kernel": lead + (FF, D),
-    "layers/moe/router/kernel": lead + (D, E),
-    "layers/moe/experts/w_in": lead + (E, D, FF),
-    "layers/attn_norm/scale": lead + (D,),
-  }
-  tree = {}
-  for i, (path, shape) in enumerate(shapes.items()):
-    *parents, leaf = path.split("/")
-    node = tree
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = rand(key + i, shape, np.float32)
-  return tree
 
 
 def unit_rule(kind, x, centred=False):
