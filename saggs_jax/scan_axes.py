@@ -49,7 +49,8 @@ def copy_axes(tree: Any, names: str | Sequence[str] = ("layers",)) -> dict[str, 
     ``{path: positions}`` (paths as :mod:`saggs_jax.paths` spells them), positions increasing,
     for each leaf whose axis names include one of ``names``: a Pair's ``stacked``.
 
-  Example (a linen scan putting its layer axis at position 1, as MaxText does)::
+  Example:
+    A linen scan that puts its layer axis at position 1, as MaxText does:
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn, saggs_jax as saggs
     >>> class Block(nn.Module):

@@ -272,3 +272,12 @@ def blind_to_reasons(monkeypatch) -> None:
     return trace._replace(reaches=tuple(r._replace(reasons=frozenset()) for r in trace.reaches))
 
   monkeypatch.setattr(candidates.propagation, "follow", blind)
+
+
+def rope(x):
+  """Rotate-half RoPE on (batch, tokens, heads, head_dim)."""
+  half = x.shape[-1] // 2
+  angle = np.arange(x.shape[1])[:, None] / 100.0 ** (np.arange(half) / half)
+  cos, sin = (jnp.asarray(f(angle)[None, :, None, :], jnp.float32) for f in (np.cos, np.sin))
+  a, b = x[..., :half], x[..., half:]
+  return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], -1)

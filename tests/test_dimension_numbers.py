@@ -123,26 +123,6 @@ def test_muon_dimension_numbers_tree_and_its_errors():
     saggs.muon_dimension_numbers(params, {"q_proj/kernel": MDN(0, 1)})
 
 
-def test_gpt2_preset_reads_conv1d_kernels_as_out_by_in_and_honours_prefix():
-  d = 4
-  block = {
-    "attn": {
-      "c_attn": {"kernel": jnp.ones((3 * d, d)), "bias": jnp.ones(3 * d)},
-      "c_proj": {"kernel": jnp.ones((d, d))},
-    },
-    "mlp": {"c_fc": {"kernel": jnp.ones((4 * d, d))}, "c_proj": {"kernel": jnp.ones((d, 4 * d))}},
-    "ln_1": {"scale": jnp.ones(d)},
-  }
-  params = {"h": {"0": block, "1": block}, "wte": {"embedding": jnp.ones((16, d))}}
-  tree = by_path(saggs.presets.muon_dimension_numbers(params, "gpt2", prefix="h/1"))
-  kernels = ("attn/c_attn", "attn/c_proj", "mlp/c_fc", "mlp/c_proj")
-  assert {p: v for p, v in tree.items() if v is not None} == {
-    f"h/1/{k}/kernel": MDN(reduction_axis=-1, output_axis=-2) for k in kernels
-  }
-  with pytest.raises(ValueError, match="Unknown layout 'gpt3'"):
-    saggs.presets.muon_dimension_numbers(params, "gpt3")
-
-
 @pytest.fixture(scope="module")
 def scanned_lm():
   forward, params = dm.nnx_lm(scanned=True)

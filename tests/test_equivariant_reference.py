@@ -194,7 +194,7 @@ def test_default_bfloat16_matches_reference(case):
 
 # ------------------------------------------------------------ the stack preset
 
-from test_equivariant import KV, H, center, llama_grads, polar, row_norm  # noqa: E402
+from equivariant_oracles import KV, H, center, llama_grads, polar, row_norm  # noqa: E402
 
 # Path -> role as the reference scripts route a LLaMA-style decoder with MoE.
 ROLE_OF = {

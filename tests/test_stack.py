@@ -1,31 +1,58 @@
 """saggs_jax.equivariant.stack: the one stack builder and its presets.
 
-The rules themselves are checked against NumPy in test_equivariant.py and against the
-reference implementation's golden data in test_equivariant_reference.py; here: what a preset
+The rules themselves are checked against NumPy in test_rules.py and against the reference
+implementation's golden data in test_equivariant_reference.py; here: routing by path
+(layerwise), the optimizer's weight decay, the stack's update against NumPy, what a preset
 fills in, and the builder's errors."""
 
+import functools
+
+import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
+from equivariant_oracles import (
+  EXACT_NS,
+  FF,
+  HD,
+  KV,
+  D,
+  F,
+  H,
+  U,
+  V,
+  center,
+  close,
+  left_spectral,
+  llama_grads,
+  nuclear,
+  polar,
+  rand,
+  row_norm,
+)
 from saggs_jax import equivariant as eqv
+from saggs_jax.paths import path_str
 
-D, F, V = 8, 16, 32
+WIDTH, HIDDEN, VOCAB = 8, 16, 32
 
 
 def _params():
   keys = iter(jax.random.split(jax.random.key(0), 8))
   normal = lambda shape: jax.random.normal(next(keys), shape)  # noqa: E731
   return {
-    "embed": {"embedding": normal((V, D))},
+    "embed": {"embedding": normal((VOCAB, WIDTH))},
     "layer": {
-      "q_proj": {"kernel": normal((D, D))},
-      "gate_proj": {"kernel": normal((D, F))},
-      "up_proj": {"kernel": normal((D, F))},
-      "down_proj": {"kernel": normal((F, D))},
+      "q_proj": {"kernel": normal((WIDTH, WIDTH))},
+      "gate_proj": {"kernel": normal((WIDTH, HIDDEN))},
+      "up_proj": {"kernel": normal((WIDTH, HIDDEN))},
+      "down_proj": {"kernel": normal((HIDDEN, WIDTH))},
     },
-    "lm_head": {"kernel": normal((D, V))},
+    "lm_head": {"kernel": normal((WIDTH, VOCAB))},
   }
 
 
@@ -87,3 +114,249 @@ def test_presets_and_tables_are_read_only():
   for table in (eqv.PRESETS, eqv.REFERENCE, eqv.REFERENCE["scale_by_polar"], eqv.ROLE_PATTERNS):
     with pytest.raises(TypeError):
       table["query"] = ()  # pyright: ignore[reportIndexIssue]
+
+
+def linen_params():
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      x = nn.Embed(U, 8, name="embed")(ids)
+      part = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+      x = nn.Dense(8, name="q_proj", kernel_init=part)(x)
+      return nn.LayerNorm(name="norm")(x)
+
+  return Block().init(jax.random.key(0), jnp.zeros((1, 3), jnp.int32))
+
+
+def nnx_state():
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(U, 8, rngs=rngs)
+      self.q_proj = nnx.Linear(8, 8, rngs=rngs)
+      self.norm = nnx.LayerNorm(8, rngs=rngs)
+
+  return nnx.split(Block(nnx.Rngs(0)), nnx.Param)[1]
+
+
+ROUTED = eqv.layerwise(
+  {
+    "embed/embedding": eqv.scale_by_row_norm(0, beta=0.0),
+    ("q_proj/kernel",): eqv.scale_by_polar(num_heads=2, beta=0.0, **EXACT_NS),
+  },
+  default=optax.sgd(1.0),
+)
+
+
+ROUTED_STEP = jax.jit(lambda g: ROUTED.update(g, ROUTED.init(g))[0])
+
+
+@pytest.mark.parametrize("make", [linen_params, nnx_state])
+def test_layerwise_routes_flax_trees(make):
+  grads = jax.tree.map(lambda x: x + 0.1, make())  # nonzero biases
+  out = ROUTED_STEP(grads)
+  chex.assert_trees_all_equal_structs(out, grads)
+  flat = {path_str(k): v for k, v in jax.tree_util.tree_flatten_with_path(out)[0]}
+  g = {path_str(k): v for k, v in jax.tree_util.tree_flatten_with_path(grads)[0]}
+  emb = next(k for k in flat if k.endswith("embed/embedding"))
+  q = next(k for k in flat if k.endswith("q_proj/kernel"))
+  bias = next(k for k in flat if k.endswith("q_proj/bias"))
+  close(flat[emb], row_norm(np.asarray(g[emb], np.float64)))
+  wq = np.asarray(g[q], np.float64)
+  close(flat[q], np.concatenate([polar(wq[:, :4]), polar(wq[:, 4:])], axis=1), rtol=1e-3)
+  close(flat[bias], -np.asarray(g[bias]))  # default: sgd(1.0)
+
+
+def test_layerwise_errors_name_the_path():
+  params = {"params": {"q_proj": {"kernel": np.zeros((4, 4)), "bias": np.zeros(4)}}}
+  double = eqv.layerwise({"q_proj/kernel": optax.sgd(1.0), "q_proj/*": optax.sgd(1.0)})
+  with pytest.raises(ValueError, match="'params/q_proj/kernel' is matched by several"):
+    double.init(params)
+  wrong_rank = eqv.layerwise({"q_proj/*": eqv.scale_by_polar()})
+  with pytest.raises(ValueError, match="params/q_proj/bias"):
+    wrong_rank.init(params)
+  no_default = eqv.layerwise([("q_proj/kernel", optax.sgd(1.0))])
+  with pytest.raises(ValueError, match="params/q_proj/bias"):
+    no_default.init(params)
+
+
+def test_optimizer_decoupled_weight_decay_and_schedule():
+  lr = optax.linear_schedule(0.1, 0.05, transition_steps=1)
+  tx = eqv.optimizer(eqv.scale_by_row_norm(0, beta=0.0), lr, weight_decay=0.5)
+  w = rand(21, (U, F), np.float32)
+  g = rand(22, (U, F), np.float32)
+  state = tx.init(w)
+  for step_lr in (0.1, 0.05):
+    u, state = tx.update(g, state, w)
+    close(optax.apply_updates(w, u), w * (1 - step_lr * 0.5) - step_lr * row_norm(g))
+
+
+def unit_rule(kind, x, centred=False):
+  """A unit rule on (units, features) in numpy: row-norm, hybrid (row then
+  polar, scaled by the nuclear norm; centred: re-centred before the polar
+  step too) or left spectral."""
+  p = center if centred else (lambda y: y)
+  if kind == "row_norm":
+    return p(row_norm(p(x)))
+  if kind == "hybrid":
+    r = p(row_norm(p(x)))
+    return p(nuclear(r) * polar(r))
+  assert kind == "left_spectral", kind
+  return p(left_spectral(p(x)))
+
+
+def expected_llama_directions(
+  g, embedding="row_norm", lm_head="row_norm", mlp="row_norm", down="column", router="row_norm"
+):
+  """Lau and Su's stack by hand (beta=0): each role's direction, by path."""
+  L = g["layers"]
+  gu = np.concatenate([L["mlp"]["gate_proj"]["kernel"].T, L["mlp"]["up_proj"]["kernel"].T], axis=1)
+  neurons = unit_rule(mlp, gu)
+  per_head = lambda w, n, axis: np.concatenate(  # noqa: E731
+    [polar(b) for b in np.split(w, n, axis=axis)], axis=axis
+  )
+  w_down = L["mlp"]["down_proj"]["kernel"]
+  return {
+    "embed/embedding": unit_rule(embedding, g["embed"]["embedding"]),
+    "lm_head/kernel": unit_rule(lm_head, g["lm_head"]["kernel"].T, centred=True).T,
+    "layers/attn/q_proj/kernel": per_head(L["attn"]["q_proj"]["kernel"], H, 1),
+    "layers/attn/k_proj/kernel": per_head(L["attn"]["k_proj"]["kernel"], KV, 1),
+    "layers/attn/v_proj/kernel": per_head(L["attn"]["v_proj"]["kernel"], KV, 1),
+    "layers/attn/o_proj/kernel": np.sqrt(D / HD) * per_head(L["attn"]["o_proj"]["kernel"], H, 0),
+    "layers/mlp/gate_proj/kernel": neurons[:, :D].T,
+    "layers/mlp/up_proj/kernel": neurons[:, D:].T,
+    "layers/mlp/down_proj/kernel": (
+      unit_rule(mlp, w_down) if down == "column" else np.sqrt(D / FF) * polar(w_down)
+    ),
+    "layers/moe/router/kernel": unit_rule(router, L["moe"]["router"]["kernel"].T, centred=True).T,
+    "layers/moe/experts/w_in": np.stack(
+      [polar(w) for w in L["moe"]["experts"]["w_in"]]
+    ),  # fan_out < fan_in: scale 1
+  }
+
+
+# Distinct rates and decays, one per-role override: each must reach its leaves.
+LR, ADAMW_LR, WD, ADAMW_WD, OUTPUT_LR = 0.3, 0.05, 0.1, 0.2, 0.7
+
+
+ADAMW_PATHS = ("norm/scale", "layers/attn_norm/scale")
+
+
+@functools.cache
+def stack_step(stacked, **variants):
+  tx = eqv.symmetry_compatible(
+    LR,
+    adamw_learning_rate=ADAMW_LR,
+    weight_decay=WD,
+    adamw_weight_decay=ADAMW_WD,
+    learning_rates={"output": OUTPUT_LR},
+    num_heads=H,
+    num_kv_heads=KV,
+    stacked=stacked,
+    beta=0.0,
+    **EXACT_NS,
+    **rules_and_rest(variants),
+  )
+  return jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])
+
+
+def rules_and_rest(variants):
+  """``symmetry_compatible``'s keywords for ``variants``: the role rules as a RoleRules."""
+  rules = {k: v for k, v in variants.items() if k in eqv.RoleRules._fields}
+  rest = {k: v for k, v in variants.items() if k not in eqv.RoleRules._fields}
+  return dict(rules=eqv.RoleRules(**rules), **rest)
+
+
+def flat_paths(tree):
+  return {
+    path_str(k): np.asarray(v, np.float64) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
+
+
+def check_llama_update(out, g, p, **variants):
+  """u = -lr (direction + wd p) per role; AdamW's first step on the rest:
+  -lr (g / (|g| + eps) + wd p) = -lr (sign(g) + wd p)."""
+  directions = expected_llama_directions(jax.tree.map(np.float64, g), **variants)
+  out, g, p = flat_paths(out), flat_paths(g), flat_paths(p)
+  assert set(directions) | set(ADAMW_PATHS) == set(out)
+  for path, direction in directions.items():
+    lr = OUTPUT_LR if path == "layers/attn/o_proj/kernel" else LR
+    close(out[path], -lr * (direction + WD * p[path]), rtol=1e-3)
+  for path in ADAMW_PATHS:
+    close(out[path], -ADAMW_LR * (np.sign(g[path]) + ADAMW_WD * p[path]), rtol=1e-5)
+
+
+def test_symmetry_compatible_stack():
+  g, p = llama_grads(100), llama_grads(600)
+  out = stack_step(False)(g, p)
+  check_llama_update(out, g, p)
+  # The stacked-layers layout gives every layer the update of the unstacked one.
+  gs, ps = [g, llama_grads(200)], [p, llama_grads(700)]
+  stack = lambda trees: {
+    **trees[0],
+    "layers": jax.tree.map(  # noqa: E731
+      lambda *x: np.stack(x), *[t["layers"] for t in trees]
+    ),
+  }
+  stacked = stack_step(True)(stack(gs), stack(ps))
+  for i, single in enumerate([out, stack_step(False)(gs[1], ps[1])]):
+    chex.assert_trees_all_close(
+      jax.tree.map(lambda x, i=i: x[i], stacked["layers"]), single["layers"], rtol=1e-4, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+  "variants",
+  [
+    dict(
+      embedding="hybrid",
+      lm_head="hybrid",
+      mlp="hybrid",
+      down="polar",
+      router="left_spectral",
+      head_dim=HD,
+    ),
+    dict(mlp="hybrid"),  # a column-aware hybrid down
+  ],
+)
+def test_symmetry_compatible_variants(variants):
+  """Each option builds the rule it names, checked against numpy."""
+  g, p = llama_grads(400), llama_grads(800)
+  check_llama_update(
+    stack_step(False, **variants)(g, p),
+    g,
+    p,
+    **{k: v for k, v in variants.items() if k != "head_dim"},
+  )
+
+
+def test_symmetry_compatible_tied_and_errors():
+  tied = eqv.symmetry_compatible(1.0, tie_embeddings=True, beta=0.0)
+  g = {"embed": {"embedding": rand(300, (V, D), np.float32)}}
+  out = tied.update(g, tied.init(g), g)[0]["embed"]["embedding"]
+  close(-out, center(row_norm(center(g["embed"]["embedding"]))))
+  with pytest.raises(ValueError, match=r"Unknown roles \['bogus'\]"):
+    eqv.symmetry_compatible(1.0, patterns={"bogus": "x"})
+  with pytest.raises(ValueError, match="down must be 'column' or 'polar', got 'rows'"):
+    eqv.symmetry_compatible(1.0, rules=eqv.RoleRules(down="rows"))  # pyright: ignore[reportArgumentType]
+
+
+@pytest.mark.parametrize(
+  "variants",
+  [
+    {},
+    dict(embedding="hybrid", lm_head="hybrid", mlp="hybrid", down="polar", router="left_spectral"),
+  ],
+)
+def test_stack_defaults_on_zero_gradients(variants):
+  """The default Newton-Schulz (bfloat16 Polar Express, 5 steps): zero
+  gradients give a zero update, never a NaN, from a fresh state and after
+  steps with gradients whose squares underflow float32."""
+  tx = eqv.symmetry_compatible(0.1, num_heads=H, num_kv_heads=KV, **rules_and_rest(variants))
+  zeros = jax.tree.map(np.zeros_like, llama_grads(500))
+  tiny = jax.tree.map(lambda x: 1e-30 * x, llama_grads(500))
+  step = jax.jit(lambda g, state: tx.update(g, state, zeros))
+  out, state = step(zeros, tx.init(zeros))
+  assert all(np.all(np.asarray(x) == 0.0) for x in jax.tree.leaves(out))
+  for grads in (tiny, zeros):
+    out, state = step(grads, state)
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))

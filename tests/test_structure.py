@@ -2,9 +2,12 @@
 other (no cycles, no module reading another's private names)."""
 
 import ast
+import inspect
 import pathlib
+import re
 import subprocess
 import sys
+import types
 
 import saggs_jax
 from xla_env import cpu_env
@@ -111,34 +114,133 @@ def test_no_import_cycles():
 
 
 TESTS = PACKAGE.parent / "tests"
-# Modules whose tests live in theme files for now (one file per theme spans several modules).
-THEMES = {
-  "saggs_jax.canonical": "test_checkpoint.py",  # canonicalize, and restoring through it
-  "saggs_jax.norms": "test_transform.py",
-  "saggs_jax.presets": "test_models.py",  # each preset on its model layout
-  "saggs_jax.scan_axes": "test_copy_axes.py",  # copy axes read off Flax scan metadata
-  "saggs_jax.discovery.candidates": "test_discover_helpers.py",
-  "saggs_jax.discovery.confirmation": "test_discover_guards.py",
-  "saggs_jax.discovery.declarations": "test_discover_helpers.py",
-  "saggs_jax.discovery.pipeline": "test_discover.py",
-  "saggs_jax.discovery.program": "test_discover_helpers.py",
-  "saggs_jax.discovery.propagation": "test_discover_helpers.py",
-  "saggs_jax.discovery.result": "test_discover.py",
-  "saggs_jax.equivariant._gather": "test_equivariant_sharding.py",
-  "saggs_jax.equivariant._linalg": "test_equivariant.py",
-  "saggs_jax.equivariant.rules": "test_equivariant.py",
-}
+
+
+def _own_test_file(name: str) -> str:
+  """``test_<stem>.py``, a private module's stem without its underscore; a module of a
+  subpackage whose stem another module shares gets ``test_<subpackage>_<stem>.py``."""
+  stem = MODULES[name].stem.lstrip("_")
+  clash = sum(p.stem.lstrip("_") == stem for p in MODULES.values()) > 1
+  package = name.split(".")[-2]
+  return f"test_{package}_{stem}.py" if clash and package != "saggs_jax" else f"test_{stem}.py"
 
 
 def test_every_module_has_its_tests():
-  """tests/test_<module>.py for each module (a private one without its underscore), or the
-  theme file that THEMES names for it."""
-  missing = []
-  for name, path in MODULES.items():
-    if path.name == "__init__.py":
-      continue
-    own = TESTS / f"test_{path.stem.lstrip('_')}.py"
-    if not own.exists() and not (TESTS / THEMES.get(name, own.name)).exists():
-      missing.append(f"{name}: neither {own.name} nor a theme file")
-    assert not (own.exists() and name in THEMES), f"{name} has {own.name}: drop it from THEMES"
+  """Every module has its own file, tests/test_<module>.py (see :func:`_own_test_file`),
+  holding the tests of its functions; theme files (trajectories, sharding, the optax battery)
+  stand beside them, not instead."""
+  files = {name: _own_test_file(name) for name, p in MODULES.items() if p.name != "__init__.py"}
+  missing = [f"{name}: {file}" for name, file in files.items() if not (TESTS / file).exists()]
   assert not missing, "\n".join(missing)
+  assert len(set(files.values())) == len(files), files
+
+
+def _public(module) -> dict[str, object]:
+  """The public names of ``module``: its ``__all__``, else what it defines without an
+  underscore (re-exported imports left to the module they come from)."""
+  if hasattr(module, "__all__"):
+    return {n: getattr(module, n) for n in module.__all__}
+  return {
+    n: v
+    for n, v in vars(module).items()
+    if not n.startswith("_") and getattr(v, "__module__", module.__name__) == module.__name__
+  }
+
+
+# What users import: the package, its equivariant stack and the modules docs/api.md documents.
+# (saggs_jax.degrees is to join them: its probe_factors has no Example: yet, and its
+# FAST_COMPILE table is a dict.)
+API = {
+  f"{m.__name__}.{n}": v
+  for m in (saggs_jax, saggs_jax.equivariant, saggs_jax.presets, saggs_jax.checkpoint)
+  for n, v in _public(m).items()
+  if not inspect.ismodule(v) and n != "TYPE_CHECKING"
+}
+
+
+def test_every_public_function_has_an_example():
+  """Functions show their use in an ``Example:`` section (run as a doctest); a class's
+  ``Attributes:`` say what it holds, and the functions that take it show it in use."""
+  bad = [n for n, v in API.items() if inspect.isfunction(inspect.unwrap(v))]  # type: ignore[arg-type]
+  bad = [n for n in bad if not re.search(r"^\s*Example:\s*$", API[n].__doc__ or "", re.MULTILINE)]
+  assert not bad, f"no Example: section in {bad}"
+
+
+def _frozen(value) -> bool:
+  if isinstance(value, (dict, list, set, bytearray)):
+    return False
+  if isinstance(value, types.MappingProxyType):
+    return all(_frozen(k) and _frozen(v) for k, v in value.items())
+  if isinstance(value, (tuple, frozenset)):
+    return all(_frozen(v) for v in value)
+  return True
+
+
+def test_public_tables_are_frozen():
+  """A public table is read-only all the way down (``MappingProxyType``, tuples), so that no
+  caller can change what every other optimizer in the process reads."""
+  tables = {n: v for n, v in API.items() if not callable(v)}
+  assert "saggs_jax.equivariant.REFERENCE" in tables  # the probe sees the tables
+  bad = [n for n, v in tables.items() if not _frozen(v)]
+  assert not bad, f"mutable public tables: {bad}"
+
+
+def _builders() -> dict[str, tuple[str, ...]]:
+  """The keyword-only parameter names of every public function of :data:`API`, in order,
+  each function once (re-exports share it)."""
+  found: dict[int, tuple[str, tuple[str, ...]]] = {}
+  for name, value in API.items():
+    if inspect.isfunction(inspect.unwrap(value)) and id(value) not in found:  # type: ignore[arg-type]
+      params = inspect.signature(value).parameters.values()  # type: ignore[arg-type]
+      found[id(value)] = (name, tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY))
+  return dict(found.values())
+
+
+# Keywords that stay flat in every builder that takes them, as optax's own hyperparameters
+# (optax.adam and optax.adamw both take b1, b2, eps, mu_dtype): each is one number or dtype,
+# and a tuple of them would only lengthen every call. They break a run.
+FLAT = {"beta", "eps", "eps_form", "relative_eps", "alpha", "mu_dtype"}
+# Builders that share a signature by design, with why.
+TWINS = {
+  frozenset({"scale_by_left_spectral", "scale_by_right_spectral"}): "the left rule is the "
+  "right one centred (the push-through identity): one rule, two defaults of center",
+}
+# A preset's layout flags: ``bias``, ``stacked`` and ``prefix`` are read one by one, and each
+# preset takes the ones its model has.
+LAYOUT = ("bias", "stacked", "prefix")
+RUN = 3
+
+
+def _runs(names: tuple[str, ...]) -> set[tuple[str, ...]]:
+  """Every run of ``RUN`` consecutive names none of which is :data:`FLAT`."""
+  return {
+    names[i : i + RUN]
+    for i in range(len(names) - RUN + 1)
+    if not FLAT & set(names[i : i + RUN]) and names[i : i + RUN] != LAYOUT
+  }
+
+
+def test_no_keyword_list_is_repeated_between_builders():
+  """No run of three keyword-only names (same names, same order) appears in two public
+  builders: a list that several builders take is one setting (a NamedTuple of
+  saggs_jax.equivariant.settings, as NewtonSchulz), passed whole."""
+  builders = _builders()
+  assert builders["saggs_jax.equivariant.scale_by_polar"]  # the probe reads the signatures
+  seen: dict[tuple[str, ...], list[str]] = {}
+  for name, names in builders.items():
+    for run in _runs(names):
+      seen.setdefault(run, []).append(name)
+  short = lambda n: n.rpartition(".")[2]
+  repeated = {
+    run: names
+    for run, names in seen.items()
+    if len(names) > 1 and frozenset(map(short, names)) not in TWINS
+  }
+  assert not repeated, "\n".join(f"{run} in {names}" for run, names in repeated.items())
+
+
+def test_the_keyword_check_finds_a_repeated_run():
+  assert _runs(("num_heads", "num_kv_heads", "head_dim", "beta")) == {
+    ("num_heads", "num_kv_heads", "head_dim")
+  }
+  assert not _runs(("center", "joint", "beta", "eps")) and not _runs(LAYOUT)

@@ -189,7 +189,7 @@ class _Preset(NamedTuple):
 _ROW_NORM = RoleRules("row_norm", "row_norm", "row_norm", "column", "row_norm")
 PRESETS: Mapping[str, _Preset] = MappingProxyType(
   {
-    "default": _Preset({}, _ROW_NORM, NewtonSchulz(), False, 0.999, None, None),
+    "default": _Preset(MappingProxyType({}), _ROW_NORM, NewtonSchulz(), False, 0.999, None, None),
     "reference": _Preset(
       REFERENCE,
       _ROW_NORM._replace(mlp="polar"),

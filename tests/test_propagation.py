@@ -1,18 +1,13 @@
-"""Unit tests of discover's pure jaxpr helpers, against hand-computed expectations.
-
-The axis bookkeeping (reshape blocks, every structural primitive's axis map,
-dot_general output positions), the typed reasons, the group options and the
-path patterns are checked directly here; tests/test_discover*.py check the
-whole pipeline on models.
-"""
+"""saggs_jax.discovery.propagation: the axis bookkeeping (reshape blocks, every structural
+primitive's axis map, dot_general output positions), the typed reasons and a factor followed
+to the next linear, against hand-computed expectations. tests/test_discover*.py check the whole
+pipeline on models."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from saggs_jax import Block, Pair
-from saggs_jax.discovery import Discovery, declarations, propagation
-from saggs_jax.discovery.candidates import group_options
+from saggs_jax.discovery import propagation
 from saggs_jax.discovery.program import Program
 from saggs_jax.discovery.propagation import RULES, Trace, explain, inexact, nonlinear, reshape_map
 
@@ -150,36 +145,3 @@ def test_follow_reaches_the_next_linear_with_what_it_passed_through():
     0,
   )
   assert residual.breaks == {propagation.RESIDUAL} and not residual.reaches
-
-
-@pytest.mark.parametrize(
-  "sizes, splits, expected",
-  [
-    ([8, 8], {4}, [8, 4, 1]),  # per channel, per head of 2 (4 heads), one group
-    ([8, 2], set(), [2, 1]),  # 8 query channels against 2 KV channels: at most 2 groups
-    ([6, 6], {2, 3}, [6, 3, 2, 1]),
-    ([8, 12], set(), [4, 1]),  # neither size divides the other: their common divisor
-  ],
-)
-def test_group_options(sizes, splits, expected):
-  assert group_options(sizes, splits) == expected
-
-
-def test_patterns_drop_the_enclosing_module_and_number_wildcards():
-  names = ["layers/0/attn/q", "layers/0/attn/k"]
-  assert declarations.patterns(names, 0) == ["q", "k"]
-  assert declarations.patterns(names, 1) == ["attn/q", "attn/k"]
-  assert declarations.patterns(names, 2) == ["*/attn/q", "*/attn/k"]
-  assert declarations.patterns(["h_1/mlp/up", "h_1/mlp/down"], 2) == ["h_*/mlp/up", "h_*/mlp/down"]
-
-
-def test_report_names_block_sides():
-  # A fused QKV kernel's q and k columns pair as Blocks: one member per side, not iterated.
-  q, k = (Block("c_attn/kernel", axis=1, parts=3, part=i) for i in (0, 1))
-  assert Discovery([Pair(q, k, axes=(1, 1), groups=2, name="attention Q/K")]).report() == (
-    "Found 1 symmetry:\n"
-    f"  attention Q/K: {q!r} (axis 1) x c  against  {k!r} (axis 1) x 1/c; 2 groups\n"
-    "Rejected 0:\n"
-    "Confirmation: numerically, on the given parameters and example inputs (finite moves and"
-    " first order)."
-  )

@@ -1,0 +1,33 @@
+"""saggs_jax.discovery.candidates: the groupings a candidate is tried at."""
+
+import pytest
+
+from saggs_jax.discovery.candidates import as_stacked, copy_axes, group_options, relative
+
+
+@pytest.mark.parametrize(
+  "sizes, splits, expected",
+  [
+    ([8, 8], {4}, [8, 4, 1]),  # per channel, per head of 2 (4 heads), one group
+    ([8, 2], set(), [2, 1]),  # 8 query channels against 2 KV channels: at most 2 groups
+    ([6, 6], {2, 3}, [6, 3, 2, 1]),
+    ([8, 12], set(), [4, 1]),  # neither size divides the other: their common divisor
+  ],
+)
+def test_group_options(sizes, splits, expected):
+  assert group_options(sizes, splits) == expected
+
+
+@pytest.mark.parametrize(
+  "stacked, copies, stacked_back",
+  [(0, (), 0), (2, (0, 1), 2), ((1,), (1,), (1,)), ((0, 2), (0, 2), (0, 2))],
+)
+def test_copy_axes_and_stacked_are_inverse_spellings(stacked, copies, stacked_back):
+  assert copy_axes(stacked) == copies
+  assert as_stacked(reversed(copies)) == stacked_back  # any order in, a count when they lead
+
+
+def test_relative_counts_a_leaf_axis_among_the_axes_that_are_not_copies():
+  # A (d, layers, F) MaxText kernel: its F axis is 2 of the leaf, 1 of a Pair's axes.
+  assert [relative(a, (1,)) for a in (0, 2)] == [0, 1]
+  assert [relative(a, 2) for a in (2, 3)] == [0, 1]  # two leading copy axes

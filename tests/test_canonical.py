@@ -1,0 +1,92 @@
+"""saggs_jax.canonical: reparameterize's checks of its factors (eagerly an error, traced a
+no-op on the groups they would break) and canonicalize against a NumPy balance of each channel
+with Adam's moments moved alongside. Every layout and optimizer: tests/test_checkpoint.py."""
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import saggs_jax as saggs
+
+QK = [saggs.Pair("q", "k", axes=(1, 1), name="QK")]
+
+
+def _qk():
+  return {"q": jnp.ones((2, 3)), "k": jnp.ones((2, 3))}
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e39
+@pytest.mark.parametrize(
+  "factor, got",
+  [
+    (float("inf"), "got inf."),
+    (0.0, "got 0.0."),
+    (-2.0, "got -2.0."),
+    (1e39, "got inf."),
+    (lambda path, shape: np.array([1.0, np.nan, -1.0]), "got -1.0, nan."),
+  ],
+)
+def test_reparameterize_refuses_factors_not_positive_and_finite(factor, got):
+  with pytest.raises(
+    ValueError,
+    match=re.escape("The factors of QK on 'q|k' must be positive and finite in float32, " + got),
+  ):
+    saggs.reparameterize(_qk(), None, QK, factor)
+
+
+@pytest.mark.parametrize("factor", ["2", lambda path, shape: np.ones(4)])
+def test_reparameterize_refuses_factors_of_another_shape_or_type(factor):
+  with pytest.raises(
+    ValueError,
+    match=re.escape("The factors of QK on 'q|k' must be numbers broadcastable to shape (3,)"),
+  ):
+    saggs.reparameterize(_qk(), None, QK, factor)
+
+
+def test_reparameterize_under_jit_leaves_groups_with_bad_factors_alone():
+  """Traced factors cannot be checked without waiting on the device: a group whose factor
+  is not positive and finite keeps its values (factor 1), so no NaN or inf leaves it."""
+  move = jax.jit(lambda p, c: saggs.reparameterize(p, None, QK, lambda path, shape: c)[0])
+  out = move(_qk(), jnp.asarray([4.0, jnp.inf, -1.0]))
+  np.testing.assert_array_equal(out["q"], np.array([[4.0, 1.0, 1.0]] * 2, np.float32))
+  np.testing.assert_array_equal(out["k"], np.array([[0.25, 1.0, 1.0]] * 2, np.float32))
+  out = move(_qk(), jnp.asarray([0.0, jnp.nan, 2.0]))
+  np.testing.assert_array_equal(out["q"], np.array([[1.0, 1.0, 2.0]] * 2, np.float32))
+
+
+UP_DOWN = [saggs.Pair("up", "down", axes=(1, 0))]
+
+
+def test_canonicalize_balances_each_channel_and_transports_adams_moments_as_numpy_does():
+  """Channel j of up (column) and of down (row) both get norm sqrt(|up_j| |down_j|): the
+  factor c_j = sqrt(|down_j| / |up_j|) on up, 1/c_j on down; Adam's mu moves as the
+  gradient (1/c on up), nu as its square."""
+  rng = np.random.default_rng(0)
+  params = {
+    "up": rng.standard_normal((3, 4)) * [0.1, 1.0, 5.0, 2.0],
+    "down": rng.standard_normal((4, 2)),
+  }
+  params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  (state, *rest) = optax.adam(1e-2).init(params)
+  state = state._replace(
+    mu=jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), params),
+    nu=jax.tree.map(lambda x: jnp.asarray(rng.random(x.shape), x.dtype), params),
+  )
+  moved, (moved_state, *_) = saggs.canonicalize(params, (state, *rest), UP_DOWN)
+
+  up, down = (np.asarray(params[k], np.float64) for k in ("up", "down"))
+  c = np.sqrt(np.linalg.norm(down, axis=1) / np.linalg.norm(up, axis=0))
+  np.testing.assert_allclose(moved["up"], up * c, rtol=1e-5)
+  np.testing.assert_allclose(moved["down"], down / c[:, None], rtol=1e-5)
+  np.testing.assert_allclose(moved_state.mu["up"], np.asarray(state.mu["up"]) / c, rtol=1e-5)
+  np.testing.assert_allclose(moved_state.nu["up"], np.asarray(state.nu["up"]) / c**2, rtol=1e-5)
+  np.testing.assert_allclose(
+    moved_state.nu["down"], np.asarray(state.nu["down"]) * c[:, None] ** 2, rtol=1e-5
+  )
+  again, _ = saggs.canonicalize(moved, None, UP_DOWN)
+  chex.assert_trees_all_close(again, moved, rtol=1e-5)  # idempotent

@@ -1,0 +1,105 @@
+"""saggs_jax.norms: the group statistics against NumPy at every scale, off and on a mesh, and
+the layout of an instance's factors on a leaf's statistics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import saggs_jax as saggs
+from saggs_jax import norms
+from saggs_jax.numerics import log_dtype_max
+from saggs_jax.pairs import Slot, resolve
+
+# Groups of q (4 KV groups of 4 columns) and of up (one per column): ordinary, squares that
+# overflow (1e25) or underflow (1e-25, 1e-37) float32, 1e20 beside 1e-20 in one group, a
+# zero group, and float32's largest entries (a norm past the dtype's range).
+SCALES = np.array([1.0, 1e25, 1e-25, 1e-37, 1e20, 0.0, 3e38, 1.0])
+
+
+def extreme_params(per_group: bool):
+  """With ``per_group`` the scales differ between the groups of a leaf, and up holds an inf
+  and a NaN (columns 7 and 0); else q is all 1e25 and up all 1e-25 (column 5 zero): the
+  scale-safe recompute on a mesh divides a copy by its largest group maximum, so groups
+  of one leaf over ~1e19 apart would underflow there."""
+  rng = np.random.default_rng(0)
+  entries = lambda *shape: rng.choice([-1.0, 1.0], shape) * rng.uniform(0.5, 1.0, shape)  # noqa: E731
+  q_scale = np.repeat(SCALES[:4], 4) if per_group else np.full(16, 1e25)
+  q = entries(8, 16) * q_scale
+  if per_group:
+    q[:, 12:] *= np.array([1e20, 1e-20, 1.0, 1.0])
+  up = entries(8, 8) * (SCALES if per_group else np.where(np.arange(8) == 5, 0.0, 1e-25))
+  if per_group:
+    up[2, 7], up[5, 0] = np.inf, np.nan
+  params = {
+    "q": q.astype(np.float32),
+    "k": entries(8, 8).astype(np.float32),
+    "up": up.astype(np.float32),
+    "down": entries(8, 8).astype(np.float32),
+  }
+  pairs = [saggs.Pair("q", "k", axes=(1, 1), groups=4), saggs.Pair("up", "down", axes=(1, 0))]
+  return params, pairs
+
+
+def numpy_stats(x, groups):
+  """(log sum x**2, log max |x|) per group of the columns, in float64; +inf where a group
+  holds a non-finite entry."""
+  x = np.asarray(x, np.float64).reshape(x.shape[0], groups, -1)
+  finite = np.all(np.isfinite(x), axis=(0, 2))
+  with np.errstate(divide="ignore", invalid="ignore"):
+    log_sq = np.log(np.sum(x**2, axis=(0, 2)))
+    log_max = np.log(np.max(np.abs(x), axis=(0, 2)))
+  return np.where(finite, log_sq, np.inf), np.where(finite, log_max, np.nan)
+
+
+def check_stats(stats, params, nonfinite):
+  limit = log_dtype_max(jnp.float32)
+  for name, groups in (("q", 4), ("up", 8)):
+    log_sq, bound = (np.asarray(v) for v in stats[name, None])
+    want_sq, want_max = numpy_stats(params[name], groups)
+    finite = np.isfinite(want_sq)
+    np.testing.assert_allclose(log_sq[finite], want_sq[finite], rtol=0, atol=2e-5, err_msg=name)
+    np.testing.assert_array_equal(log_sq[~finite], want_sq[~finite], err_msg=name)
+    # The norm bounds the largest entry while it fits float32, the largest entry beyond.
+    fits = want_sq <= 2 * limit
+    np.testing.assert_allclose(bound[fits], 0.5 * want_sq[fits], rtol=0, atol=2e-5)
+    past = ~fits & finite
+    np.testing.assert_allclose(bound[past], want_max[past], rtol=0, atol=2e-5)
+    assert name != "up" or past.any() == nonfinite  # the 3e38 column is past the range
+    if name == "up":  # a non-finite entry reaches its own group only; the zero group is -inf
+      np.testing.assert_array_equal(
+        np.isposinf(log_sq), np.isin(np.arange(8), [0, 7] if nonfinite else [])
+      )
+      assert log_sq[5] == -np.inf
+
+
+@pytest.mark.parametrize("where", ["eager", "jit", "jit on a mesh"])
+def test_group_norms_against_numpy_at_every_scale(where):
+  """Off a mesh one scaled sum of squares per group; on a mesh the float32 pass and the
+  scale-safe recompute of the groups it over- or underflowed."""
+  params, pairs = extreme_params(per_group=where != "jit on a mesh")
+  params = jax.tree.map(jnp.asarray, params)
+  plan = resolve(pairs, params)
+  fn = lambda p: norms.leaf_stats(plan, p)  # noqa: E731
+  if where == "eager":
+    stats = fn(params)
+  elif where == "jit":
+    stats = jax.jit(fn)(params)
+  else:
+    with jax.set_mesh(jax.make_mesh((1,), ("x",))):
+      stats = jax.jit(fn)(params)
+  check_stats(stats, params, nonfinite=where != "jit on a mesh")
+
+
+def test_stacked_axes_and_along_slot_lay_each_instance_on_its_own_axis():
+  """A leaf in a per-layer instance of 3 groups (slot 0) and in one of every layer and expert
+  together, its whole tensor per copy (slot 1): its statistics are (layers, experts, 3, 1),
+  and each instance's log-factors go along its own axis, broadcast over the rest."""
+  slots = [Slot("qk", 1, 2, 3, (0,)), Slot("moe", -1, None, 1, (0, 1))]
+  assert norms.stacked_axes(slots) == (0, 1)
+  per_layer = jnp.arange(6.0).reshape(2, 3)  # 2 layers x 3 groups
+  assert norms.along_slot(per_layer, 0, slots).shape == (2, 1, 3, 1)
+  every_copy = jnp.arange(10.0).reshape(2, 5)  # layers x experts, whole tensors
+  laid = norms.along_slot(every_copy, 1, slots)
+  assert laid.shape == (2, 5, 1, 1)
+  np.testing.assert_array_equal(laid[:, :, 0, 0], every_copy)
