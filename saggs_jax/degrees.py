@@ -52,6 +52,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import types
 import warnings
 import weakref
 from typing import Any
@@ -96,10 +97,12 @@ GRADIENT_SCALE = 2.0**16
 gradients, stays below the probe's rounding next to them (as the optimizer's own small
 values do at full size), while decay rates keep their weight."""
 
-FAST_COMPILE = {
-  "xla_backend_optimization_level": 0,
-  "xla_cpu_parallel_codegen_split_count": 1,
-}
+FAST_COMPILE = types.MappingProxyType(
+  {
+    "xla_backend_optimization_level": 0,
+    "xla_cpu_parallel_codegen_split_count": 1,
+  }
+)
 """XLA options of the probe's compile on CPU: its cheapest code generation (options every
 supported jaxlib knows: an unknown one is an error)."""
 
@@ -110,7 +113,17 @@ _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def probe_factors(plan: Plan) -> Factors:
   """Factors ``2**(±0.6 .. ±1)``, alternating in sign from group to group: far from 1
-  and from each other's powers, so that two degrees never give the same multiplier."""
+  and from each other's powers, so that two degrees never give the same multiplier.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, saggs_jax as saggs
+    >>> from saggs_jax.pairs import resolve
+    >>> params = {"q": jax.ShapeDtypeStruct((4, 8), jnp.float32),
+    ...           "k": jax.ShapeDtypeStruct((4, 8), jnp.float32)}
+    >>> c = probe_factors(resolve(saggs.Pair("q", "k", axes=(1, 1), groups=2), params))
+    >>> [round(float(x), 3) for x in c["q|k"]]  # above 1, then below
+    [1.516, 0.556]
+  """
   out = {}
   for inst in plan.instances:
     n = np.arange(math.prod(inst.factor_shape))

@@ -148,11 +148,15 @@ def _public(module) -> dict[str, object]:
 
 
 # What users import: the package, its equivariant stack and the modules docs/api.md documents.
-# (saggs_jax.degrees is to join them: its probe_factors has no Example: yet, and its
-# FAST_COMPILE table is a dict.)
 API = {
   f"{m.__name__}.{n}": v
-  for m in (saggs_jax, saggs_jax.equivariant, saggs_jax.presets, saggs_jax.checkpoint)
+  for m in (
+    saggs_jax,
+    saggs_jax.equivariant,
+    saggs_jax.presets,
+    saggs_jax.checkpoint,
+    saggs_jax.degrees,
+  )
   for n, v in _public(m).items()
   if not inspect.ismodule(v) and n != "TYPE_CHECKING"
 }
