@@ -39,7 +39,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import cast
 
 
 def build(width: int, layers: int):
@@ -53,13 +52,7 @@ def build(width: int, layers: int):
   tx = saggs.chain(optax.adamw(1e-3), saggs.saggs(pairs, every=100))
   shape = jax.ShapeDtypeStruct((width, width), jnp.float32)
   abstract_params = {str(i): {"up": shape, "down": shape} for i in range(layers)}
-  # tx.init would also measure the degrees (a probe history on the parameters' shapes):
-  # the state's layout is that of the optimizer's and the SAGGS stage's inits.
-  stage, optimizer = saggs.saggs(pairs, every=100), tx.optimizer
-  assert optimizer is not None
-  abstract_state = jax.eval_shape(
-    lambda p: (*cast(tuple, optimizer.init(p)), stage.init(p)), abstract_params
-  )
+  abstract_state = jax.eval_shape(tx.init, abstract_params)
   return pairs, tx, abstract_params, abstract_state
 
 

@@ -944,3 +944,20 @@ def test_restore_canonicalizes_in_place_on_abstract_7b_shapes():
   assert nbytes > 80e9
   fresh = memory.output_size_in_bytes - memory.alias_size_in_bytes  # outputs not in place
   assert fresh + memory.temp_size_in_bytes <= 0.05 * nbytes
+
+
+def test_restore_by_tx_canonicalizes_in_place_on_abstract_7b_shapes():
+  """As above, by the degrees measured on a saggs.chain of AdamW (restore(..., tx=tx), the
+  path bench/bench_checkpoint.py times): the measured degrees move every moment in place."""
+  params, _ = _abstract_llama_state()
+  pairs = saggs.presets.llama(num_kv_heads=32, stacked=1)
+  tx = saggs.chain(optax.adamw(1e-3), saggs.saggs(pairs, every=100))
+  state = jax.eval_shape(tx.init, params)
+  optimizer, n, made = saggs.checkpoint._made_by(tx, params, state)
+  specs, treedef = jax.tree.flatten((params, state))
+  program = saggs.checkpoint._canonicalizer(tuple(pairs), optimizer, n, made, treedef, tuple(specs))
+  memory = program.memory_analysis()
+  nbytes = sum(x.size * x.dtype.itemsize for x in specs)
+  assert nbytes > 80e9
+  fresh = memory.output_size_in_bytes - memory.alias_size_in_bytes  # outputs not in place
+  assert fresh + memory.temp_size_in_bytes <= 0.05 * nbytes
