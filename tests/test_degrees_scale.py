@@ -216,7 +216,7 @@ def test_init_traces_per_layer_about_what_adamw_init_does(monkeypatch):
   """Primitives bound on the calling thread by eval_shape(tx.init) of Explicit-sharded
   parameters under jax.set_mesh (the degree probe runs on a thread of its own): each layer
   adds a few times adamw's own (the chain's adamw init, the degrees' full-size and proxy
-  state types and the transport's check), not the norms of its leaves (13x adamw's when
+  state types and the transport's check), not the norms of its leaves (19x adamw's when
   init traced them for the factors' type)."""
   caller, count = threading.get_ident(), [0]
   bind = jax.extend.core.Primitive.bind
