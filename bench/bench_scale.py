@@ -12,9 +12,12 @@ would allocate parameter-sized host arrays fails alone, its error printed; the
 checkpoint row, concrete only, is watched at ``--checkpoint-memory-gib`` instead, as
 Orbax's threads cannot start under a heap cap):
 
-* ``init``: wall time and peak host memory of ``jax.eval_shape(tx.init, params)`` (of
-  ``tx.init(params)`` for the concrete model); the chain's init measures the transport
-  degrees on a probe (:func:`saggs_jax.degrees.measure`).
+* ``init``: wall time of ``jax.eval_shape(tx.init, params)`` and of
+  ``jax.jit(tx.init, out_shardings=...).lower(params).compile()`` for FSDP parameters
+  (Explicit) on 8 CPU devices under ``jax.set_mesh``, scanned and unrolled, for adamw,
+  SAGGS, soft SAGGS, QK-clip and the equivariant stack, and the process's peak host memory
+  after each (``tx.init(params)`` for the concrete model); a chain's init measures the
+  transport degrees on a probe (:func:`saggs_jax.degrees.measure`).
 * ``update``: the train step ``(params, state, grads) -> (params, state)`` lowered and
   compiled from abstract values: XLA's temp memory and bytes accessed (deterministic; the
   balancing branch as compiled), and lower + compile time (process CPU seconds, the median
@@ -116,26 +119,59 @@ def compile_update(tx, params, state=None):
 # Rows: each returns lines of its table.
 
 
+def init_stages(size, scanned):
+  """Builders of each optimizer whose init the init row measures, adamw first."""
+  kv = SIZES[size]["num_kv_heads"]
+  pairs = saggs.presets.llama(num_kv_heads=kv, stacked=1 if scanned else 0)
+  return {
+    "optax.adamw": adamw,
+    "saggs": lambda: saggs.chain(adamw(), saggs.saggs(pairs, every=100)),
+    "soft": lambda: saggs.chain(adamw(), saggs.soft(pairs, strength=0.5)),
+    "qk_clip": lambda: saggs.chain(adamw(), saggs.qk_clip(pairs[:1], tau=100.0)),
+    "stack": lambda: saggs.equivariant.symmetry_compatible(
+      1e-3, preset="reference", num_kv_heads=kv, head_dim=128, stacked=scanned
+    ),
+  }
+
+
 def row_init(size, args):
-  params = shapes.llama(**SIZES[size], scanned=True)
-  concrete = size == "200m"
-  if concrete:
-    rng = np.random.default_rng(0)
-    params = jax.tree.map(
-      lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32) * 0.02), params
-    )
+  if size == "200m":  # concrete: tx.init(params) on arrays
+    return row_init_concrete(size, args)
+  # Abstract FSDP parameters (Explicit, each leaf along its largest axis) on 8 devices under
+  # jax.set_mesh: eval_shape(tx.init), then jit(tx.init, out_shardings=...) lowered and
+  # compiled, each optimizer built afresh (its degrees not yet measured). Peak memory is the
+  # process's after each stage, adamw's first: a later stage's excess over it bounds its own.
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+  lines = []
+  for layout in ("scanned",) if args.quick else ("scanned", "unrolled"):
+    params = shapes.fsdp(shapes.llama(**SIZES[size], scanned=layout == "scanned"), mesh, "fsdp")
+    for name, build in init_stages(size, layout == "scanned").items():
+      with jax.set_mesh(mesh):
+        start = time.perf_counter()
+        state = jax.eval_shape(build().init, params)
+        abstract = time.perf_counter() - start
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        start = time.perf_counter()
+        jax.jit(build().init, out_shardings=shardings).lower(params).compile()
+        sharded = time.perf_counter() - start
+      lines.append(
+        f"init {layout} {name}: eval_shape {abstract:.2f} s, jit(out_shardings) lower+compile"
+        f" {sharded:.2f} s, peak host memory {gib(peak_rss())}"
+      )
+  return lines
+
+
+def row_init_concrete(size, args):
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(
+    lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32) * 0.02),
+    shapes.llama(**SIZES[size], scanned=True),
+  )
   lines = []
   for name, tx in (("optax.adamw", adamw()), ("saggs.chain", saggs_tx(size, 1))):
     before = peak_rss()
     start = time.perf_counter()
-    try:
-      jax.block_until_ready(tx.init(params) if concrete else jax.eval_shape(tx.init, params))
-    except Exception as e:  # noqa: BLE001 (MemoryError or XLA's RESOURCE_EXHAUSTED: the cap)
-      lines.append(
-        f"init {name}: failed (host memory cap {args.memory_gib:g} GiB):"
-        f" {type(e).__name__}: {str(e)[:160]}"
-      )
-      continue
+    jax.block_until_ready(tx.init(params))
     seconds = time.perf_counter() - start
     lines.append(
       f"init {name}: {seconds:.2f} s, peak host memory +{gib(max(peak_rss() - before, 0))}"
@@ -376,7 +412,7 @@ def main(argv=None):
     print(f"\n## {size}: {n / 1e9:.2f}B float32 parameters ({gib(4 * n)})", flush=True)
     for row in rows:
       env = dict(os.environ, JAX_PLATFORMS="cpu")
-      if row == "fsdp":
+      if row in ("init", "fsdp"):
         flags = env.get("XLA_FLAGS", "")
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
       command = [sys.executable, __file__, "--child", row, size, "--rounds", str(args.rounds)]

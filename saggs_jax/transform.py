@@ -33,7 +33,7 @@ import optax
 from saggs_jax import paths
 from saggs_jax.balance import compute_factors
 from saggs_jax.degrees import measure
-from saggs_jax.numerics import AxisName, Factors, is_explicit, ordered_control_flow, replicated
+from saggs_jax.numerics import AxisName, Factors, ordered_control_flow, replicated
 from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
 from saggs_jax.scaling import Shared, land_on, scale_tree
 from saggs_jax.transport import NESTED, register_transport, transport
@@ -402,12 +402,9 @@ def scale_by_saggs(
     shapes = None
     if not jax.sharding.get_abstract_mesh().manual_axes:
       shapes = tuple((p, tuple(x.shape)) for p, x in paths.leaves_with_paths(params))
+    # The factors' type is the plan's, the one an update's norms give without tracing them
+    # (their cost grows with the leaves): float32 of each instance's factor_shape.
     plan = resolve(pairs, params)
-    if any(is_explicit(x) for x in jax.tree.leaves(params)):  # their sharding comes from tracing
-      fn = lambda p: factors_of(plan, p, axis_name=None)  # noqa: E731
-      return SaggsState(step, *_no_balancing(fn, params), GlobalShapes(shapes))
-    # Else their type is the plan's: float32 factors of each instance's factor_shape, the
-    # ones _no_balancing would find by tracing the norms of every leaf at full size.
     factors = {i.key: jnp.ones(i.factor_shape, jnp.float32) for i in plan.instances}
     return SaggsState(step, factors, zero, GlobalShapes(shapes))
 

@@ -9,14 +9,18 @@ within a bounded amount of host memory over plain AdamW's, measured in a subproc
 import subprocess
 import sys
 import textwrap
+import threading
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import optax
 import pytest
 
 import saggs_jax as saggs
-from saggs_jax import degrees
+from harness import shapes
+from saggs_jax import degrees, transform
+from saggs_jax.balance import compute_factors
 from saggs_jax.pairs import resolve
 from xla_env import cpu_env
 
@@ -183,3 +187,75 @@ def test_degrees_are_measured_once_per_optimizer_and_proxy_layout(monkeypatch):
   for width in (2, 2, 8):
     saggs.canonicalize(params(width), opt.init(params(width)), pairs, tx=opt)
   assert len(probes) == 2
+
+
+EXPLICIT = jax.make_mesh((1,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def explicit_llama(layers, scanned=False):
+  """A narrow LLaMA of ``layers`` layers, FSDP-typed on a one-device Explicit mesh: many
+  layers, small widths, as what init's work could grow with is the number of leaves."""
+  tree = shapes.llama(32, layers, 2, 48, head_dim=8, vocab=64, scanned=scanned)
+  return shapes.fsdp(tree, EXPLICIT, "fsdp")
+
+
+def init_stages(scanned=False):
+  pairs = saggs.presets.llama(num_kv_heads=2, stacked=1 if scanned else 0)
+  return {
+    "adamw": lambda: optax.adamw(1e-3),
+    "saggs": lambda: saggs.chain(optax.adamw(1e-3), saggs.saggs(pairs, every=100)),
+    "soft": lambda: saggs.chain(optax.adamw(1e-3), saggs.soft(pairs, strength=0.5)),
+    "qk_clip": lambda: saggs.chain(optax.adamw(1e-3), saggs.qk_clip(pairs[:1])),
+    "stack": lambda: saggs.equivariant.symmetry_compatible(
+      1e-3, preset="reference", num_kv_heads=2, head_dim=8, stacked=scanned
+    ),
+  }
+
+
+def test_init_traces_per_layer_about_what_adamw_init_does(monkeypatch):
+  """Primitives bound on the calling thread by eval_shape(tx.init) of Explicit-sharded
+  parameters under jax.set_mesh (the degree probe runs on a thread of its own): each layer
+  adds a few times adamw's own (the chain's adamw init, the degrees' full-size and proxy
+  state types and the transport's check), not the norms of its leaves (19x adamw's when
+  init traced them for the factors' type)."""
+  caller, count = threading.get_ident(), [0]
+  bind = jax.extend.core.Primitive.bind
+
+  def spy(self, *args, **kwargs):
+    count[0] += threading.get_ident() == caller
+    return bind(self, *args, **kwargs)
+
+  monkeypatch.setattr(jax.extend.core.Primitive, "bind", spy)
+
+  def binds(build, layers):
+    count[0] = 0
+    with jax.set_mesh(EXPLICIT):
+      jax.eval_shape(build().init, explicit_llama(layers))
+    return count[0]
+
+  per_layer = {
+    name: (binds(build, 6) - binds(build, 2)) / 4 for name, build in init_stages().items()
+  }
+  assert per_layer["adamw"] > 0, per_layer
+  for name in ("saggs", "soft", "qk_clip", "stack"):
+    assert per_layer[name] <= 7 * per_layer["adamw"], per_layer
+
+
+@pytest.mark.parametrize("scanned", [False, True])
+def test_explicit_init_factors_have_the_norms_type_without_tracing_them(monkeypatch, scanned):
+  """The factors' type (shape, dtype, sharding) is what the norms give an update, read off
+  the plan: init of Explicit-sharded parameters never traces them."""
+  params = explicit_llama(3, scanned)
+  pairs = saggs.presets.llama(num_kv_heads=2, stacked=1 if scanned else 0)
+  plan = resolve(pairs, params)
+  with jax.set_mesh(EXPLICIT):
+    wanted, _ = jax.eval_shape(lambda p: compute_factors(plan, p, 1.0), params)
+
+    def refuse(*args, **kwargs):
+      raise AssertionError("init traced the norms")
+
+    monkeypatch.setattr(transform, "compute_factors", refuse)
+    for build in (lambda: saggs.saggs(pairs), lambda: saggs.soft(pairs, strength=0.5)):
+      state = jax.eval_shape(saggs.chain(optax.adamw(1e-3), build()).init, params)[-1]
+      got = jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), state.factors)
+      assert got == jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), wanted)
