@@ -151,7 +151,7 @@ def train_loop(config, recorder=None, *, pairs: Pairs = default_pairs, **saggs_o
     state=state, init_rng=init_rng, mesh=mesh, state_mesh_shardings=state_mesh_shardings,
     p_train_step=p_train_step, p_eval_step=p_eval_step, model=jit_model,
   )  # fmt: skip
-  python_vars = dict(
+  python_vars: dict[str, Any] = dict(
     step=start_step, last_step_completion=datetime.datetime.now(), data_loader=data_loader,
     rampup_manager=rampup_manager, recorder=recorder, checkpoint_manager=checkpoint_manager,
     data_iterator=data_iterator, eval_data_iterator=eval_data_iterator,
