@@ -157,13 +157,12 @@ def train_loop(config, recorder=None, *, pairs: Pairs = default_pairs, **saggs_o
     data_iterator=data_iterator, eval_data_iterator=eval_data_iterator,
     metric_logger_instance=logger, prof=profiler.Profiler(config, offset_step=start_step),
   )  # fmt: skip
-  dump = ("dump_hlo", "dump_step", "dump_hlo_local_dir", "dump_hlo_gcs_dir")
-  dump += ("dump_hlo_module_name", "dump_hlo_delete_local_after", "dump_hlo_upload_all")
-  immutable_data = dict(
-    config=config, logical_axis_rules_for_train=config.logical_axis_rules,
-    logical_axis_rules_for_eval=config.logical_axis_rules_for_eval, start_step=start_step,
-    **{key: getattr(config, key) for key in ("steps", "eval_interval", "eval_steps")},
-    **{key: getattr(config, key) for key in ("eval_start_step", *dump)},
+  keys = ("steps", "eval_interval", "eval_steps", "eval_start_step", "dump_hlo", "dump_step")
+  keys += ("dump_hlo_local_dir", "dump_hlo_gcs_dir", "dump_hlo_module_name")
+  keys += ("dump_hlo_delete_local_after", "dump_hlo_upload_all")
+  immutable_data = {key: getattr(config, key) for key in keys} | dict(
+    config=config, start_step=start_step, logical_axis_rules_for_train=config.logical_axis_rules,
+    logical_axis_rules_for_eval=config.logical_axis_rules_for_eval,
   )  # fmt: skip
   try:
     while python_vars["step"] < config.steps:
