@@ -1,27 +1,31 @@
 """MaxText 0.2.5 with SAGGS: MaxText's own optimizer, then pair balancing, in MaxText's own train
-loop and checkpoints.
+step and checkpoints, without replacing anything of MaxText's.
 
-MaxText builds its optimizer in ``maxtext.utils.train_utils.create_training_optimizer(config,
-model, mesh)`` from ``opt_type``; 0.2.5 offers no setting that names another. This adapter
-keeps MaxText's optimizer (adamw, muon, ... as configured) and chains SAGGS after it:
+MaxText's ``train.train_loop`` builds its optimizer in ``train_utils.setup_train_loop``, which
+calls ``train_utils.create_training_optimizer(config, model, mesh)``: ``opt_type`` picks one of
+MaxText's own, and neither function takes an optimizer (``train_loop``'s ``state`` argument is
+overwritten by ``setup_train_loop``'s). So :func:`train_loop` here is a thin driver that composes
+the building blocks ``setup_train_loop`` and ``train_loop`` call, in their order, with
+:func:`optimizer` in the optimizer's place:
 
     tx = saggs.chain(<MaxText's tx>, saggs.saggs(pairs(config), every=...))
 
 ``saggs.chain`` transports the moments of MaxText's optimizer with the parameters. The state is
-part of MaxText's ``TrainStateNNX``, so MaxText's Orbax checkpointing saves and restores it
-with everything else. :func:`training_optimizer` is the optimizer slot's function itself;
-:func:`train` runs MaxText's ``train.main`` with it in the slot for the duration of the call
-(MaxText's module attribute is swapped and restored: no file of MaxText is changed).
+part of MaxText's ``TrainStateNNX``, so MaxText's Orbax checkpoint manager saves and restores it
+with everything else. Each step is MaxText's ``train.training_loop_iteration`` (its train step,
+checkpoint saving, eval and metrics). What the driver does not compose (DiLoCo, LoRA, the
+context-parallel reordering, the dropless MoE retry, TE MoE's overflow check) is refused with the
+config key that asks for it.
 
   python examples/maxtext_saggs.py maxtext/configs/base.yml model_name=llama2-7b ...
 
 The pairs: ``saggs.presets.maxtext(config)`` where it exists, else the per-layer declarations
-of ``PAIRS`` below (LLaMA-style decoders scanned with MaxText's default ``param_scan_axis=1``).
+of ``llama_pairs`` below (LLaMA-style decoders scanned with MaxText's default
+``param_scan_axis=1``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -61,41 +65,127 @@ def default_pairs(config) -> Sequence[saggs.Pair]:
   return maxtext_preset(config) if maxtext_preset is not None else llama_pairs(config)
 
 
-def training_optimizer(pairs: Pairs = default_pairs, **saggs_options) -> Callable:
-  """A ``create_training_optimizer(config, model, mesh=None)`` for MaxText's slot: MaxText's
-  schedule and optimizer, with ``saggs.saggs(pairs(config), **saggs_options)`` chained after."""
+def optimizer(config, model, mesh=None, *, pairs: Pairs = default_pairs, **saggs_options):
+  """``(schedule, tx)`` as MaxText's ``create_training_optimizer(config, model, mesh)`` returns
+  them, with ``saggs.saggs(pairs(config), **saggs_options)`` chained after MaxText's tx."""
   from maxtext.optimizers import optimizers
   from maxtext.utils import maxtext_utils
 
-  def create_training_optimizer(config, model, mesh=None):
-    schedule = maxtext_utils.create_learning_rate_schedule(config)
-    tx = optimizers.get_optimizer(config, schedule, model, mesh=mesh)
-    return schedule, saggs.chain(tx, saggs.saggs(pairs(config), **saggs_options))
-
-  return create_training_optimizer
+  schedule = maxtext_utils.create_learning_rate_schedule(config)
+  tx = optimizers.get_optimizer(config, schedule, model, mesh=mesh)
+  return schedule, saggs.chain(tx, saggs.saggs(pairs(config), **saggs_options))
 
 
-@contextlib.contextmanager
-def in_slot(create_training_optimizer: Callable):
-  """MaxText's trainers build their optimizer with ``create_training_optimizer`` inside this
-  block; MaxText's own function is back after it."""
-  from maxtext.utils import train_utils
+def _check_supported(config, mesh):
+  from maxtext.utils import max_utils
 
-  original = train_utils.create_training_optimizer
-  train_utils.create_training_optimizer = create_training_optimizer
+  asks = {
+    "enable_diloco": config.enable_diloco,
+    "lora.enable_lora": getattr(getattr(config, "lora", None), "enable_lora", False),
+    "moe_dropless_fallback='step'": config.moe_dropless_fallback == "step",
+    "te_moe_block": getattr(config, "te_moe_block", False),
+    "eval_ragged_buffer_factor": getattr(config, "eval_ragged_buffer_factor", 0) > 0,
+    "context parallelism with reordering": max_utils.reordered_cp_size(config, mesh) > 1,
+  }
+  asked = [key for key, on in asks.items() if on]
+  if asked:
+    raise ValueError(f"maxtext_saggs.train_loop does not compose MaxText's {', '.join(asked)}")
+
+
+def train_loop(config, recorder=None, *, pairs: Pairs = default_pairs, **saggs_options):
+  """MaxText's ``train.train_loop(config, recorder)`` with :func:`optimizer`; returns the final
+  ``TrainStateNNX``, as MaxText's. Resumes from MaxText's latest checkpoint when there is one."""
+  import datetime
+
+  import jax
+  from flax import nnx
+  from flax.core.spmd import logical_axis_rules
+  from maxtext.common import checkpointing, metric_logger, profiler, train_state_nnx
+  from maxtext.common.data_loader import create_dataloader
+  from maxtext.input_pipeline.input_pipeline_interface import create_data_iterator
+  from maxtext.trainers.pre_train import train
+  from maxtext.utils import maxtext_utils, model_creation_utils, sharding, train_utils
+  from maxtext.utils.rampup_batch import create_rampup_manager
+
+  # train_utils.setup_train_loop, with our optimizer
+  init_rng = jax.random.PRNGKey(config.init_weights_seed)
+  mesh = maxtext_utils.get_mesh_from_config(config)
+  _check_supported(config, mesh)
+  create_model, model = model_creation_utils.create_nnx_abstract_model(config, mesh)
+  schedule, tx = optimizer(config, model, mesh, pairs=pairs, **saggs_options)
+
+  def init_state_fn():
+    model = create_model()
+    return train_state_nnx.TrainStateNNX(model, nnx.Optimizer(model, tx, wrt=nnx.Param))
+
+  checkpoint_manager = train_utils.create_checkpoint_manager(config, mesh, init_state_fn)
+  data_iterator, eval_data_iterator = create_data_iterator(config, mesh)
+  rampup_manager = create_rampup_manager(config, checkpoint_manager)
+  data_loader = create_dataloader(config, mesh, data_iterator, recorder, rampup_manager)
+  state, _, state_mesh_shardings, data_iterator, _ = maxtext_utils.setup_training_state(
+    data_iterator, config, mesh, checkpoint_manager, init_state_fn
+  )
+  with logical_axis_rules(config.logical_axis_rules):
+    state_graphdef = nnx.graphdef(nnx.eval_shape(init_state_fn))
+  train_state = nnx.merge(state_graphdef, state)
+
+  # train.train_loop, without the programs of the features _check_supported refuses
+  start_step = train.get_first_step(train_state.model, train_state)
+  train_utils.validate_completed_steps(start_step, config.steps)
+  jit_model, state = nnx.split(train_state)
+  params_shardings, state_mesh_shardings = sharding.maybe_update_params_sharding_with_opt(
+    config, state_mesh_shardings
+  )
+  p_train_step, p_eval_step = train_utils.jit_train_and_eval_step(
+    config, jit_model, mesh, state, state_mesh_shardings, train.train_step, train.eval_step,
+    eval_data_iterator, params_shardings,
+  )  # fmt: skip
+  if config.shard_optimizer_over_data:
+    with jax.set_mesh(mesh):
+      state = jax.device_put(state, state_mesh_shardings)
+  logger = metric_logger.MetricLogger(
+    config=config, learning_rate_schedule=schedule, start_step=start_step
+  )
+  logger.write_setup_info_to_tensorboard(nnx.state(train_state.model, nnx.Param))
+  device_state = dict(
+    state=state, init_rng=init_rng, mesh=mesh, state_mesh_shardings=state_mesh_shardings,
+    p_train_step=p_train_step, p_eval_step=p_eval_step, model=jit_model,
+  )  # fmt: skip
+  python_vars: dict[str, Any] = dict(
+    step=start_step, last_step_completion=datetime.datetime.now(), data_loader=data_loader,
+    rampup_manager=rampup_manager, recorder=recorder, checkpoint_manager=checkpoint_manager,
+    data_iterator=data_iterator, eval_data_iterator=eval_data_iterator,
+    metric_logger_instance=logger, prof=profiler.Profiler(config, offset_step=start_step),
+  )  # fmt: skip
+  keys = ("steps", "eval_interval", "eval_steps", "eval_start_step", "dump_hlo", "dump_step")
+  keys += ("dump_hlo_local_dir", "dump_hlo_gcs_dir", "dump_hlo_module_name")
+  keys += ("dump_hlo_delete_local_after", "dump_hlo_upload_all")
+  immutable_data = {key: getattr(config, key) for key in keys} | dict(
+    config=config, start_step=start_step, logical_axis_rules_for_train=config.logical_axis_rules,
+    logical_axis_rules_for_eval=config.logical_axis_rules_for_eval,
+  )  # fmt: skip
   try:
-    yield
+    while python_vars["step"] < config.steps:
+      train.training_loop_iteration(device_state, python_vars, immutable_data)
+      python_vars["step"] += 1
+    if config.save_checkpoint_on_completion:
+      checkpointing.maybe_save_checkpoint(
+        checkpoint_manager, device_state["state"], config, data_iterator
+      )
+    if checkpoint_manager is not None:
+      checkpointing.wait_until_finished(checkpoint_manager)
   finally:
-    train_utils.create_training_optimizer = original
+    logger.flush_metrics_and_cleanup()
+  return nnx.merge(jit_model, device_state["state"])
 
 
-def train(argv: Sequence[str], pairs: Pairs = default_pairs, **saggs_options):
-  """MaxText's ``train.main(argv)`` with SAGGS; returns nothing, as MaxText's."""
-  from maxtext.trainers.pre_train import train as maxtext_train
+def main(argv: Sequence[str], *, pairs: Pairs = default_pairs, **saggs_options):
+  """MaxText's ``train.main(argv)``: its ``initialize(argv)``, then :func:`train_loop`."""
+  from maxtext.trainers.pre_train import train
 
-  with in_slot(training_optimizer(pairs, **saggs_options)):
-    maxtext_train.main(argv)
+  config, recorder = train.initialize(argv)
+  return train_loop(config, recorder, pairs=pairs, **saggs_options)
 
 
 if __name__ == "__main__":
-  train([sys.argv[0], *sys.argv[1:]], every=100)
+  main([sys.argv[0], *sys.argv[1:]], every=100)

@@ -1,7 +1,8 @@
-"""MaxText 0.2.5's own train loop with SAGGS (``examples/maxtext_saggs.py``) on the tiny llama2
-of ``zoo_maxtext``: a few steps on synthetic data with a hard update every step leave every
-layer's pairs balanced, and MaxText's checkpointing saves the SAGGS chain state and restores
-it to continue. Needs .ci/zoo's venv: skipped where MaxText is not installed."""
+"""MaxText 0.2.5's own train step with SAGGS (``examples/maxtext_saggs.py``'s driver) on the tiny
+llama2 of ``zoo_maxtext``: a few steps on synthetic data with a hard update every step leave
+every layer's pairs balanced, MaxText's checkpointing saves the SAGGS chain state and restores
+it to continue, and no attribute of a MaxText module is replaced on the way. Needs .ci/zoo's
+venv: skipped where MaxText is not installed."""
 
 import os
 import sys
@@ -20,6 +21,25 @@ import zoo_maxtext  # noqa: E402
 import zoo_oracle  # noqa: E402
 
 
+def _maxtext_modules():
+  """Every attribute of every loaded maxtext.* module, by identity."""
+  return {
+    name: dict(vars(module))
+    for name, module in list(sys.modules.items())
+    if name == "maxtext" or name.startswith("maxtext.")
+  }
+
+
+def _replaced(before):
+  """The attributes of ``before``'s modules that are no longer the same objects."""
+  return sorted(
+    f"{name}.{key}"
+    for name, attributes in before.items()
+    for key, value in attributes.items()
+    if key not in vars(sys.modules[name]) or vars(sys.modules[name])[key] is not value
+  )
+
+
 def _params(state):
   from flax import nnx
 
@@ -30,7 +50,7 @@ def _params(state):
 # jax.random, `with mesh:`): MaxText's, not ours
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_maxtext_train_loop_balances_per_layer_and_checkpoints(tmp_path):
-  from maxtext.trainers.pre_train import train
+  from maxtext.trainers.pre_train import train  # noqa: F401 (loads what the driver uses)
 
   settings = dict(
     steps=3,
@@ -45,8 +65,14 @@ def test_maxtext_train_loop_balances_per_layer_and_checkpoints(tmp_path):
   )
   config = zoo_maxtext.config("llama2", **settings)
   pairs = maxtext_saggs.llama_pairs(config)
-  with maxtext_saggs.in_slot(maxtext_saggs.training_optimizer(lambda c: pairs, every=1)):
-    state = train.train_loop(config, recorder=None)
+  before, during = _maxtext_modules(), []
+
+  def pairs_in_run(config):  # called by the driver once MaxText has built the model
+    during.append(_replaced(before))
+    return pairs
+
+  state = maxtext_saggs.train_loop(config, pairs=pairs_in_run, every=1)
+  assert during == [[]] and _replaced(before) == [], (during, _replaced(before))
   params = _params(state)
   values = zoo_oracle.leaves(params)
   atom_list = zoo_oracle.atoms(pairs, values)
@@ -60,6 +86,6 @@ def test_maxtext_train_loop_balances_per_layer_and_checkpoints(tmp_path):
   saved = sorted(os.listdir(os.path.join(str(tmp_path), "saggs", "checkpoints")))
   assert "2" in saved, saved
   config = zoo_maxtext.config("llama2", **{**settings, "steps": 4})
-  with maxtext_saggs.in_slot(maxtext_saggs.training_optimizer(lambda c: pairs, every=1)):
-    resumed = train.train_loop(config, recorder=None)
+  resumed = maxtext_saggs.train_loop(config, pairs=pairs_in_run, every=1)
+  assert during == [[], []] and _replaced(before) == [], (during, _replaced(before))
   assert int(np.asarray(resumed.optimizer.step.value)) == 4
