@@ -33,7 +33,7 @@ import optax
 from saggs_jax import paths
 from saggs_jax.balance import compute_factors
 from saggs_jax.degrees import measure
-from saggs_jax.numerics import AxisName, Factors, ordered_control_flow, replicated
+from saggs_jax.numerics import AxisName, Factors, is_explicit, ordered_control_flow, replicated
 from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
 from saggs_jax.scaling import Shared, land_on, scale_tree
 from saggs_jax.transport import NESTED, register_transport, transport
@@ -184,12 +184,23 @@ def symmetry_stage(stage: Stage) -> SymmetryTransformation:
   return SymmetryTransformation(init, stage)
 
 
-def _no_balancing(fn, params):
-  """Factors of ones and residual 0, of the type ``fn(params)`` returns (shape, dtype and,
-  under an Explicit mesh, sharding), found by tracing only: both branches of a
-  ``lax.cond`` must agree."""
+def _no_balancing(plan, params, fn=None):
+  """Factors of ones and residual 0: both branches of a ``lax.cond`` must agree in type.
+  Without ``fn`` that is the plan's, float32 factors of each instance's ``factor_shape``;
+  with it, the type ``fn(params)`` returns (its sharding under an Explicit mesh, its
+  varying manual axes inside ``shard_map``), found by tracing the norms of every leaf."""
+  if fn is None:
+    return {i.key: jnp.ones(i.factor_shape, jnp.float32) for i in plan.instances}, jnp.float32(0)
   factors, residual = jax.eval_shape(fn, params)
   return jax.tree.map(jnp.ones_like, factors), jnp.zeros_like(residual)
+
+
+def _typed(params) -> bool:
+  """Whether the factors' type depends on more than the plan: on the shardings of
+  Explicit-mode ``params``, or inside ``shard_map`` on their varying manual axes."""
+  return bool(jax.sharding.get_abstract_mesh().manual_axes) or any(
+    is_explicit(x) for x in jax.tree.leaves(params)
+  )
 
 
 # An update may shrink a weight by at most 2**-k, k as large as keeps the landed weight's
@@ -384,7 +395,8 @@ def scale_by_saggs(
     if every == 1:
       return step_factors(plan, params)
     scheduled = (count - 1) % every == 0
-    none = lambda p: _no_balancing(lambda q: factors_of(plan, q), p)  # noqa: E731
+    typed = (lambda q: factors_of(plan, q)) if _typed(params) else None
+    none = lambda p: _no_balancing(plan, p, typed)  # noqa: E731
     if ordered_control_flow():
       factors = jax.lax.cond(scheduled, lambda p: step_factors(plan, p), none, params)
     else:  # the norms' collectives must run on every update (see ordered_control_flow)
@@ -601,8 +613,17 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
     lambda updates, state, params=None, **extra: inner.update(updates, state, params, **extra),
   )
 
+  # The degrees per parameter layout and plan: measure checks them against the state at
+  # full size, a trace of every leaf that each update of the same layout would repeat.
+  measured = {}
+
   def degrees(n, params, plan):  # those of the states before stage n (first + n)
-    found = measure(optimizer, params, plan)
+    leaves, tree = jax.tree.flatten(params)
+    layout = (tree, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves))
+    layout += (plan.instances, tuple(plan.slots.items()))
+    if layout not in measured:
+      measured[layout] = measure(optimizer, params, plan)
+    found = measured[layout]
     return None if found is None else (*found, *(None,) * n)
 
   def init(params):
