@@ -506,6 +506,19 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
   if not plan.slots:
     return None
   cache_key, tx = tx.update, optax.with_extra_args_support(tx)
+  try:
+    known = _MEASURED.setdefault(cache_key, {})
+  except TypeError:  # not weakly referable (a bound method, a callable object): no cache
+    known = {}
+  # Each update of a chain asks again: the full-size checks below trace every leaf.
+  full = (
+    jax.tree.structure(params),
+    tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(params)),
+    plan.instances,
+    tuple(plan.slots.items()),
+  )
+  if full in known:
+    return known[full]
   state = jax.eval_shape(tx.init, _abstract(params))
   # The registered rules first, at full size and abstractly: an unregistered image refuses.
   factors = {i.key: jax.ShapeDtypeStruct(i.factor_shape, jnp.float32) for i in plan.instances}
@@ -527,10 +540,6 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
     tuple(small.slots.items()),
     tuple((i.key, i.factor_shape) for i in small.instances),
   )
-  try:
-    known = _MEASURED.setdefault(cache_key, {})
-  except TypeError:  # not weakly referable (a bound method, a callable object): no cache
-    known = {}
   if layout not in known:
     found, outer = _decide(tx, spec, small)
     if outer:
@@ -551,7 +560,8 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
           " static_args=(...))), or put inject_hyperparams inside the chain."
         )
     known[layout] = found
-  return jax.tree.structure(state).unflatten(known[layout])
+  known[full] = jax.tree.structure(state).unflatten(known[layout])
+  return known[full]
 
 
 def _decide(tx, spec, small, outer_scale=GRADIENT_SCALE):

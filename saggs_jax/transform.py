@@ -613,17 +613,8 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
     lambda updates, state, params=None, **extra: inner.update(updates, state, params, **extra),
   )
 
-  # The degrees per parameter layout and plan: measure checks them against the state at
-  # full size, a trace of every leaf that each update of the same layout would repeat.
-  measured = {}
-
   def degrees(n, params, plan):  # those of the states before stage n (first + n)
-    leaves, tree = jax.tree.flatten(params)
-    layout = (tree, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves))
-    layout += (plan.instances, tuple(plan.slots.items()))
-    if layout not in measured:
-      measured[layout] = measure(optimizer, params, plan)
-    found = measured[layout]
+    found = measure(optimizer, params, plan)  # kept per layout by measure, not here
     return None if found is None else (*found, *(None,) * n)
 
   def init(params):
