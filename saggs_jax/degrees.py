@@ -387,7 +387,7 @@ def _probe(tx, spec, param_mult, outer_scale=GRADIENT_SCALE):
     jax.tree.map(lambda x, m: both(x, m, -1), history, param_mult),
   )
   compiled = {}
-  options = FAST_COMPILE if jax.default_backend() == "cpu" else None
+  options = dict(FAST_COMPILE) if jax.default_backend() == "cpu" else None
 
   def compile(seeds):
     """Traced and compiled on its own (:func:`_alone`), for one device, with XLA's cheapest
