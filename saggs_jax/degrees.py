@@ -391,8 +391,8 @@ def _probe(tx, spec, param_mult, outer_scale=GRADIENT_SCALE):
 
   def compile(seeds):
     """Traced and compiled on its own (:func:`_alone`), for one device, with XLA's cheapest
-    code generation (the program is tiny and runs a few times); and the scale of the
-    gradients it runs on."""
+    code generation (the program is tiny and runs a few times); and whether the optimizer
+    closes over values traced outside it."""
     args = jax.ShapeDtypeStruct((), jnp.int32), *inputs, seeds
 
     def build():
@@ -400,7 +400,7 @@ def _probe(tx, spec, param_mult, outer_scale=GRADIENT_SCALE):
       closed = traced.jaxpr
       extra = closed.jaxpr.invars[: len(closed.jaxpr.invars) - len(jax.tree.leaves(args))]
       if not extra:
-        return traced.lower().compile(options), 1.0
+        return traced.lower().compile(options), False
       # Values the optimizer closes over from a trace outside (the hyperparameters that
       # optax.inject_hyperparams around a whole chain makes tracers) lead the jaxpr's
       # inputs: bound to stand-ins (see HYPERPARAMETER), as a degree does not depend on them.
@@ -409,11 +409,12 @@ def _probe(tx, spec, param_mult, outer_scale=GRADIENT_SCALE):
       out = jax.tree.structure(traced.out_info)
       run = jax.jit(lambda *flat: out.unflatten(evaluate(*stand_ins, *flat)))
       flat = run.trace(*jax.tree.leaves(args)).lower().compile(options)
-      return (lambda *a: flat(*jax.tree.leaves(a))), outer_scale
+      return (lambda *a: flat(*jax.tree.leaves(a))), True
 
     return _alone(build)
 
-  compiled[()], scale = compile({})
+  compiled[()], outer = compile({})
+  scale = outer_scale if outer else 1.0
   grads = jax.tree.map(
     lambda g: (g * scale).astype(g.dtype) if paths.is_parameter(g) else g, inputs[1]
   )
@@ -425,7 +426,7 @@ def _probe(tx, spec, param_mult, outer_scale=GRADIENT_SCALE):
       compiled[key] = compile(seeds)[0]
     return compiled[key](np.int32(steps), inputs[0], grads, seeds)
 
-  run.outer = scale != 1.0  # type: ignore[attr-defined]
+  run.outer = outer  # type: ignore[attr-defined]
   return run
 
 

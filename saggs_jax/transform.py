@@ -74,8 +74,8 @@ class SaggsState(NamedTuple):
       iteration cap and the pairs are not exactly balanced. 0 without overlaps
       and on updates that do not balance. Read on the host; the update never
       syncs on it.
-    global_shapes: the parameters' shapes as ``init`` saw them (:class:`GlobalShapes`, no
-      array); a leaf for ``optax.tree.map_params``' placeholder parameters.
+    global_shapes: with ``axis_name``, the parameters' shapes as ``init`` saw them
+      (:class:`GlobalShapes`, no array); a leaf for ``optax.tree.map_params``' placeholder parameters.
 
   Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
@@ -411,14 +411,13 @@ def scale_by_saggs(
       # optax.tree.map_params traces init on a leafless placeholder for the params to
       # find the params-shaped parts of a state; a leaf here stands for any subtree there.
       return SaggsState(step, jnp.ones([], jnp.float32), zero, zero)
-    shapes = None
-    if not jax.sharding.get_abstract_mesh().manual_axes:
+    shapes = None  # only an update inside shard_map (axis_name given) checks against them
+    if axis_name is not None and not jax.sharding.get_abstract_mesh().manual_axes:
       shapes = tuple((p, tuple(x.shape)) for p, x in paths.leaves_with_paths(params))
     # The factors' type is the plan's, the one an update's norms give without tracing them
-    # (their cost grows with the leaves): float32 of each instance's factor_shape.
-    plan = resolve(pairs, params)
-    factors = {i.key: jnp.ones(i.factor_shape, jnp.float32) for i in plan.instances}
-    return SaggsState(step, factors, zero, GlobalShapes(shapes))
+    # (their cost grows with the leaves).
+    factors, residual = _no_balancing(resolve(pairs, params), params)
+    return SaggsState(step, factors, residual, GlobalShapes(shapes))
 
   def around(prior, grads, state, prior_states, params, plan, degrees=None, **extra_args):
     del extra_args  # the stages before it receive them through prior
