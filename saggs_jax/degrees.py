@@ -55,7 +55,7 @@ import math
 import types
 import warnings
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend
@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from saggs_jax import paths
+from saggs_jax import leaf_classes, paths
 from saggs_jax.numerics import Factors
 from saggs_jax.pairs import Plan, Slot
 from saggs_jax.scaling import scale_tree
@@ -308,25 +308,31 @@ def _where(state, key_path) -> str:
   return f"{type(_owner(state, key_path)).__name__} at opt_state{jax.tree_util.keystr(key_path)}"
 
 
-def _multipliers(plan: Plan, spec: Any, state: Any) -> tuple[Any, list, list]:
-  """Per leaf of ``spec`` (the parameters) what the probe factors multiply it by; per float
-  leaf of ``state`` what they multiply it by as a moment of degree 1 and of its registered
-  degree. Transport multiplies entry by entry, so these say all it does to a state. Small and
-  evaluated now (also inside a trace, see :func:`_alone`): no program of the model's size."""
+def _multipliers(plan: Plan, spec: Any, state: Any) -> tuple[list, list, list]:
+  """Per array leaf of ``spec`` (the parameters) what the probe factors multiply it by (None
+  for a leaf that is no parameter); per float leaf of ``state`` what they multiply it by as a
+  moment of degree 1 and of its registered degree. Transport multiplies entry by entry, so
+  these say all it does to a state. One small program, compiled on its own (see
+  :func:`_alone`): nothing of the model's size. Leaves set to None are skipped."""
 
   def evaluate():
     factors = probe_factors(plan)
 
     def ones(tree):
-      return jax.tree.map(lambda x: np.ones(x.shape, x.dtype) if paths.is_parameter(x) else x, tree)
+      return jax.tree.map(
+        lambda x: jnp.ones(x.shape, x.dtype) if paths.is_parameter(x) else x, tree
+      )
 
-    params = jax.tree.map(np.asarray, scale_tree(plan, ones(spec), factors, 1.0))
+    floats = lambda t: [x for x in jax.tree.leaves(t) if paths.is_parameter(x)]  # noqa: E731
+    params = scale_tree(plan, ones(spec), factors, 1.0)
     degree_1 = transport(plan, ones(state), factors, degrees=jax.tree.map(lambda _: 1, state))
     registered = transport(plan, ones(state), factors)
-    floats = lambda t: [np.asarray(x) for x in jax.tree.leaves(t) if paths.is_parameter(x)]  # noqa: E731
+    params = [x if paths.is_parameter(x) else None for x in jax.tree.leaves(params)]
     return params, floats(degree_1), floats(registered)
 
-  return _alone(evaluate)
+  options = dict(FAST_COMPILE) if jax.default_backend() == "cpu" else None
+  out = _alone(lambda: jax.jit(evaluate).lower().compile(options)())
+  return jax.tree.map(np.asarray, out)
 
 
 def _alone(fn: Any) -> Any:
@@ -338,95 +344,164 @@ def _alone(fn: Any) -> Any:
     return thread.submit(fn).result()
 
 
-def _probe(tx, spec, param_mult, outer_scale=GRADIENT_SCALE):
-  """``probe(steps, seeds={})``: runs the history of ``steps`` updates from probe parameters
-  with probe gradients, and the equivalent history (parameters times ``param_mult``,
-  gradients divided by it), and gives each float state leaf after both; values the optimizer
-  closes over from a trace outside take stand-ins. ``seeds`` maps float leaves (by their
-  index among them) to the values they start from on either side, in place of ``init``'s.
-  Compiled once per set of seeded leaves."""
+class _Program(NamedTuple):
+  """The optimizer's ``init`` and ``update`` on the proxy as jaxprs cut down to the state
+  leaves the probe runs (``kept``: one of each class of :mod:`saggs_jax.leaf_classes`, and
+  what their updates read), with the parameter leaves they read (``params``)."""
 
-  def probe(steps, sides, grads, seeds):  # every array is made in here: none in a trace outside
-    value = jnp.ones([], jnp.float32)  # the loss, invariant under the symmetry (polyak_sgd)
+  init: Any  # ClosedJaxpr: the used inputs of [outer values..., params...] -> kept leaves
+  init_inputs: list[int]
+  update: Any  # ClosedJaxpr: the used inputs of [outer..., grads..., state..., params...]
+  update_inputs: list[int]
+  outer: tuple[int, int]  # the values each closes over from a trace outside (leading inputs)
+  sizes: tuple[int, int]  # parameter leaves, state leaves
+  params: list[int]
+  kept: list[int]
+  representative: list[int]  # of every state leaf, a kept one
 
-    def step(i, states):
-      g = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), grads)
-      new = jax.vmap(lambda s, p, g: tx.update(g, s, p, value=value)[1])(states, sides, g)
-      # The loop's carry keeps its dtypes: jax 0.12's adam turns the moments of an int or
-      # bool parameter float (no degree is read off those).
-      return jax.tree.map(
-        lambda n, s: n if paths.is_parameter(s) else n.astype(s.dtype), new, states
-      )
 
-    try:  # one vmapped history compiles the update once for both sides
-      start, treedef = jax.tree.flatten(jax.vmap(tx.init)(sides))
-      floats = [j for j, x in enumerate(start) if paths.is_parameter(x)]
-      for n, seed in seeds.items():
-        start[floats[n]] = seed
-      states = jax.lax.fori_loop(0, steps, step, treedef.unflatten(start))
+def _trace(tx, spec, state, small: Plan) -> _Program:
+  """Traces ``tx`` on the proxy (on its own thread, :func:`_alone`) and cuts it down."""
+
+  def build():
+    one = lambda: jnp.ones([], jnp.float32)  # noqa: E731  (the loss polyak_sgd reads: invariant)
+    try:
+      init = jax.jit(lambda p: jax.tree.leaves(tx.init(p))).trace(spec).jaxpr
+      step = lambda g, s, p: jax.tree.leaves(tx.update(g, s, p, value=one())[1])  # noqa: E731
+      update = jax.jit(step).trace(spec, state, spec).jaxpr
     except Exception as e:  # e.g. an update that needs more than the gradients and a value
       raise TypeError(
-        f"Cannot transport {type(jax.eval_shape(tx.init, spec)).__name__} at opt_state: its"
-        " degrees are measured on a probe history (gradients laid out like the parameters,"
-        " extra argument value=1, on a proxy with every axis cut to a few entries per group:"
-        f" saggs_jax.degrees.proxy), on which the optimizer fails: {type(e).__name__}: {e}"
+        f"Cannot transport {type(state).__name__} at opt_state: its degrees are measured on a"
+        " probe history (gradients laid out like the parameters, extra argument value=1, on a"
+        " proxy with every axis cut to a few entries per group: saggs_jax.degrees.proxy), on"
+        f" which the optimizer fails: {type(e).__name__}: {e}"
       ) from e
-    return [[x[i] for x in jax.tree.leaves(states) if paths.is_parameter(x)] for i in (0, 1)]
+    return init, update
+
+  init, update = _alone(build)
+  n, m = len(jax.tree.leaves(spec)), len(jax.tree.leaves(state))
+  if len(update.jaxpr.outvars) != m:
+    raise TypeError(
+      f"Cannot transport {type(state).__name__} at opt_state: its update returns a state of"
+      f" {len(update.jaxpr.outvars)} leaves where init makes {m}."
+    )
+  outer = (len(init.jaxpr.invars) - n, len(update.jaxpr.invars) - 2 * n - m)
+  spec_leaves = jax.tree_util.tree_flatten_with_path(spec)[0]
+  where = {paths.path_str(k): i for i, (k, _) in enumerate(spec_leaves)}
+  layouts = [_layout(small, paths.path_str(k), x) for k, x in spec_leaves]
+  places = []
+  for key_path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+    # The longest tail of the leaf's path that is a parameter's: where its moments sit.
+    names = paths.path_str(key_path).split("/")
+    tail = next((t for t in range(len(names)) if "/".join(names[t:]) in where), None)
+    places.append(None if tail is None else (tuple(names[:tail]), where["/".join(names[tail:])]))
+  representative = leaf_classes.classes(init, update, outer, layouts, places)
+  floats = [j for j, x in enumerate(jax.tree.leaves(state)) if paths.is_parameter(x)]
+  kept = leaf_classes.closure(update, outer[1], n, sorted({representative[j] for j in floats}))
+  init, init_inputs = leaf_classes.reduced(init, kept)
+  update, update_inputs = leaf_classes.reduced(update, kept)
+  used = {k - outer[0] for k in init_inputs if k >= outer[0]}
+  for k in (k - outer[1] for k in update_inputs):
+    if 0 <= k < n or k >= n + m:  # a gradient or a parameter leaf
+      used.add(k if k < n else k - n - m)
+  return _Program(
+    init, init_inputs, update, update_inputs, outer, (n, m), sorted(used), kept, representative
+  )
+
+
+def _layout(small: Plan, path: str, x) -> Any:
+  """What a proxy leaf's degrees depend on besides the program: its shape, dtype and slots,
+  each slot's pair instance by its factors' shape (the probe factors depend on nothing else)
+  and by which of the leaf's slots share it."""
+  if not isinstance(x, jax.ShapeDtypeStruct):
+    return ("static", repr(x))
+  shapes = {i.key: i.factor_shape for i in small.instances}
+  slots = small.slots.get(path, ())
+  keys = list(dict.fromkeys(s.key for s in slots))
+  cut = tuple(dataclasses.replace(s, key=f"{keys.index(s.key)}:{shapes[s.key]}") for s in slots)
+  return tuple(x.shape), str(x.dtype), cut
+
+
+def _probe(program: _Program, spec: list, param_mult: list, kept: list, outer_scale=GRADIENT_SCALE):
+  """``probe(steps, seeds={})``: runs the history of ``steps`` updates from probe parameters
+  with probe gradients, and the equivalent history (parameters times ``param_mult``,
+  gradients divided by it), and gives each float state leaf of ``kept`` (the abstract leaves
+  ``program.kept``) after both; values the optimizer closes over from a trace outside take
+  stand-ins. ``spec`` and ``param_mult`` are the parameter leaves ``program.params``.
+  ``seeds`` maps float leaves (by their index among them) to the values they start from on
+  either side, in place of ``init``'s. Compiled once per set of seeded leaves."""
+  (o_init, o_update), (n, m) = program.outer, program.sizes
+  leaf = {i: a for a, i in enumerate(program.params)}
+  state = {j: a for a, j in enumerate(program.kept)}
+  floats = [a for a, x in enumerate(kept) if paths.is_parameter(x)]
+
+  def inputs(closed, used, outer, pick):  # each input of a cut jaxpr: a stand-in or a leaf
+    return [
+      ("value", _stand_in(v.aval)) if k < outer else pick(k - outer)
+      for v, k in zip(closed.jaxpr.invars, used)
+    ]
+
+  init_in = inputs(program.init, program.init_inputs, o_init, lambda k: ("p", leaf[k]))
+  update_in = inputs(
+    program.update,
+    program.update_inputs,
+    o_update,
+    lambda k: (
+      ("g", leaf[k]) if k < n else ("s", state[k - n]) if k < n + m else ("p", leaf[k - n - m])
+    ),
+  )
+  run_init = jax.extend.core.jaxpr_as_fun(program.init)
+  run_update = jax.extend.core.jaxpr_as_fun(program.update)
+
+  def call(run, wanted, **trees):
+    return run(*(x if kind == "value" else trees[kind][x] for kind, x in wanted))
+
+  def update(s, p, g):
+    return call(run_update, update_in, s=s, p=p, g=g)
+
+  def probe(steps, sides, grads, seeds):  # every array is made in here: none in a trace outside
+    def step(t, states):
+      g = [jax.lax.dynamic_index_in_dim(x, t, keepdims=False) for x in grads]
+      new = jax.vmap(update, axis_size=2)(states, sides, g)
+      # The loop's carry keeps its dtypes: jax 0.12's adam turns the moments of an int or
+      # bool parameter float (no degree is read off those).
+      return [x if paths.is_parameter(k) else x.astype(k.dtype) for x, k in zip(new, kept)]
+
+    start = list(jax.vmap(lambda p: call(run_init, init_in, p=p), axis_size=2)(sides))
+    for a, seed in seeds.items():
+      start[floats[a]] = seed
+    states = jax.lax.fori_loop(0, steps, step, start)
+    return [[states[a][i] for a in floats] for i in (0, 1)]
 
   rng = np.random.default_rng(0)
   p, history = _random(spec, rng), _random(spec, rng, STEPS[-1])
 
-  def both(x, m, power):  # side A, side B: the new axis just before the parameter's axes
+  def both(x, spec, m, power):  # side A, side B: the new axis just before the parameter's axes
     if not isinstance(x, np.ndarray):
       return x
     b = (x * m**power).astype(x.dtype) if paths.is_parameter(x) else x
-    return np.stack([x, b], axis=x.ndim - np.ndim(m))
+    return np.stack([x, b], axis=x.ndim - len(spec.shape))
 
-  inputs = (  # the sides' parameters, and their gradients (steps, side, ...)
-    jax.tree.map(lambda x, m: both(x, m, 1), p, param_mult),
-    jax.tree.map(lambda x, m: both(x, m, -1), history, param_mult),
-  )
+  scale = outer_scale if o_init or o_update else 1.0
+  sides = [both(x, a, mult, 1) for x, a, mult in zip(p, spec, param_mult)]
+  grads = [both(x, a, mult, -1) for x, a, mult in zip(history, spec, param_mult)]
+  grads = [(g * scale).astype(g.dtype) if paths.is_parameter(g) else g for g in grads]
   compiled = {}
   options = dict(FAST_COMPILE) if jax.default_backend() == "cpu" else None
 
   def compile(seeds):
     """Traced and compiled on its own (:func:`_alone`), for one device, with XLA's cheapest
-    code generation (the program is tiny and runs a few times); and whether the optimizer
-    closes over values traced outside it."""
-    args = jax.ShapeDtypeStruct((), jnp.int32), *inputs, seeds
-
-    def build():
-      traced = jax.jit(probe).trace(*args)
-      closed = traced.jaxpr
-      extra = closed.jaxpr.invars[: len(closed.jaxpr.invars) - len(jax.tree.leaves(args))]
-      if not extra:
-        return traced.lower().compile(options), False
-      # Values the optimizer closes over from a trace outside (the hyperparameters that
-      # optax.inject_hyperparams around a whole chain makes tracers) lead the jaxpr's
-      # inputs: bound to stand-ins (see HYPERPARAMETER), as a degree does not depend on them.
-      stand_ins = [_stand_in(v.aval) for v in extra]
-      evaluate = jax.extend.core.jaxpr_as_fun(closed)
-      out = jax.tree.structure(traced.out_info)
-      run = jax.jit(lambda *flat: out.unflatten(evaluate(*stand_ins, *flat)))
-      flat = run.trace(*jax.tree.leaves(args)).lower().compile(options)
-      return (lambda *a: flat(*jax.tree.leaves(a))), True
-
-    return _alone(build)
-
-  compiled[()], outer = compile({})
-  scale = outer_scale if outer else 1.0
-  grads = jax.tree.map(
-    lambda g: (g * scale).astype(g.dtype) if paths.is_parameter(g) else g, inputs[1]
-  )
+    code generation: the program is tiny and runs a few times."""
+    args = jax.ShapeDtypeStruct((), jnp.int32), sides, grads, seeds
+    return _alone(lambda: jax.jit(probe).trace(*args).lower().compile(options))
 
   def run(steps, seeds=None):
     seeds = seeds or {}
     key = tuple(sorted(seeds))
     if key not in compiled:
-      compiled[key] = compile(seeds)[0]
-    return compiled[key](np.int32(steps), inputs[0], grads, seeds)
+      compiled[key] = compile(seeds)
+    return compiled[key](np.int32(steps), sides, grads, seeds)
 
-  run.outer = outer  # type: ignore[attr-defined]
   return run
 
 
@@ -526,7 +601,8 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
   jax.eval_shape(lambda s, f: transport(plan, s, f), state, factors)
   small = proxy(plan)
   spec = _cut(params, small)
-  mismatch = _same_layout(jax.eval_shape(tx.init, spec), state)
+  small_state = jax.eval_shape(tx.init, spec)
+  mismatch = _same_layout(small_state, state)
   if mismatch is not None:
     raise TypeError(
       f"Cannot measure the transport degrees of {_where(state, mismatch)}: its layout"
@@ -542,13 +618,14 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
     tuple((i.key, i.factor_shape) for i in small.instances),
   )
   if layout not in known:
-    found, outer = _decide(tx, spec, small)
-    if outer:
+    program = _trace(tx, spec, small_state, small)
+    found = _decide(program, spec, small_state, small)
+    if any(program.outer):
       # Stand-ins small next to the gradients (an eps) read the degrees; whether a value
       # added to a moment or to the gradients is negligible depends on its real size, which
       # a tracer does not tell: the same degrees must hold next to gradients of its size.
       try:
-        plain = _decide(tx, spec, small, outer_scale=1.0)[0]
+        plain = _decide(program, spec, small_state, small, outer_scale=1.0)
       except TypeError:
         plain = None
       if plain != found:
@@ -565,16 +642,28 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
   return known[full]
 
 
-def _decide(tx, spec, small, outer_scale=GRADIENT_SCALE):
-  """The degree of each state leaf of the proxy, in flatten order (see :func:`measure`), and
-  whether the optimizer closes over values traced outside (probed with stand-ins, the
-  gradients scaled by ``outer_scale``)."""
-  state = jax.eval_shape(tx.init, spec)
-  param_mult, mults, registered = _multipliers(small, spec, state)
-  probe = _probe(tx, spec, param_mult, outer_scale)
-  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-  floats = [n for n, (_, x) in enumerate(leaves) if paths.is_parameter(x)]
-  decided: dict[int, Any] = {n: AS_REGISTERED for n in range(len(leaves)) if n not in floats}
+def _decide(program: _Program, spec, state, small, outer_scale=GRADIENT_SCALE) -> list:
+  """The degree of each leaf of the proxy's state ``state`` (abstract), in flatten order (see
+  :func:`measure`); values the optimizer closes over from a trace outside take stand-ins,
+  the gradients scaled by ``outer_scale``."""
+  spec_leaves, spec_def = jax.tree.flatten(spec)
+  leaves, state_def = jax.tree_util.tree_flatten_with_path(state)
+  # Only the leaves the probe runs: one of each class, and what their updates read.
+  only = lambda tree, keep, xs: tree.unflatten([x if i in keep else None for i, x in enumerate(xs)])  # noqa: E731
+  param_mult, mults, registered = _multipliers(
+    small,
+    only(spec_def, set(program.params), spec_leaves),
+    only(state_def, set(program.kept), [x for _, x in leaves]),
+  )
+  probe = _probe(
+    program,
+    [spec_leaves[i] for i in program.params],
+    param_mult,
+    [leaves[j][1] for j in program.kept],
+    outer_scale,
+  )
+  floats = [n for n in program.kept if paths.is_parameter(leaves[n][1])]
+  decided: dict[int, Any] = {}
   for steps in STEPS:
     values = list(zip(*probe(steps), mults, registered))
     for i, n in enumerate(floats):
@@ -596,8 +685,19 @@ def _decide(tx, spec, small, outer_scale=GRADIENT_SCALE):
           " normaliser). Drop or move that stage, or declare the pairs with one group per"
           " tensor (axes=None) when a per-tensor norm is the cause."
         )
-    if len(decided) == len(leaves):
-      return [decided[n] for n in range(len(leaves))], probe.outer
+    if len(decided) == len(floats):
+      break
+  else:
+    _decide_seeded(probe, state, leaves, floats, mults, registered, decided)
+  return [
+    decided[program.representative[n]] if paths.is_parameter(x) else AS_REGISTERED
+    for n, (_, x) in enumerate(leaves)
+  ]
+
+
+def _decide_seeded(probe, state, leaves, floats, mults, registered, decided) -> None:
+  """Decides the leaves of ``floats`` still zero after the longest history (see
+  :func:`_seeded`), into ``decided``."""
   pending = [i for i, n in enumerate(floats) if n not in decided]
   unchecked = []
   seeded = _seeded(probe, pending, [mults[i] for i in pending], [registered[i] for i in pending])
@@ -627,9 +727,8 @@ def _decide(tx, spec, small, outer_scale=GRADIENT_SCALE):
       " so they move by the degrees their state types register, which the probe cannot"
       " check.",
       UserWarning,
-      stacklevel=4,
+      stacklevel=5,
     )
-  return [decided[n] for n in range(len(leaves))], probe.outer
 
 
 def _seeded(probe, pending: list[int], mults: list, registered: list) -> dict[int, tuple]:

@@ -78,6 +78,13 @@ def opened(jaxpr: Any) -> tuple[jcore.Jaxpr, Sequence[Any]]:
   return getattr(jaxpr, "jaxpr", jaxpr), getattr(jaxpr, "consts", ())
 
 
+def replaced(closed: Any, **changes: Any) -> Any:
+  """``closed`` (a ``ClosedJaxpr``, or jax 0.12's ``Jaxpr`` that holds its constants) with
+  fields of its jaxpr replaced, its constants kept."""
+  jaxpr = closed.jaxpr.replace(**changes)
+  return jaxpr if closed.jaxpr is closed else closed.replace(jaxpr=jaxpr)
+
+
 def call_body(eqn: jcore.JaxprEqn) -> tuple[jcore.Jaxpr, Sequence[Any]] | None:
   """The body of a call-like equation (:data:`CALLS`) that takes the equation's inputs, or
   None for any other equation."""
