@@ -41,8 +41,12 @@ become inputs of the probe's program; they take :data:`HYPERPARAMETER` there, wi
 the degrees must also hold with gradients of the stand-ins' size, since whether such a value
 is negligible depends on its real size, which a tracer does not tell (else a TypeError).
 
-Results are kept per optimizer (weakly, by its ``update`` function) and proxy
-layout, so a chain's stages, its updates and ``canonicalize`` do not probe
+The probe runs one state leaf of each class of leaves that the optimizer computes alike
+(:mod:`saggs_jax.leaf_classes`, read off its jaxprs on the proxy: the same equations from one
+parameter leaf of the same layout, at the same place in the state), and what their updates
+read: the layers of an unrolled model share their leaves' classes, so its program does not
+grow with the layers. Results are kept per optimizer (weakly, by its ``update`` function)
+and proxy layout, so a chain's stages, its updates and ``canonicalize`` do not probe
 again; models that differ only in width share one proxy. Nothing of the
 model's size is made: the full-size checks run on abstract values.
 """
