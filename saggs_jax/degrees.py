@@ -348,7 +348,7 @@ def _alone(fn: Any) -> Any:
     return thread.submit(fn).result()
 
 
-class _Program(NamedTuple):
+class _Cut(NamedTuple):
   """The optimizer's ``init`` and ``update`` on the proxy as jaxprs cut down to the state
   leaves the probe runs (``kept``: one of each class of :mod:`saggs_jax.leaf_classes`, and
   what their updates read), with the parameter leaves they read (``params``)."""
@@ -364,25 +364,27 @@ class _Program(NamedTuple):
   representative: list[int]  # of every state leaf, a kept one
 
 
-def _trace(tx, spec, state, small: Plan) -> _Program:
-  """Traces ``tx`` on the proxy (on its own thread, :func:`_alone`) and cuts it down."""
+def _traced(fn, *args):
+  """``jax.jit(fn).trace(*args)`` on its own thread (:func:`_alone`): values the optimizer
+  closes over from a trace outside become the leading inputs of its jaxpr."""
+  return _alone(lambda: jax.jit(fn).trace(*args))
 
-  def build():
-    one = lambda: jnp.ones([], jnp.float32)  # noqa: E731  (the loss polyak_sgd reads: invariant)
-    try:
-      init = jax.jit(lambda p: jax.tree.leaves(tx.init(p))).trace(spec).jaxpr
-      step = lambda g, s, p: jax.tree.leaves(tx.update(g, s, p, value=one())[1])  # noqa: E731
-      update = jax.jit(step).trace(spec, state, spec).jaxpr
-    except Exception as e:  # e.g. an update that needs more than the gradients and a value
-      raise TypeError(
-        f"Cannot transport {type(state).__name__} at opt_state: its degrees are measured on a"
-        " probe history (gradients laid out like the parameters, extra argument value=1, on a"
-        " proxy with every axis cut to a few entries per group: saggs_jax.degrees.proxy), on"
-        f" which the optimizer fails: {type(e).__name__}: {e}"
-      ) from e
-    return init, update
 
-  init, update = _alone(build)
+def _trace(tx, spec, state, small: Plan, init) -> _Cut:
+  """Traces ``tx.update`` on the proxy, reads the classes of its state leaves (``init``: the
+  traced ``tx.init(spec)``, ``state`` its abstract output) and cuts both down."""
+  one = lambda: jnp.ones([], jnp.float32)  # noqa: E731  (the loss polyak_sgd reads: invariant)
+  try:
+    update = _traced(
+      lambda g, s, p: jax.tree.leaves(tx.update(g, s, p, value=one())[1]), spec, state, spec
+    ).jaxpr
+  except Exception as e:  # e.g. an update that needs more than the gradients and a value
+    raise TypeError(
+      f"Cannot transport {type(state).__name__} at opt_state: its degrees are measured on a"
+      " probe history (gradients laid out like the parameters, extra argument value=1, on a"
+      " proxy with every axis cut to a few entries per group: saggs_jax.degrees.proxy), on"
+      f" which the optimizer fails: {type(e).__name__}: {e}"
+    ) from e
   n, m = len(jax.tree.leaves(spec)), len(jax.tree.leaves(state))
   if len(update.jaxpr.outvars) != m:
     raise TypeError(
@@ -390,43 +392,63 @@ def _trace(tx, spec, state, small: Plan) -> _Program:
       f" {len(update.jaxpr.outvars)} leaves where init makes {m}."
     )
   outer = (len(init.jaxpr.invars) - n, len(update.jaxpr.invars) - 2 * n - m)
-  spec_leaves = jax.tree_util.tree_flatten_with_path(spec)[0]
-  where = {paths.path_str(k): i for i, (k, _) in enumerate(spec_leaves)}
-  layouts = [_layout(small, paths.path_str(k), x) for k, x in spec_leaves]
-  places = []
-  for key_path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
-    # The longest tail of the leaf's path that is a parameter's: where its moments sit.
-    names = paths.path_str(key_path).split("/")
-    tail = next((t for t in range(len(names)) if "/".join(names[t:]) in where), None)
-    places.append(None if tail is None else (tuple(names[:tail]), where["/".join(names[tail:])]))
-  representative = leaf_classes.classes(init, update, outer, layouts, places)
+  layouts, places = _places(small, spec, state)
+  start, step = leaf_classes.Program(init), leaf_classes.Program(update)
+  representative = leaf_classes.classes(start, step, outer, layouts, places)
   floats = [j for j, x in enumerate(jax.tree.leaves(state)) if paths.is_parameter(x)]
-  kept = leaf_classes.closure(update, outer[1], n, sorted({representative[j] for j in floats}))
+  kept = leaf_classes.closure(step, outer[1], n, sorted({representative[j] for j in floats}))
   init, init_inputs = leaf_classes.reduced(init, kept)
   update, update_inputs = leaf_classes.reduced(update, kept)
   used = {k - outer[0] for k in init_inputs if k >= outer[0]}
   for k in (k - outer[1] for k in update_inputs):
     if 0 <= k < n or k >= n + m:  # a gradient or a parameter leaf
       used.add(k if k < n else k - n - m)
-  return _Program(
+  return _Cut(
     init, init_inputs, update, update_inputs, outer, (n, m), sorted(used), kept, representative
   )
 
 
-def _layout(small: Plan, path: str, x) -> Any:
-  """What a proxy leaf's degrees depend on besides the program: its shape, dtype and slots,
-  each slot's pair instance by its factors' shape (the probe factors depend on nothing else)
-  and by which of the leaf's slots share it."""
-  if not isinstance(x, jax.ShapeDtypeStruct):
-    return ("static", repr(x))
-  shapes = {i.key: i.factor_shape for i in small.instances}
-  slots = small.slots.get(path, ())
-  keys = list(dict.fromkeys(s.key for s in slots))
-  cut = tuple(dataclasses.replace(s, key=f"{keys.index(s.key)}:{shapes[s.key]}") for s in slots)
-  return tuple(x.shape), str(x.dtype), cut
+def _places(plan: Plan, params: Any, state: Any) -> tuple[list, list]:
+  """The layout of each parameter leaf (shape, dtype and slots, each slot's pair instance by
+  its factors' shape, which is all the probe factors depend on, and by which of the leaf's
+  slots share it); and for each state leaf ``(where, i)``: the path of parameter leaf ``i``
+  is the longest tail of its path that is a parameter's (where its moments sit), ``where``
+  the rest; None for a leaf at no parameter's path."""
+  shapes = {i.key: i.factor_shape for i in plan.instances}
+
+  def layout(path, x):
+    if not paths.is_array(x):
+      return ("static", repr(x))
+    slots = plan.slots.get(path, ())
+    keys = list(dict.fromkeys(s.key for s in slots))
+    cut = tuple(dataclasses.replace(s, key=f"{keys.index(s.key)}:{shapes[s.key]}") for s in slots)
+    return tuple(jnp.shape(x)), str(jnp.result_type(x)), cut
+
+  leaves = [(paths.path_str(k), x) for k, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+  where = {path: i for i, (path, _) in enumerate(leaves)}
+  places = []
+  for key_path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+    names = paths.path_str(key_path).split("/")
+    tail = next((t for t in range(len(names)) if "/".join(names[t:]) in where), None)
+    places.append(None if tail is None else (tuple(names[:tail]), where["/".join(names[tail:])]))
+  return [layout(path, x) for path, x in leaves], places
 
 
-def _probe(program: _Program, spec: list, param_mult: list, kept: list, outer_scale=GRADIENT_SCALE):
+def _one_of_each_kind(plan: Plan, params: Any, state: Any) -> Any:
+  """``state`` with None for every leaf whose place, shape and dtype and whose parameter's
+  layout (see :func:`_places`) an earlier leaf shares: the registered rules treat such
+  leaves alike, so they refuse the first of them or none."""
+  layouts, places = _places(plan, params, state)
+  leaves, treedef = jax.tree.flatten(state)
+  seen, kept = set(), []
+  for j, (x, place) in enumerate(zip(leaves, places)):
+    key = j if place is None else (place[0], layouts[place[1]], jnp.shape(x), jnp.result_type(x))
+    kept.append(None if key in seen else x)
+    seen.add(key)
+  return treedef.unflatten(kept)
+
+
+def _probe(program: _Cut, spec: list, param_mult: list, kept: list, outer_scale=GRADIENT_SCALE):
   """``probe(steps, seeds={})``: runs the history of ``steps`` updates from probe parameters
   with probe gradients, and the equivalent history (parameters times ``param_mult``,
   gradients divided by it), and gives each float state leaf of ``kept`` (the abstract leaves
@@ -602,10 +624,13 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
   state = jax.eval_shape(tx.init, _abstract(params))
   # The registered rules first, at full size and abstractly: an unregistered image refuses.
   factors = {i.key: jax.ShapeDtypeStruct(i.factor_shape, jnp.float32) for i in plan.instances}
-  jax.eval_shape(lambda s, f: transport(plan, s, f), state, factors)
+  jax.eval_shape(
+    lambda s, f: transport(plan, s, f), _one_of_each_kind(plan, params, state), factors
+  )
   small = proxy(plan)
   spec = _cut(params, small)
-  small_state = jax.eval_shape(tx.init, spec)
+  traced_init = _traced(tx.init, spec)
+  small_state = traced_init.out_info
   mismatch = _same_layout(small_state, state)
   if mismatch is not None:
     raise TypeError(
@@ -622,7 +647,7 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
     tuple((i.key, i.factor_shape) for i in small.instances),
   )
   if layout not in known:
-    program = _trace(tx, spec, small_state, small)
+    program = _trace(tx, spec, small_state, small, traced_init.jaxpr)
     found = _decide(program, spec, small_state, small)
     if any(program.outer):
       # Stand-ins small next to the gradients (an eps) read the degrees; whether a value
@@ -646,7 +671,7 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
   return known[full]
 
 
-def _decide(program: _Program, spec, state, small, outer_scale=GRADIENT_SCALE) -> list:
+def _decide(program: _Cut, spec, state, small, outer_scale=GRADIENT_SCALE) -> list:
   """The degree of each leaf of the proxy's state ``state`` (abstract), in flatten order (see
   :func:`measure`); values the optimizer closes over from a trace outside take stand-ins,
   the gradients scaled by ``outer_scale``."""

@@ -62,7 +62,7 @@ def _subjaxprs(params: dict) -> list:
 def _params_key(eqn: Any, memo: dict) -> Hashable:
   items = []
   for name, v in sorted(eqn.params.items()):
-    subs = _subjaxprs({name: v})
+    subs = () if isinstance(v, (bool, int, float, str)) else _subjaxprs({name: v})
     items.append((name, tuple(_jaxpr_key(s, memo) for s in subs) if subs else repr(v)))
   return tuple(items)
 
@@ -72,9 +72,9 @@ def _literal_key(atom: Any) -> Hashable | None:
   return (atom.aval, _const_key(atom.val)) if isinstance(atom, jcore.Literal) else None
 
 
-class _Program:
-  """A flat jaxpr's equations keyed once, evaluated on its inputs' keys (:meth:`keys`) or on
-  their dependency bitsets (:meth:`reads`)."""
+class Program:
+  """A closed jaxpr's equations keyed once, evaluated on its inputs' keys (:meth:`keys`) or
+  on their dependency bitsets (:meth:`reads`)."""
 
   def __init__(self, closed: Any):
     self.jaxpr = closed.jaxpr
@@ -125,8 +125,8 @@ class _Program:
 
 
 def classes(
-  init: Any,
-  update: Any,
+  init: Program,
+  update: Program,
   extra: tuple[int, int],
   leaves: Sequence[Hashable],
   places: Sequence[tuple[Hashable, int] | None],
@@ -134,8 +134,8 @@ def classes(
   """The representative of each state leaf: the first leaf of its class (see the module doc).
 
   Args:
-    init: the closed jaxpr of ``params -> state leaves``.
-    update: the closed jaxpr of ``(grads, state, params) -> state leaves``.
+    init: the program of ``params -> state leaves``.
+    update: the program of ``(grads, state, params) -> state leaves``.
     extra: how many inputs lead each jaxpr (values closed over from a trace outside).
     leaves: each parameter leaf's layout (shape, dtype, multipliers), hashable.
     places: for each state leaf, ``(where, i)``: its place in the state with the path of
@@ -143,7 +143,7 @@ def classes(
       parameter's path.
   """
   n, m = len(leaves), len(places)
-  start, step = _Program(init), _Program(update)
+  start, step = init, update
   # Dependencies: bit i for parameter (and gradient) leaf i; state leaf j as bit n + j.
   leaf_bits = [1 << i for i in range(n)]
   state_bits = [1 << (n + j) for j in range(m)]
@@ -186,20 +186,17 @@ def classes(
 
 
 def _bits(x: int):
-  i = 0
+  """The positions of the set bits of ``x``, lowest first."""
   while x:
-    if x & 1:
-      yield i
-    x >>= 1
-    i += 1
+    low = x & -x
+    yield low.bit_length() - 1
+    x ^= low
 
 
-def closure(update: Any, extra: int, n: int, kept: Sequence[int]) -> list[int]:
+def closure(update: Program, extra: int, n: int, kept: Sequence[int]) -> list[int]:
   """``kept`` with every state leaf their updates read, through any number of steps."""
-  m = len(update.jaxpr.outvars)
-  step = _Program(update)
-  bits = [1 << j for j in range(m)]
-  reads = step.reads([0] * (extra + n) + bits + [0] * n)
+  bits = [1 << j for j in range(len(update.jaxpr.outvars))]
+  reads = update.reads([0] * (extra + n) + bits + [0] * n)
   out, todo = set(kept), list(kept)
   while todo:
     for k in _bits(reads[todo.pop()]):

@@ -27,9 +27,11 @@ def classes(init, update, n_state, layouts=SAME, places=None):
   (lists of leaves), state leaf j of parameter leaf ``j % 3`` unless ``places`` says."""
   state = jax.eval_shape(init, SPEC)
   places = places or [(("s", j // 3), j % 3) for j in range(n_state)]
-  return leaf_classes.classes(
-    jaxpr(init, SPEC), jaxpr(update, SPEC, state, SPEC), (0, 0), layouts, places
+  programs = (
+    leaf_classes.Program(jaxpr(init, SPEC)),
+    leaf_classes.Program(jaxpr(update, SPEC, state, SPEC)),
   )
+  return leaf_classes.classes(*programs, (0, 0), layouts, places)
 
 
 def zeros(p):
@@ -85,7 +87,7 @@ def test_classes_are_refined_until_histories_of_any_length_agree():
 def test_closure_and_reduced_keep_what_the_kept_leaves_read():
   state = jax.eval_shape(lambda p: zeros(p) + zeros(p), SPEC)
   update = jaxpr(copy_chain, SPEC, state, SPEC)
-  assert leaf_classes.closure(update, 0, 3, [5]) == [2, 5]
+  assert leaf_classes.closure(leaf_classes.Program(update), 0, 3, [5]) == [2, 5]
   cut, used = leaf_classes.reduced(update, [2, 5])
   assert used == [2, 3 + 2]  # gradient 2, state a_2 (after the 3 gradients)
   rng = np.random.default_rng(0)
@@ -97,6 +99,15 @@ def test_closure_and_reduced_keep_what_the_kept_leaves_read():
 
 # ---------------------------------------------------------------------------------------
 # The probe on one leaf per class, against a NumPy equivalent history.
+
+
+def probed(opt, params, pairs):
+  """The probe's program of ``opt`` on the proxy of ``params``."""
+  small = degrees.proxy(resolve(pairs, params))
+  spec = degrees._cut(params, small)
+  opt = optax.with_extra_args_support(opt)
+  init = degrees._traced(opt.init, spec)
+  return degrees._trace(opt, spec, init.out_info, small, init.jaxpr)
 
 
 class PathTrace(NamedTuple):
@@ -162,11 +173,9 @@ def test_layers_an_optimizer_treats_otherwise_get_their_own_degrees():
       np.testing.assert_allclose(
         got.acc[f"layer{i}"][n], want.acc[f"layer{i}"][n], rtol=1e-5, err_msg=f"layer{i}/{n}"
       )
-  small = degrees.proxy(resolve(PAIRS, params))
-  spec = degrees._cut(params, small)
-  probed = optax.with_extra_args_support(opt)
-  program = degrees._trace(probed, spec, jax.eval_shape(opt.init, spec), small)
-  assert len(program.kept) == 4  # q and k of layer 0 (layers 2, 3 alike), and of layer 1
+  assert (
+    len(probed(opt, params, PAIRS).kept) == 4
+  )  # q and k of layer 0 (layers 2, 3 alike), and of layer 1
 
 
 def test_the_probe_of_an_unrolled_model_runs_one_layer():
@@ -174,19 +183,15 @@ def test_the_probe_of_an_unrolled_model_runs_one_layer():
   mu and nu of layer 0's leaves (those of one layout: V with Q, the two norms, as one) and of
   those outside the layers, and the step count."""
 
-  def probed(layers):
+  def run(layers):
     cfg = dict(shapes.SIZES["1b"], num_layers=layers)
     params = shapes.llama(**cfg, scanned=False)
-    plan = resolve(saggs.presets.llama(num_kv_heads=cfg["num_kv_heads"]), params)
-    small = degrees.proxy(plan)
-    spec = degrees._cut(params, small)
-    opt = optax.with_extra_args_support(optax.adamw(1e-3))
-    program = degrees._trace(opt, spec, jax.eval_shape(opt.init, spec), small)
+    program = probed(optax.adamw(1e-3), params, saggs.presets.llama(cfg["num_kv_heads"]))
     names = [paths.path_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     assert program.sizes == (len(names), 2 * len(names) + 1)
     return [names[i] for i in program.params], len(program.kept), len(program.update.jaxpr.eqns)
 
-  two, twelve = probed(2), probed(12)
+  two, twelve = run(2), run(12)
   assert two == twelve
   assert all(not n.startswith("layers/") or n.startswith("layers/0/") for n in two[0])
   assert "layers/0/attn/v_proj/kernel" not in two[0]  # alike layer 0's q_proj
