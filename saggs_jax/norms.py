@@ -33,6 +33,7 @@ axis, so a sharded block axis stays sharded.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -109,8 +110,9 @@ def _group_reduce(
   one-hot broadcast inside that reduction (``groups`` multiply-adds per entry, fused):
   reducing the other axes first would all-reduce one value per index when they are
   sharded, and reshaping the group axis into (groups, size) would gather it when its
-  shards straddle groups. Without a mesh, per-index reductions followed by a reshape of
-  that small vector are cheapest.
+  shards straddle groups. Without a mesh that reshape is free, and one reduction over it
+  compiles once where per-index reductions and a second one over that small vector
+  compiled twice (each a kernel and a reducer of its own, per leaf).
   """
   v, axis = vs[0], slot.axis
   masked = axis is not None and not slot.per_index(v.shape[axis]) and _on_mesh(v)
@@ -118,11 +120,13 @@ def _group_reduce(
     vs = [jnp.square(x) for x in vs]
   if axis is None or slot.per_index(v.shape[axis]):
     return [_group_last(r, slot) for r in _reduce_all(vs, slot.reduce_axes(v.ndim), combine)]
-  if not _on_mesh(v):  # per index, then per group of that small vector
+  if not _on_mesh(v):  # the group axis split into (groups, size), one reduction
     start, stop = slot.tiled(v.shape[axis])  # (within a block)
-    per_index = [_group_last(r, slot) for r in _reduce_all(vs, slot.reduce_axes(v.ndim), combine)]
-    grouped = [s[..., start:stop].reshape(s.shape[:-1] + (slot.groups, -1)) for s in per_index]
-    return _reduce_all(grouped, (grouped[0].ndim - 1,), combine)
+    if (start, stop) != (0, v.shape[axis]):
+      vs = [jax.lax.slice_in_dim(x, start, stop, axis=axis) for x in vs]
+    split = [x.reshape(x.shape[:axis] + (slot.groups, -1) + x.shape[axis + 1 :]) for x in vs]
+    axes = tuple(i + (i > axis) for i in slot.reduce_axes(v.ndim)) + (axis + 1,)
+    return [_group_last(r, slot) for r in _reduce_all(split, axes, combine)]
   # On a mesh: the sum or maximum of one operand, its group axis masked by the one-hot
   # membership, which XLA broadcasts inside the reduction unless two reductions share
   # it: then it is materialised, the size of the leaf times its groups. The mask passes
@@ -153,16 +157,27 @@ def _group_last(r: jax.Array, slot: Slot) -> jax.Array:
   return r if slot.axis is None else jnp.moveaxis(r, slot.group_position, -1)
 
 
-def _one_pass_stats(x: jax.Array, slot: Slot) -> tuple[jax.Array, jax.Array]:
-  """``(log sum x**2, log max |x|)`` per group of ``slot`` off a mesh, from one read of
-  ``x`` (in its compute dtype): each group's ``(s, q)`` (see the module docstring)."""
-  magnitude = jnp.abs(x)
-  top, q = _group_reduce([magnitude, (magnitude > 0).astype(x.dtype)], slot, _scaled)
-  log_sq, log_max = 2 * jnp.log(top) + jnp.log(q), jnp.log(top)
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _one_pass_stats(x: jax.Array, slot: Slot, block: Span | None) -> tuple[jax.Array, jax.Array]:
+  """``(log sum x**2, log max |x|)`` per group of ``slot`` off a mesh, of the piece ``block``
+  of ``x``, from one read (in its compute dtype): each group's ``(s, q)`` (see the module
+  docstring). Every entry starts as ``(|x|, 1)``: a zero one then counts nothing once
+  combined, and a group whose ``s`` is 0 has ``log s = -inf`` whatever its ``q``. Traced
+  (and lowered) once per shape and slot layout, not per leaf: the caller passes ``slot``
+  without its instance (see :func:`_layout`)."""
+  magnitude = jnp.abs(_restrict(x.astype(compute_dtype(x.dtype)), block))
+  top, q = _group_reduce([magnitude, jnp.ones_like(magnitude)], slot, _scaled)
+  log_max = jnp.log(top)
+  log_sq = 2 * log_max + jnp.log(q)
   if slot.axis is None:
     log_sq, log_max = log_sq[..., None], log_max[..., None]
   log_sq = jnp.where(jnp.isnan(log_sq), jnp.inf, log_sq)  # a NaN entry
   return log_sq.astype(jnp.float32), log_max.astype(jnp.float32)
+
+
+def _layout(slot: Slot) -> Slot:
+  """``slot`` without the instance it belongs to: what its statistics depend on."""
+  return dataclasses.replace(slot, key="", sign=1)
 
 
 def _reduce(v: jax.Array, slots: Sequence[Slot], axis_name: AxisName, op: str) -> jax.Array:
@@ -438,7 +453,7 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
   for k, pc in plan.pieces.items():
     x = leaves[pc.path]
     if len(pc.slots) == 1 and not _on_mesh(x):
-      out[k] = _one_pass_stats(_restrict(x.astype(compute_dtype(x.dtype)), pc.block), pc.slots[0])
+      out[k] = _one_pass_stats(x, _layout(pc.slots[0]), pc.block)
     else:
       rest[k] = pc
   if rest:
