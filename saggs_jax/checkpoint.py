@@ -179,6 +179,9 @@ def _positions(shape: tuple[int, ...]) -> jax.Array:
   return index
 
 
+# Jitted on its own, so that a program hashing many leaves of one shape and dtype (a
+# model's layers and their moments) traces and lowers it once, not once per leaf.
+@jax.jit
 def _checksum(x: jax.Array) -> jax.Array:
   words = _words(x)
   positions = _positions(words.shape)

@@ -810,6 +810,17 @@ def test_checksums_need_no_full_size_temporaries():
   assert compiled.memory_analysis().temp_size_in_bytes <= 0.05 * nbytes
 
 
+def test_checksums_trace_the_hash_once_per_shape_and_dtype():
+  """A model's many leaves of one shape and dtype (its layers and their moments) share one
+  traced hash: tracing a copy per leaf took 0.1-0.2 s of a 101M restore."""
+  leaves = {f"layer{i}": jax.ShapeDtypeStruct((64, 32), jnp.float32) for i in range(6)}
+  leaves["count"] = jax.ShapeDtypeStruct((), jnp.int32)
+  (program,) = jax.make_jaxpr(saggs.checkpoint._checksum_all)(leaves).jaxpr.eqns
+  calls = [e for e in program.params["jaxpr"].jaxpr.eqns if "jaxpr" in e.params]
+  assert len(calls) == len(leaves)
+  assert len({id(e.params["jaxpr"]) for e in calls}) == 2  # float32[64, 32] and int32[]
+
+
 # ---------------------------------------------------------------------------
 # Restoring by the degrees of the optimizer that made the state
 
