@@ -573,7 +573,7 @@ def _same_layout(small_state, state) -> tuple | None:
   return None
 
 
-def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
+def measure(tx: optax.GradientTransformation, params: Any, plan: Plan, state: Any = None) -> Any:
   """The degree of every leaf of ``tx.init(params)``, as :func:`transport` takes them.
 
   Measured on the :func:`proxy` of ``plan`` (see the module doc), once per optimizer and
@@ -585,6 +585,8 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
     params: the parameters, or anything with their shapes and dtypes (abstract
       ``jax.ShapeDtypeStruct`` leaves, tracers).
     plan: the resolved pairs.
+    state: ``tx.init(params)`` where the caller has made it (its shapes and dtypes are read),
+      else None: it is traced abstractly.
 
   Returns:
     A tree laid out like the state whose leaves are :data:`AS_REGISTERED` or
@@ -621,7 +623,7 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan) -> Any:
   )
   if full in known:
     return known[full]
-  state = jax.eval_shape(tx.init, _abstract(params))
+  state = jax.eval_shape(tx.init, _abstract(params)) if state is None else _abstract(state)
   # The registered rules first, at full size and abstractly: an unregistered image refuses.
   factors = {i.key: jax.ShapeDtypeStruct(i.factor_shape, jnp.float32) for i in plan.instances}
   jax.eval_shape(

@@ -612,16 +612,17 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
     lambda updates, state, params=None, **extra: inner.update(updates, state, params, **extra),
   )
 
-  def degrees(n, params, plan):  # those of the states before stage n (first + n)
-    found = measure(optimizer, params, plan)  # kept per layout by measure, not here
+  def degrees(n, params, plan, state=None):  # those of the states before stage n (first + n)
+    found = measure(optimizer, params, plan, state)  # kept per layout by measure, not here
     return None if found is None else (*found, *(None,) * n)
 
   def init(params):
+    state = cast(tuple, optimizer.init(params))
     if jax.tree.leaves(params):  # not optax.tree.map_params' leafless placeholder
       for stage in stages:
         _check_params(params, stage.name)
-        degrees(0, params, stage.resolve(params))
-    return (*cast(tuple, optimizer.init(params)), *(s.init(params) for s in stages))
+        degrees(0, params, stage.resolve(params), state)  # measured from init's own state
+    return (*state, *(s.init(params) for s in stages))
 
   def run(n, grads, states, params, extra_args):  # the optimizer and the first n stages
     if n == 0:
