@@ -46,6 +46,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
 import sys
 from collections.abc import Sequence
@@ -448,13 +449,20 @@ def _spec(x) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
 
 
-@functools.lru_cache(maxsize=16)
-def _canonicalizer(pairs: tuple[Pair, ...], tx, n: int, made_treedef, treedef, specs: tuple):
-  """The restore's canonicalisation compiled for the target (``treedef``, ``specs``):
-  in place (the restored arrays are donated) and onto the target's shardings.
+# Compiles the canonicalisation while Orbax reads the arrays (XLA's compile releases the GIL).
+_COMPILER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="saggs-restore")
 
-  Lowered on abstract values before any array is read, so a ``tx`` whose degrees cannot
-  be measured fails first."""
+
+@functools.lru_cache(maxsize=16)
+def _canonicalizer(
+  pairs: tuple[Pair, ...], tx, n: int, made_treedef, treedef, specs: tuple
+) -> concurrent.futures.Future:
+  """The restore's canonicalisation for the target (``treedef``, ``specs``), in place (the
+  restored arrays are donated) and onto the target's shardings: compiled on a thread of
+  its own, so that the compile overlaps the read.
+
+  Lowered here, on abstract values, before any array is read, so a ``tx`` whose degrees
+  cannot be measured fails first."""
   shardings = [s.sharding for s in specs]
   out = None if None in shardings else jax.tree.unflatten(treedef, shardings)
   fn = jax.jit(
@@ -462,7 +470,7 @@ def _canonicalizer(pairs: tuple[Pair, ...], tx, n: int, made_treedef, treedef, s
     out_shardings=out,
     donate_argnums=(0, 1),
   )
-  return fn.lower(*jax.tree.unflatten(treedef, specs)).compile()
+  return _COMPILER.submit(fn.lower(*jax.tree.unflatten(treedef, specs)).compile)
 
 
 def restore(
@@ -583,6 +591,6 @@ def restore(
   state = _unstorable(target, state)
   arrays = state["params"], state["opt_state"]
   if canonicalizer is not None:
-    arrays = canonicalizer(*arrays)
+    arrays = canonicalizer.result()(*arrays)
   params, opt_state = _with_statics((params, opt_state), arrays)
   return params, opt_state, step

@@ -79,7 +79,9 @@ def check(axis_type):
     assert not collectives(sums), collectives(sums)
     specs, treedef = jax.tree.flatten(jax.tree.map(checkpoint._spec, target))
     optimizer, n, made = checkpoint._made_by(TX, *target)
-    program = checkpoint._canonicalizer(as_pairs(PAIRS), optimizer, n, made, treedef, tuple(specs))
+    program = checkpoint._canonicalizer(
+      as_pairs(PAIRS), optimizer, n, made, treedef, tuple(specs)
+    ).result()
     assert not collectives(program), collectives(program)
   print(f"{axis_type.name} OK", flush=True)
 

@@ -949,7 +949,9 @@ def test_restore_canonicalizes_in_place_on_abstract_7b_shapes():
   state = optax.ScaleByBeliefState(adam.count, adam.mu, adam.nu)
   pairs = saggs.presets.llama(num_kv_heads=32, stacked=1)
   specs, treedef = jax.tree.flatten((params, state))
-  program = saggs.checkpoint._canonicalizer(tuple(pairs), None, -1, None, treedef, tuple(specs))
+  program = saggs.checkpoint._canonicalizer(
+    tuple(pairs), None, -1, None, treedef, tuple(specs)
+  ).result()
   memory = program.memory_analysis()
   nbytes = sum(x.size * x.dtype.itemsize for x in specs)
   assert nbytes > 80e9
@@ -966,7 +968,9 @@ def test_restore_by_tx_canonicalizes_in_place_on_abstract_7b_shapes():
   state = jax.eval_shape(tx.init, params)
   optimizer, n, made = saggs.checkpoint._made_by(tx, params, state)
   specs, treedef = jax.tree.flatten((params, state))
-  program = saggs.checkpoint._canonicalizer(tuple(pairs), optimizer, n, made, treedef, tuple(specs))
+  program = saggs.checkpoint._canonicalizer(
+    tuple(pairs), optimizer, n, made, treedef, tuple(specs)
+  ).result()
   memory = program.memory_analysis()
   nbytes = sum(x.size * x.dtype.itemsize for x in specs)
   assert nbytes > 80e9
