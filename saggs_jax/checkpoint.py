@@ -21,8 +21,8 @@ nor the caller's state are touched by a failed restore. Checksums are computed
 on the devices that hold the arrays (jitted integer sums), so sharded and
 multi-process states are hashed without gathering them, in one fused
 reduction per array (no full-size temporary). Canonicalising is one program
-compiled for the target's shapes and shardings before any array is read, which
-updates the restored arrays in place. Typed PRNG keys
+for the target's shapes and shardings, lowered before any array is read and compiled
+while Orbax reads them, which updates the restored arrays in place. Typed PRNG keys
 (``jax.random.key``) are stored as their raw ``key_data`` and rewrapped with
 the target's implementation. Use a manager dedicated to these two functions
 (the items are fixed).

@@ -189,6 +189,18 @@ def test_degrees_are_measured_once_per_optimizer_and_proxy_layout(monkeypatch):
   assert len(probes) == 2
 
 
+def test_chain_init_runs_the_optimizer_init_once_at_full_size():
+  """init measures the degrees from the state it makes (the probe's own init runs on the
+  proxy), not from a second full-size init."""
+  shapes_seen, adam = [], optax.adam(1e-3)
+  counted = optax.GradientTransformation(
+    lambda p: shapes_seen.append(jnp.shape(p["q"])) or adam.init(p), adam.update
+  )
+  params = {n: jnp.ones((3, 64)) for n in ("q", "k")}
+  saggs.chain(counted, saggs.saggs([saggs.Pair("q", "k", axes=(1, 1), groups=2)])).init(params)
+  assert shapes_seen.count((3, 64)) == 1 and len(shapes_seen) == 2, shapes_seen
+
+
 EXPLICIT = jax.make_mesh((1,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
 
 
