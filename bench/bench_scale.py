@@ -16,22 +16,23 @@ Orbax's threads cannot start under a heap cap):
   ``jax.jit(tx.init, out_shardings=...).lower(params).compile()`` for FSDP parameters
   (Explicit) on 8 CPU devices under ``jax.set_mesh``, scanned and unrolled, for adamw,
   SAGGS, soft SAGGS, QK-clip and the equivariant stack, and the process's peak host memory
-  after each (``tx.init(params)`` for the concrete model); a chain's init measures the
-  transport degrees on a probe (:func:`saggs_jax.degrees.measure`).
+  after each (``tx.init(params)`` for the concrete model). A chain's init measures nothing:
+  the transport degrees (:func:`saggs_jax.degrees.measure`, a probe on a small proxy) are
+  measured where they are first used, the update's trace or a restore, and timed there.
 * ``update``: the train step ``(params, state, grads) -> (params, state)`` lowered and
   compiled from abstract values: XLA's temp memory and bytes accessed (deterministic; the
   balancing branch as compiled), and lower + compile time (process CPU seconds, the median
   of alternating runs: wall clock on a shared machine is noisier), scanned and unrolled
-  layers. The chain's init runs first, untimed: its degrees (measured on a small proxy)
-  are then cached, and the timed runs compile the update alone.
+  layers. Each run builds the optimizer afresh, so that the chain's lowering includes
+  measuring its degrees, as a first update's does.
 * ``fsdp``: the scanned update on 8 CPU devices, each leaf sharded along its largest axis
   under ``jax.set_mesh``: temp memory as a share of a device's parameter shard, and bytes.
 * ``canonicalize``: ``jax.jit(canonicalize).lower(abstract).compile()``, without and with
   ``tx=`` (whose degrees are measured: the probe), its time and temp memory, against
   ``reparameterize`` (no norms).
 * ``checkpoint`` (concrete only): ``saggs_jax.checkpoint.save`` / ``restore`` of the chain's
-  state (which canonicalises, ``tx=`` a chain built afresh as a restart builds it, whose
-  init measured its degrees) against Orbax's ``StandardSave`` /
+  state (which canonicalises, ``tx=`` a chain built afresh as a restart builds it, so that
+  restore measures its degrees) against Orbax's ``StandardSave`` /
   ``StandardRestore`` of the same state (peak memory: ``bench/bench_checkpoint.py``).
 * ``discover``: ``saggs.discover`` on a LLaMA forward pass (one sequence of 8 tokens): on
   abstract parameters traced only (``confirmation == "none"``), on the concrete model
@@ -105,7 +106,7 @@ def alternating(fns: dict, rounds: int) -> dict:
 
 def compile_update(tx, params, state=None):
   """Temp memory and bytes accessed of the compiled step; ``state`` the abstract state, if
-  ``tx.init`` already ran (the chain's degrees, measured there, are then cached)."""
+  the caller has it. A chain not yet updated measures its degrees in the lowering."""
 
   def step(p, s, g):
     updates, s = tx.update(g, s, p)
@@ -184,14 +185,14 @@ def row_update(size, args):
   lines = []
   for layout in ("scanned",) if args.quick else ("scanned", "unrolled"):
     params = shapes.llama(**SIZES[size], scanned=layout == "scanned")
-    # Each optimizer's init once, untimed: the chain measures its degrees there (the init
-    # row), so the timed runs compile the update alone.
-    txs = {"adamw": adamw(), "saggs": saggs_tx(size, 1 if layout == "scanned" else 0)}
-    states = {name: jax.eval_shape(tx.init, params) for name, tx in txs.items()}
+    # Each run on an optimizer built afresh: the chain's degrees are measured in its
+    # lowering, as at a first update, and so timed.
+    builds = {"adamw": adamw, "saggs": lambda: saggs_tx(size, 1 if layout == "scanned" else 0)}
+    states = {name: jax.eval_shape(build().init, params) for name, build in builds.items()}
     runs = alternating(
       {
-        name: lambda tx=tx, state=states[name], params=params: compile_update(tx, params, state)
-        for name, tx in txs.items()
+        name: lambda b=build, s=states[name], p=params: compile_update(b(), p, s)
+        for name, build in builds.items()
       },
       args.rounds,
     )
@@ -273,8 +274,8 @@ def row_checkpoint(size, args):
           start = time.perf_counter()
           out = manager.restore(0, args=ocp.args.StandardRestore((params, opt_state)))
         else:
-          # As a restart: a chain built afresh, whose init (the init row) measured its
-          # degrees; restore compiles its canonicalisation for it anew.
+          # As a restart: a chain built afresh and its target made by init; restore
+          # measures its degrees and compiles its canonicalisation for it anew.
           tx = saggs_tx(size, 1)
           jax.eval_shape(tx.init, params)
           start = time.perf_counter()

@@ -574,12 +574,14 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
   states of every stage before it are transported (``mu -> mu / c``,
   ``nu -> nu / c**2`` on the A side, the inverse on the B side; see
   :func:`saggs_jax.register_transport`), each leaf by the degree it has at its
-  place in the chain: ``init`` (or the first update of a parameter layout)
-  measures them on a probe history of a small proxy of the parameters, from
-  their shapes alone and once per layout (:func:`saggs_jax.degrees.measure`),
-  and raises a TypeError naming the state and the path of a leaf that no
-  degree transports, as when a stage before it clips by a global norm. Each
-  update resolves each symmetry stage's pairs once and passes the plan down.
+  place in the chain: the first update traced on a parameter layout measures
+  them on a probe history of a small proxy of the parameters, from their shapes
+  alone and once per layout (:func:`saggs_jax.degrees.measure`; a restore or a
+  ``canonicalize`` that needs them first measures them there), and raises a
+  TypeError naming the state and the path of a leaf that no degree transports,
+  as when a stage before it clips by a global norm. ``init`` costs what the
+  optimizer's own ``init`` costs. Each update resolves each symmetry stage's
+  pairs once and passes the plan down.
 
   Example:
     >>> import optax, saggs_jax as saggs
@@ -612,17 +614,17 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
     lambda updates, state, params=None, **extra: inner.update(updates, state, params, **extra),
   )
 
-  def degrees(n, params, plan, state=None):  # those of the states before stage n (first + n)
+  def degrees(n, params, plan, state):  # those of the states before stage n (first + n)
     found = measure(optimizer, params, plan, state)  # kept per layout by measure, not here
     return None if found is None else (*found, *(None,) * n)
 
   def init(params):
-    state = cast(tuple, optimizer.init(params))
+    # The degrees are measured where they are used, at the first update's trace (or by
+    # restore / canonicalize): init costs what the optimizer's own init costs.
     if jax.tree.leaves(params):  # not optax.tree.map_params' leafless placeholder
       for stage in stages:
         _check_params(params, stage.name)
-        degrees(0, params, stage.resolve(params), state)  # measured from init's own state
-    return (*state, *(s.init(params) for s in stages))
+    return (*cast(tuple, optimizer.init(params)), *(s.init(params) for s in stages))
 
   def run(n, grads, states, params, extra_args):  # the optimizer and the first n stages
     if n == 0:
@@ -638,7 +640,7 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
       tuple(states[:-1]),
       params,
       plan,
-      degrees(n - 1, params, plan),
+      degrees(n - 1, params, plan, states[: len(optimizers)]),  # their shapes, not a new init
       **extra_args,
     )
     return updates, (*prior_states, state)

@@ -129,7 +129,7 @@ SCRIPT = textwrap.dedent(
     "soft": saggs.chain(adamw, saggs.soft(pairs, strength=0.5)),
     "qk_clip": saggs.chain(adamw, saggs.qk_clip(pairs[:1], tau=100.0)),
   }
-  probe_devices = set()  # of the programs compiled while an init is traced: the probe's
+  probe_devices = set()  # of the programs compiled while the degrees are measured: the probe's
   compile = jax.stages.Lowered.compile
 
   def spy(self, *args, **kwargs):
@@ -139,11 +139,13 @@ SCRIPT = textwrap.dedent(
 
   with jax.set_mesh(mesh):
     for name, tx in stages.items():
-      jax.stages.Lowered.compile = spy
       state = jax.eval_shape(tx.init, params)
-      jax.stages.Lowered.compile = compile
       shardings = jax.tree.map(lambda x: x.sharding, state)
       jax.jit(tx.init, out_shardings=shardings).lower(params).compile()
+      if name != "adamw":
+        jax.stages.Lowered.compile = spy
+        tx.update.degrees(params, tx.update.stages[0].resolve(params))  # as an update does
+        jax.stages.Lowered.compile = compile
       print(name, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True)
   print("probe_devices", max(probe_devices))
   """
@@ -151,9 +153,10 @@ SCRIPT = textwrap.dedent(
 
 
 def test_a_70b_init_costs_a_bounded_amount_of_host_memory_over_adamw():
-  """Peak RSS after each stage's abstract and sharded init: the probe of the old full-size
-  measure needed the parameters thrice over (an 80 x 8192 x 8192 array alone is 20 GiB).
-  The probe compiles for one device whatever the context's mesh."""
+  """Peak RSS after each stage's abstract and sharded init and its degrees, measured as its
+  first update does: the probe of the old full-size measure needed the parameters thrice
+  over (an 80 x 8192 x 8192 array alone is 20 GiB). The probe compiles for one device
+  whatever the context's mesh."""
   proc = subprocess.run(
     [sys.executable, "-c", SCRIPT],
     capture_output=True,
@@ -170,8 +173,8 @@ def test_a_70b_init_costs_a_bounded_amount_of_host_memory_over_adamw():
 
 
 def test_degrees_are_measured_once_per_optimizer_and_proxy_layout(monkeypatch):
-  """Two symmetry stages on one layout, repeated canonicalize calls and a wider model of the
-  same layout probe once per optimizer."""
+  """init probes nothing; two symmetry stages on one layout, repeated updates and canonicalize
+  calls and a wider model of the same layout probe once per optimizer."""
   probes = []
   decide = degrees._decide
   monkeypatch.setattr(degrees, "_decide", lambda *a: probes.append(1) or decide(*a))
@@ -182,23 +185,30 @@ def test_degrees_are_measured_once_per_optimizer_and_proxy_layout(monkeypatch):
     return {n: jnp.ones((3, 2 * width)) for n in ("q", "k")}
 
   tx = saggs.chain(opt, saggs.soft(pairs), saggs.saggs(pairs))
-  tx.init(params(2))
+  state = tx.init(params(2))
+  assert not probes
+  for _ in range(2):
+    _, state = tx.update(params(2), state, params(2))
   assert len(probes) == 1
   for width in (2, 2, 8):
     saggs.canonicalize(params(width), opt.init(params(width)), pairs, tx=opt)
   assert len(probes) == 2
 
 
-def test_chain_init_runs_the_optimizer_init_once_at_full_size():
-  """init measures the degrees from the state it makes (the probe's own init runs on the
+def test_init_is_the_optimizers_and_the_first_update_measures_on_the_proxy_alone():
+  """init runs the optimizer's init once, at full size, and nothing else of it; the first
+  update measures the degrees from the state it is given (the probe's own init runs on the
   proxy), not from a second full-size init."""
   shapes_seen, adam = [], optax.adam(1e-3)
   counted = optax.GradientTransformation(
     lambda p: shapes_seen.append(jnp.shape(p["q"])) or adam.init(p), adam.update
   )
   params = {n: jnp.ones((3, 64)) for n in ("q", "k")}
-  saggs.chain(counted, saggs.saggs([saggs.Pair("q", "k", axes=(1, 1), groups=2)])).init(params)
-  assert shapes_seen.count((3, 64)) == 1 and len(shapes_seen) == 2, shapes_seen
+  tx = saggs.chain(counted, saggs.saggs([saggs.Pair("q", "k", axes=(1, 1), groups=2)]))
+  state = tx.init(params)
+  assert shapes_seen == [(3, 64)], shapes_seen
+  jax.eval_shape(tx.update, params, state, params)
+  assert shapes_seen[1:] == [(2, 4)], shapes_seen  # each axis cut to KEEP entries per group
 
 
 EXPLICIT = jax.make_mesh((1,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -226,10 +236,9 @@ def init_stages(scanned=False):
 
 def test_init_traces_per_layer_about_what_adamw_init_does(monkeypatch):
   """Primitives bound on the calling thread by eval_shape(tx.init) of Explicit-sharded
-  parameters under jax.set_mesh (the degree probe runs on a thread of its own): each layer
-  adds a few times adamw's own (the chain's adamw init, the degrees' full-size and proxy
-  state types and the transport's check), not the norms of its leaves (19x adamw's when
-  init traced them for the factors' type)."""
+  parameters under jax.set_mesh: each layer adds what adamw's init does and the stage's
+  factors of ones, within the 1.2x the issue asks of init (5.7x when init measured the
+  degrees, 19x when it also traced the norms for the factors' type)."""
   caller, count = threading.get_ident(), [0]
   bind = jax.extend.core.Primitive.bind
 
@@ -250,7 +259,7 @@ def test_init_traces_per_layer_about_what_adamw_init_does(monkeypatch):
   }
   assert per_layer["adamw"] > 0, per_layer
   for name in ("saggs", "soft", "qk_clip", "stack"):
-    assert per_layer[name] <= 7 * per_layer["adamw"], per_layer
+    assert per_layer[name] <= 1.2 * per_layer["adamw"], per_layer
 
 
 @pytest.mark.parametrize("scanned", [False, True])
