@@ -342,7 +342,7 @@ def imbalance_specs(setup: Setup, experiment: str) -> list[Spec]:
   config = saggs_config(setup, steps=a.steps, factor=factor)
 
   @functools.cache  # one optimizer per arm: its seeds share the compiled step (lm.train)
-  def optimizer(arm):  # and the transport degrees saggs.chain measures at its first init
+  def optimizer(arm):  # and the transport degrees saggs.chain measures at its first update
     stage = with_stage(arm, a, setup.pairs)
     return adamw(a) if stage is None else saggs.chain(adamw(a), stage)
 
