@@ -201,7 +201,17 @@ _checksum_all = jax.jit(lambda leaves: {path: _checksum(x) for path, x in leaves
 
 
 def _devices(leaf) -> frozenset | None:
-  return frozenset(leaf.sharding.device_set) if isinstance(leaf, jax.Array) else None
+  sharding = getattr(leaf, "sharding", None)
+  placed = isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and sharding is not None
+  return frozenset(sharding.device_set) if placed else None
+
+
+def _groups(tree: Any) -> dict:
+  """``tree``'s array leaves by path, grouped by the devices they lie on."""
+  groups = collections.defaultdict(dict)
+  for path, leaf in paths.arrays_with_paths(tree):
+    groups[_devices(leaf)][path] = leaf
+  return groups
 
 
 def checksums(tree: Any) -> Checksums:
@@ -217,19 +227,32 @@ def checksums(tree: Any) -> Checksums:
     >>> sums({"x": x}) == sums({"x": x[::-1]}), sums({"x": x}) == sums({"x": x + 0})
     (False, True)
   """
+  return _checksums(tree, {})
+
+
+def _checksums(tree: Any, programs: dict) -> Checksums:
+  """:func:`checksums`, by ``programs`` (compiled ``_checksum_all`` by device set) where
+  given."""
   # One program per set of devices, each waited for: one small program per
   # leaf, all in flight at once, deadlocked a 2-process job on CPU (gloo).
-  groups = collections.defaultdict(dict)
-  for path, leaf in paths.arrays_with_paths(tree):
-    groups[_devices(leaf)][path] = leaf
   hashes = {}
-  for leaves in groups.values():
-    hashes.update(jax.device_get(_checksum_all(leaves)))
+  for devices, leaves in _groups(tree).items():
+    hashes.update(jax.device_get(programs.get(devices, _checksum_all)(leaves)))
   return {path: [int(h) for h in hashes[path]] for path, _ in paths.arrays_with_paths(tree)}
 
 
-def _verify(saved: Checksums, restored: Any, what: str) -> None:
-  read = checksums(restored)
+def _hashers(abstract: Any) -> dict:
+  """The checksum programs of the arrays Orbax will restore from ``abstract``, by device
+  set: lowered now and compiled on the restore's thread while Orbax reads. None where a
+  leaf has no sharding (the restored array's placement is Orbax's): those compile at use."""
+  groups = _groups(abstract)
+  if None in groups:
+    return {}
+  return {d: _COMPILER.submit(_checksum_all.lower(leaves).compile) for d, leaves in groups.items()}
+
+
+def _verify(saved: Checksums, restored: Any, what: str, hashers: dict) -> None:
+  read = _checksums(restored, {d: f.result() for d, f in hashers.items()})
   unchecked = [p for p in read if p not in saved]
   if unchecked:
     raise ValueError(
@@ -567,6 +590,8 @@ def restore(
       " or save with saggs_jax.checkpoint.save. Nothing was restored."
     ) from e
   check_layout(saved["layout"], target, what)
+  abstract = jax.tree.map(lambda x: _abstract(x) if paths.is_array(x) else None, target)
+  hashers = _hashers(abstract)  # compiled first: the first program run after the read
   arrays = _arrays((params, opt_state))
   specs, treedef = jax.tree.flatten(jax.tree.map(_spec, arrays))
   canonicalizer = None
@@ -577,7 +602,6 @@ def restore(
     else:
       _refuse_ambiguous(opt_state)
     canonicalizer = _canonicalizer(as_pairs(balanced_by), optimizer, n, made, treedef, tuple(specs))
-  abstract = jax.tree.map(lambda x: _abstract(x) if paths.is_array(x) else None, target)
   try:
     state = manager.restore(
       step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
@@ -587,7 +611,7 @@ def restore(
       f"{what} could not be read: {str(e).splitlines()[0]}. Nothing was"
       " restored; restore another step."
     ) from e
-  _verify(saved["checksums"], state, what)
+  _verify(saved["checksums"], state, what, hashers)
   state = _unstorable(target, state)
   arrays = state["params"], state["opt_state"]
   if canonicalizer is not None:

@@ -963,6 +963,40 @@ def test_a_tx_whose_degrees_cannot_be_measured_fails_before_any_array_is_read(ma
   assert reads == [["checksums", "layout"]]  # the JSON records only, no array
 
 
+def test_restore_verifies_by_checksum_programs_compiled_before_the_read(manager, monkeypatch):
+  """The checksum programs are lowered from the target and compiled while Orbax reads: the
+  verification after the read compiles nothing, and still catches a corrupted array."""
+  params = _up_down(0)
+  tx = saggs.chain(optax.adam(1e-2), saggs.saggs(UP_DOWN))
+  state = models.random_like(tx.init(params), 6)
+  saggs.checkpoint.save(manager, 1, params, state)
+  manager.wait_until_finished()
+  jitted = saggs.checkpoint._checksum_all
+
+  class LoweredOnly:  # the jitted program, which may only be lowered now
+    lower = staticmethod(jitted.lower)
+
+    def __call__(self, leaves):
+      raise AssertionError("a checksum program compiled after the read")
+
+  monkeypatch.setattr(saggs.checkpoint, "_checksum_all", LoweredOnly())
+  got_params, _, _ = saggs.checkpoint.restore(manager, params, state, UP_DOWN, tx=tx)
+  want, _ = saggs.canonicalize(params, state[0], UP_DOWN, tx=optax.adam(1e-2))
+  chex.assert_trees_all_close(got_params, want, rtol=1e-6)
+  restore = type(manager).restore
+
+  def flipped(self, step, args=None, **kwargs):  # one bit of one restored array
+    out = restore(self, step, args=args, **kwargs)
+    if "state" in args.keys():
+      up = out["state"]["params"]["up"]
+      out["state"]["params"]["up"] = up.at[0, 0].set(-up[0, 0])
+    return out
+
+  monkeypatch.setattr(type(manager), "restore", flipped)
+  with pytest.raises(ValueError, match="corrupted"):
+    saggs.checkpoint.restore(manager, params, state, UP_DOWN, tx=tx)
+
+
 def test_restore_canonicalizes_in_place_on_abstract_7b_shapes():
   """The restore's canonicalisation, compiled on an abstract 7B state (Adam-shaped, of a
   type whose degrees its type fixes): every output overwrites its donated input, and its
