@@ -201,9 +201,9 @@ _checksum_all = jax.jit(lambda leaves: {path: _checksum(x) for path, x in leaves
 
 
 def _devices(leaf) -> frozenset | None:
-  sharding = getattr(leaf, "sharding", None)
-  placed = isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and sharding is not None
-  return frozenset(sharding.device_set) if placed else None
+  placed = isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct))
+  sharding = getattr(leaf, "sharding", None) if placed else None
+  return None if sharding is None else frozenset(sharding.device_set)
 
 
 def _groups(tree: Any) -> dict:
