@@ -243,8 +243,8 @@ def _checksums(tree: Any, programs: dict) -> Checksums:
 
 def _hashers(abstract: Any) -> dict:
   """The checksum programs of the arrays Orbax will restore from ``abstract``, by device
-  set: lowered now and compiled on the restore's thread while Orbax reads. None where a
-  leaf has no sharding (the restored array's placement is Orbax's): those compile at use."""
+  set: lowered now and compiled on the restore's thread while Orbax reads. Empty when a
+  leaf has no sharding (where Orbax places it is not known yet): those compile at use."""
   groups = _groups(abstract)
   if None in groups:
     return {}
