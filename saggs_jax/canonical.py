@@ -49,8 +49,8 @@ def _degrees(tx: optax.GradientTransformation, params: Any, opt_state: Any, plan
     )
   update = tx.update
   if isinstance(update, ChainUpdate) and update.stages:
-    return update.degrees(params, plan)
-  return measure(tx, params, plan)
+    return update.degrees(params, plan, made)
+  return measure(tx, params, plan, made)
 
 
 def _is_concrete(x) -> bool:

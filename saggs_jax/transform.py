@@ -518,10 +518,14 @@ class ChainUpdate:
   def __call__(self, updates, state, params=None, **extra_args):
     return self.run(updates, state, params, **extra_args)
 
-  def degrees(self, params: Any, plan: Plan) -> Any:
+  def degrees(self, params: Any, plan: Plan, state: Any = None) -> Any:
     """The transport degrees of the whole state on ``plan``, laid out like it (the
-    stages' own states keep theirs); None when no parameter is declared."""
-    found = measure(self.optimizer, params, plan)
+    stages' own states keep theirs); None when no parameter is declared. ``state``: the
+    chain's state (or its abstract values) where the caller has it, whose optimizer entries
+    are read for their shapes rather than made anew by a full-size ``init``."""
+    if state is not None:
+      state = tuple(state)[: len(tuple(state)) - len(self.stages)]
+    found = measure(self.optimizer, params, plan, state)
     if found is None:
       return None
     if self.wrapped:

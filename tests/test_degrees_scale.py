@@ -14,6 +14,7 @@ import threading
 import jax
 import jax.extend
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -210,6 +211,26 @@ def test_init_is_the_optimizers_and_the_first_update_measures_on_the_proxy_alone
   jax.eval_shape(tx.update, params, state, params)
   assert shapes_seen[1:] == [(2, 4)], shapes_seen  # each axis cut to KEEP entries per group
 
+
+@pytest.mark.parametrize("build", [saggs.chain, saggs.wrap], ids=["chain", "wrap"])
+def test_canonicalize_with_tx_makes_the_full_size_state_once(build):
+  """canonicalize(tx=...) traces tx.init at full size once, to check the state's layout, and
+  measures the degrees from that abstract state: the only other init is the probe's, on the
+  proxy (a second full-size init would cost AdamW's init time again at 70B)."""
+  shapes_seen, adam = [], optax.adam(1e-3)
+  counted = optax.GradientTransformation(
+    lambda p: shapes_seen.append(jnp.shape(p["q"])) or adam.init(p), adam.update
+  )
+  params = {n: jnp.ones((3, 64)) for n in ("q", "k")}
+  pairs = [saggs.Pair("q", "k", axes=(1, 1), groups=2)]
+  tx = build(counted, saggs.saggs(pairs))
+  state = tx.init(params)
+  del shapes_seen[:]
+  params = {"q": 4.0 * params["q"], "k": params["k"]}
+  balanced, _ = saggs.canonicalize(params, state, pairs, tx=tx)
+  assert shapes_seen == [(3, 64), (2, 4)], shapes_seen
+  for name in ("q", "k"):  # c = sqrt(||k|| / ||q||) = 1/2 in every group
+    np.testing.assert_allclose(balanced[name], np.full((3, 64), 2.0), rtol=1e-6)
 
 EXPLICIT = jax.make_mesh((1,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
 
