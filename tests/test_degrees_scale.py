@@ -232,6 +232,7 @@ def test_canonicalize_with_tx_makes_the_full_size_state_once(build):
   for name in ("q", "k"):  # c = sqrt(||k|| / ||q||) = 1/2 in every group
     np.testing.assert_allclose(balanced[name], np.full((3, 64), 2.0), rtol=1e-6)
 
+
 EXPLICIT = jax.make_mesh((1,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
 
 
