@@ -523,8 +523,9 @@ class ChainUpdate:
     stages' own states keep theirs); None when no parameter is declared. ``state``: the
     chain's state (or its abstract values) where the caller has it, whose optimizer entries
     are read for their shapes rather than made anew by a full-size ``init``."""
-    if state is not None:
-      state = tuple(state)[: len(tuple(state)) - len(self.stages)]
+    if state is not None:  # its optimizer entries: the stages' own states come last
+      state = tuple(state)
+      state = state[: len(state) - len(self.stages)]
     found = measure(self.optimizer, params, plan, state)
     if found is None:
       return None

@@ -196,16 +196,23 @@ def test_degrees_are_measured_once_per_optimizer_and_proxy_layout(monkeypatch):
   assert len(probes) == 2
 
 
+def counted_adam(shapes_seen: list) -> optax.GradientTransformation:
+  """Adam whose init appends the shape of the "q" leaf it is given to ``shapes_seen``."""
+  adam = optax.adam(1e-3)
+  return optax.GradientTransformation(
+    lambda p: shapes_seen.append(jnp.shape(p["q"])) or adam.init(p), adam.update
+  )
+
+
 def test_init_is_the_optimizers_and_the_first_update_measures_on_the_proxy_alone():
   """init runs the optimizer's init once, at full size, and nothing else of it; the first
   update measures the degrees from the state it is given (the probe's own init runs on the
   proxy), not from a second full-size init."""
-  shapes_seen, adam = [], optax.adam(1e-3)
-  counted = optax.GradientTransformation(
-    lambda p: shapes_seen.append(jnp.shape(p["q"])) or adam.init(p), adam.update
-  )
+  shapes_seen = []
   params = {n: jnp.ones((3, 64)) for n in ("q", "k")}
-  tx = saggs.chain(counted, saggs.saggs([saggs.Pair("q", "k", axes=(1, 1), groups=2)]))
+  tx = saggs.chain(
+    counted_adam(shapes_seen), saggs.saggs([saggs.Pair("q", "k", axes=(1, 1), groups=2)])
+  )
   state = tx.init(params)
   assert shapes_seen == [(3, 64)], shapes_seen
   jax.eval_shape(tx.update, params, state, params)
@@ -217,13 +224,10 @@ def test_canonicalize_with_tx_makes_the_full_size_state_once(build):
   """canonicalize(tx=...) traces tx.init at full size once, to check the state's layout, and
   measures the degrees from that abstract state: the only other init is the probe's, on the
   proxy (a second full-size init would cost AdamW's init time again at 70B)."""
-  shapes_seen, adam = [], optax.adam(1e-3)
-  counted = optax.GradientTransformation(
-    lambda p: shapes_seen.append(jnp.shape(p["q"])) or adam.init(p), adam.update
-  )
+  shapes_seen = []
   params = {n: jnp.ones((3, 64)) for n in ("q", "k")}
   pairs = [saggs.Pair("q", "k", axes=(1, 1), groups=2)]
-  tx = build(counted, saggs.saggs(pairs))
+  tx = build(counted_adam(shapes_seen), saggs.saggs(pairs))
   state = tx.init(params)
   del shapes_seen[:]
   params = {"q": 4.0 * params["q"], "k": params["k"]}
