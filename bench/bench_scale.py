@@ -22,7 +22,8 @@ Orbax's threads cannot start under a heap cap):
 * ``update``: the train step ``(params, state, grads) -> (params, state)`` lowered and
   compiled from abstract values: XLA's temp memory and bytes accessed (deterministic; the
   balancing branch as compiled), and lower + compile time (process CPU seconds, the median
-  of alternating runs: wall clock on a shared machine is noisier), scanned and unrolled
+  of alternating rounds, and the median [quartiles] of the per-round ratios to adamw's:
+  wall clock on a shared machine is noisier), scanned and unrolled
   layers, with the chain's degrees already measured (the probe bypassed); and beside it
   the lower + compile of a first update, a chain built afresh whose lowering also measures
   the degrees (once per optimizer and layout) from the state it is given.
@@ -61,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import common  # noqa: F401  (the repository root on sys.path, for harness)
+import common  # also puts the repository root on sys.path, for harness
 import saggs_jax as saggs
 from harness import shapes
 
@@ -94,7 +95,7 @@ def cpu_seconds(fn):
 
 
 def alternating(fns: dict, rounds: int) -> dict:
-  """``{name: (result, median CPU seconds)}`` over ``rounds`` alternating runs."""
+  """``{name: (result, CPU seconds of each round)}`` over ``rounds`` alternating runs."""
   times = {name: [] for name in fns}
   results = {}
   names = list(fns)
@@ -102,7 +103,13 @@ def alternating(fns: dict, rounds: int) -> dict:
     for name in names[r % len(names) :] + names[: r % len(names)]:
       results[name], t = cpu_seconds(fns[name])
       times[name].append(t)
-  return {name: (results[name], float(np.median(times[name]))) for name in fns}
+  return {name: (results[name], times[name]) for name in fns}
+
+
+def versus(times, base) -> str:
+  """Median seconds of ``times`` and its per-round ratio to ``base`` (median [quartiles])."""
+  q1, q2, q3 = common.round_ratios(times, base)
+  return f"{np.median(times):.2f} s ({q2:.2f}x [{q1:.2f}-{q3:.2f}])"
 
 
 def compile_update(tx, params, state=None):
@@ -207,12 +214,11 @@ def row_update(size, args):
     runs = alternating(fns, args.rounds)
     (temp_a, bytes_a), t_a = runs["adamw"]
     (temp_s, bytes_s), t_s = runs["saggs"]
-    t_f = runs["first"][1]
     lines.append(
       f"update {layout}: temp {gib(temp_s)} (adamw {gib(temp_a)}, params"
       f" {gib(shapes.num_bytes(params))}); bytes accessed {bytes_s / bytes_a:.3f}x adamw;"
-      f" lower+compile {t_s:.1f} s CPU vs adamw {t_a:.1f} s ({t_s / t_a:.2f}x); a first"
-      f" update, measuring the degrees, {t_f:.1f} s ({t_f / t_a:.2f}x)"
+      f" lower+compile {versus(t_s, t_a)} CPU vs adamw {np.median(t_a):.2f} s; a first"
+      f" update, measuring the degrees, {versus(runs['first'][1], t_a)}"
     )
   return lines
 
@@ -409,7 +415,7 @@ def main(argv=None):
   parser.add_argument("--sizes", default="1b,7b,70b,200m", help="of " + ",".join(SIZES))
   parser.add_argument("--rows", default=",".join(ROWS))
   parser.add_argument("--quick", action="store_true", help="1b and 200m, one round, scanned")
-  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--memory-gib", type=float, default=3.5, help="host memory cap per row")
   parser.add_argument("--timeout", type=float, default=1800, help="seconds per row")
   parser.add_argument(

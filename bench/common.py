@@ -165,6 +165,13 @@ def bytes_accessed(
   return compiled
 
 
+def round_ratios(times: Sequence[float], base: Sequence[float]) -> tuple[float, float, float]:
+  """The quartiles and median of the per-round ratios ``times / base``: a round's variants
+  ran back to back, so their ratio is what drift in machine load disturbs least."""
+  q1, q2, q3 = np.percentile(np.divide(times, base), (25, 50, 75))
+  return float(q1), float(q2), float(q3)
+
+
 def time_round(step, carry, arg, steps):
   """Runs ``steps`` consecutive steps; returns the new carry and seconds per step."""
   params, opt_state = carry
@@ -225,7 +232,7 @@ def bench(
   for name, med in medians.items():
     ratios = []
     for base in bases:
-      q1, q2, q3 = np.percentile(np.divide(times[name], times[base]), (25, 50, 75))
+      q1, q2, q3 = round_ratios(times[name], times[base])
       ratios.append(f"ratio vs {base} {q2:.3f} [{q1:.2f}-{q3:.2f}]")
     count = "" if same else f" [{counts[name]:>3}]"
     print(f"  {name:<{width}}{count} {med * 1e3:9.3f} ms   " + "   ".join(ratios))
