@@ -166,8 +166,9 @@ def bytes_accessed(
 
 
 def round_ratios(times: Sequence[float], base: Sequence[float]) -> tuple[float, float, float]:
-  """The quartiles and median of the per-round ratios ``times / base``: a round's variants
-  ran back to back, so their ratio is what drift in machine load disturbs least."""
+  """The first quartile, median and third quartile of the per-round ratios ``times / base``:
+  a round's variants ran back to back, so their ratio is what drift in machine load
+  disturbs least."""
   q1, q2, q3 = np.percentile(np.divide(times, base), (25, 50, 75))
   return float(q1), float(q2), float(q3)
 
