@@ -115,11 +115,10 @@ def resume(args, arm, managers, target, pairs):
   }.get(arm)
   if stage is None:
     return params, adamw, opt_state
-  # SAGGS joins at the restart: the chain's state is (AdamW's, the new stage's). The
-  # new state goes where the restored arrays are: a mix of arrays committed to a
-  # device and uncommitted ones would compile the train step twice.
-  stage_state = jax.device_put(stage.init(params), jax.tree.leaves(params)[0].sharding)
-  return params, saggs.chain(adamw, stage), (opt_state, stage_state)
+  # SAGGS joins at the restart: AdamW's restored state is kept, the stage starts afresh
+  # and its first update balances the parameters and transports AdamW's moments.
+  tx = saggs.chain(adamw, stage)
+  return params, tx, tx.init_from(params, opt_state)
 
 
 def mean_std(values, digits: int = 2) -> str:

@@ -388,8 +388,9 @@ def resume_specs(setup: Setup) -> list[Spec]:
     if arm.endswith("canonicalized"):
       params, opt_state = saggs.canonicalize(params, opt_state, setup.pairs)
     tx, stage = adamw(a), with_stage(arm, a, setup.pairs)
-    if stage is not None:  # SAGGS joins at the restart
-      tx, opt_state = saggs.chain(tx, stage), (opt_state, stage.init(params))
+    if stage is not None:  # SAGGS joins at the restart, AdamW's moments kept
+      tx = saggs.chain(tx, stage)
+      opt_state = tx.init_from(params, opt_state)
     # Batches after the restart differ from the pretraining ones.
     return train(
       setup, params, tx, steps=a.resume_steps, seed=1_000 + seed, desc=desc, opt_state=opt_state

@@ -557,6 +557,83 @@ class Chain(optax.GradientTransformationExtraArgs):
     update = self.update
     return update.optimizer if isinstance(update, ChainUpdate) and update.stages else None
 
+  def init_from(self, params: Any, *optimizer_states: Any) -> Any:
+    """The chain's state with the optimizer's state given rather than made anew.
+
+    SAGGS joining a running optimizer: ``optimizer_states`` are the states of the
+    transformations before the first symmetry stage, one each, as that optimizer
+    alone made and updated them (an AdamW run's state at a restart). They are kept
+    as they are; the symmetry stages start afresh, so the next update balances and
+    transports them with the parameters.
+
+    Args:
+      params: the current parameters.
+      *optimizer_states: one state per transformation before the first symmetry stage.
+
+    Returns:
+      The state ``init(params)`` would make, with ``optimizer_states`` in place of
+      the optimizer's fresh ones.
+
+    Raises:
+      ValueError: if the chain has no symmetry stage, or a state's structure, shapes
+        or dtypes are not those the optimizer makes for ``params``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, saggs_jax as saggs
+      >>> params = {"q": jnp.full((2, 2), 4.0), "k": jnp.ones((2, 2))}
+      >>> adam = optax.adam(1e-2)
+      >>> adam_state = adam.update(params, adam.init(params), params)[1]  # a running Adam
+      >>> tx = saggs.chain(adam, saggs.saggs([saggs.Pair("q", "k")]))
+      >>> state = tx.init_from(params, adam_state)
+      >>> int(state[0][0].count), int(state[1].step)  # Adam's count kept, SAGGS's fresh
+      (1, 0)
+    """
+    update = self.update
+    if self.optimizer is None:
+      raise ValueError("init_from: this chain has no symmetry stage; use its init.")
+    update = cast(ChainUpdate, update)
+    made = jax.eval_shape(update.optimizer.init, params)
+    if len(optimizer_states) != len(made):
+      raise ValueError(
+        f"init_from takes one state per transformation before the symmetry stage: {len(made)}"
+        f" here, got {len(optimizer_states)}."
+      )
+    for i, (given, want) in enumerate(zip(optimizer_states, made)):
+      _check_like(given, want, f"optimizer_states[{i}]")
+    fresh = _placed_like(optimizer_states, tuple(s.init(params) for s in update.stages))
+    states = (*optimizer_states, *fresh)
+    return SymmetryState(*states) if update.wrapped else states
+
+
+def _check_like(given: Any, made: Any, what: str) -> None:
+  """Raises ValueError naming the first path where ``given``'s layout is not ``made``'s."""
+  from saggs_jax.checkpoint import _first_difference, layout  # it imports this module
+
+  theirs, ours = layout(given), layout(made)
+  first = _first_difference(theirs, ours)
+  if first is not None:
+    raise ValueError(
+      f"init_from: {what} is not what the optimizer makes for these parameters: at {first!r}"
+      f" it holds {theirs.get(first, 'nothing')}, the optimizer makes"
+      f" {ours.get(first, 'nothing')}. Pass the state of the same optimizer, for the same"
+      " parameters."
+    )
+
+
+def _placed_like(placed: Any, fresh: Any) -> Any:
+  """``fresh`` replicated on the devices of ``placed``'s first committed array (a restored
+  state's), so that a train step sees one placement throughout: a mix of committed and
+  uncommitted arguments compiles it again once its outputs come back committed."""
+  committed = [x for x in jax.tree.leaves(placed) if isinstance(x, jax.Array) and x.committed]
+  if not committed:
+    return fresh
+  sharding = committed[0].sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  elif len(sharding.device_set) != 1:
+    return fresh
+  return jax.device_put(fresh, sharding)
+
 
 def _check_params(params, name: str) -> None:
   if params is None:

@@ -409,6 +409,66 @@ def test_update_is_the_plain_step_from_the_balanced_state(every):
   )
 
 
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_init_from_joins_a_running_adam_with_its_moments_transported(wrapped):
+  """SAGGS joining at a restart: Adam runs alone for 3 updates, then ``init_from`` builds the
+  chain's state around Adam's. Oracle: the joined updates are the plain Adam steps from the
+  hand-balanced point with the hand-transported moments (NumPy), Adam's count continuing."""
+  adam = optax.adam(1e-2)
+  p = small_imbalanced(22)
+  s = adam.init(p)
+  for _ in range(3):
+    p, _, s = models.jit_step(adam, p, s, SMALL_GRAD(p))
+  stage = saggs.saggs(SMALL_PAIRS, every=2)
+  tx = saggs.saggs(adam, SMALL_PAIRS, every=2) if wrapped else saggs.chain(adam, stage)
+  joined = tx.init_from(p, s)
+  assert int(joined[0][0].count) == 3 and int(joined[1].step) == 0
+  p_want, s_want = p, s
+  for n in range(1, 4):
+    p, _, joined = models.jit_step(tx, p, joined, SMALL_GRAD(p))
+    if balances(n, 2):
+      mult = small_multipliers(p_want)
+      p_want, s_want = hand_transport(p_want, mult, -1), hand_transport(s_want, mult)
+    p_want, _, s_want = models.jit_step(adam, p_want, s_want, SMALL_GRAD(p_want))
+    chex.assert_trees_all_close(p, p_want, rtol=2e-5, atol=1e-6)
+    chex.assert_trees_all_close(joined[0], s_want, rtol=2e-5, atol=1e-7)
+
+
+def test_init_from_a_restored_state_compiles_the_train_step_once():
+  """A restored state is committed to its device: the stage's fresh state joins it there,
+  else the step's committed outputs would make the second call compile again."""
+  adam = optax.adam(1e-2)
+  params = jax.device_put(small_params(0), jax.devices()[0])
+  tx = saggs.chain(adam, saggs.saggs(SMALL_PAIRS))
+  state = tx.init_from(params, jax.device_put(adam.init(params), jax.devices()[0]))
+
+  @jax.jit
+  def train_step(params, state):
+    updates, state = tx.update(SMALL_GRAD(params), state, params)
+    return optax.apply_updates(params, updates), state
+
+  for _ in range(2):
+    params, state = train_step(params, state)
+  assert train_step._cache_size() == 1
+
+
+def test_init_from_refuses_a_state_the_optimizer_does_not_make():
+  params = small_params(0)
+  adam = optax.adam(1e-2)
+  tx = saggs.chain(adam, saggs.saggs(SMALL_PAIRS))
+  with pytest.raises(ValueError, match=r"one state per transformation .* 1 here, got 2"):
+    tx.init_from(params, adam.init(params), adam.init(params))
+  other = small_params(0, jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"at '0/mu/layers/0/down' it holds bfloat16\[6, 4\]"):
+    tx.init_from(params, adam.init(other))
+  with pytest.raises(
+    ValueError, match=r"at '0/count' it holds nothing, the optimizer makes int32\[\]"
+  ):
+    tx.init_from(params, optax.sgd(1e-2, momentum=0.9).init(params))
+  with pytest.raises(ValueError, match="no symmetry stage"):
+    saggs.chain(adam).init_from(params, adam.init(params))
+
+
 # A loss whose gradient stays bounded on the toy's large outputs, so that every optimizer
 # below trains stably for 20 steps.
 BOUNDED_GRAD = jax.jit(jax.grad(lambda p: jnp.mean(jnp.log1p(_small_apply(p, SMALL_X) ** 2))))
