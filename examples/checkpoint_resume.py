@@ -71,6 +71,7 @@ def parse_args() -> argparse.Namespace:
   parser.add_argument("--eval-every", type=int, default=25)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/checkpoint_resume"))
   lm.add_model_flags(parser)
+  lm.smoke_defaults(parser, seeds=1, pretrain_steps=4, steps=4, batch_size=4, eval_every=2)
   return parser.parse_args()
 
 

@@ -107,6 +107,15 @@ def parse_args() -> argparse.Namespace:
   parser.add_argument("--eval-batches", type=int, default=16)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/compare_optimizers"))
   lm.add_model_flags(parser)
+  lm.smoke_defaults(
+    parser,
+    steps=4,
+    seeds=1,
+    batch_size=4,
+    eval_every=2,
+    eval_batches=2,
+    **{f"lrs_{name}": DEFAULT_LRS[name][1:2] for name in OPTIMIZERS},
+  )
   args = parser.parse_args()
   args.optimizers = [o for o in args.optimizers.split(",") if o]
   if unknown := set(args.optimizers) - set(OPTIMIZERS):

@@ -35,6 +35,7 @@ def parse_args() -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   lm.add_training_flags(parser, out="runs/discover")
   lm.add_model_flags(parser)
+  lm.smoke_defaults(parser, steps=4, batch_size=4, eval_every=2)
   return parser.parse_args()
 
 

@@ -76,13 +76,7 @@ GPU = {
 }
 TINY = {
   **GPU,
-  "d_model": 16,
-  "num_layers": 1,
-  "num_heads": 2,
-  "num_kv_heads": 1,
-  "head_dim": 8,
-  "mlp_hidden": 32,
-  "seq_len": 16,
+  **study.lm.SMOKE_MODEL,
   "batch_size": 4,
   "steps": 20,
   "warmup": 0,

@@ -70,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--eval-batches", type=int, default=8)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/qk_clip"))
   lm.add_model_flags(parser)
+  lm.smoke_defaults(parser, steps=4, seeds=1, batch_size=4, eval_batches=2)
   return parser.parse_args(argv)
 
 

@@ -50,6 +50,7 @@ def parse_args() -> argparse.Namespace:
   lm.add_training_flags(parser, out="runs/train_lm")
   parser.add_argument("--strength", type=float, default=0.5, help="soft SAGGS strength in (0, 1]")
   lm.add_model_flags(parser)
+  lm.smoke_defaults(parser, steps=6, batch_size=4, eval_every=3)
   return parser.parse_args()
 
 

@@ -172,6 +172,27 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# What every example shrinks to under SAGGS_SMOKE=1, the documented commands' test
+# (tests/test_examples.py): a model of about 3k parameters, every code path in seconds.
+SMOKE = "SAGGS_SMOKE"
+SMOKE_MODEL = {
+  "d_model": 16,
+  "num_layers": 1,
+  "num_heads": 2,
+  "num_kv_heads": 1,
+  "head_dim": 8,
+  "mlp_hidden": 32,
+  "seq_len": 16,
+}
+
+
+def smoke_defaults(parser: argparse.ArgumentParser, **training: Any) -> None:
+  """Under ``SAGGS_SMOKE=1`` the parser's defaults become the tiny model and ``training``
+  (a few steps, one seed): the example runs end to end in seconds. Flags given still win."""
+  if os.environ.get(SMOKE):
+    parser.set_defaults(**SMOKE_MODEL, **training)
+
+
 def add_training_flags(parser: argparse.ArgumentParser, out: str) -> None:
   """The flags of a single training comparison from a Q/K-imbalanced start."""
   parser.add_argument("--steps", type=int, default=300)

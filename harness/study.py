@@ -149,6 +149,20 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
   parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/study"))
   lm.add_model_flags(parser)
+  lm.smoke_defaults(
+    parser,
+    seeds=2,
+    opt_seeds=2,
+    steps=4,
+    pretrain_steps=4,
+    resume_steps=4,
+    opt_steps=4,
+    lr_multipliers=(1.0,),
+    batch_size=4,
+    eval_every=2,
+    eval_batches=2,
+    corpus_bytes=200_000,
+  )
   return parser
 
 
