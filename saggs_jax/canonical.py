@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from saggs_jax import paths
 from saggs_jax.balance import TOLERANCE, compute_factors
 from saggs_jax.degrees import measure
 from saggs_jax.numerics import Factors
@@ -30,23 +31,25 @@ def apply_transform(
   tx: optax.GradientTransformation | None = None,
 ) -> tuple[Any, Any]:
   """Rescales ``params`` by ``factors`` and transports every moment in ``opt_state``,
-  by the degrees measured on ``tx`` if given, else by the registered ones."""
-  degrees = None if tx is None or opt_state is None else _degrees(tx, params, opt_state, plan)
-  return scale_tree(plan, params, factors, 1.0), transport(
-    plan, opt_state, factors, degrees=degrees
-  )
+  by the degrees measured on ``tx`` if given, else by the registered ones. Both come back
+  as new trees: no nnx ``Variable`` of the result is one of the input's, so the two states
+  can live in two ``nnx.Optimizer``s side by side."""
+  if tx is None or opt_state is None:
+    moved = transport(plan, opt_state, factors)
+  else:
+    made = jax.eval_shape(tx.init, params)
+    paths.check_made_by(opt_state, made, "opt_state", "tx")
+    # Laid out as tx.init lays it out, whatever boxes hold the leaves (nnx.Optimizer's
+    # OptVariable for its Param): the degrees are measured on that layout.
+    as_made = jax.tree.structure(made).unflatten(jax.tree.leaves(opt_state))
+    moved = transport(plan, as_made, factors, degrees=_degrees(tx, params, made, plan))
+  moved = jax.tree.structure(opt_state).unflatten(jax.tree.leaves(moved))  # fresh boxes
+  return scale_tree(plan, params, factors, 1.0), moved
 
 
-def _degrees(tx: optax.GradientTransformation, params: Any, opt_state: Any, plan: Plan) -> Any:
-  """The degrees of ``opt_state``, measured on ``tx``: on a :func:`saggs_jax.chain` (or a
-  wrapper) on the optimizer before its symmetry stages, whose own states keep theirs."""
-  made = jax.eval_shape(tx.init, params)
-  if jax.tree.structure(made) != jax.tree.structure(opt_state):
-    raise ValueError(
-      "tx does not make this opt_state: tx.init(params) has the structure"
-      f" {jax.tree.structure(made)}, opt_state {jax.tree.structure(opt_state)}. Pass the"
-      " transformation that made the state: for a saggs_jax.chain's state, the chain itself."
-    )
+def _degrees(tx: optax.GradientTransformation, params: Any, made: Any, plan: Plan) -> Any:
+  """The degrees of ``tx``'s state ``made``: on a :func:`saggs_jax.chain` (or a wrapper)
+  measured on the optimizer before its symmetry stages, whose own states keep theirs."""
   update = tx.update
   if isinstance(update, ChainUpdate) and update.stages:
     return update.degrees(params, plan, made)

@@ -59,49 +59,17 @@ import optax
 
 from saggs_jax import canonical, paths
 from saggs_jax.pairs import Pair, as_pairs, resolve
+from saggs_jax.paths import Layout, first_difference, layout
 from saggs_jax.transform import SaggsState
 
 if TYPE_CHECKING:
   import orbax.checkpoint as ocp
 
-Layout = dict[str, str]  # path -> "float32[3, 4]", "key<fry>[]" or an empty node "EmptyState()"
 Checksums = dict[str, list[int]]  # path -> two uint32 hashes
 
 
 def _is_key(x) -> bool:
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _is_empty(node) -> bool:
-  """A node without leaves (``None``, ``EmptyState()``, ``MaskedNode()``, ``{}``)."""
-  return jax.tree.structure(node).num_leaves == 0
-
-
-def _describe(leaf) -> str:
-  if _is_empty(leaf):
-    return "None" if leaf is None else f"{type(leaf).__name__}()"
-  if not paths.is_array(leaf):
-    return "static"
-  return f"{leaf.dtype}{list(np.shape(leaf))}"
-
-
-def layout(tree: Any) -> Layout:
-  """``{path: "dtype[shape]"}`` for every array leaf of ``tree``, ``{path: "Type()"}`` for
-  every empty node and ``{path: "static"}`` for every other leaf, in flatten order
-  (JSON-ready).
-
-  Empty nodes are recorded because optimizers that differ only in them
-  (``optax.adam`` and ``optax.adamw``) have the same leaves. A static leaf (a
-  function, a Python number or flag, as an Equinox module holds; see
-  :func:`saggs_jax.paths.is_array`) is not saved: :func:`restore` takes it from
-  the target.
-
-  Example:
-    >>> import jax.numpy as jnp, optax, saggs_jax as saggs
-    >>> saggs.checkpoint.layout(optax.adam(1e-3).init({"w": jnp.ones((2, 3))}))
-    {'0/count': 'int32[]', '0/mu/w': 'float32[2, 3]', '0/nu/w': 'float32[2, 3]', '1': 'EmptyState()'}
-  """
-  return {path: _describe(leaf) for path, leaf in paths.leaves_with_paths(tree, is_leaf=_is_empty)}
 
 
 def check_layout(saved: Layout, target: Any, what: str = "The checkpoint") -> None:
@@ -118,21 +86,13 @@ def check_layout(saved: Layout, target: Any, what: str = "The checkpoint") -> No
     ValueError: The checkpoint does not fit the target at 'w': float32[2, 3] there, the target float32[2, 4]. ...
   """
   expected = layout(target)
-  first = _first_difference(saved, expected)
+  first = first_difference(saved, expected)
   if first is not None:
     raise ValueError(
       f"{what} does not fit the target at {first!r}: {saved.get(first, 'nothing')} there, the"
       f" target {expected.get(first, 'nothing')}. Was it saved with other pairs, another"
       " optimizer chain or other dtypes? Nothing was restored."
     )
-
-
-def _first_difference(saved: Layout, expected: Layout) -> str | None:
-  """The first path of ``expected`` (in order) that ``saved`` lacks or has otherwise, else
-  the first only ``saved`` has, else None."""
-  differing = [p for p in expected if saved.get(p) != expected[p]]
-  differing += [p for p in saved if p not in expected]
-  return differing[0] if differing else None
 
 
 # ---------------------------------------------------------------------------
@@ -443,7 +403,7 @@ def _made_by(tx: optax.GradientTransformation, params: Any, opt_state: Any) -> t
         " Nothing was restored."
       )
   ours, theirs = layout(made), layout(part)
-  first = _first_difference(theirs, ours)
+  first = first_difference(theirs, ours)
   if first is not None:  # a chain's state that is no tuple lacks all of it
     raise ValueError(
       f"tx does not make this opt_state: at {first!r}, {name}.init(params) gives"

@@ -179,3 +179,61 @@ def nearest(pattern: str, candidates: Iterable[str], n: int = 3) -> list[str]:
       best[key] = (score(suffix), path)
   ranked = sorted(best.values(), key=lambda sp: -sp[0])
   return [path for _, path in ranked[:n]]
+
+
+# Layouts: what a checkpoint records of a tree, and what init_from and canonicalize(tx=) check.
+
+Layout = dict[str, str]  # path -> "float32[3, 4]", "key<fry>[]" or an empty node "EmptyState()"
+
+
+def is_empty(node) -> bool:
+  """A node without leaves (``None``, ``EmptyState()``, ``MaskedNode()``, ``{}``)."""
+  return jax.tree.structure(node).num_leaves == 0
+
+
+def _describe(leaf) -> str:
+  if is_empty(leaf):
+    return "None" if leaf is None else f"{type(leaf).__name__}()"
+  if not is_array(leaf):
+    return "static"
+  return f"{leaf.dtype}{list(np.shape(leaf))}"
+
+
+def layout(tree: Any) -> Layout:
+  """``{path: "dtype[shape]"}`` for every array leaf of ``tree``, ``{path: "Type()"}`` for
+  every empty node and ``{path: "static"}`` for every other leaf, in flatten order
+  (JSON-ready).
+
+  Empty nodes are recorded because optimizers that differ only in them
+  (``optax.adam`` and ``optax.adamw``) have the same leaves. A static leaf (a
+  function, a Python number or flag, as an Equinox module holds; see
+  :func:`is_array`) is not saved: :func:`saggs_jax.checkpoint.restore` takes it
+  from the target.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, saggs_jax as saggs
+    >>> saggs.checkpoint.layout(optax.adam(1e-3).init({"w": jnp.ones((2, 3))}))
+    {'0/count': 'int32[]', '0/mu/w': 'float32[2, 3]', '0/nu/w': 'float32[2, 3]', '1': 'EmptyState()'}
+  """
+  return {path: _describe(leaf) for path, leaf in leaves_with_paths(tree, is_leaf=is_empty)}
+
+
+def first_difference(saved: Layout, expected: Layout) -> str | None:
+  """The first path of ``expected`` (in order) that ``saved`` lacks or has otherwise, else
+  the first only ``saved`` has, else None."""
+  differing = [p for p in expected if saved.get(p) != expected[p]]
+  differing += [p for p in saved if p not in expected]
+  return differing[0] if differing else None
+
+
+def check_made_by(given: Any, made: Any, what: str, maker: str) -> None:
+  """Raises ValueError naming the first path where ``given``'s layout is not ``made``'s, the
+  state ``maker`` makes."""
+  theirs, ours = layout(given), layout(made)
+  first = first_difference(theirs, ours)
+  if first is not None:
+    raise ValueError(
+      f"{what} is not what {maker} makes for these parameters: at {first!r} it holds"
+      f" {theirs.get(first, 'nothing')}, {maker} makes {ours.get(first, 'nothing')}. Pass the"
+      f" state that {maker} made, for the same parameters."
+    )

@@ -562,9 +562,9 @@ class Chain(optax.GradientTransformationExtraArgs):
 
     SAGGS joining a running optimizer: ``optimizer_states`` are the states of the
     transformations before the first symmetry stage, one each, as that optimizer
-    alone made and updated them (an AdamW run's state at a restart). They are kept
-    as they are; the symmetry stages start afresh, so the next update balances and
-    transports them with the parameters.
+    alone made and updated them (an AdamW run's state at a restart). Their arrays
+    are kept (in new nnx Variables, where they have them); the symmetry stages start
+    afresh, so the next update balances and transports them with the parameters.
 
     Args:
       params: the current parameters.
@@ -599,25 +599,11 @@ class Chain(optax.GradientTransformationExtraArgs):
         f" here, got {len(optimizer_states)}."
       )
     for i, (given, want) in enumerate(zip(optimizer_states, made)):
-      _check_like(given, want, f"optimizer_states[{i}]")
+      paths.check_made_by(given, want, f"init_from: optimizer_states[{i}]", "the optimizer")
     fresh = _placed_like(optimizer_states, tuple(s.init(params) for s in update.stages))
-    states = (*optimizer_states, *fresh)
+    kept = jax.tree.map(lambda x: x, optimizer_states)  # new nnx Variables, the same arrays
+    states = (*kept, *fresh)
     return SymmetryState(*states) if update.wrapped else states
-
-
-def _check_like(given: Any, made: Any, what: str) -> None:
-  """Raises ValueError naming the first path where ``given``'s layout is not ``made``'s."""
-  from saggs_jax.checkpoint import _first_difference, layout  # it imports this module
-
-  theirs, ours = layout(given), layout(made)
-  first = _first_difference(theirs, ours)
-  if first is not None:
-    raise ValueError(
-      f"init_from: {what} is not what the optimizer makes for these parameters: at {first!r}"
-      f" it holds {theirs.get(first, 'nothing')}, the optimizer makes"
-      f" {ours.get(first, 'nothing')}. Pass the state of the same optimizer, for the same"
-      " parameters."
-    )
 
 
 def _placed_like(placed: Any, fresh: Any) -> Any:

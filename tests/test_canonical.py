@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import saggs_jax as saggs
 
@@ -90,3 +91,98 @@ def test_canonicalize_balances_each_channel_and_transports_adams_moments_as_nump
   )
   again, _ = saggs.canonicalize(moved, None, UP_DOWN)
   chex.assert_trees_all_close(again, moved, rtol=1e-5)  # idempotent
+
+
+# --- flax.nnx: two optimizers from a state and its moved copy --------------------------------
+
+
+class _Bilinear(nnx.Module):
+  """``(x W_q) · (x W_k)`` per head of 2: Q/K rescale per head, an exact symmetry."""
+
+  def __init__(self, rngs):
+    self.q = nnx.Linear(4, 4, use_bias=False, rngs=rngs)
+    self.k = nnx.Linear(4, 4, use_bias=False, rngs=rngs)
+
+  def __call__(self, x):
+    return (self.q(x) * self.k(x)).reshape(-1, 2, 2).sum(-1)
+
+
+NNX_PAIRS = [saggs.Pair("q/kernel", "k/kernel", axes=(1, 1), groups=2)]
+
+
+@nnx.jit
+def _nnx_step(model, optimizer, x):
+  grads = nnx.grad(lambda m: jnp.mean(jnp.sin(m(x))))(model)
+  optimizer.update(model, grads)
+
+
+def _boxes(tree):
+  return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@pytest.mark.parametrize("with_tx", [False, True])
+def test_nnx_optimizers_from_a_state_and_its_reparameterised_copy_train_identically(with_tx):
+  """reparameterize returns fresh nnx Variables (none of its input's), so an nnx.Optimizer
+  built from the moved state counts on its own: both follow one trajectory under hard SAGGS
+  every=1. The moved moments are checked against a NumPy transport (mu / c, nu / c**2 on Q)."""
+  tx = saggs.chain(optax.adam(1e-2), saggs.saggs(NNX_PAIRS))
+  xs = jax.random.normal(jax.random.key(1), (8, 16, 4))
+  model = _Bilinear(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  for x in xs[:3]:
+    _nnx_step(model, optimizer, x)
+  params, state = nnx.state(model, nnx.Param), optimizer.opt_state
+  c = np.array([3.0, 0.25])
+  moved_params, moved = saggs.reparameterize(
+    params, state, NNX_PAIRS, lambda path, shape: c, tx=tx if with_tx else None
+  )
+  shared = {id(v) for v in _boxes((params, state))} & {id(v) for v in _boxes((moved_params, moved))}
+  assert not shared
+  c_q = np.repeat(c, 2)  # per output column of W_q
+  adam, moved_adam = state[0][0], moved[0][0]
+  np.testing.assert_allclose(
+    moved_adam.mu["q"]["kernel"][...], adam.mu["q"]["kernel"][...] / c_q, rtol=1e-6
+  )
+  np.testing.assert_allclose(
+    moved_adam.nu["k"]["kernel"][...], adam.nu["k"]["kernel"][...] * c_q**2, rtol=1e-6
+  )
+
+  other = _Bilinear(nnx.Rngs(0))
+  nnx.update(other, moved_params)
+  other_optimizer = nnx.Optimizer(other, tx, wrt=nnx.Param)
+  other_optimizer.opt_state = moved
+  for x in xs[3:]:
+    _nnx_step(model, optimizer, x)
+    _nnx_step(other, other_optimizer, x)
+    chex.assert_trees_all_close(
+      nnx.to_pure_dict(nnx.state(other, nnx.Param)),
+      nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+      rtol=1e-5,
+      atol=1e-6,
+    )
+  assert (
+    int(optimizer.opt_state[0][0].count[...])
+    == int(other_optimizer.opt_state[0][0].count[...])
+    == 8
+  )
+
+
+def test_canonicalize_with_tx_takes_an_nnx_optimizer_state():
+  """nnx.Optimizer boxes its state in OptVariable where tx.init boxes Param: the same layout,
+  accepted with tx=, and a state of another optimizer is a short error naming its path."""
+  tx = saggs.chain(optax.adam(1e-2), saggs.saggs(NNX_PAIRS))
+  model = _Bilinear(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  params = nnx.state(model, nnx.Param)
+  canonical, state = saggs.canonicalize(params, optimizer.opt_state, NNX_PAIRS, tx=tx)
+  assert jax.tree.structure(state) == jax.tree.structure(optimizer.opt_state)
+  norms = [
+    np.linalg.norm(np.reshape(canonical[n]["kernel"][...], (4, 2, 2)), axis=(0, 2)) for n in "qk"
+  ]
+  np.testing.assert_allclose(norms[0], norms[1], rtol=1e-5)
+  other = saggs.chain(optax.sgd(1e-2, momentum=0.9), saggs.saggs(NNX_PAIRS))
+  with pytest.raises(
+    ValueError, match=r"^opt_state is not what tx makes .* at '0/0/trace/k/kernel' it holds nothing"
+  ) as e:
+    saggs.canonicalize(params, optimizer.opt_state, NNX_PAIRS, tx=other)
+  assert len(str(e.value)) < 300
