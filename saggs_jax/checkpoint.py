@@ -59,7 +59,7 @@ import optax
 
 from saggs_jax import canonical, paths
 from saggs_jax.pairs import Pair, as_pairs, resolve
-from saggs_jax.paths import Layout, first_difference, layout
+from saggs_jax.paths import Layout, first_difference, is_empty, layout
 from saggs_jax.transform import SaggsState
 
 if TYPE_CHECKING:
@@ -412,6 +412,25 @@ def _made_by(tx: optax.GradientTransformation, params: Any, opt_state: Any) -> t
   return optimizer, n, jax.tree.structure(made)
 
 
+def _split(tx: optax.GradientTransformation, params: Any, opt_state: Any) -> tuple[Any, ...]:
+  """``(nodes, treedef, i)``: ``opt_state`` flattened down to the state ``tx`` makes, which
+  is ``nodes[i]``. A train state may hold more than the optax state (an RNG key, a step,
+  EMA weights): its one subtree with ``tx.init(params)``'s layout is ``tx``'s."""
+  want = layout(jax.eval_shape(tx.init, params))
+  whole = [opt_state], jax.tree.structure(0), 0
+  if layout(opt_state) == want:
+    return whole
+  is_tx_state = lambda x: not is_empty(x) and layout(x) == want  # noqa: E731
+  nodes, treedef = jax.tree.flatten(opt_state, is_leaf=is_tx_state)
+  found = [i for i, x in enumerate(nodes) if is_tx_state(x)]
+  if len(found) > 1:
+    raise ValueError(
+      f"{len(found)} subtrees of opt_state have the layout tx.init(params) makes, so which one"
+      " tx made is ambiguous. Pass that one alone as opt_state. Nothing was restored."
+    )
+  return (nodes, treedef, found[0]) if found else whole  # else _made_by says where it differs
+
+
 def _canonical(params, opt_state, pairs, tx, n, treedef):
   """:func:`saggs_jax.canonicalize` by ``tx``'s degrees (the registered ones without it) on
   ``opt_state[:n]``, laid out as ``tx.init`` lays it out (``treedef``); the rest unmoved."""
@@ -481,9 +500,14 @@ def restore(
     manager: the ``orbax.checkpoint.CheckpointManager`` it was saved with.
     params, opt_state: the target: any state with the same tree structure,
       shapes and dtypes (a fresh ``tx.init``, or an equivalent but different
-      state); its arrays' shardings are kept. It is not modified.
+      state); its arrays' shardings are kept. It is not modified. ``opt_state``
+      may be a whole train state (``{"opt": ..., "rng": key, "step": n}``, a
+      dataclass): with ``tx``, its one subtree with ``tx.init(params)``'s layout
+      is canonicalised and the rest comes back as saved.
     pairs: the :class:`~saggs_jax.Pair` declarations; with ``canonicalize``,
-      the restored state is mapped to its canonical (norm-balanced) form.
+      the restored state is mapped to its canonical (norm-balanced) form: for a
+      checkpoint equivalent to the run's, not for resuming the run that saved
+      it, which restoring without ``pairs`` continues bit for bit.
     step: the step to restore (an int); default the latest.
     canonicalize: canonicalize when ``pairs`` is given.
     tx: the optimizer that made ``opt_state``: the :func:`saggs_jax.chain` it
@@ -552,15 +576,16 @@ def restore(
   check_layout(saved["layout"], target, what)
   abstract = jax.tree.map(lambda x: _abstract(x) if paths.is_array(x) else None, target)
   hashers = _hashers(abstract)  # compiled first: the first program run after the read
-  arrays = _arrays((params, opt_state))
-  specs, treedef = jax.tree.flatten(jax.tree.map(_spec, arrays))
-  canonicalizer = None
+  canonicalizer, split = None, None
   if balanced_by is not None:
-    optimizer, n, made = None, -1, None
+    optimizer, n, made, part = None, -1, None, opt_state
     if tx is not None and opt_state is not None:
-      optimizer, n, made = _made_by(tx, *arrays)
+      nodes, _, i = split = _split(tx, _arrays(params), _arrays(opt_state))
+      part = nodes[i]
+      optimizer, n, made = _made_by(tx, _arrays(params), part)
     else:
       _refuse_ambiguous(opt_state)
+    specs, treedef = jax.tree.flatten(jax.tree.map(_spec, _arrays((params, part))))
     canonicalizer = _canonicalizer(as_pairs(balanced_by), optimizer, n, made, treedef, tuple(specs))
   try:
     state = manager.restore(
@@ -574,7 +599,12 @@ def restore(
   _verify(saved["checksums"], state, what, hashers)
   state = _unstorable(target, state)
   arrays = state["params"], state["opt_state"]
-  if canonicalizer is not None:
+  if split is not None:  # tx's state alone is canonicalised; the rest comes back as read
+    _, treedef, i = split
+    nodes = treedef.flatten_up_to(arrays[1])
+    restored, nodes[i] = canonicalizer.result()(arrays[0], nodes[i])
+    arrays = restored, treedef.unflatten(nodes)
+  elif canonicalizer is not None:
     arrays = canonicalizer.result()(*arrays)
   params, opt_state = _with_statics((params, opt_state), arrays)
   return params, opt_state, step

@@ -389,6 +389,69 @@ def test_round_trip_nnx_model_and_optimizer(manager):
   chex.assert_trees_all_equal(other_optimizer.opt_state, optimizer.opt_state)
 
 
+def _field_degree(path):
+  """The gradient degree of the innermost moment field on ``path`` (0 outside them)."""
+  fields = [n for n in path.split("/") if n in DEGREES]
+  return DEGREES[fields[-1]] if fields else 0
+
+
+def test_restore_canonicalises_the_optax_state_inside_a_whole_train_state(manager):
+  """A train state holding more than the optax state (an RNG key, a step, EMA weights): the
+  subtree with tx.init's layout is canonicalised, the rest comes back bit-exact. Two
+  equivalent checkpoints, the second moved in NumPy (parameters by c, mu by 1/c, nu by
+  1/c**2), restore to one state."""
+  params, state = chain_state()
+  moves = llama_moves()
+  factors = draw_factors(moves, params, 11)
+  extra = {"rng": jax.random.key(3), "step": jnp.int32(7), "ema": models.random_like(params, 12)}
+  saggs.checkpoint.save(manager, 1, params, {"opt": state, **extra})
+  moved = numpy_move(params, moves, factors, 1), numpy_move(state, moves, factors, _field_degree)
+  saggs.checkpoint.save(manager, 2, moved[0], {"opt": moved[1], **extra})
+  target = (
+    params_of(seed=1),
+    {
+      "opt": chain_state()[1],
+      "rng": jax.random.key(0),
+      "step": jnp.int32(0),
+      "ema": params_of(seed=2),
+    },
+  )
+  one, two = (
+    saggs.checkpoint.restore(manager, *target, PAIRS, step=step, tx=chain_tx())[:2]
+    for step in (1, 2)
+  )
+  chex.assert_trees_all_close((one[0], one[1]["opt"]), (two[0], two[1]["opt"]), **CLOSE)
+  chex.assert_trees_all_close((one[0], one[1]["opt"]), canonicalize(params, state, PAIRS), **EXACT)
+  for got in (one[1], two[1]):
+    assert np.array_equal(jax.random.key_data(got["rng"]), jax.random.key_data(extra["rng"]))
+    chex.assert_trees_all_equal((got["step"], got["ema"]), (extra["step"], extra["ema"]))
+  saggs.checkpoint.save(manager, 3, params, {"a": state, "b": state})
+  with pytest.raises(ValueError, match="2 subtrees of opt_state have the layout"):
+    saggs.checkpoint.restore(manager, params, {"a": state, "b": state}, PAIRS, tx=chain_tx())
+
+
+def test_a_restart_restored_without_pairs_is_the_uninterrupted_run(manager):
+  """Resuming is restoring as saved: the run continues bit for bit. Canonicalising on
+  restore (pairs given) is for equivalent checkpoints, and moves this one off its run."""
+  tx = saggs.chain(optax.adamw(1e-2), saggs.saggs(PAIRS, every=3))
+  grads = [models.random_like(params_of(), 100 + i, scale=0.1) for i in range(8)]
+
+  def run(params, state, steps):
+    for i in steps:
+      params, _, state = models.jit_step(tx, params, state, grads[i])
+    return params, state
+
+  params, state = run(params_of(), tx.init(params_of()), range(4))
+  saggs.checkpoint.save(manager, 4, params, state)
+  uninterrupted = run(params, state, range(4, 8))
+  target = params_of(seed=1), tx.init(params_of(seed=1))
+  restored = saggs.checkpoint.restore(manager, *target)[:2]
+  chex.assert_trees_all_equal(run(*restored, range(4, 8)), uninterrupted)
+  canonical = saggs.checkpoint.restore(manager, *target, PAIRS, tx=tx)[:2]
+  with pytest.raises(AssertionError, match="Values not exactly equal"):
+    chex.assert_trees_all_equal(run(*canonical, range(4, 8))[0], uninterrupted[0])
+
+
 def _fingerprint(directory):
   return {
     str(p): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
