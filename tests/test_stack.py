@@ -360,3 +360,87 @@ def test_stack_defaults_on_zero_gradients(variants):
   for grads in (tiny, zeros):
     out, state = step(grads, state)
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))
+
+
+# --- partial routing ---------------------------------------------------------------------------
+
+
+def test_partial_routing_keeps_the_named_matrices_on_adamw_on_purpose():
+  """One role routed, the other matrix kept on AdamW by name: polar on "1", AdamW's first step
+  (sign(g)) on "0", both against NumPy; without the "adamw" entry, "0" is named and refused."""
+  g = {"0": rand(31, (D, D), np.float32), "1": rand(32, (D, D), np.float32)}
+  tx = eqv.symmetry_compatible(
+    0.1, adamw_learning_rate=0.01, beta=0.0, **EXACT_NS, patterns={"query": "1", "adamw": "0"}
+  )
+  out = tx.update(g, tx.init(g), g)[0]
+  close(-np.asarray(out["1"]) / 0.1, polar(np.float64(g["1"])), rtol=1e-4)
+  close(-np.asarray(out["0"]) / 0.01, np.sign(g["0"]), rtol=1e-4)
+  with pytest.raises(ValueError, match=r"the matrices \['0'\] fall to AdamW.*patterns=\{'adamw'"):
+    eqv.symmetry_compatible(0.1, patterns={"query": "1"}).init(g)
+  with pytest.raises(ValueError, match=r"role 'adamw' matches no parameter \(patterns \['2'\]\)"):
+    eqv.symmetry_compatible(0.1, patterns={"query": "*", "adamw": "2"}).init(g)
+
+
+def test_a_matrix_that_matches_no_role_is_named_and_biases_stay_on_adamw():
+  """A fused qkv_proj matches no LLaMA pattern: named, not silently on AdamW. Stacked expert
+  biases (experts, width), as gpt-oss has, are biases: AdamW, no complaint."""
+  attention = {f"{n}_proj": {"kernel": jnp.ones((8, 8))} for n in ("k", "v", "o")}
+  params = {
+    **PARAMS,
+    "layer": {**PARAMS["layer"], **attention, "qkv_proj": {"kernel": jnp.ones((8, 24))}},
+  }
+  with pytest.raises(ValueError, match=r"the matrices \['layer/qkv_proj/kernel'\] match no role"):
+    eqv.symmetry_compatible(0.1, num_heads=2).init(params)
+  tx = eqv.symmetry_compatible(0.1, num_heads=2, patterns={"adamw": "layer/qkv_proj/kernel"})
+  tx.init(params)
+  biased = {**PARAMS, "experts": {"gate_up_proj_bias": jnp.ones((4, 16)), "bias": jnp.ones((4, 8))}}
+  eqv.symmetry_compatible(0.1, num_heads=2).init(biased)
+
+
+def test_the_stack_inside_nnx_optimizer_through_orbax(tmp_path):
+  """init and update inside nnx.Optimizer (optax.multi_transform's state in OptVariables), then
+  the state saved with saggs.checkpoint and restored into a fresh optimizer: the next updates
+  of both are equal."""
+  import orbax.checkpoint as ocp
+
+  import saggs_jax as saggs
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+      self.q_proj = nnx.Linear(WIDTH, WIDTH, use_bias=False, rngs=rngs)
+      self.norm = nnx.RMSNorm(WIDTH, rngs=rngs)
+      self.lm_head = nnx.Linear(WIDTH, VOCAB, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens):
+      h = self.embed(tokens)
+      return self.lm_head(self.norm(h + self.q_proj(h)))
+
+  def tx():
+    return eqv.symmetry_compatible(0.02, adamw_learning_rate=1e-2, num_heads=2)
+
+  @nnx.jit
+  def step(model, optimizer, tokens):
+    loss = lambda m: optax.softmax_cross_entropy_with_integer_labels(m(tokens), tokens).mean()  # noqa: E731
+    optimizer.update(model, nnx.grad(loss)(model))
+
+  tokens = jnp.arange(16).reshape(2, 8) % VOCAB
+  model = Block(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, tx(), wrt=nnx.Param)
+  for _ in range(2):
+    step(model, optimizer, tokens)
+  with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+    saggs.checkpoint.save(manager, 2, nnx.state(model, nnx.Param), optimizer.opt_state)
+    other = Block(nnx.Rngs(1))
+    other_optimizer = nnx.Optimizer(other, tx(), wrt=nnx.Param)
+    params, opt_state, _ = saggs.checkpoint.restore(
+      manager, nnx.state(other, nnx.Param), other_optimizer.opt_state
+    )
+  nnx.update(other, params)
+  other_optimizer.opt_state = opt_state
+  for _ in range(2):
+    step(model, optimizer, tokens)
+    step(other, other_optimizer, tokens)
+  chex.assert_trees_all_equal(
+    nnx.to_pure_dict(nnx.state(other, nnx.Param)), nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  )

@@ -270,8 +270,11 @@ def symmetry_compatible(
   and its patterns when a role matches no parameter: one given in
   ``patterns``, or any but ``router`` and ``experts`` (and a tied
   ``lm_head``) while a matrix falls to AdamW, as every matrix of a model
-  named otherwise would. ``patterns=saggs_jax.discover(...).roles`` reads the
-  roles from the model itself, whatever its names.
+  named otherwise would; and one naming every matrix that matches no role (a
+  fused ``qkv_proj``) unless ``patterns["adamw"]`` keeps it on AdamW on
+  purpose. Biases stay on AdamW whatever their shape.
+  ``patterns=saggs_jax.discover(...).roles`` reads the roles from the model
+  itself, whatever its names.
 
   Args:
     learning_rate: learning rate (or schedule) of the matrix rules; required by
@@ -289,6 +292,7 @@ def symmetry_compatible(
     patterns: per-role overrides of :data:`ROLE_PATTERNS`, e.g. ``discovery.roles``
       of :func:`saggs_jax.discover`, which reads them from the model. A parameter that
       a role given here matches goes to that role, whatever default patterns match it too.
+      ``"adamw"`` names matrices that stay on AdamW on purpose.
     learning_rates: per-role overrides of the learning rates.
     weight_decays: per-role overrides of the weight decays.
     beta: momentum decay of every rule.
@@ -388,7 +392,9 @@ def _stack(
       raise ValueError(
         f"Unknown roles {sorted(unknown)}; the roles are {sorted(roles) + ['adamw']}."
       )
-  roles.update({r: as_patterns(p) for r, p in (c.patterns or {}).items()})
+  given = {r: as_patterns(p) for r, p in (c.patterns or {}).items()}
+  kept = given.pop("adamw", ())  # the matrices that stay on AdamW on purpose
+  roles.update(given)
   if c.rules.down not in ("column", "polar"):
     raise ValueError(f"down must be 'column' or 'polar', got {c.rules.down!r}.")
   layer = (0,) if c.stacked else ()
@@ -441,20 +447,28 @@ def _stack(
     "experts": polar(-1, -2, experts) if preset.experts_transposed else polar(batch_axes=experts),
   }
   default = optax.adamw(lrs["adamw"], b2=preset.adamw_b2, weight_decay=wds["adamw"])
-  given = set(c.patterns or ())  # a role given in patterns claims its leaves from the others
+  # A role given in patterns (AdamW's too) claims its leaves from the others.
+  entries = [(roles[r], optimizer(rules[r], lrs[r], wds[r])) for r in roles]
   tx = _layerwise(
-    [(roles[r], optimizer(rules[r], lrs[r], wds[r])) for r in roles],
+    entries + [(kept, default)] * bool(kept),
     default,
-    [i for i, r in enumerate(roles) if r in given],
+    [i for i, r in enumerate(roles) if r in given] + [len(entries)] * bool(kept),
   )
   optional = {"router", "experts"} | ({"lm_head"} if c.tie_embeddings else set())
-  return _routed(tx, roles, given, optional, len(layer))
+  return _routed(tx, {**roles, "adamw": kept}, set(c.patterns or ()), optional, len(layer))
+
+
+def _is_bias(path: str) -> bool:
+  """A bias, however many axes it has (gpt-oss's ``(experts, width)`` ones): AdamW's."""
+  name = path.rsplit("/", 1)[-1]
+  return name in ("bias", "b") or name.endswith("_bias")
 
 
 def _routed(tx, roles, given, optional, stacked) -> optax.GradientTransformationExtraArgs:
-  """``tx`` whose ``init`` rejects a role that matches no parameter: one given in ``patterns``,
-  or any but ``optional`` ones while a matrix (per layer) falls to AdamW, as every matrix of a
-  model named otherwise would."""
+  """``tx`` whose ``init`` rejects a role that matches no parameter (one given in
+  ``patterns``, or any but ``optional`` ones while a matrix falls to AdamW, as every matrix
+  of a model named otherwise would), and a matrix that falls to AdamW unless ``roles["adamw"]``
+  keeps it there on purpose."""
 
   def init(params):
     flat = [(path_str(k), x) for k, x in jax.tree_util.tree_flatten_with_path(params)[0]]
@@ -465,18 +479,29 @@ def _routed(tx, roles, given, optional, stacked) -> optax.GradientTransformation
       for r, pats in roles.items()
     }
     routed = set().union(*hits.values())
-    adamw = [p for p, x in flat if p not in routed and jnp.ndim(x) >= 2 + stacked]
-    empty = [r for r in roles if not hits[r] and (r in given or (adamw and r not in optional))]
+    adamw = [
+      p for p, x in flat if p not in routed and jnp.ndim(x) >= 2 + stacked and not _is_bias(p)
+    ]
+    empty = [
+      r
+      for r in roles
+      if not hits[r] and (r in given or (adamw and r not in optional and r != "adamw"))
+    ]
+    fix = (
+      ". Pass patterns={role: patterns}, or patterns=saggs_jax.discover(...).roles; keep"
+      " matrices on AdamW on purpose with patterns={'adamw': patterns}."
+    )
+    listed = f"{adamw[:4]}{' ...' if len(adamw) > 4 else ''}"
     if empty:
       raise ValueError(
         "symmetry_compatible: "
         + "; ".join(f"role {r!r} matches no parameter (patterns {list(roles[r])})" for r in empty)
-        + (
-          f", while the matrices {adamw[:4]}{' ...' if len(adamw) > 4 else ''} fall to AdamW"
-          if adamw
-          else ""
-        )
-        + ". Pass patterns={role: patterns}, or patterns=saggs_jax.discover(...).roles."
+        + (f", while the matrices {listed} fall to AdamW" if adamw else "")
+        + fix
+      )
+    if adamw:
+      raise ValueError(
+        f"symmetry_compatible: the matrices {listed} match no role and would fall to AdamW" + fix
       )
     return tx.init(params)
 
