@@ -344,3 +344,29 @@ def test_a_follower_a_pair_cannot_declare_is_rejected_with_its_reason():
 
 # ---------------------------------------------------------------------------
 # Roles for equivariant.symmetry_compatible (issue 19, point 8).
+
+
+class _FaultyJit:
+  """``jax`` as discover's confirmation sees it, on a backend whose jitted tangent comes back
+  with garbage (as XLA:CPU's YNNPACK fusion of a reduction with the last dot once did: 8.6e33
+  for a direction that is exactly zero)."""
+
+  def __getattr__(self, name):
+    return getattr(jax, name)
+
+  @staticmethod
+  def jit(fn):
+    jitted = jax.jit(fn)
+    return lambda *args: [x + 8.6e33 for x in jitted(*args)]
+
+
+def test_a_backend_that_fails_the_zero_direction_control_refutes_nothing(monkeypatch):
+  """The first-order check is also run on a zero direction, whose tangent must be exactly 0:
+  when it is not, discover says so, naming the backend, and judges on the finite count alone
+  instead of refuting an exact pair."""
+  from saggs_jax.discovery import confirmation
+
+  monkeypatch.setattr(confirmation, "jax", _FaultyJit())
+  with pytest.warns(RuntimeWarning, match=r"zero direction is not zero on the cpu backend"):
+    d = discover(leaky_mlp, MLP, X)
+  assert list(d) == [RELU_PAIR] and d.rejected == ()
