@@ -10,7 +10,10 @@ the building blocks ``setup_train_loop`` and ``train_loop`` call, in their order
 
     tx = saggs.chain(<MaxText's tx>, saggs.saggs(pairs(config), every=...))
 
-``saggs.chain`` transports the moments of MaxText's optimizer with the parameters. The state is
+``saggs.chain`` transports the moments of MaxText's optimizer with the parameters. MaxText's
+``gradient_clipping_threshold`` clip moves inside that chain, before MaxText's tx, and MaxText's
+own (outside the optimizer) is turned off: a global norm taken outside would differ between
+equivalent states. The state is
 part of MaxText's ``TrainStateNNX``, so MaxText's Orbax checkpoint manager saves and restores it
 with everything else. Each step is MaxText's ``train.training_loop_iteration`` (its train step,
 checkpoint saving, eval and metrics). What the driver does not compose (DiLoCo, LoRA, the
@@ -67,13 +70,32 @@ def default_pairs(config) -> Sequence[saggs.Pair]:
 
 def optimizer(config, model, mesh=None, *, pairs: Pairs = default_pairs, **saggs_options):
   """``(schedule, tx)`` as MaxText's ``create_training_optimizer(config, model, mesh)`` returns
-  them, with ``saggs.saggs(pairs(config), **saggs_options)`` chained after MaxText's tx."""
+  them, with ``saggs.saggs(pairs(config), **saggs_options)`` chained after MaxText's tx, and
+  MaxText's ``gradient_clipping_threshold`` clip first inside the chain (see :func:`unclipped`:
+  the train step must then not clip again)."""
+  import optax
   from maxtext.optimizers import optimizers
   from maxtext.utils import maxtext_utils
 
   schedule = maxtext_utils.create_learning_rate_schedule(config)
   tx = optimizers.get_optimizer(config, schedule, model, mesh=mesh)
+  if config.gradient_clipping_threshold > 0:
+    tx = optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), tx)
   return schedule, saggs.chain(tx, saggs.saggs(pairs(config), **saggs_options))
+
+
+def unclipped(config):
+  """``config`` with MaxText's own clip off: the train step clips the raw gradients by their
+  global norm, which the pair rescalings change (``g / c`` on one side, ``g * c`` on the
+  other), so equivalent states would be clipped by different factors and leave one
+  trajectory. Inside the chain (:func:`optimizer`) the clip sees the gradient SAGGS has
+  transported to the balanced point, the same for every member of an orbit."""
+  from maxtext.configs import pyconfig
+
+  if config.gradient_clipping_threshold <= 0:
+    return config
+  update = {"gradient_clipping_threshold": 0.0}
+  return pyconfig.HyperParameters(config._pydantic_config.model_copy(update=update))
 
 
 def _check_supported(config, mesh):
@@ -113,6 +135,12 @@ def train_loop(config, recorder=None, *, pairs: Pairs = default_pairs, **saggs_o
   _check_supported(config, mesh)
   create_model, model = model_creation_utils.create_nnx_abstract_model(config, mesh)
   schedule, tx = optimizer(config, model, mesh, pairs=pairs, **saggs_options)
+  if config.gradient_clipping_threshold > 0:
+    print(
+      f"maxtext_saggs: gradient_clipping_threshold={config.gradient_clipping_threshold} clips"
+      " inside the optimizer chain, before SAGGS; MaxText's own clip is off."
+    )
+  config = unclipped(config)  # what the train step sees
 
   def init_state_fn():
     model = create_model()
