@@ -76,8 +76,9 @@ def check_symmetry(
   ``normalize_qk=True``) makes Q and K each scale-invariant. The per-head
   Q/K pair is then still an exact symmetry and passes this check, but
   balancing it is moot: neither side's norm reaches the output, and the check
-  says so with a :class:`MootPairWarning` (one common factor on each side alone
-  leaves the output put). A norm over all heads at once mixes the groups, so
+  says so with a :class:`MootPairWarning` (per-group factors on each side alone
+  leave the output put; a norm after the whole product, as in a post-norm
+  block, hides only one common factor and is no reason). A norm over all heads at once mixes the groups, so
   per-head factors fail and only one factor per tensor is exact (equally moot).
 
   Args:
@@ -129,14 +130,17 @@ def check_symmetry(
         f" {deviations[inst.key]:.3g} relative to its largest entry (tolerance"
         f" {probe.tolerance:.3g}). Measured: {'; '.join(measured)}. Likely cause: {cause}"
       )
+    # Moot only if each side alone, by the same per-group factors, is invisible: a norm after
+    # the whole product (a post-norm) hides one common factor, not the groups' relative ones.
     if inst.pair.label not in moot and all(
-      probe(_only(plan, inst, sign), 2.0**sign) <= probe.tolerance for sign in (1, -1)
+      probe(_only(plan, inst, sign), factors) <= probe.tolerance for sign in (1, -1)
     ):
       moot.add(inst.pair.label)
       warnings.warn(
         f"{inst.pair.label} is exact but moot: rescaling {_side(inst.members_a)} alone, or"
-        f" {_side(inst.members_b)} alone, leaves the output put (each is followed by a"
-        " normalization: QK-norm), so balancing the pair changes nothing that matters.",
+        f" {_side(inst.members_b)} alone, by per-group factors leaves the output put (each"
+        " is followed by a normalization of its own, as with QK-norm), so balancing the"
+        " pair changes nothing that matters.",
         MootPairWarning,
         stacklevel=2,
       )

@@ -3,6 +3,7 @@ that the extra rescalings measure, and the fix it names is checked to be exact."
 
 import functools
 import re
+import warnings
 
 import flax.linen as nn
 import jax
@@ -213,3 +214,28 @@ def test_rounding_noise_asks_for_a_larger_rtol():
     models.llama_forward, params, models.llama_pairs(), models.tokens(0), rtol=3e-2
   )
   assert max(deviations.values()) < 3e-2
+
+
+def _post_norm(p, x):
+  """V/O of two heads, then a norm over the whole output (a post-norm block without its
+  residual): one common factor on V is invisible, each head's relative one is not."""
+  y = (x @ p["v"]) @ p["o"]
+  return y / jnp.sqrt(jnp.mean(y * y, -1, keepdims=True))
+
+
+def test_a_post_norm_is_no_reason_to_call_a_pair_moot():
+  """Per-head V/O under a norm after the product is exact and not moot: V's heads rescaled
+  alone move the output (checked by hand), so no MootPairWarning."""
+  rng = np.random.default_rng(3)
+  p = {
+    "v": jnp.asarray(rng.standard_normal((4, 8)), jnp.float32),
+    "o": jnp.asarray(rng.standard_normal((8, 4)), jnp.float32),
+  }
+  x = jnp.asarray(rng.standard_normal((5, 4)), jnp.float32)
+  one_head = {**p, "v": p["v"] * jnp.repeat(jnp.array([3.0, 1.0]), 4)}
+  assert float(jnp.max(jnp.abs(_post_norm(one_head, x) - _post_norm(p, x)))) > 0.1
+  models.assert_same_output(_post_norm({**p, "v": 3 * p["v"]}, x), _post_norm(p, x))
+  pair = [saggs.Pair("v", "o", axes=(1, 0), groups=2)]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", MootPairWarning)
+    assert max(saggs.check_symmetry(_post_norm, p, pair, x).values()) < 1e-5
