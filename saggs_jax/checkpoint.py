@@ -576,16 +576,16 @@ def restore(
   check_layout(saved["layout"], target, what)
   abstract = jax.tree.map(lambda x: _abstract(x) if paths.is_array(x) else None, target)
   hashers = _hashers(abstract)  # compiled first: the first program run after the read
-  canonicalizer, split = None, None
+  canonicalizer, nodes, i = None, [_arrays(opt_state)], 0
+  node_def = jax.tree.structure(0)  # opt_state as one node: all of it tx's, or no tx
   if balanced_by is not None:
-    optimizer, n, made, part = None, -1, None, opt_state
+    optimizer, n, made = None, -1, None
     if tx is not None and opt_state is not None:
-      nodes, _, i = split = _split(tx, _arrays(params), _arrays(opt_state))
-      part = nodes[i]
-      optimizer, n, made = _made_by(tx, _arrays(params), part)
+      nodes, node_def, i = _split(tx, _arrays(params), nodes[0])
+      optimizer, n, made = _made_by(tx, _arrays(params), nodes[i])
     else:
       _refuse_ambiguous(opt_state)
-    specs, treedef = jax.tree.flatten(jax.tree.map(_spec, _arrays((params, part))))
+    specs, treedef = jax.tree.flatten(jax.tree.map(_spec, _arrays((params, nodes[i]))))
     canonicalizer = _canonicalizer(as_pairs(balanced_by), optimizer, n, made, treedef, tuple(specs))
   try:
     state = manager.restore(
@@ -599,12 +599,9 @@ def restore(
   _verify(saved["checksums"], state, what, hashers)
   state = _unstorable(target, state)
   arrays = state["params"], state["opt_state"]
-  if split is not None:  # tx's state alone is canonicalised; the rest comes back as read
-    _, treedef, i = split
-    nodes = treedef.flatten_up_to(arrays[1])
+  if canonicalizer is not None:  # tx's state alone is canonicalised; the rest comes back as read
+    nodes = node_def.flatten_up_to(arrays[1])
     restored, nodes[i] = canonicalizer.result()(arrays[0], nodes[i])
-    arrays = restored, treedef.unflatten(nodes)
-  elif canonicalizer is not None:
-    arrays = canonicalizer.result()(*arrays)
+    arrays = restored, node_def.unflatten(nodes)
   params, opt_state = _with_statics((params, opt_state), arrays)
   return params, opt_state, step

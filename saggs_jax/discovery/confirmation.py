@@ -166,6 +166,7 @@ class Checker:
   def _largest(self, slot_logs: list) -> float:
     """The largest entry of the outputs' tangent, reduced on the host: a reduction fused with
     the model's last dot inside the jit has returned garbage on XLA:CPU (YNNPACK)."""
+    assert self._orbit_fn is not None  # made by _orbit
     with jax.default_matmul_precision("highest"):
       tangent = self._orbit_fn(self.leaves, slot_logs)
     return max(float(np.max(np.abs(np.asarray(x)), initial=0.0)) for x in tangent)
