@@ -21,6 +21,7 @@ from saggs_jax.transform import ChainUpdate
 from saggs_jax.transport import transport
 
 FactorSpec = float | Callable[[str, tuple[int, ...]], Any]
+_TX_FIX = "Pass the transformation that made it: for a saggs_jax.chain's state, the chain itself."
 
 
 def apply_transform(
@@ -38,7 +39,7 @@ def apply_transform(
     moved = transport(plan, opt_state, factors)
   else:
     made = jax.eval_shape(tx.init, params)
-    paths.check_made_by(opt_state, made, "opt_state", "tx")
+    paths.check_made_by(opt_state, made, "opt_state", "tx", _TX_FIX)
     # Laid out as tx.init lays it out, whatever boxes hold the leaves (nnx.Optimizer's
     # OptVariable for its Param): the degrees are measured on that layout.
     as_made = jax.tree.structure(made).unflatten(jax.tree.leaves(opt_state))

@@ -130,10 +130,11 @@ def check_symmetry(
         f" {deviations[inst.key]:.3g} relative to its largest entry (tolerance"
         f" {probe.tolerance:.3g}). Measured: {'; '.join(measured)}. Likely cause: {cause}"
       )
-    # Moot only if each side alone, by the same per-group factors, is invisible: a norm after
-    # the whole product (a post-norm) hides one common factor, not the groups' relative ones.
+    # Moot only if each side alone, by per-group factors (never all 1), is invisible: a norm
+    # after the whole product (a post-norm) hides one common factor, not the groups' relative
+    # ones.
     if inst.pair.label not in moot and all(
-      probe(_only(plan, inst, sign), factors) <= probe.tolerance for sign in (1, -1)
+      probe(_only(plan, inst, sign), 2 * factors) <= probe.tolerance for sign in (1, -1)
     ):
       moot.add(inst.pair.label)
       warnings.warn(

@@ -226,14 +226,13 @@ def first_difference(saved: Layout, expected: Layout) -> str | None:
   return differing[0] if differing else None
 
 
-def check_made_by(given: Any, made: Any, what: str, maker: str) -> None:
+def check_made_by(given: Any, made: Any, what: str, maker: str, fix: str) -> None:
   """Raises ValueError naming the first path where ``given``'s layout is not ``made``'s, the
-  state ``maker`` makes."""
+  state ``maker`` makes, then ``fix``."""
   theirs, ours = layout(given), layout(made)
   first = first_difference(theirs, ours)
   if first is not None:
     raise ValueError(
       f"{what} is not what {maker} makes for these parameters: at {first!r} it holds"
-      f" {theirs.get(first, 'nothing')}, {maker} makes {ours.get(first, 'nothing')}. Pass the"
-      f" state that {maker} made, for the same parameters."
+      f" {theirs.get(first, 'nothing')}, {maker} makes {ours.get(first, 'nothing')}. {fix}"
     )

@@ -599,7 +599,13 @@ class Chain(optax.GradientTransformationExtraArgs):
         f" here, got {len(optimizer_states)}."
       )
     for i, (given, want) in enumerate(zip(optimizer_states, made)):
-      paths.check_made_by(given, want, f"init_from: optimizer_states[{i}]", "the optimizer")
+      paths.check_made_by(
+        given,
+        want,
+        f"init_from: optimizer_states[{i}]",
+        "the optimizer",
+        "Pass the state of the transformation before the symmetry stage, for these parameters.",
+      )
     fresh = _placed_like(optimizer_states, tuple(s.init(params) for s in update.stages))
     kept = jax.tree.map(lambda x: x, optimizer_states)  # new nnx Variables, the same arrays
     states = (*kept, *fresh)
