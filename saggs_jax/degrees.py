@@ -15,7 +15,8 @@ leaf, not of the leaves' sizes. So :func:`measure` runs the probe on a
 *proxy* (:func:`proxy`): the same tree, dtypes and pairs with every axis cut
 to a few entries per run of constant multiplier, each pair instance to
 :data:`GROUPS` groups and stacked axes to two copies, a few kilobytes per
-leaf whatever the model's width. It runs the optimizer there on a probe
+leaf whatever the model's width (or, for an optimizer that fails there, the first of
+:data:`PROXIES` on which it runs). It runs the optimizer there on a probe
 history and on its equivalent, and reads for each state leaf the degree ``k``
 for which the two agree: the registered one if it fits, else the first of
 :data:`CANDIDATES`. A leaf that stays zero where its parameter moves (a
@@ -55,6 +56,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import math
 import types
 import warnings
@@ -87,6 +89,12 @@ KEEP = 2
 
 GROUPS = 3
 """Groups a proxy keeps of each pair instance (factors alternate above and below 1)."""
+
+PROXIES = ((False, GROUPS), (True, GROUPS), (True, None))
+"""The arguments ``(whole, most)`` of the proxies tried in turn, until the optimizer runs on
+one: a rule that splits a grouped axis into pieces of a fixed size (heads of ``head_dim``)
+fails on :data:`KEEP` entries per group, one that splits it into a fixed number of pieces
+(``num_heads``) may need all the groups."""
 
 HYPERPARAMETER = 0.375
 """The stand-in for a float value the optimizer closes over from a trace outside the probe (a
@@ -152,10 +160,13 @@ def _group_of(slot: Slot, n: int) -> np.ndarray:
   return np.where(inside, (index - start) // max(1, (stop - start) // slot.groups), -1)
 
 
-def _kept(n: int, axis: int, slots: tuple[Slot, ...], groups: dict[str, int]) -> np.ndarray:
+def _kept(
+  n: int, axis: int, slots: tuple[Slot, ...], groups: dict[str, int], whole: bool
+) -> np.ndarray:
   """The indices of ``axis`` (length ``n``) a proxy keeps: of each instance's first
   ``groups[key]`` groups (and stacked copies), the first :data:`KEEP` of every run of
-  indices that all slots treat alike."""
+  indices that all slots treat alike; with ``whole``, every index of those groups along an
+  axis that a slot groups."""
   index = np.arange(n)
   keep = np.ones(n, bool)
   signature = []
@@ -174,15 +185,20 @@ def _kept(n: int, axis: int, slots: tuple[Slot, ...], groups: dict[str, int]) ->
     starts = np.concatenate([[True], np.any(sig[1:] != sig[:-1], axis=1)])
   else:
     starts = index == 0
+  if whole and any(s.axis == axis for s in slots):
+    return np.flatnonzero(keep)
   run_start = np.maximum.accumulate(np.where(starts, index, 0))
   return np.flatnonzero(keep & (index - run_start < KEEP))
 
 
-def proxy(plan: Plan) -> Plan:
+def proxy(plan: Plan, whole: bool = False, most: int | None = GROUPS) -> Plan:
   """A small plan with the layout of ``plan``: same paths, ranks, pairs and slots, every
-  axis cut by :func:`_kept` (each instance to :data:`GROUPS` groups of at most :data:`KEEP`
-  entries, stacked axes to :data:`KEEP` copies, other axes to :data:`KEEP` entries); an
-  undeclared leaf's axes as the grouped axes of their length, if any.
+  axis cut by :func:`_kept` (each instance to ``most`` groups, all if None, of at most
+  :data:`KEEP` entries, or of all their entries with ``whole``, stacked axes to :data:`KEEP`
+  copies, other axes to :data:`KEEP` entries); an undeclared leaf's axes as the grouped axes
+  of their length, if any. ``whole`` keeps each split of a group that a rule may make (heads
+  of a fixed size inside a KV head's group), and all groups each split of a grouped axis, for
+  an optimizer that fails on the smaller proxies (:data:`PROXIES`).
 
   Raises:
     TypeError: a layout whose cut leaves some slot with unequal groups (a group axis cut
@@ -198,13 +214,13 @@ def proxy(plan: Plan) -> Plan:
     ({'k': (2, 6), 'q': (2, 6)}, (3,))
   """
   groups = {  # factor_shape is stacked_shape + (groups,), or stacked_shape for axes=None
-    i.key: min(GROUPS, i.factor_shape[len(i.pair.copy_axes)])
+    i.key: min(most or math.inf, i.factor_shape[-1])
     if len(i.factor_shape) > len(i.pair.copy_axes)
     else 1
     for i in plan.instances
   }
   kept = {
-    path: [_kept(n, a, plan.slots.get(path, ()), groups) for a, n in enumerate(shape)]
+    path: [_kept(n, a, plan.slots.get(path, ()), groups, whole) for a, n in enumerate(shape)]
     for path, shape in plan.shapes.items()
   }
   # An undeclared leaf is cut along each axis as the grouped axes of its length are (the most
@@ -394,21 +410,66 @@ def _traced(fn, *args):
   return _alone(lambda: jax.jit(fn).trace(*args))
 
 
-def _trace(tx, spec, state, small: Plan, init) -> _Cut:
-  """Traces ``tx.update`` on the proxy, reads the classes of its state leaves (``init``: the
-  traced ``tx.init(spec)``, ``state`` its abstract output) and cuts both down."""
-  one = lambda: jnp.ones([], jnp.float32)  # noqa: E731  (the loss polyak_sgd reads: invariant)
+def _state_of_update(tx, grads, state, params):
+  """The state leaves ``tx.update`` returns on the probe's inputs: gradients laid out like the
+  parameters and the extra argument ``value=1`` (the loss polyak_sgd reads: invariant)."""
+  return jax.tree.leaves(tx.update(grads, state, params, value=jnp.ones([], jnp.float32))[1])
+
+
+def _fitting_proxy(tx, params, plan: Plan, state, known: dict) -> tuple:
+  """``(small, spec, init, layout, update)``: the proxy the degrees are measured on (the
+  smallest of :func:`proxy`'s on which the optimizer runs), its parameters, ``tx.init`` traced
+  on them, the layout the results are kept by, and ``tx.update``'s jaxpr there (None where
+  ``known`` has that layout). An optimizer that fails on every proxy is refused naming the
+  parameters' own shapes (:func:`_fails`), never a proxy's."""
+  for whole, most in PROXIES:
+    small = proxy(plan, whole, most)
+    spec = _cut(params, small)
+    try:
+      init = _traced(tx.init, spec)
+      layout = (
+        jax.tree.structure(spec),
+        tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(spec)),
+        tuple(small.slots.items()),
+        tuple((i.key, i.factor_shape) for i in small.instances),
+      )
+      update = None
+      if layout not in known:
+        run = functools.partial(_state_of_update, tx)
+        update = _traced(run, spec, init.out_info, spec).jaxpr
+    except Exception as e:  # a rule that splits an axis into pieces of a fixed size, say
+      failure = e
+      continue
+    return small, spec, init, layout, update
+  raise _fails(tx, params, state) from failure
+
+
+def _fails(tx, params, state) -> TypeError:
+  """The refusal of an optimizer that fails on every proxy: its own error on the full-size
+  parameters (abstractly), or where it runs there, that it needs sizes no proxy has."""
+  full = _abstract(params)
   try:
-    update = _traced(
-      lambda g, s, p: jax.tree.leaves(tx.update(g, s, p, value=one())[1]), spec, state, spec
-    ).jaxpr
+    jax.eval_shape(functools.partial(_state_of_update, tx), full, state, full)
   except Exception as e:  # e.g. an update that needs more than the gradients and a value
-    raise TypeError(
+    return TypeError(
       f"Cannot transport {type(state).__name__} at opt_state: its degrees are measured on a"
-      " probe history (gradients laid out like the parameters, extra argument value=1, on a"
-      " proxy with every axis cut to a few entries per group: saggs_jax.degrees.proxy), on"
+      " probe history (gradients laid out like the parameters, extra argument value=1), on"
       f" which the optimizer fails: {type(e).__name__}: {e}"
-    ) from e
+    )
+  return TypeError(
+    f"Cannot measure the transport degrees of {type(state).__name__}: the optimizer runs on"
+    " the parameters' shapes but not on a small proxy of them (saggs_jax.degrees.proxy: at"
+    f" most every pair's groups whole and every other axis cut to {KEEP} entries), as a rule"
+    " that splits an axis into pieces of a fixed size does where no pair groups that axis"
+    " (the heads of an attention kernel that no pair declares). Declare the pairs of that"
+    " leaf too, or leave that rule out of the optimizer the pairs balance."
+  )
+
+
+def _trace(spec, state, small: Plan, init, update) -> _Cut:
+  """Reads the classes of the state leaves from ``init`` (the traced ``tx.init(spec)``,
+  ``state`` its abstract output) and ``update`` (the jaxpr of ``tx.update``) on the proxy
+  ``small``, and cuts both down."""
   n, m = len(jax.tree.leaves(spec)), len(jax.tree.leaves(state))
   if len(update.jaxpr.outvars) != m:
     raise TypeError(
@@ -652,9 +713,7 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan, state: An
   jax.eval_shape(
     lambda s, f: transport(plan, s, f), _one_of_each_kind(plan, params, state), factors
   )
-  small = proxy(plan)
-  spec = _cut(params, small)
-  traced_init = _traced(tx.init, spec)
+  small, spec, traced_init, layout, update = _fitting_proxy(tx, params, plan, state, known)
   small_state = traced_init.out_info
   mismatch = _same_layout(small_state, state)
   if mismatch is not None:
@@ -665,14 +724,8 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan, state: An
       " another layout than the full-size state. Keep that layout independent of the"
       " sizes (optax.adafactor(..., factored=False))."
     )
-  layout = (
-    jax.tree.structure(spec),
-    tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(spec)),
-    tuple(small.slots.items()),
-    tuple((i.key, i.factor_shape) for i in small.instances),
-  )
   if layout not in known:
-    program = _trace(tx, spec, small_state, small, traced_init.jaxpr)
+    program = _trace(spec, small_state, small, traced_init.jaxpr, update)
     found = _decide(program, spec, small_state, small)
     if any(program.outer):
       # Stand-ins small next to the gradients (an eps) read the degrees; whether a value

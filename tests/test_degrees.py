@@ -10,6 +10,7 @@ and its path. :func:`test_every_optax_optimizer_is_classified` enumerates the
 exports, so a new alias fails until it is classified here.
 """
 
+import dataclasses
 import functools
 import inspect
 import re
@@ -460,15 +461,35 @@ def test_chain_inside_inject_hyperparams_steps_from_the_equivalent_history(name,
   assert_close(new.inner_state[0], want.inner_state, name)
 
 
-def test_symmetry_compatible_stack_before_llama_pairs_steps_from_the_equivalent_history():
+WIDE_HEADS = dataclasses.replace(models.CONFIG, num_layers=1, head_dim=8)
+MHA = dataclasses.replace(WIDE_HEADS, num_kv_heads=4)
+PER_CHANNEL_QK = saggs.Pair("q_proj/kernel", "k_proj/kernel", axes=(1, 1))
+def stack(**heads):
+  return lambda: eqv.symmetry_compatible(1e-2, newton_schulz=eqv.NewtonSchulz(steps=3), **heads)
+
+
+LLAMA_CHAINS = {  # model config, optimizer, the Q/K pair (None: per KV head)
+  "stack_heads_by_count": (models.CONFIG, stack(num_heads=4, num_kv_heads=2), None),
+  # Heads of 8 entries: a KV head's group of 16 query columns, cut to the proxy's 2 entries
+  # per group, splits into no head of 8 (issue 48: the measure fed the rule a shape no
+  # parameter has, and its error named it).
+  "stack_heads_by_size": (WIDE_HEADS, stack(head_dim=8), None),
+  # Q/K per channel: heads of 8 span 8 groups, more than a proxy of 3 groups holds.
+  "stack_heads_by_size_qk_per_channel": (MHA, stack(head_dim=8), PER_CHANNEL_QK),
+}
+
+
+@pytest.mark.parametrize("name", list(LLAMA_CHAINS))
+def test_llama_chain_steps_from_the_equivalent_history(name):
   """The stack ties an undeclared gate_proj to the declared up_proj (one neuron's vector in the
-  row-aware rule): the proxy cuts them alike, so the chain inits, and one jitted update
-  reaches the state of the equivalent history (multipliers per KV head and per channel,
+  row-aware rule), and splits the Q/K kernels into heads: the degrees are measured on shapes
+  the rules take; Adafactor keeps stand-ins besides its moments. One jitted update reaches the
+  state of the equivalent history (multipliers per KV head or channel and per channel,
   spelled out here from the factors)."""
-  params, pairs = models.llama_init(0), models.llama_pairs()
-  opt = eqv.symmetry_compatible(
-    1e-2, num_heads=4, num_kv_heads=2, newton_schulz=eqv.NewtonSchulz(steps=3)
-  )
+  config, factory, qk = LLAMA_CHAINS[name]
+  params, pairs = models.llama_init(0, config), models.llama_pairs(config)
+  pairs = pairs if qk is None else [qk, *pairs[1:]]
+  opt = factory()
   tx = saggs.chain(opt, saggs.saggs(pairs))
   grads = [models.random_like(params, seed) for seed in (1, 2)]
   last = models.random_like(params, 3)
@@ -490,9 +511,21 @@ def test_symmetry_compatible_stack_before_llama_pairs_steps_from_the_equivalent_
       lambda kp, x: x * mults.get("/".join(str(q.key) for q in kp), 1.0) ** -k, tree
     )
 
-  assert len(mults) == 12 and all(np.ptp(np.log(m)) > 0 for m in mults.values())
+  assert len(mults) == 6 * config.num_layers and all(np.ptp(np.log(m)) > 0 for m in mults.values())
   want = history(moved(params, -1), [moved(g, 1) for g in grads + [last]])
-  assert_close(inner, want, "symmetry_compatible")
+  assert_close(inner, want, name)
+
+
+def test_an_optimizer_that_runs_on_no_proxy_is_refused_naming_no_proxy_shape():
+  """Heads of 8 in kernels that no pair declares (only the MLP pair is): every proxy cuts
+  them to 2 entries. The refusal says so and names no shape, since the only shapes at hand
+  would be the proxy's (issue 48)."""
+  params = models.llama_init(0, WIDE_HEADS)
+  opt = eqv.symmetry_compatible(1e-2, head_dim=8, newton_schulz=eqv.NewtonSchulz(steps=3))
+  tx = saggs.chain(opt, saggs.saggs(models.llama_pairs(WIDE_HEADS)[2:]))
+  with pytest.raises(TypeError, match="runs on the parameters' shapes but not on a small") as e:
+    jax.eval_shape(tx.update, params, tx.init(params), params)
+  assert not re.search(r"\(\d+(, \d+)*\)", str(e.value)), str(e.value)
 
 
 # Where a two-step probe saw a leaf still at zero and took the registered degree: a
