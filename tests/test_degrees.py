@@ -464,6 +464,9 @@ def test_chain_inside_inject_hyperparams_steps_from_the_equivalent_history(name,
 WIDE_HEADS = dataclasses.replace(models.CONFIG, num_layers=1, head_dim=8)
 MHA = dataclasses.replace(WIDE_HEADS, num_kv_heads=4)
 PER_CHANNEL_QK = saggs.Pair("q_proj/kernel", "k_proj/kernel", axes=(1, 1))
+ONE_LAYER = dataclasses.replace(models.CONFIG, num_layers=1)
+
+
 def stack(**heads):
   return lambda: eqv.symmetry_compatible(1e-2, newton_schulz=eqv.NewtonSchulz(steps=3), **heads)
 
@@ -476,6 +479,9 @@ LLAMA_CHAINS = {  # model config, optimizer, the Q/K pair (None: per KV head)
   "stack_heads_by_size": (WIDE_HEADS, stack(head_dim=8), None),
   # Q/K per channel: heads of 8 span 8 groups, more than a proxy of 3 groups holds.
   "stack_heads_by_size_qk_per_channel": (MHA, stack(head_dim=8), PER_CHANNEL_QK),
+  # The probe runs one v of each class: the left-out v of another leaf is no sign of a
+  # factored parameter (issue 43, finding 12: refused with two pairs or more).
+  "adafactor_unfactored": (ONE_LAYER, lambda: optax.adafactor(1e-2, factored=False), None),
 }
 
 
