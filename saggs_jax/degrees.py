@@ -214,7 +214,7 @@ def proxy(plan: Plan, whole: bool = False, most: int | None = GROUPS) -> Plan:
     ({'k': (2, 6), 'q': (2, 6)}, (3,))
   """
   groups = {  # factor_shape is stacked_shape + (groups,), or stacked_shape for axes=None
-    i.key: min(most or math.inf, i.factor_shape[-1])
+    i.key: i.factor_shape[-1] if most is None else min(most, i.factor_shape[-1])
     if len(i.factor_shape) > len(i.pair.copy_axes)
     else 1
     for i in plan.instances
@@ -422,6 +422,7 @@ def _fitting_proxy(tx, params, plan: Plan, state, known: dict) -> tuple:
   on them, the layout the results are kept by, and ``tx.update``'s jaxpr there (None where
   ``known`` has that layout). An optimizer that fails on every proxy is refused naming the
   parameters' own shapes (:func:`_fails`), never a proxy's."""
+  failure = None
   for whole, most in PROXIES:
     small = proxy(plan, whole, most)
     spec = _cut(params, small)
