@@ -10,6 +10,17 @@ the parameters ``T_c p`` and the gradients ``g / c`` on side A, ``g c`` on
 side B must hold the transported state ``s * m**-k``, ``m`` being the
 multiplier of the leaf's parameter (``c`` on A, ``1 / c`` on B).
 
+The contract (docs/moments.md): a leaf's degree is the one it has where every gate of the
+optimizer that depends on the gradients' size is open: clips that do not clip, additive
+constants (``eps``, ``eps_root``, an initial accumulator, a weight decay added to the
+gradients) that are negligible. The probe opens both kinds itself, so that no size of its
+values, nor of the model's gradients, decides a degree: its gradients are
+:data:`GRADIENT_SCALE` times larger than the parameters, next to which such constants vanish,
+and it runs the update with every comparison of a gradient-dependent value with another
+taken to its open side (:func:`saggs_jax.gates.opened`). Under hard SAGGS with ``every=1``
+this is what makes a clipped optimizer exact: equivalent states are balanced onto one point
+before each step, their moments moved by one fixed degree, so the clip sees one gradient.
+
 A degree is a property of the optimizer and of how the groups lie in each
 leaf, not of the leaves' sizes. So :func:`measure` runs the probe on a
 *proxy* (:func:`proxy`): the same tree, dtypes and pairs with every axis cut
@@ -26,21 +37,19 @@ until each such leaf has moved; one still zero after the longest starts from
 positive values instead (transported by each candidate on the other side),
 and the one candidate that keeps both histories equal is its degree (a leaf
 whose updates keep any degree, as AdaDelta's ``e_x`` at ``eps=0``, keeps the
-registered one and warns). A leaf that no degree fits is refused: it comes
-from a stage that does not commute with the rescaling on the probe (clipping
-by a global or block norm when it clips, a trust ratio or a norm taken over a
-leaf whose groups move apart, weight decay added before a normaliser or a
-moment). Each refusal is a TypeError naming the state type and path. An optimizer whose state layout
+registered one and warns). A leaf that no degree fits even with every gate open is
+refused: it comes from a stage that does not commute with the rescaling (a trust ratio or
+a norm taken over a leaf whose groups move apart, a moment that mixes quantities of
+different degrees). Each refusal is a TypeError naming the state type and path. An optimizer whose state layout
 depends on the leaves' sizes (Adafactor factoring only large axes) is
 checked against its abstract state at full size and refused where the proxy
 differs from it.
 
 Values the optimizer closes over from a trace outside the probe (the hyperparameters
 ``optax.inject_hyperparams`` around a whole chain turns into tracers of init and update)
-become inputs of the probe's program; they take :data:`HYPERPARAMETER` there, with gradients
-:data:`GRADIENT_SCALE` times larger so that an ``eps`` or a weight decay stays negligible;
-the degrees must also hold with gradients of the stand-ins' size, since whether such a value
-is negligible depends on its real size, which a tracer does not tell (else a TypeError).
+become inputs of the probe's program; they take :data:`HYPERPARAMETER` there; the degrees
+must also hold with gradients of the stand-ins' size, since whether such a value is
+negligible depends on its real size, which a tracer does not tell (else a TypeError).
 
 The probe runs one state leaf of each class of leaves that the optimizer computes alike
 (:mod:`saggs_jax.leaf_classes`, read off its jaxprs on the proxy: the same equations from one
@@ -69,7 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from saggs_jax import leaf_classes, paths
+from saggs_jax import gates, leaf_classes, paths
 from saggs_jax.numerics import Factors
 from saggs_jax.pairs import Plan, Slot
 from saggs_jax.scaling import scale_tree
@@ -104,10 +113,11 @@ moments it keeps to mix two steps; ints take 1. A degree is a property of the op
 structure, so any generic value reads it."""
 
 GRADIENT_SCALE = 2.0**16
-"""With such stand-ins the probe's gradients are scaled by this: an ``eps`` of
-:data:`HYPERPARAMETER` added to a moment, or a weight decay times the parameters added to the
-gradients, stays below the probe's rounding next to them (as the optimizer's own small
-values do at full size), while decay rates keep their weight."""
+"""The size of the probe's gradients next to its parameters (entries in [0.5, 1)): an
+additive constant of the optimizer (an ``eps`` up to :data:`HYPERPARAMETER`, an initial
+accumulator, a weight decay times the parameters added to the gradients) stays below the
+probe's rounding next to them, as the contract's open gates want, while decay rates keep
+their weight. Clips are opened by :func:`saggs_jax.gates.opened`, whatever this size."""
 
 FAST_COMPILE = types.MappingProxyType(
   {
@@ -536,8 +546,9 @@ def _one_of_each_kind(plan: Plan, params: Any, state: Any) -> Any:
 
 def _probe(program: _Cut, spec: list, param_mult: list, kept: list, outer_scale=GRADIENT_SCALE):
   """``probe(steps, seeds={})``: runs the history of ``steps`` updates from probe parameters
-  with probe gradients, and the equivalent history (parameters times ``param_mult``,
-  gradients divided by it), and gives each float state leaf of ``kept`` (the abstract leaves
+  with probe gradients (``outer_scale`` times the parameters' size) and every gate of the
+  update open (:func:`saggs_jax.gates.opened`), and the equivalent history (parameters times
+  ``param_mult``, gradients divided by it), and gives each float state leaf of ``kept`` (the abstract leaves
   ``program.kept``) after both; values the optimizer closes over from a trace outside take
   stand-ins. ``spec`` and ``param_mult`` are the parameter leaves ``program.params``.
   ``seeds`` maps float leaves (by their index among them) to the values they start from on
@@ -563,7 +574,7 @@ def _probe(program: _Cut, spec: list, param_mult: list, kept: list, outer_scale=
     ),
   )
   run_init = jax.extend.core.jaxpr_as_fun(program.init)
-  run_update = jax.extend.core.jaxpr_as_fun(program.update)
+  run_update = gates.opened(program.update, [kind in ("g", "s") for kind, _ in update_in])
 
   def call(run, wanted, **trees):
     return run(*(x if kind == "value" else trees[kind][x] for kind, x in wanted))
@@ -594,10 +605,9 @@ def _probe(program: _Cut, spec: list, param_mult: list, kept: list, outer_scale=
     b = (x * m**power).astype(x.dtype) if paths.is_parameter(x) else x
     return np.stack([x, b], axis=x.ndim - len(spec.shape))
 
-  scale = outer_scale if o_init or o_update else 1.0
   sides = [both(x, a, mult, 1) for x, a, mult in zip(p, spec, param_mult)]
   grads = [both(x, a, mult, -1) for x, a, mult in zip(history, spec, param_mult)]
-  grads = [(g * scale).astype(g.dtype) if paths.is_parameter(g) else g for g in grads]
+  grads = [(g * outer_scale).astype(g.dtype) if paths.is_parameter(g) else g for g in grads]
   compiled = {}
 
   def compile(seeds):
@@ -786,12 +796,12 @@ def _decide(program: _Cut, spec, state, small, outer_scale=GRADIENT_SCALE) -> li
         raise TypeError(
           f"Cannot transport {_where(state, leaves[n][0])}:"
           " after an equivalent history (parameters T_c p, gradients g / c on side A and"
-          " g * c on side B) this leaf is not the transported one for any degree in"
-          f" {sorted(CANDIDATES)}, so a stage before it does not commute with the rescaling"
-          " (clipping by a global or block norm when it clips, a trust ratio or norm over a"
-          " leaf whose groups move apart, weight decay added before a moment or a"
-          " normaliser). Drop or move that stage, or declare the pairs with one group per"
-          " tensor (axes=None) when a per-tensor norm is the cause."
+          " g * c on side B, every clip open and every additive constant negligible) this leaf"
+          f" is not the transported one for any degree in {sorted(CANDIDATES)}, so a stage"
+          " before it does not commute with the rescaling (a trust ratio or norm over a leaf"
+          " whose groups move apart, a moment that mixes quantities of different degrees)."
+          " Drop or move that stage, or declare the pairs with one group per tensor"
+          " (axes=None) when a per-tensor norm is the cause."
         )
     if len(decided) == len(floats):
       break

@@ -583,8 +583,12 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
   them on a probe history of a small proxy of the parameters, from their shapes
   alone and once per layout (:func:`saggs_jax.degrees.measure`; a restore or a
   ``canonicalize`` that needs them first measures them there), and raises a
-  TypeError naming the state and the path of a leaf that no degree transports,
-  as when a stage before it clips by a global norm. ``init`` costs what the
+  TypeError naming the state and the path of a leaf that no degree transports, as
+  after a trust ratio over a leaf whose groups move apart. A leaf's degree is the one it
+  has with every gate of the optimizer open (a clip that does not clip, an ``eps`` that is
+  negligible), so a clip before the moments is exact under hard SAGGS with ``every=1``:
+  ``chain(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(...)), saggs(pairs))``.
+  ``init`` costs what the
   optimizer's own ``init`` costs. Each update resolves each symmetry stage's
   pairs once and passes the plan down.
 
