@@ -565,9 +565,11 @@ def _check_params(params, name: str) -> None:
     raise ValueError(
       f"{name} cannot balance optax.lookahead's LookaheadParams: its gradients are laid out"
       " like params.fast, not like the parameters, and its slow weights would need moving"
-      " with them. Balance the fast weights alone, with the chain as lookahead's fast"
-      " optimizer (optax.lookahead(saggs_jax.chain(inner, stage), ...)), or transport a"
-      " lookahead state with saggs_jax.reparameterize / canonicalize."
+      " with them. Balancing the fast weights alone (the chain as lookahead's fast"
+      " optimizer) is no way out: each synchronisation then mixes slow weights of one orbit"
+      " point with fast weights of another, and equivalent states part. Train without"
+      " lookahead, or move a whole lookahead state with saggs_jax.reparameterize /"
+      " canonicalize."
     )
 
 
