@@ -13,7 +13,9 @@ infinity: the bound of a ``max`` or ``min`` (``clamp``) on the side that lets th
 pass (``clip(g, -t, t)`` is ``g``, ``maximum(norm, eps)`` is the norm), either side of a
 comparison with its sign (``norm < max_norm`` holds: ``clip_by_global_norm``,
 ``adaptive_grad_clip``, ``clip_by_block_rms`` do not clip). A cold zero is kept: a comparison with zero or a
-``maximum(x, 0)`` tests a sign, which no positive scale changes. Equations whose operands are
+``maximum(x, 0)`` tests a sign, which no positive scale changes. A positive floor reads as an
+``eps``: ``clip_by_block_rms`` divides by ``maximum(1, rms / t)``, the rms floored at ``t``,
+so it is measured as the normaliser it is when it clips. Equations whose operands are
 all hot or all cold run as written, so are those inside loops; calls and ``cond`` branches are
 evaluated equation by equation.
 """
