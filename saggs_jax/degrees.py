@@ -224,7 +224,7 @@ def proxy(plan: Plan, whole: bool = False, most: int | None = GROUPS) -> Plan:
     ({'k': (2, 6), 'q': (2, 6)}, (3,))
   """
   groups = {  # factor_shape is stacked_shape + (groups,), or stacked_shape for axes=None
-    i.key: i.factor_shape[-1] if most is None else min(most, i.factor_shape[-1])
+    i.key: (i.factor_shape[-1] if most is None else min(most, i.factor_shape[-1]))
     if len(i.factor_shape) > len(i.pair.copy_axes)
     else 1
     for i in plan.instances
