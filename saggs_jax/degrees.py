@@ -33,7 +33,8 @@ for which the two agree: the registered one if it fits, else the first of
 :data:`CANDIDATES`. A leaf that stays zero where its parameter moves (a
 ``MultiSteps`` that has not stepped yet, a learning rate that starts at 0)
 fits every degree and decides none: the history grows through :data:`STEPS`
-until each such leaf has moved; one still zero after the longest starts from
+until each such leaf has moved, then runs once more from step counts of :data:`LATE`
+(every schedule and ``MultiSteps`` past its horizon); one still zero then starts from
 positive values instead (transported by each candidate on the other side),
 and the one candidate that keeps both histories equal is its degree (a leaf
 whose updates keep any degree, as AdaDelta's ``e_x`` at ``eps=0``, keeps the
@@ -91,7 +92,13 @@ STEPS = (3, 7, 31, 127)
 """Lengths of the probe history, tried in turn while some leaf stays zero. Pairwise coprime
 (Mersenne primes): a ``MultiSteps(every_k_schedule=k)`` steps within the longest for every
 ``k <= 127``, and its accumulator, zero right after each step, is nonzero after one of any
-two of them."""
+two of them. Then the longest once more from :data:`LATE`."""
+
+LATE = 2**20
+"""Where the integer state (step counts) starts in the last probe history, for a leaf still
+zero after the others: every schedule and ``MultiSteps`` past its horizon, as the contract
+has them (a learning rate that is zero for the first 200 updates is not zero there; a
+``MultiSteps`` of any ``every_k_schedule`` steps at once and accumulates again)."""
 
 KEEP = 2
 """Entries a proxy keeps of each run of indices along which no multiplier changes."""
@@ -582,7 +589,7 @@ def _probe(program: _Cut, spec: list, param_mult: list, kept: list, outer_scale=
   def update(s, p, g):
     return call(run_update, update_in, s=s, p=p, g=g)
 
-  def probe(steps, sides, grads, seeds):  # every array is made in here: none in a trace outside
+  def probe(steps, late, sides, grads, seeds):  # every array is made in here: none outside
     def step(t, states):
       g = [jax.lax.dynamic_index_in_dim(x, t, keepdims=False) for x in grads]
       new = jax.vmap(update, axis_size=2)(states, sides, g)
@@ -591,6 +598,9 @@ def _probe(program: _Cut, spec: list, param_mult: list, kept: list, outer_scale=
       return [x if paths.is_parameter(k) else x.astype(k.dtype) for x, k in zip(new, kept)]
 
     start = list(jax.vmap(lambda p: call(run_init, init_in, p=p), axis_size=2)(sides))
+    start = [  # counters moved on by `late`: every schedule and MultiSteps past its horizon
+      x + late.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.integer) else x for x in start
+    ]
     for a, seed in seeds.items():
       start[floats[a]] = seed
     states = jax.lax.fori_loop(0, steps, step, start)
@@ -613,15 +623,16 @@ def _probe(program: _Cut, spec: list, param_mult: list, kept: list, outer_scale=
   def compile(seeds):
     """Traced and compiled on its own (:func:`_alone`), for one device, with XLA's cheapest
     code generation: the program is tiny and runs a few times."""
-    args = jax.ShapeDtypeStruct((), jnp.int32), sides, grads, seeds
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    args = scalar, scalar, sides, grads, seeds
     return _alone(lambda: _compiled(jax.jit(probe).trace(*args).lower()))
 
-  def run(steps, seeds=None):
+  def run(steps, seeds=None, late=False):
     seeds = seeds or {}
     key = tuple(sorted(seeds))
     if key not in compiled:
       compiled[key] = compile(seeds)
-    return compiled[key](np.int32(steps), sides, grads, seeds)
+    return compiled[key](np.int32(steps), np.int32(LATE if late else 0), sides, grads, seeds)
 
   return run
 
@@ -782,8 +793,8 @@ def _decide(program: _Cut, spec, state, small, outer_scale=GRADIENT_SCALE) -> li
   )
   floats = [n for n in program.kept if paths.is_parameter(leaves[n][1])]
   decided: dict[int, Any] = {}
-  for steps in STEPS:
-    values = list(zip(*probe(steps), mults, registered))
+  for steps, late in [*((steps, False) for steps in STEPS), (STEPS[-1], True)]:
+    values = list(zip(*probe(steps, late=late), mults, registered))
     for i, n in enumerate(floats):
       fits, undecided = _fits(*values[i])
       if n in decided or undecided:
@@ -831,19 +842,17 @@ def _decide_seeded(probe, state, leaves, floats, mults, registered, decided) -> 
     else:
       raise TypeError(
         f"Cannot transport {where}: this leaf stays zero where its parameter moves through"
-        f" {STEPS[-1]} probe updates from init (a learning rate that is zero for that long,"
-        " a MultiSteps that accumulates more updates, a mask or a stage that zeroes what"
-        " reaches it), and started elsewhere no degree, or several but not its registered"
-        " one, keeps the two histories equal. Give the optimizer a schedule that is nonzero"
-        f" within {STEPS[-1]} updates, or leave the leaf out of the pairs."
+        f" {STEPS[-1]} probe updates from init and as many past every schedule's horizon (a"
+        " learning rate that is zero for good, a mask or a stage that zeroes what reaches"
+        " it), and started elsewhere no degree, or several but not its registered one, keeps"
+        " the two histories equal. Leave the leaf out of the pairs."
       )
   if unchecked:
     warnings.warn(
       f"saggs_jax: {', '.join(unchecked)} stay zero through {STEPS[-1]} probe updates from"
-      " init, and started elsewhere their updates keep them homogeneous in any degree (as"
-      " AdaDelta's e_x at eps=0, or a trace after a learning rate that is zero for longer),"
-      " so they move by the degrees their state types register, which the probe cannot"
-      " check.",
+      " init and as many past every schedule's horizon, and started elsewhere their updates"
+      " keep them homogeneous in any degree (as AdaDelta's e_x at eps=0), so they move by"
+      " the degrees their state types register, which the probe cannot check.",
       UserWarning,
       stacklevel=5,
     )

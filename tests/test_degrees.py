@@ -676,14 +676,14 @@ GATED = {
 SCALES = (1e-6, 1.0, 1e3)
 
 
-def by_hand(state, mults):
+def by_hand(state, mults, degrees=HAND_DEGREES):
   """``state`` moved as its moments move, each leaf by its multiplier to the power -k with k
-  from HAND_DEGREES (the name of its field), in NumPy."""
+  from ``degrees`` (by the name of its field), in NumPy."""
 
   def leaf(key_path, x):
     names = [k.name for k in key_path if isinstance(k, jax.tree_util.GetAttrKey)]
     param = [k.key for k in key_path if isinstance(k, jax.tree_util.DictKey)]
-    k = HAND_DEGREES.get(names[-1] if names else None, 0)
+    k = degrees.get(names[-1] if names else None, 0)
     if not (k and param and param[-1] in mults):
       return x
     return jnp.asarray(np.asarray(x, np.float64) * mults[param[-1]] ** -k, x.dtype)
@@ -736,3 +736,66 @@ def make_gated(name):
   if name not in _gated:
     _gated[name] = GATED[name]()
   return _gated[name]
+
+
+# Issue 43, case 5: leaves at zero for longer than the probe's longest history (127 updates),
+# with the degrees they have past the horizon, by hand: a trace of Adam's normalised steps
+# holds degree 0, adamax's infinity norm degree 1.
+LATE_WARMUP = optax.join_schedules(
+  [optax.constant_schedule(0.0), optax.constant_schedule(1e-2)], [200]
+)
+LATE_CASES = {
+  "zero_rate_for_200_then_trace": (
+    lambda: optax.chain(
+      optax.scale_by_adam(), optax.scale_by_learning_rate(LATE_WARMUP), optax.trace(0.9)
+    ),
+    {"mu": 1, "nu": 2, "trace": 0},
+  ),
+  "multisteps_200_adamax": (
+    lambda: optax.MultiSteps(optax.adamax(1e-2), every_k_schedule=200).gradient_transformation(),
+    {"mu": 1, "nu": 1, "acc_grads": 1},
+  ),
+}
+
+
+@functools.cache
+def _long_history(opt, steps=210):
+  """The state after ``steps`` updates of gradients of size 0.5-1.5 (a scan: one compile)."""
+
+  @jax.jit
+  def run(params):
+    def step(state, key):
+      g = jax.tree.map(
+        lambda p, k: (
+          jax.random.uniform(k, p.shape, minval=0.5, maxval=1.5)
+          * jnp.sign(jax.random.normal(k, p.shape))
+        ),
+        params,
+        dict(zip(params, jax.random.split(key, len(params)))),
+      )
+      return opt.update(g, state, params)[1], None
+
+    keys = jax.random.split(jax.random.key(0), steps)
+    return jax.lax.scan(step, opt.init(params), keys)[0]
+
+  return run
+
+
+@pytest.mark.parametrize("name", list(LATE_CASES))
+def test_a_leaf_at_zero_past_the_longest_history_has_its_degree_past_the_horizon(name):
+  """S trained past the horizon (210 updates), S' built from it by hand; after three hard
+  SAGGS updates both are balanced onto one point, so their parameters and states agree, which
+  they do only if the chain moved each leaf by its hand degree. (Before, the probe warned that
+  these leaves stay zero and moved them by their registered degrees: the trace by 1.)"""
+  factory, degrees = LATE_CASES[name]
+  opt = factory()
+  tx, step = hard_step(opt)
+  mults = MULTS[GROUPED]
+  trained = _long_history(opt)(PARAMS)
+  ends = []
+  for p, inner in ((PARAMS, trained), (moved(PARAMS, mults, -1), by_hand(trained, mults, degrees))):
+    s = (inner, tx.init(p)[-1])
+    for _ in range(3):
+      p, s, _ = step(p, s, 1.0)
+    ends.append((p, s[0]))
+  assert_close(ends[1], ends[0], name)
