@@ -197,13 +197,13 @@ def _kept(
       group = _group_of(s, n)
       signature.append(group)
       keep &= group < groups[s.key]
+  if whole and any(s.axis == axis for s in slots):
+    return np.flatnonzero(keep)
   if signature:
     sig = np.stack(signature, axis=1)
     starts = np.concatenate([[True], np.any(sig[1:] != sig[:-1], axis=1)])
   else:
     starts = index == 0
-  if whole and any(s.axis == axis for s in slots):
-    return np.flatnonzero(keep)
   run_start = np.maximum.accumulate(np.where(starts, index, 0))
   return np.flatnonzero(keep & (index - run_start < KEEP))
 
