@@ -34,7 +34,8 @@ def apply_transform(
   """Rescales ``params`` by ``factors`` and transports every moment in ``opt_state``,
   by the degrees measured on ``tx`` if given, else by the registered ones. Both come back
   as new trees: no nnx ``Variable`` of the result is one of the input's, so the two states
-  can live in two ``nnx.Optimizer``s side by side."""
+  can live in two ``nnx.Optimizer``s side by side. Concrete values are checked to stay within
+  their dtypes (:func:`_check_range`)."""
   if tx is None or opt_state is None:
     moved = transport(plan, opt_state, factors)
   else:
@@ -45,7 +46,31 @@ def apply_transform(
     as_made = jax.tree.structure(made).unflatten(jax.tree.leaves(opt_state))
     moved = transport(plan, as_made, factors, degrees=_degrees(tx, params, made, plan))
   moved = jax.tree.structure(opt_state).unflatten(jax.tree.leaves(moved))  # fresh boxes
-  return scale_tree(plan, params, factors, 1.0), moved
+  out = scale_tree(plan, params, factors, 1.0), moved
+  _check_range((params, opt_state), out)
+  return out
+
+
+def _check_range(before: Any, after: Any) -> None:
+  """Raises a ValueError naming the first leaf of ``after`` (``(params, opt_state)``) where a
+  finite nonzero entry of ``before`` became infinite or zero: factors whose power (a moment's
+  degree: ``nu`` moves by ``c**-2``) its dtype cannot hold. Traced leaves are not checked:
+  that would wait on the device."""
+  for (key_path, x), y in zip(
+    jax.tree_util.tree_flatten_with_path(before)[0], jax.tree.leaves(after)
+  ):
+    if not (paths.is_parameter(x) and _is_concrete(x) and _is_concrete(y)):
+      continue
+    x, y = np.asarray(x), np.asarray(y)
+    lost = np.isfinite(x) & (x != 0) & ~(np.isfinite(y) & (y != 0))
+    if lost.any():
+      where = ("params", "opt_state")[key_path[0].idx] + jax.tree_util.keystr(key_path[1:])
+      raise ValueError(
+        f"The factors move {int(lost.sum())} finite nonzero entries of {where} ({x.dtype})"
+        " to inf or 0, past what its dtype holds (a moment of degree k moves by the factors"
+        " to the power -k). Use factors closer to 1, or move in several steps with the"
+        " state in a wider dtype."
+      )
 
 
 def _degrees(tx: optax.GradientTransformation, params: Any, made: Any, plan: Plan) -> Any:
@@ -117,7 +142,10 @@ def reparameterize(
       and ``shape`` being ``stacked_shape + (groups,)``. A factor that is not
       positive and finite is a ValueError; under ``jax.jit``, where factors are
       traced and checking them would wait on the device, it leaves its group
-      unchanged (factor 1), as balancing does for a zero or non-finite norm.
+      unchanged (factor 1), as balancing does for a zero or non-finite norm. Factors
+      that move a finite nonzero value of the parameters or the state to inf or 0 (``nu``
+      moves by ``c**-2``: float32 holds no ``1e30**2``) are a ValueError naming the leaf,
+      where the values are concrete.
     tx: the optimizer that made ``opt_state``: a :func:`saggs_jax.chain` (or a
       wrapper such as ``saggs_jax.saggs(inner, pairs)``) with its own state, whose
       symmetry stages' states stay as they are, or any optax transformation.

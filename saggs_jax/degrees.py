@@ -10,36 +10,47 @@ the parameters ``T_c p`` and the gradients ``g / c`` on side A, ``g c`` on
 side B must hold the transported state ``s * m**-k``, ``m`` being the
 multiplier of the leaf's parameter (``c`` on A, ``1 / c`` on B).
 
+The contract (docs/moments.md): a leaf's degree is the one it has where every gate of the
+optimizer that depends on the gradients' size is open: clips that do not clip, additive
+constants (``eps``, ``eps_root``, an initial accumulator, a weight decay added to the
+gradients) that are negligible. The probe opens both kinds itself, so that no size of its
+values, nor of the model's gradients, decides a degree: its gradients are
+:data:`GRADIENT_SCALE` times larger than the parameters, next to which such constants vanish,
+and it runs the update with every comparison of a gradient-dependent value with another
+taken to its open side (:func:`saggs_jax.gates.opened`). Under hard SAGGS with ``every=1``
+this is what makes a clipped optimizer exact: equivalent states are balanced onto one point
+before each step, their moments moved by one fixed degree, so the clip sees one gradient.
+
 A degree is a property of the optimizer and of how the groups lie in each
 leaf, not of the leaves' sizes. So :func:`measure` runs the probe on a
 *proxy* (:func:`proxy`): the same tree, dtypes and pairs with every axis cut
 to a few entries per run of constant multiplier, each pair instance to
 :data:`GROUPS` groups and stacked axes to two copies, a few kilobytes per
-leaf whatever the model's width. It runs the optimizer there on a probe
+leaf whatever the model's width (or, for an optimizer that fails there, the first of
+:data:`PROXIES` on which it runs). It runs the optimizer there on a probe
 history and on its equivalent, and reads for each state leaf the degree ``k``
 for which the two agree: the registered one if it fits, else the first of
 :data:`CANDIDATES`. A leaf that stays zero where its parameter moves (a
 ``MultiSteps`` that has not stepped yet, a learning rate that starts at 0)
 fits every degree and decides none: the history grows through :data:`STEPS`
-until each such leaf has moved; one still zero after the longest starts from
+until each such leaf has moved, then runs once more from step counts of :data:`LATE`
+(every schedule and ``MultiSteps`` past its horizon); one still zero then starts from
 positive values instead (transported by each candidate on the other side),
 and the one candidate that keeps both histories equal is its degree (a leaf
 whose updates keep any degree, as AdaDelta's ``e_x`` at ``eps=0``, keeps the
-registered one and warns). A leaf that no degree fits is refused: it comes
-from a stage that does not commute with the rescaling on the probe (clipping
-by a global or block norm when it clips, a trust ratio or a norm taken over a
-leaf whose groups move apart, weight decay added before a normaliser or a
-moment). Each refusal is a TypeError naming the state type and path. An optimizer whose state layout
+registered one and warns). A leaf that no degree fits even with every gate open is
+refused: it comes from a stage that does not commute with the rescaling (a trust ratio or
+a norm taken over a leaf whose groups move apart, a moment that mixes quantities of
+different degrees). Each refusal is a TypeError naming the state type and path. An optimizer whose state layout
 depends on the leaves' sizes (Adafactor factoring only large axes) is
 checked against its abstract state at full size and refused where the proxy
 differs from it.
 
 Values the optimizer closes over from a trace outside the probe (the hyperparameters
 ``optax.inject_hyperparams`` around a whole chain turns into tracers of init and update)
-become inputs of the probe's program; they take :data:`HYPERPARAMETER` there, with gradients
-:data:`GRADIENT_SCALE` times larger so that an ``eps`` or a weight decay stays negligible;
-the degrees must also hold with gradients of the stand-ins' size, since whether such a value
-is negligible depends on its real size, which a tracer does not tell (else a TypeError).
+become inputs of the probe's program; they take :data:`HYPERPARAMETER` there; the degrees
+must also hold with gradients of the stand-ins' size, since whether such a value is
+negligible depends on its real size, which a tracer does not tell (else a TypeError).
 
 The probe runs one state leaf of each class of leaves that the optimizer computes alike
 (:mod:`saggs_jax.leaf_classes`, read off its jaxprs on the proxy: the same equations from one
@@ -55,6 +66,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import math
 import types
 import warnings
@@ -67,7 +79,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from saggs_jax import leaf_classes, paths
+from saggs_jax import gates, leaf_classes, paths
 from saggs_jax.numerics import Factors
 from saggs_jax.pairs import Plan, Slot
 from saggs_jax.scaling import scale_tree
@@ -80,13 +92,25 @@ STEPS = (3, 7, 31, 127)
 """Lengths of the probe history, tried in turn while some leaf stays zero. Pairwise coprime
 (Mersenne primes): a ``MultiSteps(every_k_schedule=k)`` steps within the longest for every
 ``k <= 127``, and its accumulator, zero right after each step, is nonzero after one of any
-two of them."""
+two of them. Then the longest once more from :data:`LATE`."""
+
+LATE = 2**20
+"""Where the integer state (step counts) starts in the last probe history, for a leaf still
+zero after the others: every schedule and ``MultiSteps`` past its horizon, as the contract
+has them (a learning rate that is zero for the first 200 updates is not zero there; a
+``MultiSteps`` of any ``every_k_schedule`` steps at once and accumulates again)."""
 
 KEEP = 2
 """Entries a proxy keeps of each run of indices along which no multiplier changes."""
 
 GROUPS = 3
 """Groups a proxy keeps of each pair instance (factors alternate above and below 1)."""
+
+PROXIES = ((False, GROUPS), (True, GROUPS), (True, None))
+"""The arguments ``(whole, most)`` of the proxies tried in turn, until the optimizer runs on
+one: a rule that splits a grouped axis into pieces of a fixed size (heads of ``head_dim``)
+fails on :data:`KEEP` entries per group, one that splits it into a fixed number of pieces
+(``num_heads``) may need all the groups."""
 
 HYPERPARAMETER = 0.375
 """The stand-in for a float value the optimizer closes over from a trace outside the probe (a
@@ -96,10 +120,11 @@ moments it keeps to mix two steps; ints take 1. A degree is a property of the op
 structure, so any generic value reads it."""
 
 GRADIENT_SCALE = 2.0**16
-"""With such stand-ins the probe's gradients are scaled by this: an ``eps`` of
-:data:`HYPERPARAMETER` added to a moment, or a weight decay times the parameters added to the
-gradients, stays below the probe's rounding next to them (as the optimizer's own small
-values do at full size), while decay rates keep their weight."""
+"""The size of the probe's gradients next to its parameters (entries in [0.5, 1)): an
+additive constant of the optimizer (an ``eps`` up to :data:`HYPERPARAMETER`, an initial
+accumulator, a weight decay times the parameters added to the gradients) stays below the
+probe's rounding next to them, as the contract's open gates want, while decay rates keep
+their weight. Clips are opened by :func:`saggs_jax.gates.opened`, whatever this size."""
 
 FAST_COMPILE = types.MappingProxyType(
   {
@@ -152,10 +177,13 @@ def _group_of(slot: Slot, n: int) -> np.ndarray:
   return np.where(inside, (index - start) // max(1, (stop - start) // slot.groups), -1)
 
 
-def _kept(n: int, axis: int, slots: tuple[Slot, ...], groups: dict[str, int]) -> np.ndarray:
+def _kept(
+  n: int, axis: int, slots: tuple[Slot, ...], groups: dict[str, int], whole: bool
+) -> np.ndarray:
   """The indices of ``axis`` (length ``n``) a proxy keeps: of each instance's first
   ``groups[key]`` groups (and stacked copies), the first :data:`KEEP` of every run of
-  indices that all slots treat alike."""
+  indices that all slots treat alike; with ``whole``, every index of those groups along an
+  axis that a slot groups."""
   index = np.arange(n)
   keep = np.ones(n, bool)
   signature = []
@@ -169,6 +197,8 @@ def _kept(n: int, axis: int, slots: tuple[Slot, ...], groups: dict[str, int]) ->
       group = _group_of(s, n)
       signature.append(group)
       keep &= group < groups[s.key]
+  if whole and any(s.axis == axis for s in slots):
+    return np.flatnonzero(keep)
   if signature:
     sig = np.stack(signature, axis=1)
     starts = np.concatenate([[True], np.any(sig[1:] != sig[:-1], axis=1)])
@@ -178,11 +208,14 @@ def _kept(n: int, axis: int, slots: tuple[Slot, ...], groups: dict[str, int]) ->
   return np.flatnonzero(keep & (index - run_start < KEEP))
 
 
-def proxy(plan: Plan) -> Plan:
+def proxy(plan: Plan, whole: bool = False, most: int | None = GROUPS) -> Plan:
   """A small plan with the layout of ``plan``: same paths, ranks, pairs and slots, every
-  axis cut by :func:`_kept` (each instance to :data:`GROUPS` groups of at most :data:`KEEP`
-  entries, stacked axes to :data:`KEEP` copies, other axes to :data:`KEEP` entries); an
-  undeclared leaf's axes as the grouped axes of their length, if any.
+  axis cut by :func:`_kept` (each instance to ``most`` groups, all if None, of at most
+  :data:`KEEP` entries, or of all their entries with ``whole``, stacked axes to :data:`KEEP`
+  copies, other axes to :data:`KEEP` entries); an undeclared leaf's axes as the grouped axes
+  of their length, if any. ``whole`` keeps each split of a group that a rule may make (heads
+  of a fixed size inside a KV head's group), and all groups each split of a grouped axis, for
+  an optimizer that fails on the smaller proxies (:data:`PROXIES`).
 
   Raises:
     TypeError: a layout whose cut leaves some slot with unequal groups (a group axis cut
@@ -198,13 +231,13 @@ def proxy(plan: Plan) -> Plan:
     ({'k': (2, 6), 'q': (2, 6)}, (3,))
   """
   groups = {  # factor_shape is stacked_shape + (groups,), or stacked_shape for axes=None
-    i.key: min(GROUPS, i.factor_shape[len(i.pair.copy_axes)])
+    i.key: (i.factor_shape[-1] if most is None else min(most, i.factor_shape[-1]))
     if len(i.factor_shape) > len(i.pair.copy_axes)
     else 1
     for i in plan.instances
   }
   kept = {
-    path: [_kept(n, a, plan.slots.get(path, ()), groups) for a, n in enumerate(shape)]
+    path: [_kept(n, a, plan.slots.get(path, ()), groups, whole) for a, n in enumerate(shape)]
     for path, shape in plan.shapes.items()
   }
   # An undeclared leaf is cut along each axis as the grouped axes of its length are (the most
@@ -394,21 +427,67 @@ def _traced(fn, *args):
   return _alone(lambda: jax.jit(fn).trace(*args))
 
 
-def _trace(tx, spec, state, small: Plan, init) -> _Cut:
-  """Traces ``tx.update`` on the proxy, reads the classes of its state leaves (``init``: the
-  traced ``tx.init(spec)``, ``state`` its abstract output) and cuts both down."""
-  one = lambda: jnp.ones([], jnp.float32)  # noqa: E731  (the loss polyak_sgd reads: invariant)
+def _state_of_update(tx, grads, state, params):
+  """The state leaves ``tx.update`` returns on the probe's inputs: gradients laid out like the
+  parameters and the extra argument ``value=1`` (the loss polyak_sgd reads: invariant)."""
+  return jax.tree.leaves(tx.update(grads, state, params, value=jnp.ones([], jnp.float32))[1])
+
+
+def _fitting_proxy(tx, params, plan: Plan, state, known: dict) -> tuple:
+  """``(small, spec, init, layout, update)``: the proxy the degrees are measured on (the
+  smallest of :func:`proxy`'s on which the optimizer runs), its parameters, ``tx.init`` traced
+  on them, the layout the results are kept by, and ``tx.update``'s jaxpr there (None where
+  ``known`` has that layout). An optimizer that fails on every proxy is refused naming the
+  parameters' own shapes (:func:`_fails`), never a proxy's."""
+  failure = None
+  for whole, most in PROXIES:
+    small = proxy(plan, whole, most)
+    spec = _cut(params, small)
+    try:
+      init = _traced(tx.init, spec)
+      layout = (
+        jax.tree.structure(spec),
+        tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(spec)),
+        tuple(small.slots.items()),
+        tuple((i.key, i.factor_shape) for i in small.instances),
+      )
+      update = None
+      if layout not in known:
+        run = functools.partial(_state_of_update, tx)
+        update = _traced(run, spec, init.out_info, spec).jaxpr
+    except Exception as e:  # a rule that splits an axis into pieces of a fixed size, say
+      failure = e
+      continue
+    return small, spec, init, layout, update
+  raise _fails(tx, params, state) from failure
+
+
+def _fails(tx, params, state) -> TypeError:
+  """The refusal of an optimizer that fails on every proxy: its own error on the full-size
+  parameters (abstractly), or where it runs there, that it needs sizes no proxy has."""
+  full = _abstract(params)
   try:
-    update = _traced(
-      lambda g, s, p: jax.tree.leaves(tx.update(g, s, p, value=one())[1]), spec, state, spec
-    ).jaxpr
+    jax.eval_shape(functools.partial(_state_of_update, tx), full, state, full)
   except Exception as e:  # e.g. an update that needs more than the gradients and a value
-    raise TypeError(
+    return TypeError(
       f"Cannot transport {type(state).__name__} at opt_state: its degrees are measured on a"
-      " probe history (gradients laid out like the parameters, extra argument value=1, on a"
-      " proxy with every axis cut to a few entries per group: saggs_jax.degrees.proxy), on"
+      " probe history (gradients laid out like the parameters, extra argument value=1), on"
       f" which the optimizer fails: {type(e).__name__}: {e}"
-    ) from e
+    )
+  return TypeError(
+    f"Cannot measure the transport degrees of {type(state).__name__}: the optimizer runs on"
+    " the parameters' shapes but not on a small proxy of them (saggs_jax.degrees.proxy: at"
+    f" most every pair's groups whole and every other axis cut to {KEEP} entries), as a rule"
+    " that splits an axis into pieces of a fixed size does where no pair groups that axis"
+    " (the heads of an attention kernel that no pair declares). Declare the pairs of that"
+    " leaf too, or leave that rule out of the optimizer the pairs balance."
+  )
+
+
+def _trace(spec, state, small: Plan, init, update) -> _Cut:
+  """Reads the classes of the state leaves from ``init`` (the traced ``tx.init(spec)``,
+  ``state`` its abstract output) and ``update`` (the jaxpr of ``tx.update``) on the proxy
+  ``small``, and cuts both down."""
   n, m = len(jax.tree.leaves(spec)), len(jax.tree.leaves(state))
   if len(update.jaxpr.outvars) != m:
     raise TypeError(
@@ -474,8 +553,9 @@ def _one_of_each_kind(plan: Plan, params: Any, state: Any) -> Any:
 
 def _probe(program: _Cut, spec: list, param_mult: list, kept: list, outer_scale=GRADIENT_SCALE):
   """``probe(steps, seeds={})``: runs the history of ``steps`` updates from probe parameters
-  with probe gradients, and the equivalent history (parameters times ``param_mult``,
-  gradients divided by it), and gives each float state leaf of ``kept`` (the abstract leaves
+  with probe gradients (``outer_scale`` times the parameters' size) and every gate of the
+  update open (:func:`saggs_jax.gates.opened`), and the equivalent history (parameters times
+  ``param_mult``, gradients divided by it), and gives each float state leaf of ``kept`` (the abstract leaves
   ``program.kept``) after both; values the optimizer closes over from a trace outside take
   stand-ins. ``spec`` and ``param_mult`` are the parameter leaves ``program.params``.
   ``seeds`` maps float leaves (by their index among them) to the values they start from on
@@ -501,7 +581,7 @@ def _probe(program: _Cut, spec: list, param_mult: list, kept: list, outer_scale=
     ),
   )
   run_init = jax.extend.core.jaxpr_as_fun(program.init)
-  run_update = jax.extend.core.jaxpr_as_fun(program.update)
+  run_update = gates.opened(program.update, [kind in ("g", "s") for kind, _ in update_in])
 
   def call(run, wanted, **trees):
     return run(*(x if kind == "value" else trees[kind][x] for kind, x in wanted))
@@ -509,7 +589,7 @@ def _probe(program: _Cut, spec: list, param_mult: list, kept: list, outer_scale=
   def update(s, p, g):
     return call(run_update, update_in, s=s, p=p, g=g)
 
-  def probe(steps, sides, grads, seeds):  # every array is made in here: none in a trace outside
+  def probe(steps, late, sides, grads, seeds):  # every array is made in here: none outside
     def step(t, states):
       g = [jax.lax.dynamic_index_in_dim(x, t, keepdims=False) for x in grads]
       new = jax.vmap(update, axis_size=2)(states, sides, g)
@@ -518,6 +598,9 @@ def _probe(program: _Cut, spec: list, param_mult: list, kept: list, outer_scale=
       return [x if paths.is_parameter(k) else x.astype(k.dtype) for x, k in zip(new, kept)]
 
     start = list(jax.vmap(lambda p: call(run_init, init_in, p=p), axis_size=2)(sides))
+    start = [  # counters moved on by `late`: every schedule and MultiSteps past its horizon
+      x + late.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.integer) else x for x in start
+    ]
     for a, seed in seeds.items():
       start[floats[a]] = seed
     states = jax.lax.fori_loop(0, steps, step, start)
@@ -532,24 +615,24 @@ def _probe(program: _Cut, spec: list, param_mult: list, kept: list, outer_scale=
     b = (x * m**power).astype(x.dtype) if paths.is_parameter(x) else x
     return np.stack([x, b], axis=x.ndim - len(spec.shape))
 
-  scale = outer_scale if o_init or o_update else 1.0
   sides = [both(x, a, mult, 1) for x, a, mult in zip(p, spec, param_mult)]
   grads = [both(x, a, mult, -1) for x, a, mult in zip(history, spec, param_mult)]
-  grads = [(g * scale).astype(g.dtype) if paths.is_parameter(g) else g for g in grads]
+  grads = [(g * outer_scale).astype(g.dtype) if paths.is_parameter(g) else g for g in grads]
   compiled = {}
 
   def compile(seeds):
     """Traced and compiled on its own (:func:`_alone`), for one device, with XLA's cheapest
     code generation: the program is tiny and runs a few times."""
-    args = jax.ShapeDtypeStruct((), jnp.int32), sides, grads, seeds
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    args = scalar, scalar, sides, grads, seeds
     return _alone(lambda: _compiled(jax.jit(probe).trace(*args).lower()))
 
-  def run(steps, seeds=None):
+  def run(steps, seeds=None, late=False):
     seeds = seeds or {}
     key = tuple(sorted(seeds))
     if key not in compiled:
       compiled[key] = compile(seeds)
-    return compiled[key](np.int32(steps), sides, grads, seeds)
+    return compiled[key](np.int32(steps), np.int32(LATE if late else 0), sides, grads, seeds)
 
   return run
 
@@ -652,9 +735,7 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan, state: An
   jax.eval_shape(
     lambda s, f: transport(plan, s, f), _one_of_each_kind(plan, params, state), factors
   )
-  small = proxy(plan)
-  spec = _cut(params, small)
-  traced_init = _traced(tx.init, spec)
+  small, spec, traced_init, layout, update = _fitting_proxy(tx, params, plan, state, known)
   small_state = traced_init.out_info
   mismatch = _same_layout(small_state, state)
   if mismatch is not None:
@@ -665,14 +746,8 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan, state: An
       " another layout than the full-size state. Keep that layout independent of the"
       " sizes (optax.adafactor(..., factored=False))."
     )
-  layout = (
-    jax.tree.structure(spec),
-    tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(spec)),
-    tuple(small.slots.items()),
-    tuple((i.key, i.factor_shape) for i in small.instances),
-  )
   if layout not in known:
-    program = _trace(tx, spec, small_state, small, traced_init.jaxpr)
+    program = _trace(spec, small_state, small, traced_init.jaxpr, update)
     found = _decide(program, spec, small_state, small)
     if any(program.outer):
       # Stand-ins small next to the gradients (an eps) read the degrees; whether a value
@@ -718,8 +793,8 @@ def _decide(program: _Cut, spec, state, small, outer_scale=GRADIENT_SCALE) -> li
   )
   floats = [n for n in program.kept if paths.is_parameter(leaves[n][1])]
   decided: dict[int, Any] = {}
-  for steps in STEPS:
-    values = list(zip(*probe(steps), mults, registered))
+  for steps, late in [*((steps, False) for steps in STEPS), (STEPS[-1], True)]:
+    values = list(zip(*probe(steps, late=late), mults, registered))
     for i, n in enumerate(floats):
       fits, undecided = _fits(*values[i])
       if n in decided or undecided:
@@ -732,12 +807,12 @@ def _decide(program: _Cut, spec, state, small, outer_scale=GRADIENT_SCALE) -> li
         raise TypeError(
           f"Cannot transport {_where(state, leaves[n][0])}:"
           " after an equivalent history (parameters T_c p, gradients g / c on side A and"
-          " g * c on side B) this leaf is not the transported one for any degree in"
-          f" {sorted(CANDIDATES)}, so a stage before it does not commute with the rescaling"
-          " (clipping by a global or block norm when it clips, a trust ratio or norm over a"
-          " leaf whose groups move apart, weight decay added before a moment or a"
-          " normaliser). Drop or move that stage, or declare the pairs with one group per"
-          " tensor (axes=None) when a per-tensor norm is the cause."
+          " g * c on side B, every clip open and every additive constant negligible) this leaf"
+          f" is not the transported one for any degree in {sorted(CANDIDATES)}, so a stage"
+          " before it does not commute with the rescaling (a trust ratio or norm over a leaf"
+          " whose groups move apart, a moment that mixes quantities of different degrees)."
+          " Drop or move that stage, or declare the pairs with one group per tensor"
+          " (axes=None) when a per-tensor norm is the cause."
         )
     if len(decided) == len(floats):
       break
@@ -767,19 +842,17 @@ def _decide_seeded(probe, state, leaves, floats, mults, registered, decided) -> 
     else:
       raise TypeError(
         f"Cannot transport {where}: this leaf stays zero where its parameter moves through"
-        f" {STEPS[-1]} probe updates from init (a learning rate that is zero for that long,"
-        " a MultiSteps that accumulates more updates, a mask or a stage that zeroes what"
-        " reaches it), and started elsewhere no degree, or several but not its registered"
-        " one, keeps the two histories equal. Give the optimizer a schedule that is nonzero"
-        f" within {STEPS[-1]} updates, or leave the leaf out of the pairs."
+        f" {STEPS[-1]} probe updates from init and as many past every schedule's horizon (a"
+        " learning rate that is zero for good, a mask or a stage that zeroes what reaches"
+        " it), and started elsewhere no degree, or several but not its registered one, keeps"
+        " the two histories equal. Leave the leaf out of the pairs."
       )
   if unchecked:
     warnings.warn(
       f"saggs_jax: {', '.join(unchecked)} stay zero through {STEPS[-1]} probe updates from"
-      " init, and started elsewhere their updates keep them homogeneous in any degree (as"
-      " AdaDelta's e_x at eps=0, or a trace after a learning rate that is zero for longer),"
-      " so they move by the degrees their state types register, which the probe cannot"
-      " check.",
+      " init and as many past every schedule's horizon, and started elsewhere their updates"
+      " keep them homogeneous in any degree (as AdaDelta's e_x at eps=0), so they move by"
+      " the degrees their state types register, which the probe cannot check.",
       UserWarning,
       stacklevel=5,
     )

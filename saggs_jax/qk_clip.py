@@ -136,9 +136,10 @@ def _head_axis_size(plan: Plan, name: str, key: str) -> int:
   return stop - start
 
 
-def _checked_logits(plan: Plan, extra_args: dict) -> dict[str, jax.Array]:
+def _checked_logits(plan: Plan, extra_args: dict, num_heads: int | None) -> dict[str, jax.Array]:
   """The ``max_logits`` extra argument, one entry per instance keyed by its Q member, each
-  ``stacked_shape + (heads,)``; raises a ValueError naming what is missing or wrong."""
+  ``stacked_shape + (heads,)``, the heads those the pair declares (``num_heads`` for a pair
+  with one group per entry); raises a ValueError naming what is missing or wrong."""
   wanted = {inst.a: inst for inst in plan.instances}
   spelled = ", ".join(
     f"{a!r}: {i.factor_shape[: len(i.pair.copy_axes)] + ('heads',)}" for a, i in wanted.items()
@@ -167,7 +168,15 @@ def _checked_logits(plan: Plan, extra_args: dict) -> dict[str, jax.Array]:
     s, stacked = logits[a], inst.factor_shape[:-1]
     q_size, k_size = (_head_axis_size(plan, name, inst.key) for name in (a, inst.b))
     if inst.pair.groups is None:  # one group per entry: the heads are not declared
-      heads, rule = None, f"heads dividing the {q_size} entries of the query head axis"
+      if num_heads is None or q_size % num_heads or k_size != q_size:
+        raise ValueError(
+          f"qk_clip: {inst.pair.label} has one group per entry and declares no heads, so the"
+          f" head of each of its {q_size} query entries cannot be checked against max_logits."
+          " Pass num_heads= the query heads of a multi-head attention (dividing"
+          f" {q_size}, the key axis as wide, here {k_size}; got {num_heads}), or declare the"
+          " pair's groups= the KV heads."
+        )
+      heads, rule = num_heads, f"heads = num_heads = {num_heads}"
     elif (q_size * inst.factor_shape[-1]) % k_size:
       raise ValueError(
         f"qk_clip: {inst.pair.label} declares {inst.factor_shape[-1]} KV groups over"
@@ -181,11 +190,7 @@ def _checked_logits(plan: Plan, extra_args: dict) -> dict[str, jax.Array]:
         f" {k_size // inst.factor_shape[-1]}-entry head, {inst.factor_shape[-1]} KV groups)"
       )
     shape = tuple(jnp.shape(s))
-    if (
-      len(shape) != len(stacked) + 1
-      or shape[:-1] != stacked
-      or (shape[-1] != heads if heads is not None else q_size % shape[-1])
-    ):
+    if len(shape) != len(stacked) + 1 or shape[:-1] != stacked or shape[-1] != heads:
       raise ValueError(
         f"qk_clip: max_logits[{a!r}] has shape {shape}; {inst.pair.label} wants"
         f" {stacked} + (heads,), {rule}: one max logit per query head."
@@ -214,7 +219,7 @@ def _clip_factors(plan: Plan, logits: dict[str, jax.Array], tau: float, alpha: f
 
 @wrappable
 def qk_clip(
-  pairs: Sequence[Pair], tau: float = 100.0, alpha: float = 0.5
+  pairs: Sequence[Pair], tau: float = 100.0, alpha: float = 0.5, num_heads: int | None = None
 ) -> SymmetryTransformation:
   """QK-clip (MuonClip) per query head, its gauge transported like a Q/K symmetry.
 
@@ -263,6 +268,10 @@ def qk_clip(
       needs its entry in ``max_logits``.
     tau: the logit bound τ > 0 (K2: 100).
     alpha: the split, in [0, 1]; the product clipped does not depend on it.
+    num_heads: the query heads, for a pair with one group per entry (``groups=None``, as
+      ``discover`` returns for a model without RoPE), which declares none; a multi-head
+      attention's, the key axis as wide as the query axis. Pairs that declare their KV
+      heads as groups ignore it.
 
   Returns:
     A :class:`~saggs_jax.SymmetryTransformation`.
@@ -273,8 +282,8 @@ def qk_clip(
   Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> params = {"q": jnp.ones((4, 2)), "k": jnp.ones((4, 2))}  # (d, heads·head_dim), 2 heads
-    >>> tx = saggs.chain(optax.sgd(0.0), saggs.qk_clip([saggs.Pair("q", "k", axes=(1, 1))],
-    ...                                                  tau=1.0))
+    >>> qk = saggs.Pair("q", "k", axes=(1, 1), groups=2)
+    >>> tx = saggs.chain(optax.sgd(0.0), saggs.qk_clip([qk], tau=1.0))
     >>> state = tx.init(params)
     >>> logits = {"q": jnp.array([4.0, 0.5])}  # head 0 over τ: γ = 1/4
     >>> updates, state = tx.update(params, state, params, max_logits=logits)
@@ -284,10 +293,12 @@ def qk_clip(
   pairs = as_pairs(pairs)
   check_number("tau", tau, lambda t: 0 < t < math.inf, "in (0, inf)", integer=False)
   check_number("alpha", alpha, lambda a: 0 <= a <= 1, "in [0, 1]", integer=False)
+  if num_heads is not None:
+    check_number("num_heads", num_heads, lambda n: n >= 1, ">= 1", integer=True)
 
   def clip(params, plan, updates, extra_args):
     """Updates landing on the clipped ``params + updates``, and the gauge factors."""
-    logits = _checked_logits(plan, extra_args)
+    logits = _checked_logits(plan, extra_args, num_heads)
     heads = {inst.key: logits[inst.key].shape[-1] for inst in plan.instances}
     factors, gauge = _clip_factors(plan, logits, tau, alpha)
     clipped = _heads_plan(plan, heads)
@@ -295,7 +306,7 @@ def qk_clip(
     return land_on(params, updates, target, clipped, factors), gauge
 
   def around(prior, grads, state, prior_states, params, plan, degrees=None, **extra_args):
-    _checked_logits(plan, extra_args)  # fails before the inner step runs
+    _checked_logits(plan, extra_args, num_heads)  # fails before the inner step runs
     updates, prior_states = prior(grads, prior_states, params)
     updates, gauge = clip(params, plan, updates, extra_args)
     return updates, state, transport(plan, prior_states, gauge, degrees=degrees)

@@ -634,9 +634,11 @@ def _check_params(params, name: str) -> None:
     raise ValueError(
       f"{name} cannot balance optax.lookahead's LookaheadParams: its gradients are laid out"
       " like params.fast, not like the parameters, and its slow weights would need moving"
-      " with them. Balance the fast weights alone, with the chain as lookahead's fast"
-      " optimizer (optax.lookahead(saggs_jax.chain(inner, stage), ...)), or transport a"
-      " lookahead state with saggs_jax.reparameterize / canonicalize."
+      " with them. Balancing the fast weights alone (the chain as lookahead's fast"
+      " optimizer) is no way out: each synchronisation then mixes slow weights of one orbit"
+      " point with fast weights of another, and equivalent states part. Train without"
+      " lookahead, or move a whole lookahead state with saggs_jax.reparameterize /"
+      " canonicalize."
     )
 
 
@@ -652,8 +654,12 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
   them on a probe history of a small proxy of the parameters, from their shapes
   alone and once per layout (:func:`saggs_jax.degrees.measure`; a restore or a
   ``canonicalize`` that needs them first measures them there), and raises a
-  TypeError naming the state and the path of a leaf that no degree transports,
-  as when a stage before it clips by a global norm. ``init`` costs what the
+  TypeError naming the state and the path of a leaf that no degree transports, as
+  after a trust ratio over a leaf whose groups move apart. A leaf's degree is the one it
+  has with every gate of the optimizer open (a clip that does not clip, an ``eps`` that is
+  negligible), so a clip before the moments is exact under hard SAGGS with ``every=1``:
+  ``chain(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(...)), saggs(pairs))``.
+  ``init`` costs what the
   optimizer's own ``init`` costs. Each update resolves each symmetry stage's
   pairs once and passes the plan down.
 

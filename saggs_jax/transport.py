@@ -263,17 +263,22 @@ def _transport_factored(plan: Plan, state, factors: Factors, where: str, degrees
   """
   v_shapes = {p: _shape(x) for p, x in paths.leaves_with_paths(state.v)}
 
-  def factored(path):
-    return path in plan.slots and v_shapes.get(path) != plan.shapes[path]
+  def factored(path, stat):
+    """Whether the declared parameter at ``path`` is factored: its ``v`` is a stand-in, or
+    where its ``v`` is left out (None, as the degree probe leaves a leaf of a class it runs
+    another of), its statistic ``stat`` is none."""
+    if path not in plan.slots:
+      return False
+    return v_shapes[path] != plan.shapes[path] if path in v_shapes else _shape(stat) != (1,)
 
   def v_leaf(path, x, measured):
-    if factored(path) and _shape(x) == (1,):
+    if factored(path, x) and _shape(x) == (1,):
       return x
     return _moment_leaf(plan, path, x, factors, _degree(2, measured))
 
   def stat_leaf(field, which):
     def leaf(path, x, measured):
-      if not factored(path):  # a stand-in, or a parameter no pair declares
+      if not factored(path, x):  # a stand-in, or a parameter no pair declares
         return x if _shape(x) == (1,) or path in plan.shapes and path not in plan.slots else None
       shape, axes = plan.shapes[path], _factored_axes(plan.shapes[path])
       if _shape(x) != shape[: axes[which]] + shape[axes[which] + 1 :]:

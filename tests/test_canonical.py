@@ -186,3 +186,19 @@ def test_canonicalize_with_tx_takes_an_nnx_optimizer_state():
   ) as e:
     saggs.canonicalize(params, optimizer.opt_state, NNX_PAIRS, tx=other)
   assert len(str(e.value)) < 300
+
+
+@pytest.mark.parametrize("factor", [1e30, 1e-30, 2.0**64])
+def test_reparameterize_refuses_factors_that_move_moments_past_their_dtype(factor):
+  """Adam's nu moves by c**-2 (A) and c**2 (B): at these factors float32 holds neither, and
+  every entry would become inf or 0, which no later canonicalize recovers (issue 43, finding
+  10). The parameters alone (c and 1/c) still fit."""
+  params = _qk()
+  tx = optax.adam(1e-2)
+  _, state = optax.adam(1e-2).update(params, tx.init(params), params)
+  with pytest.raises(
+    ValueError, match=r"entries of opt_state\[0\]\.nu\['[qk]'\] \(float32\) to inf or 0"
+  ):
+    saggs.reparameterize(params, state, QK, factor, tx=tx)
+  moved, _ = saggs.reparameterize(params, None, QK, factor)
+  assert np.all(np.isfinite(moved["q"]) & (moved["q"] != 0))

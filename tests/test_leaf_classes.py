@@ -103,11 +103,11 @@ def test_closure_and_reduced_keep_what_the_kept_leaves_read():
 
 def probed(opt, params, pairs):
   """The probe's program of ``opt`` on the proxy of ``params``."""
-  small = degrees.proxy(resolve(pairs, params))
-  spec = degrees._cut(params, small)
   opt = optax.with_extra_args_support(opt)
-  init = degrees._traced(opt.init, spec)
-  return degrees._trace(opt, spec, init.out_info, small, init.jaxpr)
+  small, spec, init, _, update = degrees._fitting_proxy(
+    opt, params, resolve(pairs, params), None, {}
+  )
+  return degrees._trace(spec, init.out_info, small, init.jaxpr, update)
 
 
 class PathTrace(NamedTuple):

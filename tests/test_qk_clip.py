@@ -371,16 +371,18 @@ def test_max_logits_with_the_wrong_number_of_heads_is_refused(kv_heads, given):
   np.testing.assert_allclose(after, np.minimum(before, TAU), rtol=1e-5)
 
 
+PER_CHANNEL = saggs.Pair("attn/wq", "attn/wk", axes=(1, 1))
+
+
 def test_a_per_channel_pair_clips_per_head_as_the_declared_heads_do():
   """discover's Q/K pair of a model without RoPE has one group per channel and declares no
-  heads: the clip reads the heads off max_logits (MHA: the K axis as wide as the Q axis) and
-  lands where the pair with 4 declared KV heads lands, the moments moved by the same gauge."""
+  heads: with num_heads (MHA: the K axis as wide as the Q axis) the clip lands where the pair
+  with 4 declared KV heads lands, the moments moved by the same gauge."""
   params, x = make_params(4, 4, seed=2), batch()
-  per_channel = saggs.Pair("attn/wq", "attn/wk", axes=(1, 1))
   logits = logits_of(params, x)
   got = {}
-  for name, pair in (("channels", per_channel), ("heads", qk_pair(4))):
-    tx = saggs.chain(optax.adam(0.05), saggs.qk_clip([pair], TAU, alpha=0.8))
+  for name, pair in (("channels", PER_CHANNEL), ("heads", qk_pair(4))):
+    tx = saggs.chain(optax.adam(0.05), saggs.qk_clip([pair], TAU, alpha=0.8, num_heads=4))
     state = tx.init(params)
     updates, state = tx.update(jax.grad(loss_fn)(params, x), state, params, max_logits=logits)
     got[name] = optax.apply_updates(params, updates), state[0][0].mu
@@ -394,6 +396,20 @@ def test_a_per_channel_pair_clips_per_head_as_the_declared_heads_do():
     np.testing.assert_allclose(
       got["channels"][1]["attn"][side], got["heads"][1]["attn"][side], rtol=1e-6, atol=1e-9
     )
+
+
+@pytest.mark.parametrize("num_heads", [None, 4, 3])
+@pytest.mark.parametrize("measured", [2, 8])
+def test_a_per_channel_pair_refuses_a_head_count_it_cannot_verify(num_heads, measured):
+  """4 heads, max_logits of 2 or 8 values: without num_heads nothing says which is right (both
+  divide the 16 query channels; issue 43, finding 9: accepted, heads ended at 0.69-1.89 τ);
+  with num_heads the count must be it (and divide the channels)."""
+  params, x = make_params(4, 4, seed=2), batch()
+  logits = {"attn/wq": jnp.full((measured,), 2 * TAU)}
+  tx = saggs.chain(optax.adam(0.05), saggs.qk_clip([PER_CHANNEL], TAU, num_heads=num_heads))
+  match = "declares no heads" if num_heads in (None, 3) else r"max_logits\['attn/wq'\] has shape"
+  with pytest.raises(ValueError, match=match):
+    tx.update(jax.grad(loss_fn)(params, x), tx.init(params), params, max_logits=logits)
 
 
 def test_a_non_finite_max_logit_leaves_its_head_alone():
