@@ -8,7 +8,8 @@ AdamW are medians of per-round ratios, with quartiles. A second AdamW
 ("control") shows the noise floor of the run. Variants: hard and soft SAGGS at
 every=1 and every=100. Before timing, it prints XLA's cost analysis of each
 compiled update ("bytes accessed", deterministic and machine-independent) as a
-ratio to AdamW's. Sizes and timing helpers live in ``bench/common.py``.
+ratio to AdamW's. Sizes and timing helpers live in ``bench/common.py``. The first line
+printed names the commit, the CPU (or GPU) and the JAX version the figures belong to.
 
 ``--part anatomy`` times where the update's cost comes from, against two
 floors: AdamW plus the norm pass alone (each declared leaf's per-index sums of

@@ -12,6 +12,7 @@ import contextlib
 import os
 import pathlib
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -77,6 +78,28 @@ def device_name() -> str:
   return f"{model}, {os.cpu_count()} cores"
 
 
+def commit() -> str:
+  """The repository's commit (``git rev-parse --short HEAD``), ``+changes`` where tracked
+  files differ from it (figures measured there belong to no commit), or ``unknown`` outside
+  a git checkout."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+
+  def git(*args: str) -> str:
+    command = ["git", "-C", str(root), *args]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
+
+  try:
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return git("rev-parse", "--short", "HEAD") + ("+changes" if changed else "")
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def provenance() -> str:
+  """What a figure was measured on: the commit, the CPU or GPU, and the JAX version."""
+  return f"commit {commit()}, {device_name()}, jax {jax.__version__}"
+
+
 def setup(size: str, seed: int = 0):
   """``(config, graphdef, params, batch_size)`` of a ``SIZES`` entry, and a banner line."""
   sizes = dict(SIZES[size])
@@ -84,7 +107,7 @@ def setup(size: str, seed: int = 0):
   config = lm.ModelConfig(**sizes)
   graphdef, params = lm.init_model(config, seed=seed)
   print(
-    f"backend {jax.default_backend()} ({device_name()}), size {size}:"
+    f"{provenance()}\nbackend {jax.default_backend()}, size {size}:"
     f" {lm.num_params(params) / 1e6:.1f}M params, batch {batch}x{config.seq_len}"
   )
   return config, graphdef, params, batch
