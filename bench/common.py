@@ -8,9 +8,11 @@ ratios to baselines.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -76,6 +78,28 @@ def device_name() -> str:
   return f"{model}, {os.cpu_count()} cores"
 
 
+def commit() -> str:
+  """The repository's commit (``git rev-parse --short HEAD``), ``+changes`` where tracked
+  files differ from it (figures measured there belong to no commit), or ``unknown`` outside
+  a git checkout."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+
+  def git(*args: str) -> str:
+    command = ["git", "-C", str(root), *args]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
+
+  try:
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return git("rev-parse", "--short", "HEAD") + ("+changes" if changed else "")
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def provenance() -> str:
+  """What a figure was measured on: the commit, the CPU or GPU, and the JAX version."""
+  return f"commit {commit()}, {device_name()}, jax {jax.__version__}"
+
+
 def setup(size: str, seed: int = 0):
   """``(config, graphdef, params, batch_size)`` of a ``SIZES`` entry, and a banner line."""
   sizes = dict(SIZES[size])
@@ -83,7 +107,7 @@ def setup(size: str, seed: int = 0):
   config = lm.ModelConfig(**sizes)
   graphdef, params = lm.init_model(config, seed=seed)
   print(
-    f"backend {jax.default_backend()} ({device_name()}), size {size}:"
+    f"{provenance()}\nbackend {jax.default_backend()}, size {size}:"
     f" {lm.num_params(params) / 1e6:.1f}M params, batch {batch}x{config.seq_len}"
   )
   return config, graphdef, params, batch
@@ -113,18 +137,34 @@ def make_opt_step(tx: optax.GradientTransformation):
   return jax.jit(opt_step, donate_argnums=(0, 1))
 
 
+@contextlib.contextmanager
 def skipping(opaque: bool = False):
   """A context in which every ``lax.cond`` traced is its second branch alone: the
-  update that ``every`` skips, without the cond. With ``opaque`` that branch's result
-  passes an optimization barrier, so that XLA cannot fold the factors' ones away and
-  the multiply by them is left in."""
+  update that ``every`` skips, without the cond (and the norms' scale-safe pass, which
+  ordinary weights skip). With ``opaque`` that branch's result passes an optimization
+  barrier, so that XLA cannot fold the factors' ones away and the multiply by them is
+  left in. JAX's trace caches are cleared on entry and exit, so that a nested ``jax.jit``
+  traced before (the norms') is traced again inside, and what was traced inside is not
+  reused after."""
 
   def cond(pred, true_fun, false_fun, *operands, **kwargs):
     del pred, true_fun, kwargs
     out = false_fun(*operands)
     return jax.lax.optimization_barrier(out) if opaque else out
 
-  return mock.patch.object(jax.lax, "cond", cond)
+  jax.clear_caches()
+  try:
+    with mock.patch.object(jax.lax, "cond", cond):
+      yield
+  finally:
+    jax.clear_caches()
+
+
+def update_cost(steps_fn: Callable, tx: optax.GradientTransformation, params: Any, arg: Any):
+  """XLA's cost analysis of the compiled ``steps_fn(tx)``: ``(bytes accessed, flops)``."""
+  compiled = steps_fn(tx).lower(params, tx.init(params), arg).compile()
+  analysis = compiled.cost_analysis()
+  return float(analysis["bytes accessed"]), float(analysis["flops"])
 
 
 def bytes_accessed(
@@ -138,20 +178,16 @@ def bytes_accessed(
 
   Deterministic, unlike wall-clock time. XLA charges a ``lax.cond`` with its
   costliest branch and a ``lax.while_loop`` with one run of its body, so the
-  update as compiled counts every=100's balancing branch in full and, of the
-  scale-safe norms (a loop over the leaves whose float32 sums overflow), the
-  passes over one leaf. The second figure traces every ``lax.cond`` as its
-  second branch: an update that ``every`` skips (the same for every=1, which
-  skips none).
+  update as compiled counts every=100's balancing branch in full and the norms'
+  scale-safe pass (a ``lax.cond`` per leaf that ordinary weights skip: one more read
+  of every declared leaf). The second figure traces every ``lax.cond`` as its second
+  branch: an update that ``every`` skips, and for every=1 the update that runs on
+  ordinary weights (the plain sums of squares alone).
   """
 
-  def cost(tx):
-    compiled = steps_fn(tx).lower(params, tx.init(params), arg).compile()
-    return float(compiled.cost_analysis()["bytes accessed"])
-
-  compiled = {name: cost(tx) for name, tx in txs.items()}
+  compiled = {name: update_cost(steps_fn, tx, params, arg)[0] for name, tx in txs.items()}
   with skipping():
-    skipped = {name: cost(tx) for name, tx in txs.items()}
+    skipped = {name: update_cost(steps_fn, tx, params, arg)[0] for name, tx in txs.items()}
   width = max(map(len, txs))
   print(
     f"\nXLA cost analysis of the compiled update: bytes accessed, ratio vs {base}\n"

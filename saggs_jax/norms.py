@@ -1,8 +1,11 @@
 """Group norms: the log squared norm and log largest magnitude of every group, scale-safe.
 
-Norms are kept as logarithms, taken in at least float32, and a leaf in one pair
-instance is read once, whatever the scale of its entries. Each group is reduced
-to ``(s, q)``, its largest magnitude ``s`` and the sum ``q`` of its entries'
+Norms are kept as logarithms, taken in at least float32. A leaf in one pair
+instance off a mesh is read once by a plain sum of squares per group, a
+reduction XLA vectorises; only a leaf with a group whose sum over- or
+underflowed, met a non-finite entry or is past its pair's dtype is read again,
+under a ``lax.cond``, by a scale-safe pass. That pass reduces each group to
+``(s, q)``, its largest magnitude ``s`` and the sum ``q`` of its entries'
 squares relative to it, ``||x_g||**2 = s**2 q`` with ``1 <= q <= size``; two
 partial results combine as
 
@@ -10,6 +13,8 @@ partial results combine as
 
 so no square overflows or underflows (LAPACK's scaled sum of squares, as one
 reduction that XLA fuses with the read), and ``log ||x_g||**2 = 2 log s + log q``.
+Its combiner divides, so XLA emits it as a scalar loop, several times slower
+than the plain sum: hence the plain sum first.
 
 On a mesh (the context's, or that of an Explicit-sharded leaf) XLA would
 combine such partial results across devices by gathering them from every
@@ -157,22 +162,46 @@ def _group_last(r: jax.Array, slot: Slot) -> jax.Array:
   return r if slot.axis is None else jnp.moveaxis(r, slot.group_position, -1)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _one_pass_stats(x: jax.Array, slot: Slot, block: Span | None) -> tuple[jax.Array, jax.Array]:
-  """``(log sum x**2, log max |x|)`` per group of ``slot`` off a mesh, of the piece ``block``
-  of ``x``, from one read (in its compute dtype): each group's ``(s, q)`` (see the module
-  docstring). Every entry starts as ``(|x|, 1)``: a zero one then counts nothing once
-  combined, and a group whose ``s`` is 0 has ``log s = -inf`` whatever its ``q``. Traced
-  (and lowered) once per shape and slot layout, not per leaf: the caller passes ``slot``
-  without its instance (see :func:`_layout`)."""
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _one_pass_stats(
+  x: jax.Array, slot: Slot, block: Span | None, trust: tuple[float, float]
+) -> tuple[jax.Array, jax.Array]:
+  """``(log sum x**2, log of a bound on max |x|)`` per group of ``slot`` off a mesh, of the
+  piece ``block`` of ``x``, from one read (in its compute dtype): a plain sum of squares,
+  which XLA vectorises, its log kept where it lies within ``trust`` (see :func:`_trust`)
+  and the bound there half of it (the norm bounds every entry). A piece with a group whose
+  sum over- or underflowed, met a non-finite entry or is past its pair's dtype is read
+  again, all its groups, by :func:`_scaled_stats`, under a ``lax.cond`` that runs only
+  then. Traced (and lowered) once per shape, slot layout and ``trust``, not per leaf: the
+  caller passes ``slot`` without its instance (see :func:`_layout`)."""
+  (sq,) = _group_reduce([_restrict(x.astype(compute_dtype(x.dtype)), block)], slot, _sum, True)
+  log_sq = jnp.log(sq if slot.axis is not None else sq[..., None])
+  trusted = log_sq <= trust[1]  # NaN fails
+  if trust[0] > -np.inf:
+    trusted &= log_sq >= trust[0]
+  # The leaf itself is the operand, converted and masked inside the branch: never a copy.
+  log_sq, log_max = jax.lax.cond(
+    ~jnp.all(trusted),
+    lambda x: _scaled_stats(x, slot, block),  # every group, the trusted ones again
+    lambda x: (log_sq, 0.5 * log_sq),
+    x,
+  )
+  return log_sq.astype(jnp.float32), log_max.astype(jnp.float32)
+
+
+def _scaled_stats(x: jax.Array, slot: Slot, block: Span | None) -> tuple[jax.Array, jax.Array]:
+  """``(log sum x**2, log max |x|)`` per group of ``slot`` off a mesh, scale-safe, from one
+  read of the piece ``block`` of ``x`` (in its compute dtype): each group's ``(s, q)`` (see
+  the module docstring), a reduction whose combiner divides, so XLA emits it as a scalar
+  loop. Every entry starts as ``(|x|, 1)``: a zero one then counts nothing once combined,
+  and a group whose ``s`` is 0 has ``log s = -inf`` whatever its ``q``."""
   magnitude = jnp.abs(_restrict(x.astype(compute_dtype(x.dtype)), block))
   top, q = _group_reduce([magnitude, jnp.ones_like(magnitude)], slot, _scaled)
+  if slot.axis is None:
+    top, q = top[..., None], q[..., None]
   log_max = jnp.log(top)
   log_sq = 2 * log_max + jnp.log(q)
-  if slot.axis is None:
-    log_sq, log_max = log_sq[..., None], log_max[..., None]
-  log_sq = jnp.where(jnp.isnan(log_sq), jnp.inf, log_sq)  # a NaN entry
-  return log_sq.astype(jnp.float32), log_max.astype(jnp.float32)
+  return jnp.where(jnp.isnan(log_sq), jnp.inf, log_sq), log_max  # a NaN entry
 
 
 def _layout(slot: Slot) -> Slot:
@@ -291,18 +320,24 @@ class _Packing(NamedTuple):
     }
 
 
+def _trust(plan: Plan, limit: dict, piece: tuple) -> tuple[float, float]:
+  """The range of a piece's float32 ``log sum x**2`` that can be kept: neither so small
+  that it may have lost digits to underflow (on a leaf whose norm the balancing
+  minimises), nor so large that a factor bounded by it could overflow a dtype of its pair
+  (``limit``)."""
+  lowest = np.log(_SMALLEST_SAFE_SUM) if piece[0] in plan.counted else -np.inf
+  return float(lowest), float(2 * limit[piece])
+
+
 def _trusted(plan: Plan, limit: dict, packing: _Packing, log_sq: jax.Array) -> jax.Array:
-  """Where the float32 ``log_sq`` can be kept: neither so small that it may have lost
-  digits to underflow (on a leaf whose norm the balancing minimises), nor so large that a
-  factor bounded by it could overflow a dtype of its pair (``limit``), nor NaN."""
-  lowest = {
-    k: np.log(_SMALLEST_SAFE_SUM) if k[0] in plan.counted else -np.inf for k in packing.shapes
-  }
-  return (
-    log_sq <= packing.pack({p: np.full(s, 2 * limit[p]) for p, s in packing.shapes.items()})
-  ) & (
-    log_sq >= packing.pack({p: np.full(s, lowest[p]) for p, s in packing.shapes.items()})
-  )  # NaN fails
+  """Where the packed float32 ``log_sq`` lies within its piece's :func:`_trust` (NaN
+  does not)."""
+  bounds = {p: _trust(plan, limit, p) for p in packing.shapes}
+
+  def full(i):  # the lower (0) or upper (1) bound of each statistic
+    return packing.pack({p: np.full(s, bounds[p][i]) for p, s in packing.shapes.items()})
+
+  return (log_sq >= full(0)) & (log_sq <= full(1))
 
 
 Recompute = Callable[[jax.Array], list[jax.Array]]  # one leaf -> its piece's flat statistics
@@ -432,8 +467,7 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
   The bound is half the log squared norm (the norm bounds every entry) while the norm
   fits the smallest dtype of the piece's pairs, and the largest magnitude beyond it:
   a factor bounded by the norm could then not move the group at all. A piece in one
-  instance off a mesh takes one scale-safe pass (:func:`_one_pass_stats`), others
-  :func:`_two_pass_stats`.
+  instance off a mesh takes :func:`_one_pass_stats`, others :func:`_two_pass_stats`.
 
   Example:
     >>> import jax.numpy as jnp, saggs_jax as saggs
@@ -453,7 +487,7 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
   for k, pc in plan.pieces.items():
     x = leaves[pc.path]
     if len(pc.slots) == 1 and not _on_mesh(x):
-      out[k] = _one_pass_stats(x, _layout(pc.slots[0]), pc.block)
+      out[k] = _one_pass_stats(x, _layout(pc.slots[0]), pc.block, _trust(plan, limit, k))
     else:
       rest[k] = pc
   if rest:

@@ -103,3 +103,65 @@ def test_stacked_axes_and_along_slot_lay_each_instance_on_its_own_axis():
   laid = norms.along_slot(every_copy, 1, slots)
   assert laid.shape == (2, 5, 1, 1)
   np.testing.assert_array_equal(laid[:, :, 0, 0], every_copy)
+
+
+def range_params(dtype, mixed: bool):
+  """``a`` and ``b`` (8, 16), 4 groups of 4 columns each, in ``dtype``, from NumPy float64
+  entries of random sign: with ``mixed``, ``a`` at 1e-38 (1.2e-38 to 2e-38: the smallest
+  normal binade of float32 and bfloat16, whose squares underflow), at 3e38 (1.5e38 to 3e38,
+  near both dtypes' largest finite value: the squares and the norm overflow), 1e-38 rows
+  between 3e38 ones, and 1e-38 rows between ordinary ones (0.5 to 1), and ``b`` ordinary;
+  else (on a mesh, whose recompute scales a leaf by its largest group maximum) ``a`` all
+  at 1e-38 and ``b`` all at 3e38. (XLA:CPU flushes subnormal inputs to zero, so the
+  smallest entries are normal.)"""
+  rng = np.random.default_rng(1)
+  sign = lambda: rng.choice([-1.0, 1.0], (8, 16))  # noqa: E731
+  tiny, huge, one = (sign() * rng.uniform(lo, 2 * lo, (8, 16)) for lo in (1.2e-38, 1.5e38, 0.5))
+  tiny = np.minimum(np.abs(tiny), 2e-38) * np.sign(tiny)
+  if not mixed:
+    return {"a": jnp.asarray(tiny, dtype), "b": jnp.asarray(huge, dtype)}
+  rows = np.arange(8)[:, None] % 2 == 0
+  a = np.concatenate(
+    [
+      tiny[:, :4],
+      huge[:, 4:8],
+      np.where(rows, tiny, huge)[:, 8:12],
+      np.where(rows, tiny, one)[:, 12:],
+    ],
+    axis=1,
+  )
+  return {"a": jnp.asarray(a, dtype), "b": jnp.asarray(one, dtype)}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("where", ["eager", "jit", "jit on a mesh"])
+def test_groups_at_the_ends_of_the_range_against_numpy_float64(dtype, where):
+  """Groups at 1e-38, at 3e38 and both mixed (see :func:`range_params`), in float32 and
+  bfloat16: the log squared norms are NumPy's in float64 from the same entries, and the
+  bound is half of it while the norm fits the dtype, the largest entry past it."""
+  params = range_params(dtype, mixed=where != "jit on a mesh")
+  plan = resolve([saggs.Pair("a", "b", axes=(1, 1), groups=4)], params)
+  fn = lambda p: norms.leaf_stats(plan, p)  # noqa: E731
+  if where == "eager":
+    stats = fn(params)
+  elif where == "jit":
+    stats = jax.jit(fn)(params)
+  else:
+    with jax.set_mesh(jax.make_mesh((1,), ("x",))):
+      stats = jax.jit(fn)(params)
+  limit = log_dtype_max(dtype)
+  for name in ("a", "b"):
+    log_sq, bound = (np.asarray(v) for v in stats[name, None])
+    assert log_sq.dtype == bound.dtype == np.float32
+    want_sq, want_max = numpy_stats(np.asarray(params[name], np.float64), 4)
+    np.testing.assert_allclose(log_sq, want_sq, rtol=0, atol=2e-5, err_msg=name)
+    want_bound = np.where(want_sq <= 2 * limit, 0.5 * want_sq, want_max)
+    np.testing.assert_allclose(bound, want_bound, rtol=0, atol=2e-5, err_msg=name)
+  # The cases are what they say: normal entries whose squares underflow, or overflow.
+  x = np.abs(np.asarray(params["a"] if where != "jit on a mesh" else params["b"], np.float64))
+  small = np.abs(np.asarray(params["a"], np.float64))[:, :4]
+  assert np.all((small >= np.finfo(np.float32).tiny) & (small < 2.1e-38))
+  assert np.all(np.asarray(params["a"][:, :4], np.float32) ** 2 == 0)
+  big = x[:, 4:8] if where != "jit on a mesh" else x
+  with np.errstate(over="ignore"):
+    assert np.isinf(np.sum(big.astype(np.float32) ** 2)) and np.all(big < 3.1e38)

@@ -788,9 +788,10 @@ def test_only_the_leaves_that_overflow_take_the_safe_passes():
 
 def test_the_compiled_update_reads_the_declared_leaves_once():
   """XLA's cost analysis (deterministic) of a jitted every=1 update: beyond Adam's own
-  traffic it reads the declared leaves about once for their norms. The scale-safe passes
-  are compiled one leaf at a time (XLA counts a loop body once and a switch's costliest
-  branch), not for every leaf at once, which cost three reads of them."""
+  traffic it reads the declared leaves once for their plain sums of squares, and XLA
+  charges each leaf's scale-safe pass (a ``lax.cond`` that ordinary weights skip) with one
+  more read: under three reads of them in all. (The update that runs on ordinary weights
+  reads them about once: tests/test_update_cost.py.)"""
   rng = np.random.default_rng(0)
   mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
   params = {
@@ -816,7 +817,7 @@ def test_the_compiled_update_reads_the_declared_leaves_once():
     return compiled.cost_analysis()["bytes accessed"]
 
   extra = cost(saggs.chain(optax.adam(1e-3), saggs.saggs(SMALL_PAIRS))) - cost(optax.adam(1e-3))
-  assert declared < extra < 2 * declared, extra / declared
+  assert declared < extra < 3 * declared, extra / declared
 
 
 def test_a_non_finite_entry_changes_only_its_own_group():
