@@ -52,6 +52,17 @@ def numpy_stats(x, groups):
   return np.where(finite, log_sq, np.inf), np.where(finite, log_max, np.nan)
 
 
+def leaf_stats_where(where: str, plan, params):
+  """``norms.leaf_stats`` run eagerly, under jit, or under jit on a one-device mesh."""
+  fn = lambda p: norms.leaf_stats(plan, p)  # noqa: E731
+  if where == "eager":
+    return fn(params)
+  if where == "jit":
+    return jax.jit(fn)(params)
+  with jax.set_mesh(jax.make_mesh((1,), ("x",))):
+    return jax.jit(fn)(params)
+
+
 def check_stats(stats, params, nonfinite):
   limit = log_dtype_max(jnp.float32)
   for name, groups in (("q", 4), ("up", 8)):
@@ -80,14 +91,7 @@ def test_group_norms_against_numpy_at_every_scale(where):
   params, pairs = extreme_params(per_group=where != "jit on a mesh")
   params = jax.tree.map(jnp.asarray, params)
   plan = resolve(pairs, params)
-  fn = lambda p: norms.leaf_stats(plan, p)  # noqa: E731
-  if where == "eager":
-    stats = fn(params)
-  elif where == "jit":
-    stats = jax.jit(fn)(params)
-  else:
-    with jax.set_mesh(jax.make_mesh((1,), ("x",))):
-      stats = jax.jit(fn)(params)
+  stats = leaf_stats_where(where, plan, params)
   check_stats(stats, params, nonfinite=where != "jit on a mesh")
 
 
@@ -141,14 +145,7 @@ def test_groups_at_the_ends_of_the_range_against_numpy_float64(dtype, where):
   bound is half of it while the norm fits the dtype, the largest entry past it."""
   params = range_params(dtype, mixed=where != "jit on a mesh")
   plan = resolve([saggs.Pair("a", "b", axes=(1, 1), groups=4)], params)
-  fn = lambda p: norms.leaf_stats(plan, p)  # noqa: E731
-  if where == "eager":
-    stats = fn(params)
-  elif where == "jit":
-    stats = jax.jit(fn)(params)
-  else:
-    with jax.set_mesh(jax.make_mesh((1,), ("x",))):
-      stats = jax.jit(fn)(params)
+  stats = leaf_stats_where(where, plan, params)
   limit = log_dtype_max(dtype)
   for name in ("a", "b"):
     log_sq, bound = (np.asarray(v) for v in stats[name, None])
