@@ -28,8 +28,7 @@ closest admissible one, or 1 if none is. A zero or non-finite norm gives ``c_g =
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -123,15 +122,199 @@ def _sweep(
   return u, free, top
 
 
-def _signed_sum(plan: Plan, piece: tuple, u: dict) -> jax.Array:
-  """``sum_s sign_s u_s`` over the slots of ``piece``, on its statistics layout."""
-  slots = plan.pieces[piece].slots
-  return functools.reduce(
-    jnp.add, [s.sign * along_slot(u[s.key], i, slots) for i, s in enumerate(slots)]
+class _Graph(NamedTuple):
+  """The overlapping pairs as flat arrays, for the joint solve: the statistics of every
+  piece one vector (``N`` entries, pieces in plan order), the log-factors of every instance
+  one vector (``F`` entries, instances in plan order), and static index arrays between them,
+  so that each step of the solve is a few gathers and segment reductions whatever the
+  number of pieces and instances (unrolled per piece, the solve's compile time grew with
+  the model's depth).
+
+  Attributes:
+    spans: per instance, its ``(start, stop)`` in the factor vector.
+    slot: ``(N, S)`` the factor each entry moves by in each slot of its piece (0 past the
+      piece's slots); sign: ``(N, S)`` that slot's sign (0 past them).
+    counted: ``(N,)`` whether the entry's piece is a member of some instance (its norm is
+      minimised).
+    entry, side, own: per member contribution (an instance, a side, a member and one of
+      its pieces, as the closed form sums them), per entry of that piece: the entry, its
+      factor (in ``F``) and side (+1, -1), and ``(C, S)`` which slots of the piece are the
+      instance's own (left out of the marginal).
+    bound_entry, bound_segment, bound_own: the same for the members and followers whose
+      largest entries bound the factors: each (contribution, group) one segment.
+    segment_factor, segment_side, segment_room: per segment, its factor, side and the
+      log of its leaf's dtype maximum.
+    colors: per colour, a ``(F,)`` mask of the instances in it: instances of one colour
+      share no piece, so a sweep sets them at once, colour after colour (Gauss-Seidel in
+      that order).
+  """
+
+  spans: tuple[tuple[int, int], ...]
+  slot: np.ndarray
+  sign: np.ndarray
+  counted: np.ndarray
+  entry: np.ndarray
+  factor: np.ndarray
+  side: np.ndarray
+  own: np.ndarray
+  bound_entry: np.ndarray
+  bound_segment: np.ndarray
+  bound_own: np.ndarray
+  segment_factor: np.ndarray
+  segment_side: np.ndarray
+  segment_room: np.ndarray
+  colors: np.ndarray
+
+  @classmethod
+  def of(cls, plan: Plan, stats: Stats, dtypes: dict) -> _Graph:
+    shapes = {i.key: i.factor_shape for i in plan.instances}
+    sizes = [int(np.prod(s)) for s in shapes.values()]
+    ends = np.cumsum(sizes)
+    offset = {k: int(e - n) for k, n, e in zip(shapes, sizes, ends)}
+    pieces = list(plan.pieces)
+    starts = [int(v) for v in np.cumsum([0] + [stats[k][0].size for k in pieces])]
+    width = max(len(plan.pieces[k].slots) for k in pieces)
+    n = starts[-1]
+    slot, sign = np.zeros((n, width), np.int32), np.zeros((n, width), np.float32)
+    members = {
+      k
+      for i in plan.instances
+      for s in (1, -1)
+      for m in i.members(s)
+      for k in plan.pieces_of(m, i.key)
+    }
+    counted = np.zeros(n, bool)
+    onto = {}  # (piece, key) -> the factor index of each entry of the piece
+    for p, k in enumerate(pieces):
+      slots, shape = plan.pieces[k].slots, stats[k][0].shape
+      copies = stacked_axes(slots)
+      index = np.indices(shape)
+      counted[starts[p] : starts[p + 1]] = k in members
+      for j, s in enumerate(slots):
+        kept = [copies.index(a) for a in s.stacked] + [len(copies) + j]
+        dims = [shape[d] for d in kept]
+        f = offset[s.key] + np.ravel_multi_index([index[d] for d in kept], dims).ravel()
+        onto.setdefault((k, s.key), f)
+        slot[starts[p] : starts[p + 1], j] = f
+        sign[starts[p] : starts[p + 1], j] = s.sign
+    keys = [[s.key for s in plan.pieces[k].slots] for k in pieces]
+
+    def contributions(inst, followers):
+      out = []
+      for side in (1, -1):
+        for name in inst.members(side) + (inst.followers(side) if followers else ()):
+          for k in plan.pieces_of(name, inst.key):
+            p = pieces.index(k)
+            own = np.array([key == inst.key for key in keys[p]] + [False] * (width - len(keys[p])))
+            out.append((p, k, side, own))
+      return out
+
+    entry, factor, side, own = [], [], [], []
+    b_entry, b_segment, b_own, s_factor, s_side, s_room = [], [], [], [], [], []
+    segments = 0
+    for inst in plan.instances:
+      for p, k, sd, mine in contributions(inst, False):
+        f = onto[k, inst.key]
+        entry.append(np.arange(starts[p], starts[p + 1]))
+        factor.append(f)
+        side.append(np.full(f.size, sd))
+        own.append(np.broadcast_to(mine, (f.size, width)))
+      for p, k, sd, mine in contributions(inst, True):
+        f = onto[k, inst.key]
+        b_entry.append(np.arange(starts[p], starts[p + 1]))
+        b_segment.append(segments + f - offset[inst.key])
+        b_own.append(np.broadcast_to(mine, (f.size, width)))
+        size = int(np.prod(inst.factor_shape))
+        s_factor.append(offset[inst.key] + np.arange(size))
+        s_side.append(np.full(size, sd))
+        s_room.append(np.full(size, log_dtype_max(dtypes[k[0]]), np.float32))
+        segments += size
+
+    conflicts = {i.key: set() for i in plan.instances}
+    for ks in keys:
+      for a in ks:
+        conflicts[a].update(b for b in ks if b != a)
+    color: dict[str, int] = {}
+    for inst in plan.instances:  # greedy, in declaration order
+      taken = {color[b] for b in conflicts[inst.key] if b in color}
+      color[inst.key] = next(c for c in range(len(color) + 1) if c not in taken)
+    masks = []
+    for c in range(max(color.values()) + 1):
+      m = np.zeros(int(ends[-1]), bool)
+      for key, cc in color.items():
+        if cc == c:
+          m[offset[key] : offset[key] + int(np.prod(shapes[key]))] = True
+      masks.append(m)
+    cat = np.concatenate
+    return cls(
+      tuple((offset[k], offset[k] + n) for k, n in zip(shapes, sizes)),
+      slot,
+      sign,
+      counted,
+      cat(entry),
+      cat(factor),
+      cat(side).astype(np.float32),
+      cat(own),
+      cat(b_entry),
+      cat(b_segment),
+      cat(b_own),
+      cat(s_factor),
+      cat(s_side).astype(np.float32),
+      cat(s_room),
+      np.stack(masks),
+    )
+
+
+def _segment_logsumexp(v: jax.Array, ids: np.ndarray, n: int) -> jax.Array:
+  """``log sum exp v`` per segment (-inf where empty or all -inf, +inf where any is)."""
+  top = jax.ops.segment_max(v, ids, n)
+  top = jnp.where(jnp.isfinite(top), top, 0)
+  return jnp.log(jax.ops.segment_sum(jnp.exp(v - top[ids]), ids, n)) + top
+
+
+def _terms(g: _Graph, u: jax.Array) -> jax.Array:
+  """``sign * u`` of every slot of every entry, ``(N, S)``."""
+  return u[g.slot] * g.sign
+
+
+def _flat_sweep(
+  g: _Graph, log_sq: jax.Array, log_max: jax.Array, u: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """:func:`_sweep` on the flat layout (:class:`_Graph`), in colour order: the instances of
+  one colour share no piece, so setting them at once is setting them one after another."""
+  size, segments = u.size, g.segment_factor.size
+
+  def color(c, carry):  # one colour's instances, set at once; traced once for all colours
+    u, free, top = carry
+    mask = jnp.asarray(g.colors)[c]
+    w = _terms(g, u)
+    z = jnp.sum(w, axis=1)
+    other = z[g.entry] - jnp.sum(jnp.where(g.own, w[g.entry], 0), axis=1)
+    v = log_sq[g.entry] + 2 * other
+    # Both sides in one segment reduction: side b's factors after side a's.
+    sides = _segment_logsumexp(v, g.factor + size * (g.side < 0), 2 * size)
+    la, lb = sides[:size], sides[size:]
+    b_other = z[g.bound_entry] - jnp.sum(jnp.where(g.bound_own, w[g.bound_entry], 0), axis=1)
+    biggest = jax.ops.segment_max(log_max[g.bound_entry] + b_other, g.bound_segment, segments)
+    room = jnp.where(jnp.isfinite(biggest), g.segment_room - biggest, jnp.inf)
+    # hi = min(room) over side a's segments, lo = max(-room) over side b's: one maximum.
+    bounds = jax.ops.segment_max(-room, g.segment_factor + size * (g.segment_side < 0), 2 * size)
+    hi, lo = -bounds[:size], bounds[size:]
+    ok = jnp.isfinite(la) & jnp.isfinite(lb) & (lo <= hi) & mask
+    best = 0.25 * jnp.where(ok, lb - la, 0)
+    u = jnp.where(mask, jnp.where(ok, jnp.clip(best, lo, hi), 0), u)
+    free = jnp.where(mask, ok & (best >= lo) & (best <= hi), free)
+    top = jnp.maximum(top, jnp.max(jnp.where(ok, jnp.maximum(la, lb), -jnp.inf), initial=-jnp.inf))
+    return u, free, top
+
+  return jax.lax.fori_loop(
+    0, len(g.colors), color, (u, jnp.zeros(size, bool), jnp.float32(-jnp.inf))
   )
 
 
-def _newton(plan: Plan, stats: Stats, u: dict, free: dict, shift: jax.Array) -> dict:
+def _flat_newton(
+  g: _Graph, log_sq: jax.Array, u: jax.Array, free: jax.Array, shift: jax.Array
+) -> jax.Array:
   """One damped Newton step on ``f(u) = sum_leaves ||T_u(leaf)||^2`` over the free
   log-factors.
 
@@ -149,42 +332,25 @@ def _newton(plan: Plan, stats: Stats, u: dict, free: dict, shift: jax.Array) -> 
   number of leaves): groups more than ~1e38 below it underflow to no step here and are
   left to the sweeps.
   """
-  members = {
-    k
-    for i in plan.instances
-    for sign in (+1, -1)
-    for name in i.members(sign)
-    for k in plan.pieces_of(name, i.key)
-  }
-  counted = [k for k in plan.pieces if k in members]
-  log_e = {p: stats[p][0] + 2 * _signed_sum(plan, p, u) - shift for p in counted}
-  # A non-finite combination freezes (not free) every group it touches: drop it from f.
-  e = {p: jnp.where(jnp.isfinite(v), jnp.exp(jnp.minimum(v, 80.0)), 0.0) for p, v in log_e.items()}
-  # Vectors over all log-factors travel flat, each instance a static span.
-  shapes = {i.key: i.factor_shape for i in plan.instances}
-  ends = np.cumsum([int(np.prod(v)) for v in shapes.values()])
-  flat = lambda d: jnp.concatenate([jnp.ravel(d[k]) for k in shapes])
-  split = lambda v: {
-    k: v[end - int(np.prod(sh)) : end].reshape(sh) for (k, sh), end in zip(shapes.items(), ends)
-  }
-  mask = flat(free).astype(jnp.float32)
+  size = u.size
+  ids = g.slot.ravel()
+  log_e = log_sq + 2 * jnp.sum(_terms(g, u), axis=1) - shift
+  e = jnp.where(g.counted & jnp.isfinite(log_e), jnp.exp(jnp.minimum(log_e, 80.0)), 0.0)
+  mask = free.astype(jnp.float32)
 
-  def per_instance(weighted):  # sum_p sign * E_p * weighted(p), onto every instance
-    out = {k: jnp.zeros(v, jnp.float32) for k, v in shapes.items()}
-    for p in counted:
-      x = e[p] * weighted(p)
-      for s in plan.pieces[p].slots:
-        out[s.key] = out[s.key] + s.sign * _onto(plan, p, x, s.key, shapes[s.key], jnp.sum)
-    return flat(out) * mask
+  def per_instance(x):  # sum over entries and slots of sign * x, onto every factor
+    return jax.ops.segment_sum((x[:, None] * g.sign).ravel(), ids, size) * mask
 
-  grad = per_instance(lambda p: 2.0)
-  diag = flat({k: 4 * _onto_all(plan, e, counted, k, shapes[k]) for k in shapes})
+  # The gradient and the diagonal of the Hessian in one segment sum.
+  both = jax.ops.segment_sum(
+    (e[:, None, None] * np.stack([g.sign, np.abs(g.sign)], -1)).reshape(-1, 2), ids, size
+  )
+  grad, diag = 2.0 * both[:, 0] * mask, 4 * both[:, 1]
   inverse = jnp.where(diag > 0, 1 / jnp.where(diag > 0, diag, 1), 0)
 
   def cg(carry):
     x, r, p, rz, k = carry
-    dirs = split(p)
-    hp = per_instance(lambda piece: 4 * _signed_sum(plan, piece, dirs))
+    hp = per_instance(4 * e * jnp.sum(_terms(g, p), axis=1))
     curv = p @ hp
     alpha = jnp.where(curv > 0, rz / jnp.where(curv > 0, curv, 1), 0)
     x, r = x + alpha * p, r - alpha * hp
@@ -200,30 +366,12 @@ def _newton(plan: Plan, stats: Stats, u: dict, free: dict, shift: jax.Array) -> 
     (jnp.zeros_like(grad), -grad, z, rz0, 0),
   )
   slope = grad @ du
-  du = split(du)
-  change = {p: 2 * _signed_sum(plan, p, du) for p in counted}
-
-  # Backtracking without a loop: the Armijo test at every step 2**-k at once.
+  change = 2 * jnp.sum(_terms(g, du), axis=1)
   steps = 2.0 ** -jnp.arange(LINE_SEARCH_STEPS, dtype=jnp.float32)
-  decrease = sum(
-    jnp.sum(e[p][..., None] * jnp.expm1(steps * change[p][..., None]), axis=tuple(range(e[p].ndim)))
-    for p in counted
-  )
+  decrease = jnp.sum(e[:, None] * jnp.expm1(steps * change[:, None]), axis=0)
   passed = (decrease <= 1e-4 * steps * slope) & (slope < 0)
   t = jnp.where(jnp.any(passed), steps[jnp.argmax(passed)], 0.0)
-  return {k: u[k] + t * du[k] for k in u}
-
-
-def _onto_all(plan: Plan, e: dict, counted: list, key: str, shape) -> jax.Array:
-  """``sum_p E_p`` over the counted pieces in instance ``key``, onto its groups."""
-  return functools.reduce(
-    jnp.add,
-    [
-      _onto(plan, p, e[p], key, shape, jnp.sum)
-      for p in counted
-      if any(s.key == key for s in plan.pieces[p].slots)
-    ],
-  )
+  return u + t * du
 
 
 # Overlapping pairs: the joint solve stops once a sweep moves no log-factor by more than
@@ -244,7 +392,7 @@ def solve(plan: Plan, stats: Stats, dtypes: dict, strength: float) -> tuple[Fact
   With overlaps the objective is convex in the log-factors (a sum of exponentials of
   linear functions), and its gradient for an instance is ``2 (||A||^2 - ||B||^2)``: at the
   minimum every instance is balanced. One sweep of closed-form steps comes first; then
-  each round, under ``jit``, takes one Newton step (see :func:`_newton`) and one sweep
+  each round, under ``jit``, takes one Newton step (see :func:`_flat_newton`) and one sweep
   (which keeps every factor within its dtype bounds), until the sweep moves no log-factor
   by more than ``TOLERANCE`` or ``MAX_ITERATIONS`` rounds have run. Coordinate descent
   alone would need sweeps growing with the square of the depth of the overlaps (a chain
@@ -259,25 +407,28 @@ def solve(plan: Plan, stats: Stats, dtypes: dict, strength: float) -> tuple[Fact
       k: jnp.exp(v) for k, v in _sweep(plan, stats, dtypes, u, strength)[0].items()
     }, jnp.float32(0.0)
 
-  def moved(a, b):
-    return functools.reduce(jnp.maximum, [jnp.max(jnp.abs(a[k] - b[k]), initial=0.0) for k in a])
+  g = _Graph.of(plan, stats, dtypes)
+  pieces = list(plan.pieces)
+  log_sq = jnp.concatenate([jnp.ravel(stats[k][0]) for k in pieces])
+  log_max = jnp.concatenate([jnp.ravel(stats[k][1]) for k in pieces])
 
   def body(carry):
     u, free, shift, _, n = carry
-    stepped = _newton(plan, stats, u, free, jnp.where(jnp.isfinite(shift), shift, 0.0))
-    new, free, shift = _sweep(plan, stats, dtypes, stepped, 1.0)
-    return new, free, shift, moved(new, stepped), n + 1
+    stepped = _flat_newton(g, log_sq, u, free, jnp.where(jnp.isfinite(shift), shift, 0.0))
+    new, free, shift = _flat_sweep(g, log_sq, log_max, stepped)
+    return new, free, shift, jnp.max(jnp.abs(new - stepped), initial=0.0), n + 1
 
-  free = jax.tree.map(lambda v: jnp.ones(v.shape, bool), u)  # the sweep clips after
-  top = functools.reduce(
-    jnp.maximum, [jnp.max(jnp.where(jnp.isfinite(v), v, -jnp.inf)) for v, _ in stats.values()]
-  )
+  size = g.spans[-1][1]
+  top = jnp.max(jnp.where(jnp.isfinite(log_sq), log_sq, -jnp.inf))
   u, _, _, residual, _ = jax.lax.while_loop(
     lambda c: (c[3] > TOLERANCE) & (c[4] < MAX_ITERATIONS),
     body,
-    (u, free, top, jnp.float32(jnp.inf), 0),
+    (jnp.zeros(size, jnp.float32), jnp.ones(size, bool), top, jnp.float32(jnp.inf), 0),
   )
-  return {k: jnp.exp(strength * v) for k, v in u.items()}, residual
+  return {
+    i.key: jnp.exp(strength * u[a:b]).reshape(i.factor_shape)
+    for i, (a, b) in zip(plan.instances, g.spans)
+  }, residual
 
 
 def _dtypes(params: Any) -> dict:
