@@ -55,8 +55,8 @@ CONFIG = dict(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
 BATCH = (4, 17)  # a window of 16 tokens and its next ones
 
 
-def model():
-  config = lm.ModelConfig(**CONFIG, seq_len=BATCH[1] - 1)  # pyright: ignore[reportArgumentType]
+def model(num_layers: int = CONFIG["num_layers"]):
+  config = lm.ModelConfig(**{**CONFIG, "num_layers": num_layers}, seq_len=BATCH[1] - 1)  # pyright: ignore[reportArgumentType]
   return lm.init_model(config)
 
 
@@ -149,8 +149,12 @@ def child(kind: str, directory: str) -> float:
   pairs = discovered(graphdef, params)
   tx = saggs.chain(adamw(), saggs.saggs(pairs, every=100))
   manager = ocp.CheckpointManager(directory)
-  if kind == "save":
-    saggs.checkpoint.save(manager, 1, params, tx.init(params))
+  if kind in ("save", "save-orbax"):  # saggs's layout for the saggs restores, Orbax's alone
+    if kind == "save":
+      saggs.checkpoint.save(manager, 1, params, tx.init(params))
+    else:
+      state = {"params": params, "opt_state": tx.init(params)}
+      manager.save(1, args=ocp.args.StandardSave(state))
     manager.wait_until_finished()
     manager.close()
     return 0.0
@@ -189,10 +193,11 @@ def part_restore(rounds: int) -> None:
   }
   times = {name: [] for name in names}
   try:
-    run("save", root / "ckpt")
+    run("save", root / "saggs")
+    run("save-orbax", root / "orbax")
     for r in range(rounds):
       for name in names[r % len(names) :] + names[: r % len(names)]:
-        times[name].append(run(name, root / "ckpt"))
+        times[name].append(run(name, root / ("orbax" if name == "orbax" else "saggs")))
   finally:
     shutil.rmtree(root, ignore_errors=True)
   print(

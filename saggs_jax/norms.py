@@ -256,6 +256,25 @@ def _fast_log_sq(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
   return jnp.log(_reduce(x.astype(compute_dtype(x.dtype)), slots, axis_name, "sum_sq"))
 
 
+def _exponent(x: jax.Array) -> jax.Array:
+  """``e`` with ``x = m 2**e``, ``0.5 <= m < 1``, for a normal ``x >= 0`` (``frexp``'s), read
+  from its exponent bits: the smallest normal's for 0 and subnormals (then ``x 2**-e < 1``
+  still). Three operations where ``jnp.frexp`` traces about forty: the safe passes take it
+  per leaf, and XLA's compile time follows the program's size."""
+  info = jnp.finfo(x.dtype)
+  bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"int{info.bits}"))
+  field = (bits >> info.nmant) & ((1 << info.nexp) - 1)
+  return (jnp.maximum(field, 1) - (info.maxexp - 2)).astype(jnp.int32)
+
+
+def _power_of_two(k: jax.Array, dtype) -> jax.Array:
+  """``2.0**k`` in ``dtype``, exactly, for integers ``k`` in its normal range (the biased
+  exponent written into the bits, as ``jnp.ldexp(1, k)`` does in many more operations)."""
+  info = jnp.finfo(dtype)
+  ints = jnp.dtype(f"int{info.bits}")
+  return jax.lax.bitcast_convert_type((k.astype(ints) + (info.maxexp - 1)) << info.nmant, dtype)
+
+
 def _safe_stats(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
   """``(log sum x**2, log max |x|)`` per group in two passes: the group maxima, then the
   squares of entries scaled by their copy's largest finite group maximum (to the nearest
@@ -271,10 +290,11 @@ def _safe_stats(x: jax.Array, slots: Sequence[Slot], axis_name: AxisName):
   )
   # Divide by 2**e, the scale's binary exponent, as two exact multiplies by normal
   # powers of two: 1 / scale itself is subnormal near the dtype's maximum, and flushed.
-  _, e = jnp.frexp(scale)
+  e = _exponent(scale)
   per_copy = e.reshape(tuple(n if i in stacked else 1 for i, n in enumerate(x.shape)))
-  x = x * jnp.ldexp(jnp.ones((), dtype), -(per_copy // 2))
-  x = x * jnp.ldexp(jnp.ones((), dtype), per_copy // 2 - per_copy)
+  half = per_copy >> 1  # floor(e / 2), in one operation where // traces a dozen
+  x = x * _power_of_two(-half, dtype)
+  x = x * _power_of_two(half - per_copy, dtype)
   log_scale = (e.reshape(e.shape + (1,) * len(slots)) * np.log(2.0)).astype(dtype)
   sq = _reduce(x, slots, axis_name, "sum_sq")
   return jnp.where(jnp.isfinite(sq), 2 * log_scale + jnp.log(sq), jnp.inf), jnp.log(group_max)
