@@ -273,29 +273,17 @@ def _check_step(step) -> None:
 
 
 def _check_not_nnx_objects(params: Any, opt_state: Any) -> None:
-  """Refuses a Flax nnx object where its arrays belong, before anything is written or read.
-
-  ``nnx.state(optimizer)`` holds the optax states as plain mappings, which no
-  ``tx`` can update and :func:`restore` cannot give back to an
-  ``nnx.Optimizer``: the pair to save is ``nnx.state(model, nnx.Param)`` and
-  ``optimizer.opt_state``.
-  """
+  """Refuses a Flax nnx object where its state belongs, before anything is written or read."""
   nnx = sys.modules.get("flax.nnx")  # no nnx object exists unless flax.nnx was imported
   if nnx is None:
     return
-  fix = (
-    " Save nnx.state(model, nnx.Param) and optimizer.opt_state; after restore, put them"
-    " back with nnx.update(model, params) and optimizer.opt_state = opt_state."
-  )
   objects = tuple(getattr(nnx, n) for n in ("Pytree", "Object") if hasattr(nnx, n))  # by version
   for name, value in (("params", params), ("opt_state", opt_state)):
     if isinstance(value, objects):
-      raise TypeError(f"{name} is an nnx {type(value).__name__} object, not its state.{fix}")
-    if isinstance(value, nnx.State) and "opt_state" in value:
       raise TypeError(
-        f"{name} is nnx.state(optimizer): the whole nnx.Optimizer state (keys"
-        f" {sorted(map(str, value.keys()))}), whose optax states have become plain"
-        f" mappings that no optimizer can update.{fix}"
+        f"{name} is an nnx {type(value).__name__} object, not its state. Save"
+        " nnx.state(model, nnx.Param) and nnx.state(optimizer); after restore, put them back"
+        " with nnx.update(model, params) and nnx.update(optimizer, opt_state)."
       )
 
 
@@ -308,9 +296,8 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
   same ``step``, on its global arrays and a directory all processes share.
 
   With ``flax.nnx``, save ``nnx.state(model, nnx.Param)`` and
-  ``optimizer.opt_state``: an nnx object, or ``nnx.state(optimizer)`` (whose
-  optax states are plain mappings), is a ``TypeError`` here rather than at
-  :func:`restore`.
+  ``nnx.state(optimizer)`` (or ``optimizer.opt_state``); an nnx object itself
+  is a ``TypeError`` here rather than at :func:`restore`.
 
   Returns:
     Whether a checkpoint was written (the manager's ``save_interval_steps``
@@ -318,7 +305,7 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
 
   Raises:
     TypeError: ``step`` is not an int, or ``params`` or ``opt_state`` is an
-      nnx object or ``nnx.state(optimizer)``.
+      nnx object.
 
   Example:
     >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, saggs_jax as saggs
@@ -383,6 +370,29 @@ def _refuse_ambiguous(opt_state: Any) -> None:
     )
 
 
+def _refuse_params_inside(params: Any, opt_state: Any) -> None:
+  """Refuses a train state that holds ``params`` themselves (a Linen ``TrainState``): that
+  copy would come back as saved, beside canonicalised ``params``."""
+  ids = {id(x) for x in jax.tree.leaves(params)}
+  inside = [p for p, x in paths.leaves_with_paths(opt_state) if id(x) in ids]
+  if inside:
+    raise ValueError(
+      f"opt_state holds params themselves (at 'opt_state/{inside[0]}'), which would come back"
+      " as saved beside the canonicalised params. Pass the train state without them, e.g."
+      " state.replace(params=None) for a Linen TrainState, and save it so too. Nothing was"
+      " restored."
+    )
+
+
+def _refuse_nnx_mappings(opt_state: Any) -> None:
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is not None and _nodes(opt_state, (nnx.State,)):
+    raise TypeError(
+      "Cannot canonicalize an nnx state without its optimizer: nnx.state(optimizer) keeps the"
+      " optax states as plain mappings, so only tx can tell their degrees." + _TX_FIX
+    )
+
+
 def _made_by(tx: optax.GradientTransformation, params: Any, opt_state: Any) -> tuple[Any, ...]:
   """``(optimizer, n, treedef)``: ``opt_state[:n]`` (all of it when ``n`` is -1) is what
   ``optimizer`` makes, in the structure ``treedef``; the rest are the states of a
@@ -412,15 +422,36 @@ def _made_by(tx: optax.GradientTransformation, params: Any, opt_state: Any) -> t
   return optimizer, n, jax.tree.structure(made)
 
 
+def _arrays_by_path(tree: Any) -> dict[str, str]:
+  """``{path: "dtype[shape]"}`` of ``tree``'s array leaves: its layout up to order and empty
+  nodes, which an ``nnx.state(optimizer)`` keeps its optax state without."""
+  return {p: d for p, d in layout(tree).items() if d.endswith("]")}
+
+
+def _relaid(values: Any, like: Any) -> Any:
+  """``like``'s structure holding, at each of its leaves' paths, the leaf ``values`` has
+  there (an optax state and the mapping ``nnx.state(optimizer)`` keeps it as, both ways)."""
+  found = dict(paths.leaves_with_paths(values))
+  leaves = [found[p] for p, _ in paths.leaves_with_paths(like)]
+  return jax.tree.structure(like).unflatten(leaves)
+
+
+def _laid_out(node: Any, made: Any) -> Any:
+  """``node`` in the structure of ``made``, the state ``tx.init`` makes, when it holds the
+  same arrays at the same paths (an ``nnx.state(optimizer)``'s mappings); else as it is."""
+  return _relaid(node, made) if _arrays_by_path(node) == _arrays_by_path(made) else node
+
+
 def _split(tx: optax.GradientTransformation, params: Any, opt_state: Any) -> tuple[Any, ...]:
   """``(nodes, treedef, i)``: ``opt_state`` flattened down to the state ``tx`` makes, which
   is ``nodes[i]``. A train state may hold more than the optax state (an RNG key, a step,
-  EMA weights): its one subtree with ``tx.init(params)``'s layout is ``tx``'s."""
-  want = layout(jax.eval_shape(tx.init, params))
+  EMA weights, an ``nnx.Optimizer``'s step): its one subtree with the arrays
+  ``tx.init(params)`` makes, at the same paths, is ``tx``'s."""
+  want = _arrays_by_path(jax.eval_shape(tx.init, params))
   whole = [opt_state], jax.tree.structure(0), 0
-  if layout(opt_state) == want:
+  if _arrays_by_path(opt_state) == want:
     return whole
-  is_tx_state = lambda x: not is_empty(x) and layout(x) == want  # noqa: E731
+  is_tx_state = lambda x: not is_empty(x) and _arrays_by_path(x) == want  # noqa: E731
   nodes, treedef = jax.tree.flatten(opt_state, is_leaf=is_tx_state)
   found = [i for i, x in enumerate(nodes) if is_tx_state(x)]
   if len(found) > 1:
@@ -520,9 +551,9 @@ def restore(
     ``(params, opt_state, step)``.
 
   Raises:
-    TypeError: ``step`` is not an int, the target is an nnx object or
-      ``nnx.state(optimizer)`` (see :func:`save`), ``opt_state`` holds an
-      :data:`AMBIGUOUS` state and no ``tx`` is given, or a degree measured on
+    TypeError: ``step`` is not an int, the target is an nnx object (see
+      :func:`save`), ``opt_state`` holds an :data:`AMBIGUOUS` state or an
+      ``nnx.State`` and no ``tx`` is given, or a degree measured on
       ``tx`` transports no leaf (see :func:`saggs_jax.degrees.measure`).
     FileNotFoundError: the manager holds no checkpoint ``step`` (or none at all).
     ValueError: the checkpoint was not written by :func:`save` (it lacks the
@@ -561,6 +592,7 @@ def restore(
   balanced_by = pairs if canonicalize else None  # the pairs to canonicalize with, if any
   if balanced_by is not None:
     resolve(balanced_by, params)  # a bad declaration fails before anything is read
+    _refuse_params_inside(params, opt_state)
   target = {"params": params, "opt_state": opt_state}
   what = f"Checkpoint {step} in {manager.directory}"
   try:
@@ -579,13 +611,16 @@ def restore(
   canonicalizer, nodes, i = None, [_arrays(opt_state)], 0
   node_def = jax.tree.structure(0)  # opt_state as one node: all of it tx's, or no tx
   if balanced_by is not None:
-    optimizer, n, made = None, -1, None
+    optimizer, n, made, made_by_tx = None, -1, None, None
     if tx is not None and opt_state is not None:
       nodes, node_def, i = _split(tx, _arrays(params), nodes[0])
-      optimizer, n, made = _made_by(tx, _arrays(params), nodes[i])
+      made_by_tx = jax.eval_shape(tx.init, _arrays(params))
+      optimizer, n, made = _made_by(tx, _arrays(params), _laid_out(nodes[i], made_by_tx))
     else:
+      _refuse_nnx_mappings(opt_state)
       _refuse_ambiguous(opt_state)
-    specs, treedef = jax.tree.flatten(jax.tree.map(_spec, _arrays((params, nodes[i]))))
+    node = nodes[i] if made_by_tx is None else _laid_out(nodes[i], made_by_tx)
+    specs, treedef = jax.tree.flatten(jax.tree.map(_spec, _arrays((params, node))))
     canonicalizer = _canonicalizer(as_pairs(balanced_by), optimizer, n, made, treedef, tuple(specs))
   try:
     state = manager.restore(
@@ -601,7 +636,9 @@ def restore(
   arrays = state["params"], state["opt_state"]
   if canonicalizer is not None:  # tx's state alone is canonicalised; the rest comes back as read
     nodes = node_def.flatten_up_to(arrays[1])
-    restored, nodes[i] = canonicalizer.result()(arrays[0], nodes[i])
+    node = nodes[i] if made_by_tx is None else _laid_out(nodes[i], made_by_tx)
+    restored, moved = canonicalizer.result()(arrays[0], node)
+    nodes[i] = moved if made_by_tx is None else _relaid(moved, nodes[i])
     arrays = restored, node_def.unflatten(nodes)
   params, opt_state = _with_statics((params, opt_state), arrays)
   return params, opt_state, step

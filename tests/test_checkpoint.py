@@ -430,6 +430,112 @@ def test_restore_canonicalises_the_optax_state_inside_a_whole_train_state(manage
     saggs.checkpoint.restore(manager, params, {"a": state, "b": state}, PAIRS, tx=chain_tx())
 
 
+def numpy_canonical_mlp(params, flat):
+  """The canonical point of the up/down pair, by hand in float64 NumPy: per channel j,
+  ``c_j = sqrt(|down_j| / |up_j|)`` from ``params``; up's column j times c_j, down's row j
+  over it; their ``mu`` by ``c**-1`` and ``nu`` by ``c**-2`` on the same sides. ``flat``
+  maps the library's paths to arrays; returns the moved ``{path: array}`` of its up/down
+  leaves."""
+  up, down = (np.asarray(params[k]["kernel"], np.float64) for k in ("up_proj", "down_proj"))
+  c = np.sqrt(np.linalg.norm(down, axis=1) / np.linalg.norm(up, axis=0))
+  out = {}
+  for path, x in flat.items():
+    d = {"mu": -1, "nu": -2}.get(next((n for n in path.split("/") if n in ("mu", "nu")), ""), 1)
+    if ("/" + path).endswith("/up_proj/kernel"):
+      out[path] = np.asarray(x, np.float64) * c[None, :] ** d
+    elif ("/" + path).endswith("/down_proj/kernel"):
+      out[path] = np.asarray(x, np.float64) * c[:, None] ** -d
+  return out
+
+
+def assert_canonical_mlp(params, saved, restored):
+  """``restored`` (a tree like ``saved``) is ``saved`` at the NumPy canonical point."""
+  got = models.leaf_dict(restored)
+  for path, want in numpy_canonical_mlp(params, models.leaf_dict(saved)).items():
+    np.testing.assert_allclose(np.asarray(got[path]), want, rtol=1e-5, err_msg=path)
+
+
+def nnx_chain():
+  return saggs.chain(optax.adamw(1e-2), saggs.saggs(NNX_PAIRS, every=1))
+
+
+def test_restore_canonicalises_nnx_state_of_an_optimizer(manager):
+  """``nnx.state(optimizer)`` keeps the optax state as mappings (tuples as int keys, no empty
+  states), in another leaf order: its arrays are matched to tx.init's by path. Two
+  equivalent checkpoints restore to one state, the NumPy canonical point; the optimizer's
+  own step comes back as saved, and nnx.update puts the state back into an Optimizer."""
+  model = NnxMLP()
+  optimizer = nnx.Optimizer(model, nnx_chain(), wrt=nnx.Param)
+  for seed in (8, 9):
+    optimizer.update(model, models.random_like(nnx_params(model), seed))
+  params, state = nnx_params(model), jax.tree.map(jnp.copy, nnx.state(optimizer))
+  factors = draw_factors(MLP_MOVES, params, 3)
+  saggs.checkpoint.save(manager, 1, params, state)
+  moved = (
+    numpy_move(params, MLP_MOVES, factors, 1),
+    numpy_move(state, MLP_MOVES, factors, _field_degree),
+  )
+  saggs.checkpoint.save(manager, 2, *moved)
+
+  other = NnxMLP(rngs=nnx.Rngs(1))
+  other_optimizer = nnx.Optimizer(other, nnx_chain(), wrt=nnx.Param)
+  target = nnx.state(other, nnx.Param), nnx.state(other_optimizer)
+  one, two = (
+    saggs.checkpoint.restore(manager, *target, NNX_PAIRS, step=step, tx=nnx_chain())[:2]
+    for step in (1, 2)
+  )
+  assert jax.tree.structure(one[1]) == jax.tree.structure(target[1])
+  chex.assert_trees_all_close(one, two, **CLOSE)
+  assert_canonical_mlp(nnx.to_pure_dict(params), (params, state), one)
+  assert int(jax.tree.leaves(one[1]["step"])[0]) == int(jax.tree.leaves(state["step"])[0]) == 2
+
+  nnx.update(other, one[0])
+  nnx.update(other_optimizer, one[1])
+  assert isinstance(other_optimizer.opt_state[0][0], optax.ScaleByAdamState)
+  other_optimizer.update(other, models.random_like(nnx_params(other), 10))
+  assert int(jax.tree.leaves(other_optimizer.step)[0]) == 3
+  with pytest.raises(TypeError, match="only tx can tell their degrees"):
+    saggs.checkpoint.restore(manager, *target, NNX_PAIRS)
+
+
+def test_restore_canonicalises_a_linen_train_state(manager):
+  """A Linen TrainState saved and restored without its params field (they are the params
+  argument): two equivalent checkpoints restore to the NumPy canonical point, the step as
+  saved; a TrainState still holding the params is refused before anything is read."""
+  from flax.training import train_state
+
+  apply = jax.jit(lambda s, g: s.apply_gradients(grads=g))
+  tx = nnx_chain()
+  params = nnx.to_pure_dict(nnx_params(NnxMLP()))
+  state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+  for seed in (8, 9):
+    state = apply(state, models.random_like(params, seed))
+  factors = draw_factors(MLP_MOVES, state.params, 4)
+  saggs.checkpoint.save(manager, 1, state.params, state.replace(params=None))
+  moved = state.replace(
+    params=None, opt_state=numpy_move(state.opt_state, MLP_MOVES, factors, _field_degree)
+  )
+  saggs.checkpoint.save(manager, 2, numpy_move(state.params, MLP_MOVES, factors, 1), moved)
+
+  fresh = train_state.TrainState.create(
+    apply_fn=None, params=jax.tree.map(jnp.zeros_like, params), tx=tx
+  ).replace(step=jnp.int32(0))  # as the saved one, an array: create's Python 0 is static
+  with pytest.raises(ValueError, match="holds params themselves .*state.replace"):
+    saggs.checkpoint.restore(manager, fresh.params, fresh, NNX_PAIRS, tx=fresh.tx)
+  one, two = (
+    saggs.checkpoint.restore(
+      manager, fresh.params, fresh.replace(params=None), NNX_PAIRS, step=step, tx=fresh.tx
+    )[:2]
+    for step in (1, 2)
+  )
+  chex.assert_trees_all_close(one, two, **CLOSE)
+  saved = state.params, state.opt_state
+  assert_canonical_mlp(state.params, saved, (one[0], one[1].opt_state))
+  assert int(one[1].step) == int(state.step) == 2
+  state = one[1].replace(params=one[0])
+  assert np.isfinite(apply(state, models.random_like(params, 10)).params["up_proj"]["kernel"]).all()
+
+
 def test_a_restart_restored_without_pairs_is_the_uninterrupted_run(manager):
   """Resuming is restoring as saved: the run continues bit for bit. Canonicalising on
   restore (pairs given) is for equivalent checkpoints, and moves this one off its run."""
