@@ -400,9 +400,17 @@ def _alone(fn: Any) -> Any:
   """``fn()`` on a thread of its own, where no context of the caller's reaches it: not its
   trace (so that it runs now, even while an init or an update is traced: a value it closes
   over from that trace would become one more input), nor its ``jax.set_mesh`` (which would
-  run each small op, and compile the probe, for every device of the mesh)."""
+  run each small op, and compile the probe, for every device of the mesh). The caller's
+  ``jax.enable_x64`` does reach it: it is thread-local too, and the probe must see the
+  dtypes the caller's arrays have."""
+  x64 = bool(jax.config.jax_enable_x64)
+
+  def run():
+    with jax.enable_x64(x64):
+      return fn()
+
   with concurrent.futures.ThreadPoolExecutor(1) as thread:
-    return thread.submit(fn).result()
+    return thread.submit(run).result()
 
 
 class _Cut(NamedTuple):
