@@ -5,8 +5,9 @@ restart AdamW onto different trajectories. :func:`restore` with ``pairs``
 canonicalizes the restored state (:func:`saggs_jax.canonicalize`), so runs
 restarted from either follow the same trajectory. It moves each moment by the
 degree measured on the optimizer that made it (``tx=``): a state type does not
-fix its degrees (``optax.adamax`` keeps degree 1 in Adam's ``nu``), and one
-that optax reuses so (:data:`AMBIGUOUS`) is refused without ``tx``.
+fix its degrees (``optax.adamax`` keeps degree 1 in Adam's ``nu``, a moment after a
+normaliser degree 0), so without ``tx`` every moment of a declared parameter is refused
+(:func:`moved_without_tx`).
 
 :func:`save` writes three items: ``state`` (the params and the optimizer state,
 SAGGS stage state included), ``layout``, a small JSON record of every leaf's
@@ -61,6 +62,7 @@ from saggs_jax import canonical, paths
 from saggs_jax.pairs import Pair, as_pairs, resolve
 from saggs_jax.paths import Layout, first_difference, is_empty, layout
 from saggs_jax.transform import SaggsState
+from saggs_jax.transport import _RULES, transport  # _RULES: the state types with a rule
 
 if TYPE_CHECKING:
   import orbax.checkpoint as ocp
@@ -345,16 +347,14 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
 
 # ---------------------------------------------------------------------------
 # Canonicalising a restored state moves its moments, each by its degree. A state type
-# registers the degrees it has where optax usually puts it, but optax reuses these
-# types for moments of other degrees: optax.adamax and adamaxw keep an infinity norm
-# (degree 1) in Adam's nu; the trace of rmsprop(centered=True, momentum=...), or of any
-# optimizer chained before optax.trace, holds normalised updates (degree 0), and lars's
-# follows a trust ratio (degree -1). Only the optimizer tells, so restore measures the
-# degrees on it (saggs_jax.degrees.measure) and refuses these types without it.
-
-AMBIGUOUS = (optax.ScaleByAdamState, optax.TraceState)
-"""State types whose degrees depend on the optimizer that made them: :func:`restore`
-canonicalises them only given that optimizer (``tx=``)."""
+# registers the degrees it has where optax usually puts it, but its place in the chain
+# decides them: optax.adamax and adamaxw keep an infinity norm (degree 1) in Adam's nu; any
+# moment after a normaliser holds updates of degree 0 (the trace of rmsprop(centered=True,
+# momentum=...), chain(scale_by_rms(), scale_by_lion()), chain(scale_by_rms(),
+# MultiSteps(sgd, 4))'s accumulator), after a trust ratio parameter-like ones (lars's
+# trace, -1), after a stage scaling by a parameter norm one less. No state type is safe
+# from such a stage before it, so restore measures the degrees on the optimizer
+# (saggs_jax.degrees.measure) and refuses, without it, every leaf it would move.
 
 _TX_FIX = (
   " Pass the optimizer that made opt_state, e.g. the saggs.chain you train with:"
@@ -369,17 +369,50 @@ def _nodes(tree: Any, types: tuple[type, ...]) -> list[tuple[str, Any]]:
   return [(p, x) for p, x in found if isinstance(x, types)]
 
 
-def _refuse_ambiguous(opt_state: Any) -> None:
-  found = _nodes(opt_state, AMBIGUOUS)
+def moved_without_tx(params: Any, opt_state: Any, pairs: Sequence[Pair]) -> list[str]:
+  """The paths of the leaves of ``opt_state`` that canonicalising by ``pairs`` would move by
+  their state types' registered degrees: every moment of a declared parameter, each of whose
+  degrees a stage before it can change (see above). Read off the transport's program on
+  abstract values (a leaf it returns as it came is not moved): nothing is computed.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, saggs_jax as saggs
+    >>> params = {"q": jnp.ones((2, 2)), "k": jnp.ones((2, 2)), "b": jnp.ones(2)}
+    >>> state = optax.chain(optax.scale_by_rms(), optax.scale_by_lion()).init(params)
+    >>> saggs.checkpoint.moved_without_tx(params, state, [saggs.Pair("q", "k")])
+    ['0/nu/k', '0/nu/q', '1/mu/k', '1/mu/q']
+  """
+  plan = resolve(pairs, params)
+  found = list(paths.arrays_with_paths(opt_state))
+  specs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for _, x in found]
+  factors = {i.key: jax.ShapeDtypeStruct(i.factor_shape, jnp.float32) for i in plan.instances}
+  treedef = jax.tree.structure(opt_state)
+
+  def moved(leaves, f):
+    return jax.tree.leaves(transport(plan, treedef.unflatten(leaves), f))
+
+  jaxpr = jax.make_jaxpr(moved)(specs, factors).jaxpr
+  inputs = jaxpr.invars[: len(specs)]
+  return [path for (path, _), i, o in zip(found, inputs, jaxpr.outvars) if o is not i]
+
+
+def _refuse_moments(params: Any, opt_state: Any, pairs: Sequence[Pair]) -> None:
+  found = moved_without_tx(params, opt_state, pairs)
   if found:
-    path, node = found[0]
-    others = f" (and {len(found) - 1} more such states)" if len(found) > 1 else ""
+    owners = [  # the registered states holding it, by the length of their paths
+      (len(p), type(x).__name__)
+      for t in _RULES
+      for p, x in _nodes(opt_state, (t,))
+      if found[0].startswith(p + "/") or not p
+    ]
+    what = f"{max(owners)[1]} leaf" if owners else "leaf"
+    others = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     raise TypeError(
-      f"Cannot canonicalize opt_state without its optimizer: {type(node).__name__} at"
-      f" {'opt_state/' + path if path else 'opt_state'}{others} has the degrees of the"
-      " optimizer that made it (optax.adamax keeps degree 1 in ScaleByAdamState.nu, a"
-      " trace after a normaliser degree 0), so its registered degrees may move it wrongly."
-      + _TX_FIX
+      f"Cannot canonicalize opt_state without its optimizer: the {what} at"
+      f" opt_state/{found[0]}{others} is a moment of a declared parameter, whose degree"
+      " its place in the optimizer decides, not its type (optax.adamax keeps degree 1 in"
+      " ScaleByAdamState.nu; any moment after a normaliser such as scale_by_rms holds degree"
+      " 0), so its registered degree may move it wrongly." + _TX_FIX
     )
 
 
@@ -490,11 +523,11 @@ def restore(
   With ``pairs``, the state is canonicalised: the parameters balanced
   (:func:`saggs_jax.canonicalize`) and every moment moved by its degree, as
   measured on ``tx`` (:func:`saggs_jax.degrees.measure`), the optimizer that
-  made ``opt_state``. A state type whose degrees depend on that optimizer
-  (:data:`AMBIGUOUS`: Adam's state, which ``optax.adamax`` also uses with an
-  infinity norm of degree 1 in ``nu``; a trace, which may follow a normaliser)
-  is refused without ``tx``; other registered types move by their registered
-  degrees.
+  made ``opt_state``. A moment's degree depends on its place in that optimizer,
+  not on its state type (``optax.adamax`` keeps an infinity norm of degree 1 in
+  Adam's ``nu``; any moment after a normaliser holds degree 0), so without ``tx``
+  a state holding any moment of a declared parameter (:func:`moved_without_tx`)
+  is refused; one holding none (plain SGD, counters) needs no ``tx``.
 
   Args:
     manager: the ``orbax.checkpoint.CheckpointManager`` it was saved with.
@@ -521,8 +554,8 @@ def restore(
 
   Raises:
     TypeError: ``step`` is not an int, the target is an nnx object or
-      ``nnx.state(optimizer)`` (see :func:`save`), ``opt_state`` holds an
-      :data:`AMBIGUOUS` state and no ``tx`` is given, or a degree measured on
+      ``nnx.state(optimizer)`` (see :func:`save`), ``opt_state`` holds a
+      moment of a declared parameter and no ``tx`` is given, or a degree measured on
       ``tx`` transports no leaf (see :func:`saggs_jax.degrees.measure`).
     FileNotFoundError: the manager holds no checkpoint ``step`` (or none at all).
     ValueError: the checkpoint was not written by :func:`save` (it lacks the
@@ -584,7 +617,7 @@ def restore(
       nodes, node_def, i = _split(tx, _arrays(params), nodes[0])
       optimizer, n, made = _made_by(tx, _arrays(params), nodes[i])
     else:
-      _refuse_ambiguous(opt_state)
+      _refuse_moments(_arrays(params), _arrays(opt_state), balanced_by)
     specs, treedef = jax.tree.flatten(jax.tree.map(_spec, _arrays((params, nodes[i]))))
     canonicalizer = _canonicalizer(as_pairs(balanced_by), optimizer, n, made, treedef, tuple(specs))
   try:
