@@ -12,7 +12,9 @@ normaliser degree 0), so without ``tx`` every moment of a declared parameter is 
 :func:`save` writes three items: ``state`` (the params and the optimizer state,
 SAGGS stage state included), ``layout``, a small JSON record of every leaf's
 path, shape and dtype and of every empty node (such as optax's
-``EmptyState``), and ``checksums``, two 32-bit hashes of every array's bits.
+``EmptyState``), and ``checksums``, two 32-bit hashes of every array's bits; given
+``tx=``, a fourth, ``degrees``: the transport degree of every leaf of its state, so that
+:func:`restore` refuses another optimizer with the same layout.
 :func:`restore` reads ``layout`` first and compares it with the target, so a
 checkpoint made with other pairs, another optimizer chain or other dtypes fails
 with the first mismatching path before any array is read. It then reads the
@@ -301,8 +303,22 @@ def _check_not_nnx_objects(params: Any, opt_state: Any) -> None:
       )
 
 
-def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any) -> bool:
+def save(
+  manager: ocp.CheckpointManager,
+  step: int,
+  params: Any,
+  opt_state: Any,
+  *,
+  tx: optax.GradientTransformation | None = None,
+  pairs: Sequence[Pair] | None = None,
+) -> bool:
   """Saves ``params`` and ``opt_state`` as checkpoint ``step``, with their layout and checksums.
+
+  Given ``tx``, the optimizer that made ``opt_state``, it also records the transport degree
+  of every leaf of its state (:func:`saggs_jax.degrees.measure` on ``pairs``, by default the
+  pairs of ``tx``'s first symmetry stage), so that :func:`restore` refuses a ``tx`` whose
+  degrees differ (another optimizer with the same layout: adamax for adam), which the layout
+  alone cannot tell.
 
   Saving is asynchronous, as with ``manager.save``: call
   ``manager.wait_until_finished()`` before the process exits (:func:`restore`
@@ -320,7 +336,9 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
 
   Raises:
     TypeError: ``step`` is not an int, or ``params`` or ``opt_state`` is an
-      nnx object or ``nnx.state(optimizer)``.
+      nnx object or ``nnx.state(optimizer)``, or a degree of ``tx`` cannot be measured.
+    ValueError: ``tx`` does not make ``opt_state``, or is given with no ``pairs`` and has
+      no symmetry stage to take them from.
 
   Example:
     >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, saggs_jax as saggs
@@ -335,14 +353,76 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
   _check_step(step)
   _check_not_nnx_objects(params, opt_state)
   state = {"params": params, "opt_state": opt_state}
-  return manager.save(
-    step,
-    args=ocp.args.Composite(
-      state=ocp.args.StandardSave(_storable(state)),
-      layout=ocp.args.JsonSave(layout(state)),
-      checksums=ocp.args.JsonSave(checksums(state)),
-    ),
-  )
+  items = {
+    "state": ocp.args.StandardSave(_storable(state)),
+    "layout": ocp.args.JsonSave(layout(state)),
+    "checksums": ocp.args.JsonSave(checksums(state)),
+  }
+  if tx is not None:
+    items[_RECORD] = ocp.args.JsonSave(_degree_record(tx, params, opt_state, pairs))
+  return manager.save(step, args=ocp.args.Composite(**items))
+
+
+# ---------------------------------------------------------------------------
+# What the layout cannot tell: two optimizers with one layout (adam and adamax, both
+# ScaleByAdamState) whose moments move by other degrees. save(tx=) records the degrees of
+# every leaf of tx's state, measured on the pairs; restore(tx=) measures its own on the same
+# pairs and refuses a difference. Hyperparameters that change no degree (a learning rate, a
+# schedule, b1) pass: canonicalising by them is exact.
+
+_RECORD = "degrees"
+
+
+def _pairs_of(tx: optax.GradientTransformation) -> tuple[Pair, ...] | None:
+  stages = getattr(tx.update, "stages", ())
+  return stages[0].pairs if stages else None
+
+
+def _measured(tx: optax.GradientTransformation, params: Any, pairs: Sequence[Pair]) -> dict:
+  """``{path: degree}`` of every leaf of ``tx.init(params)`` (paths in its layout): a measured
+  degree, or ``"as registered"``."""
+  plan = resolve(pairs, params)
+  found = canonical._degrees(tx, params, jax.eval_shape(tx.init, params), plan)
+  return {} if found is None else dict(paths.leaves_with_paths(found))
+
+
+def _degree_record(tx, params: Any, opt_state: Any, pairs: Sequence[Pair] | None) -> dict:
+  pairs = _pairs_of(tx) if pairs is None else as_pairs(pairs)
+  if not pairs:
+    raise ValueError(
+      "save(tx=...) records the degrees measured on the pairs: tx has no symmetry stage to"
+      " take them from, so pass pairs= too (those restore will canonicalize with)."
+    )
+  arrays = _arrays(params)
+  nodes, _, i = _split(tx, arrays, _arrays(opt_state))
+  _made_by(tx, arrays, nodes[i])  # a tx that did not make opt_state is a ValueError here
+  return {"pairs": [repr(p) for p in pairs], "degrees": _measured(tx, arrays, pairs)}
+
+
+def _check_record(manager, step: int, what: str, tx, params: Any, pairs) -> None:
+  """Raises a ValueError if checkpoint ``step`` records degrees (:func:`save` with ``tx=``) on
+  these ``pairs`` and ``tx``'s differ. A checkpoint saved without ``tx=`` records none, one
+  saved with other pairs others: neither can be checked (see docs/checkpoints.md)."""
+  import orbax.checkpoint as ocp  # as in _abstract
+
+  try:
+    record = manager.restore(step, args=ocp.args.Composite(**{_RECORD: ocp.args.JsonRestore()}))
+  except KeyError as e:  # Orbax: 'Item "degrees" was not found in the checkpoint'
+    if "not found" not in str(e):
+      raise
+    return
+  record = record[_RECORD]
+  if record["pairs"] != [repr(p) for p in as_pairs(pairs)]:
+    return
+  saved, ours = record["degrees"], _measured(tx, params, pairs)
+  for path in [*ours, *(p for p in saved if p not in ours)]:
+    if saved.get(path) != ours.get(path):
+      raise ValueError(
+        f"{what} was saved by another optimizer than tx: the leaf {path!r} of its state moves"
+        f" by degree {saved.get(path, 'none')!r} there, by {ours.get(path, 'none')!r} in tx"
+        " (the same layout, other moments: adamax's nu for adam's). Pass the optimizer that"
+        " saved it. Nothing was restored."
+      )
 
 
 # ---------------------------------------------------------------------------
@@ -561,7 +641,8 @@ def restore(
     ValueError: the checkpoint was not written by :func:`save` (it lacks the
       layout and checksums), its layout differs from the target's (the
       message names the first differing path), ``tx`` does not make
-      ``opt_state``, or ``pairs`` do not resolve on ``params``: raised before
+      ``opt_state``, its degrees differ from those the checkpoint records (see
+      :func:`save`), or ``pairs`` do not resolve on ``params``: raised before
       any array is read. Or the arrays could not be read, or one read back
       does not match its checksum or has none (the message names it).
 
@@ -616,6 +697,7 @@ def restore(
     if tx is not None and opt_state is not None:
       nodes, node_def, i = _split(tx, _arrays(params), nodes[0])
       optimizer, n, made = _made_by(tx, _arrays(params), nodes[i])
+      _check_record(manager, step, what, tx, _arrays(params), balanced_by)
     else:
       _refuse_moments(_arrays(params), _arrays(opt_state), balanced_by)
     specs, treedef = jax.tree.flatten(jax.tree.map(_spec, _arrays((params, nodes[i]))))
