@@ -5,13 +5,16 @@ restart AdamW onto different trajectories. :func:`restore` with ``pairs``
 canonicalizes the restored state (:func:`saggs_jax.canonicalize`), so runs
 restarted from either follow the same trajectory. It moves each moment by the
 degree measured on the optimizer that made it (``tx=``): a state type does not
-fix its degrees (``optax.adamax`` keeps degree 1 in Adam's ``nu``), and one
-that optax reuses so (:data:`AMBIGUOUS`) is refused without ``tx``.
+fix its degrees (``optax.adamax`` keeps degree 1 in Adam's ``nu``, a moment after a
+normaliser degree 0), so without ``tx`` every moment of a declared parameter is refused
+(:func:`moved_without_tx`).
 
 :func:`save` writes three items: ``state`` (the params and the optimizer state,
 SAGGS stage state included), ``layout``, a small JSON record of every leaf's
 path, shape and dtype and of every empty node (such as optax's
-``EmptyState``), and ``checksums``, two 32-bit hashes of every array's bits.
+``EmptyState``), and ``checksums``, two 32-bit hashes of every array's bits; given
+``tx=``, a fourth, ``degrees``: the transport degree of every leaf of its state, so that
+:func:`restore` refuses another optimizer with the same layout.
 :func:`restore` reads ``layout`` first and compares it with the target, so a
 checkpoint made with other pairs, another optimizer chain or other dtypes fails
 with the first mismatching path before any array is read. It then reads the
@@ -61,6 +64,7 @@ from saggs_jax import canonical, paths
 from saggs_jax.pairs import Pair, as_pairs, resolve
 from saggs_jax.paths import Layout, first_difference, is_empty, layout
 from saggs_jax.transform import SaggsState
+from saggs_jax.transport import _RULES, transport  # _RULES: the state types with a rule
 
 if TYPE_CHECKING:
   import orbax.checkpoint as ocp
@@ -287,8 +291,22 @@ def _check_not_nnx_objects(params: Any, opt_state: Any) -> None:
       )
 
 
-def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any) -> bool:
+def save(
+  manager: ocp.CheckpointManager,
+  step: int,
+  params: Any,
+  opt_state: Any,
+  *,
+  tx: optax.GradientTransformation | None = None,
+  pairs: Sequence[Pair] | None = None,
+) -> bool:
   """Saves ``params`` and ``opt_state`` as checkpoint ``step``, with their layout and checksums.
+
+  Given ``tx``, the optimizer that made ``opt_state``, it also records the transport degree
+  of every leaf of its state (:func:`saggs_jax.degrees.measure` on ``pairs``, by default the
+  pairs of ``tx``'s first symmetry stage), so that :func:`restore` refuses a ``tx`` whose
+  degrees differ (another optimizer with the same layout: adamax for adam), which the layout
+  alone cannot tell.
 
   Saving is asynchronous, as with ``manager.save``: call
   ``manager.wait_until_finished()`` before the process exits (:func:`restore`
@@ -305,7 +323,9 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
 
   Raises:
     TypeError: ``step`` is not an int, or ``params`` or ``opt_state`` is an
-      nnx object.
+      nnx object, or a degree of ``tx`` cannot be measured.
+    ValueError: ``tx`` does not make ``opt_state``, or is given with no ``pairs`` and has
+      no symmetry stage to take them from.
 
   Example:
     >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, saggs_jax as saggs
@@ -320,28 +340,89 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
   _check_step(step)
   _check_not_nnx_objects(params, opt_state)
   state = {"params": params, "opt_state": opt_state}
-  return manager.save(
-    step,
-    args=ocp.args.Composite(
-      state=ocp.args.StandardSave(_storable(state)),
-      layout=ocp.args.JsonSave(layout(state)),
-      checksums=ocp.args.JsonSave(checksums(state)),
-    ),
-  )
+  items = {
+    "state": ocp.args.StandardSave(_storable(state)),
+    "layout": ocp.args.JsonSave(layout(state)),
+    "checksums": ocp.args.JsonSave(checksums(state)),
+  }
+  if tx is not None:
+    items[_RECORD] = ocp.args.JsonSave(_degree_record(tx, params, opt_state, pairs))
+  return manager.save(step, args=ocp.args.Composite(**items))
+
+
+# ---------------------------------------------------------------------------
+# What the layout cannot tell: two optimizers with one layout (adam and adamax, both
+# ScaleByAdamState) whose moments move by other degrees. save(tx=) records the degrees of
+# every leaf of tx's state, measured on the pairs; restore(tx=) measures its own on the same
+# pairs and refuses a difference. Hyperparameters that change no degree (a learning rate, a
+# schedule, b1) pass: canonicalising by them is exact.
+
+_RECORD = "degrees"
+
+
+def _pairs_of(tx: optax.GradientTransformation) -> tuple[Pair, ...] | None:
+  stages = getattr(tx.update, "stages", ())
+  return stages[0].pairs if stages else None
+
+
+def _measured(tx: optax.GradientTransformation, params: Any, pairs: Sequence[Pair]) -> dict:
+  """``{path: degree}`` of every leaf of ``tx.init(params)`` (paths in its layout): a measured
+  degree, or ``"as registered"``."""
+  plan = resolve(pairs, params)
+  found = canonical._degrees(tx, params, jax.eval_shape(tx.init, params), plan)
+  return {} if found is None else dict(paths.leaves_with_paths(found))
+
+
+def _degree_record(tx, params: Any, opt_state: Any, pairs: Sequence[Pair] | None) -> dict:
+  pairs = _pairs_of(tx) if pairs is None else as_pairs(pairs)
+  if not pairs:
+    raise ValueError(
+      "save(tx=...) records the degrees measured on the pairs: tx has no symmetry stage to"
+      " take them from, so pass pairs= too (those restore will canonicalize with)."
+    )
+  arrays = _arrays(params)
+  nodes, _, i = _split(tx, arrays, _arrays(opt_state))
+  made = jax.eval_shape(tx.init, arrays)
+  _made_by(tx, arrays, _laid_out(nodes[i], made))  # a tx that did not make it: ValueError
+  return {"pairs": [repr(p) for p in pairs], "degrees": _measured(tx, arrays, pairs)}
+
+
+def _check_record(manager, step: int, what: str, tx, params: Any, pairs) -> None:
+  """Raises a ValueError if checkpoint ``step`` records degrees (:func:`save` with ``tx=``) on
+  these ``pairs`` and ``tx``'s differ. A checkpoint saved without ``tx=`` records none, one
+  saved with other pairs others: neither can be checked (see docs/checkpoints.md)."""
+  import orbax.checkpoint as ocp  # as in _abstract
+
+  try:
+    record = manager.restore(step, args=ocp.args.Composite(**{_RECORD: ocp.args.JsonRestore()}))
+  except KeyError as e:  # Orbax: 'Item "degrees" was not found in the checkpoint'
+    if "not found" not in str(e):
+      raise
+    return
+  record = record[_RECORD]
+  if record["pairs"] != [repr(p) for p in as_pairs(pairs)]:
+    return
+  saved, ours = record["degrees"], _measured(tx, params, pairs)
+  for path in [*ours, *(p for p in saved if p not in ours)]:
+    if saved.get(path) != ours.get(path):
+      raise ValueError(
+        f"{what} was saved by another optimizer than tx: the leaf {path!r} of its state moves"
+        f" by degree {saved.get(path, 'none')!r} there, by {ours.get(path, 'none')!r} in tx"
+        " (the same layout, other moments: adamax's nu for adam's). Pass the optimizer that"
+        " saved it. Nothing was restored."
+      )
 
 
 # ---------------------------------------------------------------------------
 # Canonicalising a restored state moves its moments, each by its degree. A state type
-# registers the degrees it has where optax usually puts it, but optax reuses these
-# types for moments of other degrees: optax.adamax and adamaxw keep an infinity norm
-# (degree 1) in Adam's nu; the trace of rmsprop(centered=True, momentum=...), or of any
-# optimizer chained before optax.trace, holds normalised updates (degree 0), and lars's
-# follows a trust ratio (degree -1). Only the optimizer tells, so restore measures the
-# degrees on it (saggs_jax.degrees.measure) and refuses these types without it.
-
-AMBIGUOUS = (optax.ScaleByAdamState, optax.TraceState)
-"""State types whose degrees depend on the optimizer that made them: :func:`restore`
-canonicalises them only given that optimizer (``tx=``)."""
+# registers the degrees it has where optax usually puts it, but its place in the chain
+# decides them: optax.adamax and adamaxw keep an infinity norm (degree 1) in Adam's nu; any
+# moment after a normaliser holds updates of degree 0 (the trace of rmsprop(centered=True,
+# momentum=...), chain(scale_by_rms(), scale_by_lion()), chain(scale_by_rms(),
+# MultiSteps(sgd, 4))'s accumulator), after a trust ratio parameter-like ones (lars's
+# trace, -1), after a stage scaling by a parameter norm one less. No state type is safe
+# from such a stage before it, so restore measures the degrees on the optimizer
+# (saggs_jax.degrees.measure) and refuses, without it, every leaf it would move.
 
 _TX_FIX = (
   " Pass the optimizer that made opt_state, e.g. the saggs.chain you train with:"
@@ -356,17 +437,50 @@ def _nodes(tree: Any, types: tuple[type, ...]) -> list[tuple[str, Any]]:
   return [(p, x) for p, x in found if isinstance(x, types)]
 
 
-def _refuse_ambiguous(opt_state: Any) -> None:
-  found = _nodes(opt_state, AMBIGUOUS)
+def moved_without_tx(params: Any, opt_state: Any, pairs: Sequence[Pair]) -> list[str]:
+  """The paths of the leaves of ``opt_state`` that canonicalising by ``pairs`` would move by
+  their state types' registered degrees: every moment of a declared parameter, each of whose
+  degrees a stage before it can change (see above). Read off the transport's program on
+  abstract values (a leaf it returns as it came is not moved): nothing is computed.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, saggs_jax as saggs
+    >>> params = {"q": jnp.ones((2, 2)), "k": jnp.ones((2, 2)), "b": jnp.ones(2)}
+    >>> state = optax.chain(optax.scale_by_rms(), optax.scale_by_lion()).init(params)
+    >>> saggs.checkpoint.moved_without_tx(params, state, [saggs.Pair("q", "k")])
+    ['0/nu/k', '0/nu/q', '1/mu/k', '1/mu/q']
+  """
+  plan = resolve(pairs, params)
+  found = list(paths.arrays_with_paths(opt_state))
+  specs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for _, x in found]
+  factors = {i.key: jax.ShapeDtypeStruct(i.factor_shape, jnp.float32) for i in plan.instances}
+  treedef = jax.tree.structure(opt_state)
+
+  def moved(leaves, f):
+    return jax.tree.leaves(transport(plan, treedef.unflatten(leaves), f))
+
+  jaxpr = jax.make_jaxpr(moved)(specs, factors).jaxpr
+  inputs = jaxpr.invars[: len(specs)]
+  return [path for (path, _), i, o in zip(found, inputs, jaxpr.outvars) if o is not i]
+
+
+def _refuse_moments(params: Any, opt_state: Any, pairs: Sequence[Pair]) -> None:
+  found = moved_without_tx(params, opt_state, pairs)
   if found:
-    path, node = found[0]
-    others = f" (and {len(found) - 1} more such states)" if len(found) > 1 else ""
+    owners = [  # the registered states holding it, by the length of their paths
+      (len(p), type(x).__name__)
+      for t in _RULES
+      for p, x in _nodes(opt_state, (t,))
+      if found[0].startswith(p + "/") or not p
+    ]
+    what = f"{max(owners)[1]} leaf" if owners else "leaf"
+    others = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     raise TypeError(
-      f"Cannot canonicalize opt_state without its optimizer: {type(node).__name__} at"
-      f" {'opt_state/' + path if path else 'opt_state'}{others} has the degrees of the"
-      " optimizer that made it (optax.adamax keeps degree 1 in ScaleByAdamState.nu, a"
-      " trace after a normaliser degree 0), so its registered degrees may move it wrongly."
-      + _TX_FIX
+      f"Cannot canonicalize opt_state without its optimizer: the {what} at"
+      f" opt_state/{found[0]}{others} is a moment of a declared parameter, whose degree"
+      " its place in the optimizer decides, not its type (optax.adamax keeps degree 1 in"
+      " ScaleByAdamState.nu; any moment after a normaliser such as scale_by_rms holds degree"
+      " 0), so its registered degree may move it wrongly." + _TX_FIX
     )
 
 
@@ -521,11 +635,11 @@ def restore(
   With ``pairs``, the state is canonicalised: the parameters balanced
   (:func:`saggs_jax.canonicalize`) and every moment moved by its degree, as
   measured on ``tx`` (:func:`saggs_jax.degrees.measure`), the optimizer that
-  made ``opt_state``. A state type whose degrees depend on that optimizer
-  (:data:`AMBIGUOUS`: Adam's state, which ``optax.adamax`` also uses with an
-  infinity norm of degree 1 in ``nu``; a trace, which may follow a normaliser)
-  is refused without ``tx``; other registered types move by their registered
-  degrees.
+  made ``opt_state``. A moment's degree depends on its place in that optimizer,
+  not on its state type (``optax.adamax`` keeps an infinity norm of degree 1 in
+  Adam's ``nu``; any moment after a normaliser holds degree 0), so without ``tx``
+  a state holding any moment of a declared parameter (:func:`moved_without_tx`)
+  is refused; one holding none (plain SGD, counters) needs no ``tx``.
 
   Args:
     manager: the ``orbax.checkpoint.CheckpointManager`` it was saved with.
@@ -552,14 +666,15 @@ def restore(
 
   Raises:
     TypeError: ``step`` is not an int, the target is an nnx object (see
-      :func:`save`), ``opt_state`` holds an :data:`AMBIGUOUS` state or an
-      ``nnx.State`` and no ``tx`` is given, or a degree measured on
+      :func:`save`), ``opt_state`` holds a moment of a declared parameter (or an
+      ``nnx.State``) and no ``tx`` is given, or a degree measured on
       ``tx`` transports no leaf (see :func:`saggs_jax.degrees.measure`).
     FileNotFoundError: the manager holds no checkpoint ``step`` (or none at all).
     ValueError: the checkpoint was not written by :func:`save` (it lacks the
       layout and checksums), its layout differs from the target's (the
       message names the first differing path), ``tx`` does not make
-      ``opt_state``, or ``pairs`` do not resolve on ``params``: raised before
+      ``opt_state``, its degrees differ from those the checkpoint records (see
+      :func:`save`), or ``pairs`` do not resolve on ``params``: raised before
       any array is read. Or the arrays could not be read, or one read back
       does not match its checksum or has none (the message names it).
 
@@ -616,9 +731,10 @@ def restore(
       nodes, node_def, i = _split(tx, _arrays(params), nodes[0])
       made_by_tx = jax.eval_shape(tx.init, _arrays(params))
       optimizer, n, made = _made_by(tx, _arrays(params), _laid_out(nodes[i], made_by_tx))
+      _check_record(manager, step, what, tx, _arrays(params), balanced_by)
     else:
       _refuse_nnx_mappings(opt_state)
-      _refuse_ambiguous(opt_state)
+      _refuse_moments(_arrays(params), _arrays(opt_state), balanced_by)
     node = nodes[i] if made_by_tx is None else _laid_out(nodes[i], made_by_tx)
     specs, treedef = jax.tree.flatten(jax.tree.map(_spec, _arrays((params, node))))
     canonicalizer = _canonicalizer(as_pairs(balanced_by), optimizer, n, made, treedef, tuple(specs))
