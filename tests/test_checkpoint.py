@@ -470,7 +470,7 @@ def test_restore_canonicalises_nnx_state_of_an_optimizer(manager):
     optimizer.update(model, models.random_like(nnx_params(model), seed))
   params, state = nnx_params(model), jax.tree.map(jnp.copy, nnx.state(optimizer))
   factors = draw_factors(MLP_MOVES, params, 3)
-  saggs.checkpoint.save(manager, 1, params, state)
+  saggs.checkpoint.save(manager, 1, params, state, tx=nnx_chain())  # its degrees recorded
   moved = (
     numpy_move(params, MLP_MOVES, factors, 1),
     numpy_move(state, MLP_MOVES, factors, _field_degree),
