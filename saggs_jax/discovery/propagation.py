@@ -359,11 +359,14 @@ class Lost(NamedTuple):
 
 
 class Cut(NamedTuple):
-  """The block ``[lo, hi)`` of a source leaf's ``axis`` (a fused QKV kernel's q columns)."""
+  """The block ``[lo, hi)`` of a source leaf's ``axis`` (a fused QKV kernel's q columns); with
+  a ``period``, the block ``[lo, hi)`` of every run of ``period`` entries along it (columns
+  interleaved per head, ``[q_0 k_0 v_0 q_1 k_1 v_1 ...]``, as BLOOM stores them)."""
 
   axis: int
   lo: int
   hi: int
+  period: int = 0  # 0: one run, the whole axis
 
 
 class Via(enum.Enum):
@@ -497,15 +500,21 @@ def _reshape(walk: Walk, x: Site) -> Step:
 
 
 def _slice(walk: Walk, x: Site) -> Step:
-  """A slice or split: an output that is one block of a whole leaf axis is a :class:`Cut`."""
+  """A slice or split: an output that is one block of a leaf axis is a :class:`Cut`. A block
+  of every run (a head's first ``r`` dims, which partial RoPE rotates) proposes groups finer
+  than a run: as many as the largest groups whose bounds its bounds fall on."""
   cuts = _cuts(walk, x.eqn, x.tags[0])
   found = frozenset(c for c in cuts if c is not None)
-  return _carry(walk, x, x.reasons, cuts), Trace(cuts=found) if found else None
+  finer = frozenset(walk.shape[c.axis] // math.gcd(c.lo, c.hi, c.period) for c in found if c.period)
+  return _carry(walk, x, x.reasons, cuts), Trace(cuts=found, splits=finer) if found else None
 
 
 def _cuts(walk: Walk, eqn: Eqn, t: Tag) -> list[Cut | None]:
   """Per output of a slice or split, the block it takes of the source leaf, or None. A block
-  is a contiguous range of an axis that holds exactly one whole leaf axis."""
+  is a contiguous range of an axis that holds one leaf axis, whole or as one of the axes a
+  reshape split it into (heads, then q|k|v, then head dims): the range of every run of the
+  axes it and those after it span, the axes taken to keep the leaf's order (a wrong block is
+  only a wrong candidate, which the numbers refute)."""
   shape, p = walk.flow.prog.shapes[eqn.ins[0]], eqn.params
   if eqn.prim == "split":
     axis, bounds = p["axis"], np.cumsum([0] + list(p["sizes"]))
@@ -526,9 +535,15 @@ def _cuts(walk: Walk, eqn: Eqn, t: Tag) -> list[Cut | None]:
   if len(leaf_axes) != 1:
     return [None] * len(ranges)
   (la,) = leaf_axes
-  if shape[axis] != walk.shape[la] or sum(la in s for s in amap.values()) > 1:
+  holders = sorted(a for a, s in amap.items() if la in s)
+  if (
+    any(len(amap[a]) > 1 for a in holders) or math.prod(shape[a] for a in holders) != walk.shape[la]
+  ):
     return [None] * len(ranges)
-  return [Cut(la, int(lo), int(hi)) for lo, hi in ranges]
+  inner = math.prod(shape[a] for a in holders if a > axis)
+  period = shape[axis] * inner
+  period = 0 if period == walk.shape[la] else period
+  return [Cut(la, int(lo) * inner, int(hi) * inner, period) for lo, hi in ranges]
 
 
 def _operands(x: Site) -> tuple[bool, Tag, Value | None, int]:
