@@ -164,3 +164,47 @@ def partial_rope_forward(params, tokens, rotary=4):
   w = _causal_softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(PR_HD))
   x = x + jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, t, -1) @ a["o"]
   return x @ params["head"]
+
+
+# ---------------------------------------------------------------------------
+# DeepSeek's multi-head latent attention (MaxText's layout: query (d, heads, nope + rope),
+# wkv_a (d, rank + rope), wkv_b (rank, heads, nope + v), out (heads, v, d)).
+
+MLA_H, MLA_NOPE, MLA_ROPE, MLA_V, MLA_RANK = 2, 4, 4, 4, 8
+
+
+def mla_init(seed: int = 0):
+  rng = np.random.default_rng(seed)
+  h, nope, rope, v, rank = MLA_H, MLA_NOPE, MLA_ROPE, MLA_V, MLA_RANK
+  return _float32(
+    {
+      "embed": rng.standard_normal((V, D)),
+      "attn": {
+        "query": _dense(rng, D, h, nope + rope),
+        "wkv_a": _dense(rng, D, rank + rope),
+        "kv_norm": {"scale": 1 + 0.1 * rng.standard_normal(rank)},
+        "wkv_b": _dense(rng, rank, h, nope + v),
+        "out": _dense(rng, h, v, D) / np.sqrt(h),
+      },
+      "head": _dense(rng, D, V),
+    }
+  )
+
+
+def mla_forward(params, tokens):
+  """One MLA layer: each head's query is its non-rotary dims then its rotary ones; its key is
+  the latent's non-rotary dims for that head then one rotary key shared by every head."""
+  x = params["embed"][tokens]
+  b, t, _ = x.shape
+  a, nope, rank = params["attn"], MLA_NOPE, MLA_RANK
+  q = jnp.einsum("btd,dhk->bthk", x, a["query"])
+  query = jnp.concatenate([q[..., :nope], _rotate_half(q[..., nope:], MLA_ROPE)], -1)
+  kv_a = x @ a["wkv_a"]
+  latent = _rms_norm(kv_a[..., :rank], a["kv_norm"]["scale"])
+  k_pe = _rotate_half(kv_a[:, :, None, rank:], MLA_ROPE)
+  kv = jnp.einsum("btr,rhk->bthk", latent, a["wkv_b"])
+  key = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_pe, (b, t, MLA_H, MLA_ROPE))], -1)
+  w = _causal_softmax(jnp.einsum("bqhd,bkhd->bhqk", query, key) / np.sqrt(nope + MLA_ROPE))
+  out = jnp.einsum("bhqk,bkhd->bqhd", w, kv[..., nope:])
+  x = x + jnp.einsum("bqhd,hde->bqe", out, a["out"])
+  return x @ params["head"]

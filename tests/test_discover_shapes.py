@@ -139,3 +139,38 @@ def test_partial_rotary_qk_is_found_at_its_finest_equal_groups(rotary, groups):
   finer = 2 * groups if rotary == 4 else 4
   assert qk_change(rotary, finer) > 1e-3
   assert qk_change(rotary, ds.PR_H * ds.PR_HD) > 1e-3
+
+
+# ---------------------------------------------------------------------------
+# MLA: the non-rotary query dims of each head against the latent's non-rotary key dims.
+
+
+def mla_change(query_dims: slice, seed: int = 0) -> float:
+  """The logits' change when each head's ``query_dims`` take a factor and its non-rotary
+  key columns of ``wkv_b`` the inverse."""
+  params = ds.mla_init()
+  c = per_group(np.random.default_rng(seed), ds.MLA_H, ds.MLA_H)[:, None]
+  moved = copy(params)
+  moved["attn"]["query"][:, :, query_dims] *= c
+  moved["attn"]["wkv_b"][:, :, : ds.MLA_NOPE] /= c
+  return logits_change(ds.mla_forward, params, moved)
+
+
+def test_mla_pairs_each_heads_non_rotary_query_and_key_blocks():
+  found = discover(ds.mla_forward, ds.mla_init(), ds.tokens())
+  nope = saggs.Pair(
+    saggs.Block("query", axis=2, parts=2, part=0),
+    saggs.Block("wkv_b", axis=2, parts=2, part=0),
+    axes=(1, 1),
+    name="attention Q/K",
+  )
+  assert nope in set(found), found.report()
+  assert not [r for r in found.rejected if "concatenation" in r.reason], found.report()
+  assert mla_change(slice(0, ds.MLA_NOPE)) < RTOL
+  assert mla_change(slice(None)) > 1e-3  # the rotary dims stay: the key's are shared
+  # every pair found is exact (NumPy orbit move of test_discover, on the found patterns)
+  from test_discover import orbit_move
+
+  params = ds.mla_init()
+  for seed in range(2):
+    assert logits_change(ds.mla_forward, params, orbit_move(params, found, seed)) < RTOL

@@ -275,15 +275,14 @@ class Analysis:
     self.gates_of[leaf] |= trace.gates
     for g in trace.gates:
       self.gated[g].add(leaf)
-    parts = (
-      None
-      if _clean(trace)
-      else _partition({c for c in trace.cuts if c.axis not in trace.joined}, self.shapes[leaf])
-    )
+    parts = _partition({c for c in trace.cuts if c.axis not in trace.joined}, self.shapes[leaf])
+    whole = [Source(leaf, start.eqn, start.channel, start.stacked, trace, gain)]
     if parts is None:
-      return [Source(leaf, start.eqn, start.channel, start.stacked, trace, gain)]
+      return whole
+    # blocks are tried even where the whole leaf is exact: MLA's query meets the key whole,
+    # and its non-rotary block meets the latent's non-rotary block per head
     axis, bounds, period = parts
-    out = []
+    out = whole if _clean(trace) else []
     for lo, hi in bounds:
       part = Part(axis, lo, hi, bounds, period)
       out.append(
@@ -576,7 +575,8 @@ def _partition(
   return (axis, tuple(bounds), period) if len(bounds) > 1 else None
 
 
-def _contracted(meet: Meet) -> tuple[tuple[str, int], ...]:
-  """The contracted positions a factor sits on. A batch axis (heads) may carry it on one side
-  only: one KV head read by every query head (MQA); the check then finds the grouping."""
-  return tuple(x for x in meet.positions if x[0] == "c")
+def _contracted(meet: Meet) -> tuple:
+  """The contracted positions a factor sits on, and the block of them (a span) if one. A batch
+  axis (heads) may carry it on one side only: one KV head read by every query head (MQA); the
+  check then finds the grouping."""
+  return tuple(x for x in meet.positions if x[0] == "c"), meet.span

@@ -57,6 +57,7 @@ def inexact(text: str) -> Reason:
 
 
 NORM = inexact("a normalization over its channels")
+UNLIKE = inexact("a concatenation with a value that does not scale like it")
 
 
 def explain(reasons: frozenset[Reason], where: str) -> str:
@@ -72,11 +73,15 @@ def explain(reasons: frozenset[Reason], where: str) -> str:
 
 
 class Tag(NamedTuple):
-  """A value scaled per channel: value axis -> source leaf axes; why it is no longer exact."""
+  """A value scaled per channel: value axis -> source leaf axes; why it is no longer exact.
+  With a ``span`` ``(axis, lo, hi)``, only the entries ``[lo, hi)`` of that value axis scale,
+  the rest not at all: a block of a concatenation (MLA's key, the latent's non-rotary dims
+  beside a rotary key that no head's factor reaches)."""
 
   axes: tuple[tuple[int, frozenset[int]], ...]
   reasons: frozenset[Reason] = frozenset()
   positive: bool = False  # exact for positive factors only (it went through a ReLU, say)
+  span: tuple[int, int, int] | None = None
 
   @property
   def amap(self) -> dict[int, frozenset[int]]:
@@ -340,6 +345,7 @@ class Meet(NamedTuple):
   positions: tuple[tuple[str, int], ...]  # ("c" or "b", k): the dimension numbers it sits on
   reasons: frozenset[Reason]
   positive: bool
+  span: tuple[int, int, int] | None = None  # (k, lo, hi): only [lo, hi) of contracted dim k
 
 
 class Follower(NamedTuple):
@@ -455,10 +461,21 @@ def _carry(
 ) -> list[Out]:
   """Axes move, the factor moves with them; with ``cuts`` (per output, a block of the source
   leaf or None), an output that cuts another block than :attr:`Walk.keep` does not scale."""
-  t, eqn, keep = x.tags[0], x.eqn, walk.keep
+  t, eqn, keep, shapes = x.tags[0], x.eqn, walk.keep, walk.flow.prog.shapes
   amap = t.amap
-  axes = tuple(amap.get(a, frozenset()) for a in range(len(walk.flow.prog.shapes[eqn.ins[0]])))
-  value = tag(dict(enumerate(moved(eqn, walk.flow.prog.shapes, axes))), reasons, t.positive)
+  axes = tuple(amap.get(a, frozenset()) for a in range(len(shapes[eqn.ins[0]])))
+  value = tag(dict(enumerate(moved(eqn, shapes, axes))), reasons, t.positive)
+  if t.span is not None and value is not None:  # the block's entries stay where they were?
+    a, lo, hi = t.span
+    lands = RULES[eqn.prim].axes(shapes[eqn.ins[0]], shapes[eqn.outs[0]], eqn.params)[a]  # pyright: ignore[reportOptionalCall]
+    if (
+      len(lands) == 1
+      and shapes[eqn.outs[0]][lands[0]] == shapes[eqn.ins[0]][a]
+      and (eqn.prim not in ("rev", "pad"))
+    ):
+      value = value._replace(span=(lands[0], lo, hi))
+    else:
+      value = value._replace(reasons=value.reasons | {UNLIKE})
   return [
     (
       o,
@@ -480,9 +497,22 @@ def _identity(walk: Walk, x: Site) -> Step:
 
 
 def _concatenate(walk: Walk, x: Site) -> Step:
+  """A concatenation of values that all scale alike scales like them; of one that scales with
+  values the factor does not reach, it scales on that block of the axis only (a span)."""
+  t, shapes, eqn = x.tags[0], walk.flow.prog.shapes, x.eqn
+  tagged = [k for k, s in enumerate(x.values) if isinstance(s, Tag)]
+  if eqn.prim == "concatenate" and len(tagged) == 1 and t.span is None:
+    k = tagged[0]
+    if all(s is None for j, s in enumerate(x.values) if j != k):
+      dim = eqn.params["dimension"]
+      lo = sum(shapes[i][dim] for i in eqn.ins[:k])
+      [(o, value, cut)] = _carry(walk, x, x.reasons)
+      if isinstance(value, Tag):
+        value = value._replace(span=(dim, lo, lo + shapes[eqn.ins[k]][dim]))
+      return [(o, value, cut)], None
   reasons = x.reasons
-  if any(not isinstance(s, Tag) or s.axes != x.tags[0].axes for s in x.values):
-    reasons |= {inexact("a concatenation with a value that does not scale like it")}
+  if any(not isinstance(s, Tag) or s.axes != t.axes or s.span for s in x.values):
+    reasons |= {UNLIKE}
   return _carry(walk, x, reasons), None
 
 
@@ -610,7 +640,7 @@ def _product(walk: Walk, x: Site) -> Step:
     reasons |= {inexact("a division by it")}
   elif walk.flow.dep[i] and i not in walk.flow.views:  # a product with another activation
     note = Trace(through=frozenset({Via.GATE}), gates=frozenset({x.eqn.outs[0]}))
-  return _first(x, Tag(t.axes, reasons, positive), note)
+  return _first(x, t._replace(reasons=reasons, positive=positive), note)
 
 
 def _relu(walk: Walk, x: Site) -> Step:
@@ -651,6 +681,15 @@ def _dot(walk: Walk, x: Site) -> Step:
   t, other, amap = x.tags[0], eqn.ins[1 - side], x.tags[0].amap
   contract, batch = (lc, rc)[side], (lb, rb)[side]
   out = dot_out_axis(dims, [flow.prog.shapes[i] for i in eqn.ins], side)
+  span, out_span = None, None  # a block of a contracted axis; of a kept one, where it lands
+  if t.span is not None:
+    a, lo, hi = t.span
+    if a not in contract:
+      out_span = (out[a], lo, hi)
+    elif a in amap and flow.dep[other] and other not in flow.views:  # it meets a block alike
+      span = (contract.index(a), lo, hi)
+    else:  # the block is summed with entries that do not scale
+      reasons |= {UNLIKE}
   if set(contract) & set(amap):
     view = flow.views.get(other)
     ocontract, obatch = (lc, rc)[1 - side], (lb, rb)[1 - side]
@@ -669,16 +708,18 @@ def _dot(walk: Walk, x: Site) -> Step:
           + [("b", k) for k, a in enumerate(batch) if a in amap]
         )
       )
-      return [], Trace(meets=(Meet(x.e, side, positions, reasons, t.positive),))
+      return [], Trace(meets=(Meet(x.e, side, positions, reasons, t.positive, span),))
     # a constant mixes the contracted channels (RoPE as a matmul): the rest stay
     rest = tag({out[a]: s for a, s in amap.items() if a not in contract}, reasons, t.positive)
+    rest = rest and rest._replace(span=out_span)
     return _first(x, rest or Taint(reasons | {inexact("a contraction with a constant")}))
   note = (
     Trace(through=frozenset({Via.ATTENTION}))
     if flow.dep[other] and other not in flow.views
     else None
   )
-  return _first(x, tag({out[a]: s for a, s in amap.items()}, reasons, t.positive), note)
+  value = tag({out[a]: s for a, s in amap.items()}, reasons, t.positive)
+  return _first(x, value and value._replace(span=out_span), note)
 
 
 def _select(walk: Walk, x: Site) -> Step:
@@ -789,6 +830,9 @@ RULES: dict[str, Rule] = {
   "select_n": Rule(_select, joins=True),
 }
 _OTHER = Rule(_other)
+# Steps that keep a Tag's span (with the axis movers, which move it): any other primitive
+# makes a spanned value inexact first, whatever it does.
+_SPANS = frozenset({"mul", "div", "dot_general"})
 
 
 def rule_of(prim: str) -> Rule:
@@ -833,16 +877,42 @@ def follow(
   return Trace.merge(notes)
 
 
+def _in_place(walk: Walk, eqn: Eqn, st: list, cut_of: dict[int, Cut | None]) -> bool:
+  """A concatenation that puts the blocks of a leaf axis back where they were (MLA's query:
+  its non-rotary block, then its rotary one): side by side, not one channel. Blocks put
+  elsewhere (``concat([-x2, x1])``, rotate-half RoPE as MaxText writes it) are joined."""
+  if eqn.prim != "concatenate":
+    return False
+  shapes, dim, offset = walk.flow.prog.shapes, eqn.params["dimension"], 0
+  for i, s in zip(eqn.ins, st):
+    size, cut = shapes[i][dim], cut_of.get(i)
+    if isinstance(s, Tag) and (
+      cut is None or cut.period or (cut.lo, cut.hi) != (offset, offset + size)
+    ):
+      return False
+    offset += size
+  return offset == walk.shape[next(c for c in map(cut_of.get, eqn.ins) if c).axis]
+
+
 def _step(walk: Walk, e: int, values: dict[int, Value], cut_of: dict[int, Cut | None]) -> Step:
   """Eqn ``e`` on the inputs' ``values``: the outputs' values, and what the factor met."""
   eqn = walk.flow.prog.eqns[e]
+  rule = rule_of(eqn.prim)
   st = [values.get(i) for i in eqn.ins]
+  if not (rule.identity or rule.axes is not None or eqn.prim in _SPANS):  # a block is lost
+    st = [
+      Tag(s.axes, s.reasons | {UNLIKE}, s.positive) if isinstance(s, Tag) and s.span else s
+      for s in st
+    ]
   tags = [s for s in st if isinstance(s, Tag)]
   taints = [s for s in st if isinstance(s, Taint)]
   reasons = frozenset().union(*(s.reasons for s in tags + taints))
-  rule = rule_of(eqn.prim)
   cuts = {cut_of[i] for i, s in zip(eqn.ins, st) if isinstance(s, Tag)}
-  joined = frozenset(c.axis for c in cuts if c) if len(cuts) > 1 and rule.joins else None
+  joined = (
+    frozenset(c.axis for c in cuts if c)
+    if len(cuts) > 1 and rule.joins and not _in_place(walk, eqn, st, cut_of)
+    else None
+  )
   x = Site(e, eqn, st, tags, reasons, cuts.pop() if len(cuts) == 1 else None)
   if tags or rule.identity:
     outs, note = rule.step(walk, x)
