@@ -147,17 +147,17 @@ def test_follow_reaches_the_next_linear_with_what_it_passed_through():
   assert residual.breaks == {propagation.RESIDUAL} and not residual.reaches
 
 
-def _block_of_concat(after, x=None):
-  """The trace of ``q``'s columns concatenated before an activation that the factor does not
-  reach (MLA's query: its non-rotary dims, then rotary ones), then ``after(q)`` contracted
-  with ``k`` concatenated alike."""
+def _block_of_concat(after, axis=-1):
+  """The trace of ``q``'s columns concatenated (along ``axis``) with an activation that the
+  factor does not reach (MLA's query: its non-rotary dims, then rotary ones), then
+  ``after(q, k, params)``, ``k`` concatenated alike."""
   params = {"q": jnp.ones((3, 4)), "k": jnp.ones((3, 4)), "o": jnp.ones((6, 2))}
-  x = jnp.ones((2, 3)) if x is None else x
+  x = jnp.ones((2, 3))
 
   def forward(p, x):
-    rest = jnp.tanh(x[:, :2])  # the factor does not reach it
-    q = jnp.concatenate([x @ p["q"], rest], -1)
-    k = jnp.concatenate([x @ p["k"], rest], -1)
+    rest = jnp.tanh(x[:, :2] if axis else x[:, :1] * jnp.ones((2, 4)))  # not reached
+    q = jnp.concatenate([x @ p["q"], rest], axis)
+    k = jnp.concatenate([x @ p["k"], rest], axis)
     return after(q, k, p)
 
   return _trace(forward, params, x, 0)
@@ -174,4 +174,7 @@ def test_a_concatenated_block_scales_its_span_only_and_meets_the_same_span():
   (meet,) = _block_of_concat(lambda q, k, p: jnp.maximum(q, 0.0) @ k.T).meets  # no span rule
   assert unlike in meet.reasons
   (reach,) = _block_of_concat(lambda q, k, p: q @ p["o"]).reaches  # rows 0:4 of o only
+  assert unlike in reach.reasons
+  # a block of the tokens: o's rows would compensate the other tokens too
+  (reach,) = _block_of_concat(lambda q, k, p: q @ p["o"][:4], axis=0).reaches
   assert unlike in reach.reasons

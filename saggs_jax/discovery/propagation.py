@@ -684,12 +684,13 @@ def _dot(walk: Walk, x: Site) -> Step:
   span, out_span = None, None  # a block of a contracted axis; of a kept one, where it lands
   if t.span is not None:
     a, lo, hi = t.span
-    if a not in contract:
+    if a in contract and a in amap and flow.dep[other] and other not in flow.views:
+      span = (contract.index(a), lo, hi)  # it meets a block alike, or nothing pairs it
+    elif a in contract or (set(contract) & set(amap) and flow.dep[other]):
+      reasons |= {UNLIKE}  # summed with entries that do not scale; or a reach or a meet that
+      # would compensate the factor on every entry of an axis it holds on a block only
+    else:
       out_span = (out[a], lo, hi)
-    elif a in amap and flow.dep[other] and other not in flow.views:  # it meets a block alike
-      span = (contract.index(a), lo, hi)
-    else:  # the block is summed with entries that do not scale
-      reasons |= {UNLIKE}
   if set(contract) & set(amap):
     view = flow.views.get(other)
     ocontract, obatch = (lc, rc)[1 - side], (lb, rb)[1 - side]
