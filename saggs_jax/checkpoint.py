@@ -64,7 +64,7 @@ from saggs_jax import canonical, paths
 from saggs_jax.pairs import Pair, as_pairs, resolve
 from saggs_jax.paths import Layout, first_difference, is_empty, layout
 from saggs_jax.transform import SaggsState
-from saggs_jax.transport import _RULES, transport  # _RULES: the state types with a rule
+from saggs_jax.transport import registered_types, transport
 
 if TYPE_CHECKING:
   import orbax.checkpoint as ocp
@@ -469,7 +469,7 @@ def _refuse_moments(params: Any, opt_state: Any, pairs: Sequence[Pair]) -> None:
   if found:
     owners = [  # the registered states holding it, by the length of their paths
       (len(p), type(x).__name__)
-      for t in _RULES
+      for t in registered_types()
       for p, x in _nodes(opt_state, (t,))
       if found[0].startswith(p + "/") or not p
     ]

@@ -695,7 +695,7 @@ _LOOKAHEAD_CODE = frozenset(
 )
 
 
-def refuse_inside_lookahead() -> None:
+def _refuse_inside_lookahead() -> None:
   """Raises a ValueError if called, at any depth, from ``optax.lookahead``'s update or init.
 
   A symmetry stage inside lookahead (``optax.lookahead(saggs.chain(adam, saggs(pairs)),
@@ -760,7 +760,7 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan, state: An
   """
   if not plan.slots:
     return None
-  refuse_inside_lookahead()  # before the cache: the same chain may also run outside it
+  _refuse_inside_lookahead()  # before the cache: the same chain may also run outside it
   cache_key, tx = tx.update, optax.with_extra_args_support(tx)
   try:
     known = _MEASURED.setdefault(cache_key, {})
