@@ -49,6 +49,10 @@ COMMANDS = {
     "needs MaxText and a 7B model's memory; the zoo's MaxText leg runs the same driver on a"
     " tiny config (tests/zoo/test_zoo_maxtext_train.py)"
   ),
+  "python examples/easydel_saggs.py": (
+    "needs EasyDeL (Python 3.11 with its own pins); the zoo's EasyDeL leg runs it at smoke size"
+    " (tests/zoo/test_zoo_easydel_train.py::test_the_documented_command_runs)"
+  ),
 }
 
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
