@@ -20,6 +20,15 @@ mean ± std, t-intervals, seeds in favour), and relative to the control as
   library's symmetry-compatible stack and Lau & Su's own settings
   (``symmetry_compatible(preset="reference")``), built by ``harness.optimizers``,
   each tuned over the same multiplier grid around its default rate.
+* ``moe`` (Lau & Su 2026's MoE claims): the OLMoE-style MoE LM of
+  ``harness.moe`` trained with AdamW, AdamW + hard SAGGS, the symmetry-compatible
+  stack and the stack + hard SAGGS, at fixed rates (``--moe-lr``,
+  ``--moe-stack-lr``); besides the loss, each run logs at every evaluation the
+  expert load imbalance, the top-k flips of a fixed probe batch and its
+  vocabulary logits (``MOE_QUANTITIES``), and each arm is judged against AdamW
+  on Lau & Su's three claims (``MOE_CLAIMS``), Bonferroni over those alone.
+  Plots: ``moe_{load_imbalance,router_flips,logit_growth}.png`` besides the two
+  below.
 
 Seeds. ``compare_optimizers``' default rates come from pilots on seeds 0-2;
 the optimizers are tuned on ``--tune-seeds`` seeds from 100; every claim is
@@ -83,9 +92,9 @@ import numpy as np
 import optax
 
 import saggs_jax as saggs
-from harness import lm, optimizers, stats
+from harness import lm, moe, optimizers, stats
 
-EXPERIMENTS = ("imbalance", "resume", "balanced", "optimizers")
+EXPERIMENTS = ("imbalance", "resume", "balanced", "optimizers", "moe")
 IMBALANCE_ARMS = ("AdamW", "hard SAGGS", "soft SAGGS")
 RESUME_ARMS = (
   "control",
@@ -95,6 +104,9 @@ RESUME_ARMS = (
   "rescaled, canonicalized",
 )
 OPTIMIZER_ARMS = ("adamw", "muon", "stack", "reference")
+MOE_ARMS = ("AdamW", "AdamW + hard SAGGS", "stack", "stack + hard SAGGS")
+# What a moe run records per evaluation besides its loss (harness.moe.train's history).
+MOE_METRICS = ("cv", "max_mean", "flip", "logit_max", "logit_rms")
 # A recovery (resume) or a cost (balanced) counts as negligible below this
 # fraction of the penalty SAGGS is there to remove, measured in the same study.
 NEGLIGIBLE_FRACTION = 0.2
@@ -144,6 +156,17 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     default=(0.25, 0.5, 1.0, 2.0),
     help="optimizers: rates swept, times each optimizer's default rate",
   )
+  parser.add_argument("--moe-seeds", type=int, default=4, help="moe: evaluation seeds")
+  parser.add_argument("--moe-steps", type=int, default=200, help="steps of moe")
+  parser.add_argument("--moe-d-model", type=int, default=32, help="moe: width (4 heads)")
+  parser.add_argument("--moe-layers", type=int, default=2, help="moe: decoder layers")
+  parser.add_argument("--moe-experts", type=int, default=8, help="moe: experts per layer")
+  parser.add_argument("--moe-top-k", type=int, default=2, help="moe: experts per token")
+  parser.add_argument("--moe-expert-hidden", type=int, default=32, help="moe: expert width")
+  parser.add_argument("--moe-lr", type=float, default=1e-2, help="moe: AdamW's peak rate")
+  parser.add_argument(
+    "--moe-stack-lr", type=float, default=0.025, help="moe: the stack's peak matrix rate"
+  )
   parser.add_argument("--eval-every", type=int, default=25)
   parser.add_argument("--eval-batches", type=int, default=16)
   parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
@@ -157,6 +180,11 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     pretrain_steps=4,
     resume_steps=4,
     opt_steps=4,
+    moe_seeds=2,
+    moe_steps=4,
+    moe_d_model=16,
+    moe_layers=1,
+    moe_expert_hidden=8,
     lr_multipliers=(1.0,),
     batch_size=4,
     eval_every=2,
@@ -172,7 +200,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
   if unknown := set(args.experiments) - set(EXPERIMENTS):
     parser.error(f"unknown experiments {sorted(unknown)}; choose from {EXPERIMENTS}")
   tuning = set(tune_seeds(args))
-  if tuning & set(eval_seeds(args, max(args.seeds, args.opt_seeds))):
+  if tuning & set(eval_seeds(args, max(args.seeds, args.opt_seeds, args.moe_seeds))):
     parser.error(
       f"--first-seed {args.first_seed} makes evaluation seeds overlap the tuning "
       f"seeds {min(tuning)}-{max(tuning)}"
@@ -234,6 +262,8 @@ class Store:
       "eval_step": history["eval_step"].tolist(),
       "eval_loss": history["eval_loss"].tolist(),
     }
+    if metrics := {k: np.asarray(v).tolist() for k, v in history.items() if k in MOE_METRICS}:
+      record["metrics"] = metrics
     self.path.parent.mkdir(parents=True, exist_ok=True)
     with open(self.path, "a") as f:  # one write per run: an interruption loses at most it
       f.write(json.dumps(record, sort_keys=True) + "\n")
@@ -468,10 +498,93 @@ def run_optimizers(setup: Setup, store: Store) -> tuple[list[dict], dict[str, fl
   return records, best, rows, edges
 
 
+def moe_config(args) -> moe.MoEConfig:
+  """The MoE LM of the flags: 4 query heads over 2 KV heads of ``--moe-d-model / 4``, the
+  study's ``--seq-len``."""
+  return moe.MoEConfig(
+    d_model=args.moe_d_model,
+    num_layers=args.moe_layers,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=args.moe_d_model // 4,
+    num_experts=args.moe_experts,
+    top_k=args.moe_top_k,
+    expert_hidden=args.moe_expert_hidden,
+    seq_len=args.seq_len,
+  )
+
+
+def moe_optimizer(arm: str, args, config: moe.MoEConfig) -> optax.GradientTransformation:
+  """An arm of ``MOE_ARMS``: AdamW or the default symmetry-compatible stack (router and LM
+  head centred row-norm, experts polar per expert, QK/V/O polar per head, the rest AdamW
+  at ``--moe-lr``), on ``optimizers.schedule`` (10% warm-up, cosine to a tenth), no weight
+  decay, then hard SAGGS every ``--every`` updates where the arm says so."""
+  schedule_args = argparse.Namespace(steps=args.moe_steps, warmup=0.1)
+  adamw_lr = optimizers.schedule(args.moe_lr, schedule_args)
+  if arm.startswith("stack"):
+    tx = saggs.equivariant.symmetry_compatible(
+      optimizers.schedule(args.moe_stack_lr, schedule_args),
+      adamw_learning_rate=adamw_lr,
+      num_heads=config.num_heads,
+      num_kv_heads=config.num_kv_heads,
+      head_dim=config.head_dim,
+    )
+  else:
+    tx = optax.adamw(adamw_lr, weight_decay=0.0)
+  if arm.endswith("hard SAGGS"):
+    return saggs.chain(tx, saggs.saggs(moe.pairs(config), every=args.every))
+  return tx
+
+
+def moe_specs(setup: Setup) -> list[Spec]:
+  """The four ``MOE_ARMS`` from the same initialisation per seed, on the same batches."""
+  a = setup.args
+  config = moe_config(a)
+  graphdef, _ = moe.init_model(config, seed=0)
+  run_config = {
+    "code": setup.code,
+    "model": dataclasses.asdict(config),
+    "steps": a.moe_steps,
+    "lr": a.moe_lr,
+    "stack_lr": a.moe_stack_lr,
+    "every": a.every,
+    "batch_size": a.batch_size,
+    "eval_batches": a.eval_batches,
+    "eval_every": a.eval_every,
+    "corpus_bytes": a.corpus_bytes,
+  }
+
+  @functools.cache  # one optimizer per arm: its seeds share the compiled step
+  def optimizer(arm):
+    return moe_optimizer(arm, a, config)
+
+  def run(seed, arm, desc):
+    _, params = moe.init_model(config, seed=seed)
+    return moe.train(
+      graphdef,
+      params,
+      optimizer(arm),
+      setup.corpus,
+      config,
+      steps=a.moe_steps,
+      batch_size=a.batch_size,
+      seed=seed,
+      eval_every=a.eval_every,
+      eval_batches=a.eval_batches,
+      desc=desc,
+    )
+
+  return [
+    Spec("moe", arm, seed, run_config, functools.partial(run, seed, arm))
+    for seed in eval_seeds(a, a.moe_seeds)
+    for arm in MOE_ARMS
+  ]
+
+
 # The code a run's numbers depend on: the library, the example model and the
 # optimizers, the versions below them, and the study's own run builders (not
 # its report, nor the statistics, so a change of wording keeps the runs).
-RUN_MODULES = (saggs, lm, optimizers)
+RUN_MODULES = (saggs, lm, optimizers, moe)
 RUN_FUNCTIONS = (
   make_setup,
   base_config,
@@ -484,6 +597,9 @@ RUN_FUNCTIONS = (
   optimizer_specs,
   lr_grid,
   run_optimizers,
+  moe_config,
+  moe_optimizer,
+  moe_specs,
   eval_seeds,
   tune_seeds,
 )
@@ -824,6 +940,136 @@ def print_verdicts(judged: Sequence[Judged]) -> None:
   print(bonferroni(judged))
 
 
+# ----------------------------------------------------------------------------
+# The moe experiment's quantities and claims
+# ----------------------------------------------------------------------------
+
+# Name -> (what it is, how a run's recorded metrics reduce to it). Each is defined in
+# docs/study.md; the reductions are tested on records whose values are known.
+MOE_QUANTITIES = {
+  "load CV": "final coefficient of variation of tokens per expert, mean over layers",
+  "max/mean load": "final max/mean tokens per expert, mean over layers",
+  "flip rate": "fraction of probe tokens whose top-k set changed between evaluations, "
+  "mean over intervals and layers",
+  "max |logit|": "final max |vocabulary logit| on the probe batch",
+  "logit RMS": "final RMS of the vocabulary logits on the probe batch",
+}
+
+
+def moe_quantities(record: dict) -> dict[str, float]:
+  """A moe run's ``MOE_QUANTITIES`` from its recorded metrics."""
+  m = record["metrics"]
+  return {
+    "load CV": float(np.mean(m["cv"][-1])),
+    "max/mean load": float(np.mean(m["max_mean"][-1])),
+    "flip rate": float(np.mean(m["flip"])),
+    "max |logit|": float(m["logit_max"][-1]),
+    "logit RMS": float(m["logit_rms"][-1]),
+  }
+
+
+def moe_values(records: Sequence[dict], quantity: str) -> np.ndarray:
+  """``quantity`` of each record, in the records' (seed) order."""
+  return np.array([moe_quantities(r)[quantity] for r in records])
+
+
+# Lau & Su's three MoE claims, each a lower value than AdamW's; judged for the stack (the
+# claim), and for the two hard-SAGGS arms (this library's question: does balancing the
+# exact symmetries act on routing too?).
+MOE_CLAIMS = {
+  "load CV": "reduces expert load imbalance",
+  "flip rate": "improves router stability",
+  "max |logit|": "controls final vocabulary-logit growth",
+}
+
+
+def moe_judged(arms: dict[str, list[dict]], control: str = "AdamW") -> list[Judged]:
+  """Every arm but ``control`` against it on each of ``MOE_CLAIMS``: "arm - control < 0"."""
+  judged = []
+  for arm in arms:
+    if arm == control:
+      continue
+    for quantity, text in MOE_CLAIMS.items():
+      diffs = stats.paired_differences(
+        moe_values(arms[arm], quantity), moe_values(arms[control], quantity)
+      )
+      paper = f"{text}, no figure ({LAU_SU})" if arm == "stack" else ""
+      judged.append(
+        Judged(Claim("moe", arm, control, "direction", -1, f"{arm} {text}", paper), diffs)
+      )
+  return judged
+
+
+def moe_table(arms: dict[str, list[dict]]) -> list[list]:
+  """Rows: arm, val loss and each of ``MOE_QUANTITIES``, mean ± sample std over seeds."""
+  rows = []
+  for arm, records in arms.items():
+    cells = [_pm(*stats.mean_std(final(records)))]
+    cells += [_pm(*stats.mean_std(moe_values(records, q)), ".3f") for q in MOE_QUANTITIES]
+    rows.append([arm, *cells])
+  return rows
+
+
+def moe_verdict_row(judged: Judged, alpha: float = ALPHA) -> list[str]:
+  """claim, measured Δ with its 95% interval, seeds in favour (Δ < 0), paper, verdict."""
+  claim, diffs, _ = judged
+  interval, outcome = decide(claim, diffs, alpha)
+  return [
+    f"{claim.text} ({claim.arm} - {claim.control})",
+    f"{interval.mean:+.4f} [{interval.low:+.4f}, {interval.high:+.4f}] ({1 - alpha:.0%})",
+    f"{int(np.sum(diffs < 0))}/{interval.n}",
+    claim.paper or "-",
+    outcome,
+  ]
+
+
+def print_moe(title: str, scale: str, arms: dict[str, list[dict]]) -> list[Judged]:
+  """The moe table and its verdicts, with Bonferroni over the moe claims; its judged claims."""
+  print(f"\n{title}: routing and logits\n{scale}")
+  lm.results_table(moe_table(arms), ["arm", "val loss", *MOE_QUANTITIES])
+  print(
+    "mean ± std over seeds (sample std); val loss in nats/byte. "
+    + "; ".join(f"{q}: {what}" for q, what in MOE_QUANTITIES.items())
+    + "."
+  )
+  judged = moe_judged(arms)
+  print(
+    f"\nMoE verdicts. Δ = arm - AdamW, paired per seed; each claim is Δ < 0. The "
+    f"{1 - ALPHA:.0%} t-interval wholly below 0: {stats.REPRODUCED}; wholly above: "
+    f"{stats.NOT_REPRODUCED}; else {stats.INCONCLUSIVE}."
+  )
+  lm.results_table(
+    [moe_verdict_row(j) for j in judged],
+    ["claim", "here: Δ [interval]", "seeds favour arm", "paper's figure", "verdict"],
+  )
+  print(bonferroni(judged))
+  return judged
+
+
+def plot_moe(out: pathlib.Path, arms: dict[str, list[dict]]) -> None:
+  """``moe_{load_imbalance,router_flips,logit_growth}.png``: each arm's mean over seeds
+  (and layers) against the step."""
+  steps = np.array(next(iter(arms.values()))[0]["eval_step"])
+  metrics = lambda name: {
+    arm: np.mean([np.reshape(r["metrics"][name], (len(r["metrics"][name]), -1)) for r in rs], 0)
+    for arm, rs in arms.items()
+  }
+  seeds = len(next(iter(arms.values())))
+  plots = (
+    ("load_imbalance", "cv", steps, "CV of tokens per expert (mean over layers)", False),
+    ("router_flips", "flip", steps[1:], "fraction of probe tokens whose top-k set changed", False),
+    ("logit_growth", "logit_max", steps, "max |vocabulary logit| on the probe batch", True),
+  )
+  for name, metric, x, ylabel, logy in plots:
+    lm.plot_metric_curves(
+      {arm: (x, values.mean(-1)) for arm, values in metrics(metric).items()},
+      out / f"moe_{name}.png",
+      ylabel,
+      f"MoE: {ylabel}\n(mean over {seeds} seeds)",
+      logy=logy,
+    )
+
+
 def scale_text(setup: Setup, steps: str, tokens: int, seeds: int) -> str:
   _, params = lm.init_model(setup.config, seed=0)
   return (
@@ -918,6 +1164,7 @@ TITLES = {
   "resume": "Resume from a checkpoint rescaled by {factor:g} and 1/{factor:g}",
   "balanced": "Balanced initialisation",
   "optimizers": "Optimizers at their best learning rates",
+  "moe": "Sparse MoE (OLMoE-style)",
 }
 
 
@@ -1027,6 +1274,26 @@ def main(
     judged += judged_claims("optimizers", arms)
 
   print_verdicts(judged)
+
+  if "moe" in args.experiments:
+    arms = by_arm(run_specs(store, moe_specs(setup)))
+    config = moe_config(args)
+    _, params = moe.init_model(config, seed=0)
+    title["moe"] += (
+      f": top-{config.top_k} of {config.num_experts} experts, "
+      f"{config.num_layers} layer{'s' * (config.num_layers != 1)}"
+    )
+    scale = (
+      f"{lm.num_params(params):,} parameters, {args.moe_steps} steps of {args.batch_size}x"
+      f"{config.seq_len} bytes, {args.moe_seeds} seeds ({args.first_seed}-"
+      f"{args.first_seed + args.moe_seeds - 1}); peak rates: AdamW {args.moe_lr:g}, "
+      f"stack {args.moe_stack_lr:g} (matrices; AdamW's for the rest)"
+    )
+    print_experiment(title["moe"], scale, arms, "AdamW")
+    plot_experiment(args.out, "moe", title["moe"], arms, "AdamW")
+    print_moe(title["moe"], scale, arms)
+    plot_moe(args.out, arms)
+
   print(
     f"Plots in {args.out}; {store.trained} runs trained, wall time "
     f"{(time.perf_counter() - start) / 60:.1f} min",

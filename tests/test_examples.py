@@ -35,8 +35,13 @@ COMMANDS = {
   "python examples/qk_clip.py": ["runs/qk_clip/max_logit.png"],
   "python examples/study.py": [
     f"runs/study/{experiment}_{plot}.png"
-    for experiment in ("imbalance", "resume", "balanced", "optimizers")
+    for experiment in ("imbalance", "resume", "balanced", "optimizers", "moe")
     for plot in ("differences", "curves")
+  ]
+  + [f"runs/study/moe_{plot}.png" for plot in ("load_imbalance", "router_flips", "logit_growth")],
+  "python examples/study.py --experiments moe": [
+    f"runs/study/moe_{plot}.png"
+    for plot in ("differences", "curves", "load_imbalance", "router_flips", "logit_growth")
   ],
   "python examples/study.py --seeds 10 --opt-seeds 6 --tune-seeds 2": ["runs/study/runs.jsonl"],
   "python examples/gpu_study.py --tiny": ["runs/gpu_study_tiny/summary.json"],
