@@ -62,7 +62,8 @@ interval) and ``<experiment>_curves.png`` (validation loss, mean ± std band
 over seeds).
 
 The defaults (4 seeds; 76 runs and 4 pretrainings) took 61 minutes of wall
-time on two CPU cores shared with seven other jobs (docs/study.md says how);
+time on two CPU cores shared with seven other jobs (docs/study.md says how),
+before the ``moe`` experiment, whose 16 runs took 8 minutes on two shared cores;
 a rerun that finds every run in the JSONL prints the same output in 15 s. More seeds
 reuse the runs already made. ``examples/study.py`` runs ``main``; the study
 lives in the package (not a stable API) so that the tests can check its
