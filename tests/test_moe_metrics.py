@@ -9,6 +9,7 @@ import pytest
 
 import saggs_jax as saggs
 from harness import moe, study
+from saggs_jax import paths
 
 # 6 tokens, top-2 of 4 experts. Tokens per expert: 5, 4, 2, 1 (12 slots, mean 3).
 TABLE = np.array([[0, 1], [0, 1], [0, 2], [0, 3], [1, 2], [1, 0]])
@@ -89,9 +90,9 @@ def test_the_pairs_are_exact_symmetries_of_the_model():
   logits, routers = forward(params)
   scaled, _ = saggs.reparameterize(params, None, moe.pairs(config), 4.0)
   assert [p.name for p in moe.pairs(config)] == ["attention V/O", "QK-norm gains", "expert up/down"]
-  changed = saggs.paths.leaves_with_paths(scaled)
+  changed = paths.leaves_with_paths(scaled)
   assert any(
-    not np.allclose(x, y) for (_, x), (_, y) in zip(saggs.paths.leaves_with_paths(params), changed)
+    not np.allclose(x, y) for (_, x), (_, y) in zip(paths.leaves_with_paths(params), changed)
   )
   new_logits, new_routers = forward(scaled)
   np.testing.assert_allclose(new_logits, logits, rtol=2e-4, atol=2e-5)
