@@ -31,6 +31,10 @@ The measured quantities, each a pure function of routing indices or logits:
   the top-k ignored).
 * ``logit_stats(logits)``: the maximum ``|logit|`` and the root mean square of
   the LM head's vocabulary logits.
+* ``router_logit_norm(z)``: the mean over tokens of the Euclidean norm of each
+  token's router logit vector ``z_t`` (E,); ``router_logit_change(before,
+  after)``: the mean over tokens of ``||after_t - before_t||``, the same tokens'
+  router logits at two evaluations.
 """
 
 from __future__ import annotations
@@ -202,6 +206,17 @@ def init_model(config: MoEConfig, seed: int = 0) -> tuple[nnx.GraphDef, nnx.Stat
   return nnx.split(MoELM(config, rngs=nnx.Rngs(seed)), nnx.Param)
 
 
+@functools.cache
+def discovered_roles(config: MoEConfig) -> dict[str, tuple[str, ...]]:
+  """``saggs.discover(...).roles`` of the model (seed 0's parameters, one 8-byte
+  sequence): the path patterns of each role of ``equivariant.symmetry_compatible``,
+  read from the program (the router is the linear map feeding ``top_k``, the experts the
+  matrices with a leading axis of ``num_experts``)."""
+  graphdef, params = init_model(config, seed=0)
+  forward = lambda p, tokens: nnx.merge(graphdef, p)(tokens)[0]
+  return dict(saggs.discover(forward, params, jnp.arange(8)[None]).roles)
+
+
 def losses(params, graphdef, batch, top_k: int) -> tuple[jax.Array, jax.Array]:
   """(next-byte cross-entropy, mean over layers of ``balance_loss``) of windows (B, T + 1)."""
   logits, routers = nnx.merge(graphdef, params)(batch[:, :-1])
@@ -243,6 +258,19 @@ def logit_stats(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.max(jnp.abs(logits)), jnp.sqrt(jnp.mean(logits**2))
 
 
+def router_logit_norm(router_logits: jax.Array) -> jax.Array:
+  """``mean_t ||z_t||``: router logits (..., tokens, E) -> (...), the Euclidean norm of
+  each token's logit vector averaged over the tokens."""
+  z = jnp.asarray(router_logits, jnp.float32)
+  return jnp.linalg.norm(z, axis=-1).mean(-1)
+
+
+def router_logit_change(before: jax.Array, after: jax.Array) -> jax.Array:
+  """``mean_t ||after_t - before_t||``: the same tokens' router logits (..., tokens, E) at
+  two evaluations -> (...)."""
+  return router_logit_norm(jnp.asarray(after, jnp.float32) - jnp.asarray(before, jnp.float32))
+
+
 # ----------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------
@@ -270,7 +298,9 @@ def make_evaluate(graphdef: nnx.GraphDef, config: MoEConfig) -> Callable:
   """A jitted ``evaluate(params, batches (N, B, T + 1))`` -> dict: ``loss`` (mean
   cross-entropy), per layer (L,) ``cv`` and ``max_mean`` (``load_imbalance`` of each
   batch, averaged over the batches), and on ``batches[0]``, the probe batch: its top-k
-  indices ``probe_idx`` (L, B*T, k) and ``logit_max``, ``logit_rms`` (``logit_stats``)."""
+  indices ``probe_idx`` (L, B*T, k), router logits ``probe_router`` (L, B*T, E), their
+  ``router_norm`` (L,) (``router_logit_norm``) and ``logit_max``, ``logit_rms``
+  (``logit_stats``)."""
   model_fn = lambda params, tokens: nnx.merge(graphdef, params)(tokens)
 
   def one(params, batch):
@@ -279,17 +309,20 @@ def make_evaluate(graphdef: nnx.GraphDef, config: MoEConfig) -> Callable:
     _, idx, _ = route(routers, config.top_k)  # (L, B, T, k)
     idx = idx.reshape(idx.shape[0], -1, idx.shape[-1])  # (L, B*T, k)
     cv, max_mean = load_imbalance(expert_counts(idx, config.num_experts))  # (L,) each
-    return ce.mean(), cv, max_mean, idx, logits
+    routers = routers.reshape(routers.shape[0], -1, routers.shape[-1])  # (L, B*T, E)
+    return ce.mean(), cv, max_mean, idx, routers, logits
 
   def evaluate(params, batches):
     loss, cv, max_mean = jax.lax.map(lambda b: one(params, b)[:3], batches)
-    _, _, _, probe_idx, logits = one(params, batches[0])
+    _, _, _, probe_idx, probe_router, logits = one(params, batches[0])
     logit_max, logit_rms = logit_stats(logits)
     return {
       "loss": loss.mean(),
       "cv": cv.mean(0),
       "max_mean": max_mean.mean(0),
       "probe_idx": probe_idx,
+      "probe_router": probe_router.astype(jnp.float32),
+      "router_norm": router_logit_norm(probe_router),
       "logit_max": logit_max,
       "logit_rms": logit_rms,
     }
@@ -315,8 +348,9 @@ def train(
 
   Returns numpy arrays: ``eval_step`` (0, every ``eval_every`` steps and the last),
   ``eval_loss``, ``cv`` and ``max_mean`` (evals, L), ``logit_max`` and ``logit_rms``
-  (evals,), ``flip`` (evals - 1, L): ``topk_changed`` on the probe batch between
-  consecutive evaluations; ``seconds``.
+  (evals,), ``router_norm`` (evals, L), ``flip`` and ``router_change`` (evals - 1, L):
+  ``topk_changed`` and ``router_logit_change`` on the probe batch between consecutive
+  evaluations; ``seconds``.
   """
   from tqdm import tqdm
 
@@ -335,13 +369,19 @@ def train(
     params, opt_state, _ = step_fn(params, opt_state, batch)
     if step % eval_every == 0 or step == steps:
       evals.append((step, jax.device_get(evaluate(params, val))))
-  idx = [e["probe_idx"] for _, e in evals]
+  idx, router = [e["probe_idx"] for _, e in evals], [e["probe_router"] for _, e in evals]
   return {
     "eval_step": np.array([s for s, _ in evals]),
     "eval_loss": np.array([e["loss"] for _, e in evals], np.float32),
-    **{k: np.stack([e[k] for _, e in evals]) for k in ("cv", "max_mean", "logit_max", "logit_rms")},
+    **{
+      k: np.stack([e[k] for _, e in evals])
+      for k in ("cv", "max_mean", "logit_max", "logit_rms", "router_norm")
+    },
     "flip": np.stack(
       [np.asarray(topk_changed(a, b, config.num_experts)) for a, b in zip(idx, idx[1:])]
+    ),
+    "router_change": np.stack(
+      [np.asarray(router_logit_change(a, b)) for a, b in zip(router, router[1:])]
     ),
     "seconds": np.asarray(time.perf_counter() - start),
   }

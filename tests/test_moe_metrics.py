@@ -60,6 +60,19 @@ def test_logit_stats():
   assert float(rms) == pytest.approx(np.sqrt((9 + 16 + 0 + 1) / 4), rel=1e-6)
 
 
+def test_router_logit_norm_and_change_by_hand():
+  # 3 tokens, 2 experts: per-token norms 5, 0, 10 (3-4-5 and 6-8-10 triangles).
+  before = np.array([[3.0, 4.0], [0.0, 0.0], [6.0, -8.0]], np.float32)
+  assert float(moe.router_logit_norm(before)) == pytest.approx(5.0, rel=1e-6)
+  # Changes per token: (0, 0), (-3, 4), (0, 1): norms 0, 5, 1.
+  after = before + np.array([[0.0, 0.0], [-3.0, 4.0], [0.0, 1.0]], np.float32)
+  assert float(moe.router_logit_change(before, after)) == pytest.approx(2.0, rel=1e-6)
+  assert float(moe.router_logit_change(after, before)) == pytest.approx(2.0, rel=1e-6)
+  layers = np.stack([before, 2 * before])  # (layers, tokens, E): one value per layer
+  np.testing.assert_allclose(moe.router_logit_norm(layers), [5.0, 10.0], rtol=1e-6)
+  np.testing.assert_allclose(moe.router_logit_change(layers, layers[::-1]), [5.0, 5.0], rtol=1e-6)
+
+
 def test_route_keeps_the_top_k_probabilities_only():
   logits = np.array([[2.0, 0.0, 1.0, -1.0], [0.0, 3.0, 0.5, 2.0]], np.float32)
   probs, idx, weights = moe.route(logits, 2)
@@ -99,8 +112,37 @@ def test_the_pairs_are_exact_symmetries_of_the_model():
   np.testing.assert_allclose(new_routers, routers, rtol=2e-4, atol=2e-5)
 
 
-def _record(arm, seed, cv, max_mean, flip, logit_max, logit_rms, val_loss=2.0):
-  metrics = dict(cv=cv, max_mean=max_mean, flip=flip, logit_max=logit_max, logit_rms=logit_rms)
+def test_discover_routes_every_matrix_of_the_model():
+  """The roles the study's stack and reference use, read by discover from the program; the
+  stack built on them accepts the model (its init rejects a matrix left to AdamW)."""
+  config = moe.MoEConfig(d_model=16, num_heads=4, num_kv_heads=2, head_dim=4, expert_hidden=8)
+  roles = moe.discovered_roles(config)
+  assert roles == {
+    "embedding": ("embedding",),
+    "lm_head": ("lm_head/kernel",),
+    "query": ("q_proj/kernel",),
+    "key_value": ("k_proj/kernel", "v_proj/kernel"),
+    "output": ("o_proj/kernel",),
+    "router": ("router/kernel",),
+    "experts": ("down_proj", "gate_proj", "up_proj"),
+  }
+  _, params = moe.init_model(config)
+  tx = saggs.equivariant.symmetry_compatible(0.01, num_heads=4, num_kv_heads=2, patterns=roles)
+  tx.init(params)
+
+
+def _record(
+  arm, seed, cv, max_mean, flip, logit_max, logit_rms, router_norm, router_change, val_loss=2.0
+):
+  metrics = dict(
+    cv=cv,
+    max_mean=max_mean,
+    flip=flip,
+    logit_max=logit_max,
+    logit_rms=logit_rms,
+    router_norm=router_norm,
+    router_change=router_change,
+  )
   return {"arm": arm, "seed": seed, "val_loss": val_loss, "metrics": metrics}
 
 
@@ -113,28 +155,55 @@ def test_moe_quantities_reduce_a_record_as_documented():
     flip=[[0.2, 0.4], [0.1, 0.3]],  # (intervals, layers): mean of all = 0.25
     logit_max=[1.0, 7.5],
     logit_rms=[0.5, 2.25],
+    router_norm=[[1.0, 2.0], [3.0, 5.0]],  # (evals, layers): final, mean over layers = 4
+    router_change=[[0.5, 1.5], [1.0, 3.0]],  # (intervals, layers): mean of all = 1.5
   )
   assert study.moe_quantities(record) == pytest.approx(
-    {"load CV": 0.4, "max/mean load": 2.0, "flip rate": 0.25, "max |logit|": 7.5, "logit RMS": 2.25}
+    {
+      "load CV": 0.4,
+      "max/mean load": 2.0,
+      "flip rate": 0.25,
+      "router norm": 4.0,
+      "router change": 1.5,
+      "max |logit|": 7.5,
+      "logit RMS": 2.25,
+    }
   )
 
 
 def test_moe_claims_are_paired_per_seed_and_attributed():
-  def arm(name, cvs):
+  def arm(name, cvs, change=1.0):
     return [
-      _record(name, 200 + i, [[c, c]], [[2.0, 2.0]], [[0.1, 0.1]], [5.0], [1.0])
+      _record(
+        name, 200 + i, [[c, c]], [[2.0, 2.0]], [[0.1, 0.1]], [5.0], [1.0], [[3.0]], [[change]]
+      )
       for i, c in enumerate(cvs)
     ]
 
-  arms = {"AdamW": arm("AdamW", [0.5, 0.6, 0.7]), "stack": arm("stack", [0.3, 0.45, 0.5])}
+  arms = {
+    "adamw": arm("adamw", [0.5, 0.6, 0.7]),
+    "muon": arm("muon", [0.1, 0.1, 0.1]),  # measured, not judged: the paper claims nothing
+    "stack": arm("stack", [0.3, 0.45, 0.5]),
+    "reference": arm("reference", [0.5, 0.6, 0.7], change=0.75),
+  }
   judged = study.moe_judged(arms)
-  assert [j.claim.text for j in judged] == [
-    "stack reduces expert load imbalance",
-    "stack improves router stability",
-    "stack controls final vocabulary-logit growth",
+  texts = [
+    "reduces expert load imbalance",
+    "improves router stability (fewer top-k flips)",
+    "improves router stability (smaller router logit change)",
+    "controls final vocabulary-logit growth",
   ]
+  assert [j.claim.text for j in judged] == [
+    f"{a} {t}" for a in ("stack", "reference") for t in texts
+  ]
+  assert {(j.claim.arm, j.claim.control) for j in judged} == {
+    ("stack", "adamw"),
+    ("reference", "adamw"),
+  }
   np.testing.assert_allclose(judged[0].diffs, [-0.2, -0.15, -0.2], atol=1e-12)
   np.testing.assert_allclose(judged[1].diffs, 0.0)
+  np.testing.assert_allclose(judged[6].diffs, -0.25)  # reference's router logit change
+  np.testing.assert_allclose(judged[4].diffs, 0.0)
   d = np.array([-0.2, -0.15, -0.2])
   half = 4.302653 * d.std(ddof=1) / np.sqrt(3)  # t_{0.975, 2}, NIST table
   row = study.moe_verdict_row(judged[0])

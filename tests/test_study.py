@@ -277,6 +277,10 @@ def test_every_run_config_carries_the_code_version():
   setup = study.Setup(args, study.lm.ModelConfig(), None, None, [], "0123456789ab")  # pyright: ignore[reportArgumentType]
   assert study.base_config(setup)["code"] == "0123456789ab"
   assert study.saggs_config(setup)["code"] == "0123456789ab"
+  (moe,) = study.moe_specs(setup, {"muon": 0.025}, [200])
+  assert (moe.experiment, moe.arm, moe.seed) == ("moe", "muon", 200)
+  assert moe.config["code"] == "0123456789ab" and moe.config["lr"] == 0.025
+  assert moe.config["steps"] == args.moe_steps and moe.config["model"]["num_experts"] == 8
 
 
 def _gpu_study(*flags, check=True):
