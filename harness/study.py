@@ -159,6 +159,14 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     help="optimizers: rates swept, times each optimizer's default rate",
   )
   parser.add_argument("--moe-seeds", type=int, default=4, help="moe: evaluation seeds")
+  # On the MoE LM the optimizers' grid put every optimizer's best at its top (2x): this
+  # one reaches higher, the same for the four.
+  parser.add_argument(
+    "--moe-lr-multipliers",
+    type=optimizers.floats,
+    default=(0.5, 1.0, 2.0, 4.0, 8.0),
+    help="moe: rates swept, times each optimizer's default rate",
+  )
   parser.add_argument("--moe-steps", type=int, default=150, help="steps of moe")
   parser.add_argument("--moe-d-model", type=int, default=32, help="moe: width (4 heads)")
   parser.add_argument("--moe-layers", type=int, default=2, help="moe: decoder layers")
@@ -179,6 +187,7 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     resume_steps=4,
     opt_steps=4,
     moe_seeds=2,
+    moe_lr_multipliers=(1.0,),
     moe_steps=4,
     moe_d_model=16,
     moe_layers=1,
@@ -469,11 +478,10 @@ def optimizer_specs(setup: Setup, rates: dict[str, float], seeds: Sequence[int])
   ]
 
 
-def lr_grid(args) -> dict[str, list[float]]:
+def lr_grid(multipliers: Sequence[float]) -> dict[str, list[float]]:
   """Each optimizer's rates: the multipliers times its default (``compare_optimizers``)."""
   return {
-    name: [m * optimizers.DEFAULT_LRS[name][1] for m in args.lr_multipliers]
-    for name in OPTIMIZER_ARMS
+    name: [m * optimizers.DEFAULT_LRS[name][1] for m in multipliers] for name in OPTIMIZER_ARMS
   }
 
 
@@ -481,13 +489,18 @@ SpecsOf = Callable[[Setup, dict[str, float], Sequence[int]], list[Spec]]
 
 
 def run_optimizers(
-  setup: Setup, store: Store, specs: SpecsOf = optimizer_specs, seeds: int | None = None
+  setup: Setup,
+  store: Store,
+  specs: SpecsOf = optimizer_specs,
+  seeds: int | None = None,
+  multipliers: Sequence[float] | None = None,
 ) -> tuple[list[dict], dict[str, float], list, list]:
-  """Tunes each optimizer on the tuning seeds, then runs its best rate on ``seeds``
-  (default ``--opt-seeds``) others; ``specs(setup, rates, seeds)`` builds the runs
-  (``optimizer_specs``: the dense LM, ``moe_specs``: the MoE LM)."""
+  """Tunes each optimizer over ``lr_grid(multipliers)`` (default ``--lr-multipliers``) on
+  the tuning seeds, then runs its best rate on ``seeds`` (default ``--opt-seeds``) others;
+  ``specs(setup, rates, seeds)`` builds the runs (``optimizer_specs``: the dense LM,
+  ``moe_specs``: the MoE LM)."""
   a = setup.args
-  grid = lr_grid(a)
+  grid = lr_grid(a.lr_multipliers if multipliers is None else multipliers)
   tuning = [
     (name, lr, run_specs(store, specs(setup, {name: lr}, tune_seeds(a))))
     for name in OPTIMIZER_ARMS
@@ -1297,7 +1310,9 @@ def main(
       f"\nMoE: roles read by saggs.discover from the model (stack, reference; Muon's "
       f"matrices): {'; '.join(f'{r} {list(p)}' for r, p in roles.items())}"
     )
-    records, best, tuning_rows, edges = run_optimizers(setup, store, moe_specs, args.moe_seeds)
+    records, best, tuning_rows, edges = run_optimizers(
+      setup, store, moe_specs, args.moe_seeds, args.moe_lr_multipliers
+    )
     arms = by_arm(records)
     rates = print_tuning("MoE learning-rate sweep", args.moe_steps, args, best, tuning_rows, edges)
     title["moe"] += (
