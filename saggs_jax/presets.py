@@ -116,9 +116,9 @@ def llama(
   gives one factor per KV head, for the query heads that read it. A QK LayerNorm with a
   bias (Persimmon, StableLM: ``q = γ n(x) + β``) scales ``q`` only if its bias moves with
   its gain by the same factor: name the bias leaf, ``qk_norm_bias="bias"``, and it follows
-  the gain. Without it, the gain pattern (any one leaf of each norm) also matched the bias,
-  as a pair of its own with a factor of its own, which is no symmetry; so the default
-  declares a norm of one leaf, and ``check_symmetry`` measures a biased one as inexact.
+  the gain. Without it the default gain pattern (any leaf of each norm) also matches the
+  bias, which a factor of its own would move off the symmetry: the pairs refuse it, naming
+  the bias, where they first meet the parameters.
 
   ``experts`` names the module of stacked experts, ``<experts>/<up>`` (E, d, F) and
   ``<experts>/<down>`` (E, F, d) (each ``/<expert_leaf>``, or bare leaves when it is

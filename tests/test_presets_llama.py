@@ -168,8 +168,8 @@ def test_llama_qk_norm_per_channel_gains_are_not_exact():
 
 def test_llama_qk_layernorm_with_a_bias_moves_the_bias_with_its_gain():
   """Persimmon/StableLM (issue 43, finding 11): q = γ n(x) + β. 'q_norm/*' also matched the
-  bias as a pair of its own (two factors per layer: no symmetry); qk_norm_bias="bias" makes
-  it follow the gain. Oracle: one hard balancing keeps the logits, and moves gain and bias of
+  bias as a pair of its own (two factors per layer: no symmetry), and is now refused;
+  qk_norm_bias="bias" makes it follow the gain. Oracle: one hard balancing keeps the logits, and moves gain and bias of
   each norm by the one scalar c = sqrt(||γ_k|| / ||γ_q||) computed here."""
   import optax
 
@@ -195,10 +195,15 @@ def test_llama_qk_layernorm_with_a_bias_moves_the_bias_with_its_gain():
   assert np.max(np.abs(y1 - y0)) < 1e-5 * np.max(np.abs(y0))
   toks = None  # logits reads no input: check_symmetry's apply_fn takes one
   assert max(saggs.check_symmetry(lambda p, _: logits(p), params, pairs, toks).values()) < 1e-5
-  # The pattern without the bias's leaf is no symmetry of this model, and is measured so.
+  # The default gain pattern also catches the bias, which no factor of its own may move: it
+  # is refused wherever the pairs meet the parameters, naming the bias and the fix.
   plain = saggs.presets.llama(KV, qk_norm="head", mlp=False, experts="mlp/experts")
-  with pytest.raises(ValueError, match="QK-norm gains"):
-    saggs.check_symmetry(lambda p, _: logits(p), params, plain, toks)
+  for meet in (
+    lambda: saggs.chain(optax.sgd(0.0), saggs.saggs(plain)).init(params),
+    lambda: saggs.check_symmetry(lambda p, _: logits(p), params, plain, toks),
+  ):
+    with pytest.raises(ValueError, match=r"q_norm/\*'.*matches the bias 'layers/0/.*qk_norm_bias"):
+      meet()
   with pytest.raises(ValueError, match="would also match the bias"):
     saggs.presets.llama(KV, qk_norm="head", qk_norm_bias="bias", qk_norm_gain="*")
 
