@@ -8,6 +8,8 @@ on ``sys.path`` for them. They need flax (the ``test`` or ``examples`` extra):
 * :mod:`harness.lm`: the example byte-level LLaMA-style LM;
 * :mod:`harness.optimizers`: the optimizers that ``examples/compare_optimizers.py``
   and the study compare;
+* :mod:`harness.moe`: the OLMoE-style MoE LM of the study's ``moe`` experiment and its
+  routing and logit measures;
 * :mod:`harness.stats`: paired statistics and verdicts over seeds;
 * :mod:`harness.study`: the study that ``examples/study.py`` and
   ``examples/gpu_study.py`` run.

@@ -20,11 +20,11 @@ their rates; :mod:`harness.study` tunes them over multiples of
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import optax
 
-from harness import lm
 from saggs_jax import equivariant as eqv
 
 OPTIMIZERS = ("adamw", "muon", "stack", "reference")
@@ -41,6 +41,18 @@ DEFAULT_LRS = {
 }
 
 
+class Heads(Protocol):
+  """What ``make_optimizer`` reads of a model's config (``lm.ModelConfig``,
+  ``moe.MoEConfig``)."""
+
+  @property
+  def num_heads(self) -> int: ...
+  @property
+  def num_kv_heads(self) -> int: ...
+  @property
+  def head_dim(self) -> int: ...
+
+
 def floats(text: str) -> tuple[float, ...]:
   """``"1e-3,3e-3"`` -> ``(0.001, 0.003)``: a comma-separated flag of rates."""
   return tuple(float(x) for x in text.split(",") if x.strip())
@@ -54,7 +66,11 @@ def schedule(peak: float, args: argparse.Namespace) -> optax.Schedule:
 
 
 def make_optimizer(
-  name: str, lr: float, config: lm.ModelConfig, args: argparse.Namespace
+  name: str,
+  lr: float,
+  config: Heads,
+  args: argparse.Namespace,
+  roles: Mapping[str, Any] | None = None,
 ) -> optax.GradientTransformation:
   """``name`` (one of ``OPTIMIZERS``) at the peak rate ``lr``, for a model of ``config``'s heads.
 
@@ -62,18 +78,30 @@ def make_optimizer(
   and ``aux_lr``: the AdamW rate of what Muon and the stack leave to AdamW
   (the norm gains). The reference preset scales all of Lau & Su's per-role
   rates so that the hidden matrices get ``lr``.
+
+  ``roles`` (``saggs_jax.discover(...).roles``; default the dense LM's names) routes
+  the stack and the reference preset, and gives Muon its matrices: the hidden ones
+  (``role_dimension_numbers``: attention and MLP kernels, stacked experts batched per
+  expert; embedding, LM head and router on Adam). Without it Muon takes every 2-D
+  leaf, optax's default, which would leave 3-D stacked experts to Adam.
   """
   wd, aux = args.weight_decay, schedule(args.aux_lr, args)
   if name == "adamw":
     return optax.adamw(schedule(lr, args), weight_decay=wd)
   if name == "muon":
+    dims = None if roles is None else (lambda params: eqv.role_dimension_numbers(params, roles))
     return optax.contrib.muon(
-      schedule(lr, args), weight_decay=wd, adam_learning_rate=aux, adam_weight_decay=wd
+      schedule(lr, args),
+      weight_decay=wd,
+      adam_learning_rate=aux,
+      adam_weight_decay=wd,
+      muon_weight_dimension_numbers=dims,
     )
   heads: dict[str, Any] = {
     "num_heads": config.num_heads,
     "num_kv_heads": config.num_kv_heads,
     "head_dim": config.head_dim,
+    "patterns": roles,
   }
   if name == "reference":
     scale = lr / eqv.REFERENCE_LEARNING_RATES["query"]

@@ -20,6 +20,17 @@ mean ± std, t-intervals, seeds in favour), and relative to the control as
   library's symmetry-compatible stack and Lau & Su's own settings
   (``symmetry_compatible(preset="reference")``), built by ``harness.optimizers``,
   each tuned over the same multiplier grid around its default rate.
+* ``moe`` (Lau & Su 2026's MoE claims): the OLMoE-style MoE LM of
+  ``harness.moe`` trained with the four ``optimizers``, tuned and run as there
+  (``run_optimizers``: the same grid, tuning seeds, then fresh seeds at the best
+  rates), the stack and the reference preset routed by ``saggs.discover``'s roles
+  on the model (``moe_roles``); besides the loss, each run logs at every
+  evaluation the expert load imbalance, the router logits and top-k flips of a
+  fixed probe batch and its vocabulary logits (``MOE_QUANTITIES``), and the stack
+  and the reference are judged against AdamW on Lau & Su's claims
+  (``MOE_CLAIMS``), Bonferroni over those alone. Plots:
+  ``moe_{load_imbalance,router_flips,router_norm,router_change,logit_growth}.png``
+  besides the two below.
 
 Seeds. ``compare_optimizers``' default rates come from pilots on seeds 0-2;
 the optimizers are tuned on ``--tune-seeds`` seeds from 100; every claim is
@@ -53,7 +64,8 @@ interval) and ``<experiment>_curves.png`` (validation loss, mean ± std band
 over seeds).
 
 The defaults (4 seeds; 76 runs and 4 pretrainings) took 61 minutes of wall
-time on two CPU cores shared with seven other jobs (docs/study.md says how);
+time on two CPU cores shared with seven other jobs (docs/study.md says how),
+before the ``moe`` experiment (32 runs: docs/study.md gives its time);
 a rerun that finds every run in the JSONL prints the same output in 15 s. More seeds
 reuse the runs already made. ``examples/study.py`` runs ``main``; the study
 lives in the package (not a stable API) so that the tests can check its
@@ -83,9 +95,9 @@ import numpy as np
 import optax
 
 import saggs_jax as saggs
-from harness import lm, optimizers, stats
+from harness import lm, moe, optimizers, stats
 
-EXPERIMENTS = ("imbalance", "resume", "balanced", "optimizers")
+EXPERIMENTS = ("imbalance", "resume", "balanced", "optimizers", "moe")
 IMBALANCE_ARMS = ("AdamW", "hard SAGGS", "soft SAGGS")
 RESUME_ARMS = (
   "control",
@@ -95,6 +107,8 @@ RESUME_ARMS = (
   "rescaled, canonicalized",
 )
 OPTIMIZER_ARMS = ("adamw", "muon", "stack", "reference")
+# What a moe run records per evaluation besides its loss (harness.moe.train's history).
+MOE_METRICS = ("cv", "max_mean", "flip", "router_norm", "router_change", "logit_max", "logit_rms")
 # A recovery (resume) or a cost (balanced) counts as negligible below this
 # fraction of the penalty SAGGS is there to remove, measured in the same study.
 NEGLIGIBLE_FRACTION = 0.2
@@ -144,6 +158,21 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     default=(0.25, 0.5, 1.0, 2.0),
     help="optimizers: rates swept, times each optimizer's default rate",
   )
+  parser.add_argument("--moe-seeds", type=int, default=4, help="moe: evaluation seeds")
+  # On the MoE LM the optimizers' grid put every optimizer's best at its top (2x): this
+  # one reaches higher, the same for the four.
+  parser.add_argument(
+    "--moe-lr-multipliers",
+    type=optimizers.floats,
+    default=(0.5, 1.0, 2.0, 4.0, 8.0),
+    help="moe: rates swept, times each optimizer's default rate",
+  )
+  parser.add_argument("--moe-steps", type=int, default=150, help="steps of moe")
+  parser.add_argument("--moe-d-model", type=int, default=32, help="moe: width (4 heads)")
+  parser.add_argument("--moe-layers", type=int, default=2, help="moe: decoder layers")
+  parser.add_argument("--moe-experts", type=int, default=8, help="moe: experts per layer")
+  parser.add_argument("--moe-top-k", type=int, default=2, help="moe: experts per token")
+  parser.add_argument("--moe-expert-hidden", type=int, default=32, help="moe: expert width")
   parser.add_argument("--eval-every", type=int, default=25)
   parser.add_argument("--eval-batches", type=int, default=16)
   parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
@@ -157,6 +186,12 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     pretrain_steps=4,
     resume_steps=4,
     opt_steps=4,
+    moe_seeds=2,
+    moe_lr_multipliers=(1.0,),
+    moe_steps=4,
+    moe_d_model=16,
+    moe_layers=1,
+    moe_expert_hidden=8,
     lr_multipliers=(1.0,),
     batch_size=4,
     eval_every=2,
@@ -172,7 +207,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
   if unknown := set(args.experiments) - set(EXPERIMENTS):
     parser.error(f"unknown experiments {sorted(unknown)}; choose from {EXPERIMENTS}")
   tuning = set(tune_seeds(args))
-  if tuning & set(eval_seeds(args, max(args.seeds, args.opt_seeds))):
+  if tuning & set(eval_seeds(args, max(args.seeds, args.opt_seeds, args.moe_seeds))):
     parser.error(
       f"--first-seed {args.first_seed} makes evaluation seeds overlap the tuning "
       f"seeds {min(tuning)}-{max(tuning)}"
@@ -234,6 +269,8 @@ class Store:
       "eval_step": history["eval_step"].tolist(),
       "eval_loss": history["eval_loss"].tolist(),
     }
+    if metrics := {k: np.asarray(v).tolist() for k, v in history.items() if k in MOE_METRICS}:
+      record["metrics"] = metrics
     self.path.parent.mkdir(parents=True, exist_ok=True)
     with open(self.path, "a") as f:  # one write per run: an interruption loses at most it
       f.write(json.dumps(record, sort_keys=True) + "\n")
@@ -441,26 +478,38 @@ def optimizer_specs(setup: Setup, rates: dict[str, float], seeds: Sequence[int])
   ]
 
 
-def lr_grid(args) -> dict[str, list[float]]:
+def lr_grid(multipliers: Sequence[float]) -> dict[str, list[float]]:
   """Each optimizer's rates: the multipliers times its default (``compare_optimizers``)."""
   return {
-    name: [m * optimizers.DEFAULT_LRS[name][1] for m in args.lr_multipliers]
-    for name in OPTIMIZER_ARMS
+    name: [m * optimizers.DEFAULT_LRS[name][1] for m in multipliers] for name in OPTIMIZER_ARMS
   }
 
 
-def run_optimizers(setup: Setup, store: Store) -> tuple[list[dict], dict[str, float], list, list]:
-  """Tunes each optimizer on the tuning seeds, then runs its best rate on the others."""
+SpecsOf = Callable[[Setup, dict[str, float], Sequence[int]], list[Spec]]
+
+
+def run_optimizers(
+  setup: Setup,
+  store: Store,
+  specs: SpecsOf = optimizer_specs,
+  seeds: int | None = None,
+  multipliers: Sequence[float] | None = None,
+) -> tuple[list[dict], dict[str, float], list, list]:
+  """Tunes each optimizer over ``lr_grid(multipliers)`` (default ``--lr-multipliers``) on
+  the tuning seeds, then runs its best rate on ``seeds`` (default ``--opt-seeds``) others;
+  ``specs(setup, rates, seeds)`` builds the runs (``optimizer_specs``: the dense LM,
+  ``moe_specs``: the MoE LM)."""
   a = setup.args
-  grid = lr_grid(a)
+  grid = lr_grid(a.lr_multipliers if multipliers is None else multipliers)
   tuning = [
-    (name, lr, run_specs(store, optimizer_specs(setup, {name: lr}, tune_seeds(a))))
+    (name, lr, run_specs(store, specs(setup, {name: lr}, tune_seeds(a))))
     for name in OPTIMIZER_ARMS
     for lr in grid[name]
   ]
   mean = {(name, lr): np.mean([r["val_loss"] for r in records]) for name, lr, records in tuning}
   best = {name: min(grid[name], key=lambda lr: mean[name, lr]) for name in OPTIMIZER_ARMS}
-  records = run_specs(store, optimizer_specs(setup, best, eval_seeds(a, a.opt_seeds)))
+  n = a.opt_seeds if seeds is None else seeds
+  records = run_specs(store, specs(setup, best, eval_seeds(a, n)))
   rows = [
     [name, f"{lr:g}", mean[name, lr], "*" if lr == best[name] else ""] for name, lr, _ in tuning
   ]
@@ -468,10 +517,77 @@ def run_optimizers(setup: Setup, store: Store) -> tuple[list[dict], dict[str, fl
   return records, best, rows, edges
 
 
+def moe_config(args) -> moe.MoEConfig:
+  """The MoE LM of the flags: 4 query heads over 2 KV heads of ``--moe-d-model / 4``, the
+  study's ``--seq-len``."""
+  return moe.MoEConfig(
+    d_model=args.moe_d_model,
+    num_layers=args.moe_layers,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=args.moe_d_model // 4,
+    num_experts=args.moe_experts,
+    top_k=args.moe_top_k,
+    expert_hidden=args.moe_expert_hidden,
+    seq_len=args.seq_len,
+  )
+
+
+def moe_specs(setup: Setup, rates: dict[str, float], seeds: Sequence[int]) -> list[Spec]:
+  """``optimizer_specs`` on the MoE LM: each optimizer at ``rates[optimizer]`` on ``seeds``,
+  the same schedule and AdamW rate for what the matrix rules leave, the stack, the
+  reference and Muon's matrices given by ``moe.discovered_roles``."""
+  a = setup.args
+  config = moe_config(a)
+  graphdef, _ = moe.init_model(config, seed=0)
+  opt_args = argparse.Namespace(steps=a.moe_steps, warmup=0.1, weight_decay=0.0, aux_lr=1e-2)
+  run_config = {
+    "code": setup.code,
+    "model": dataclasses.asdict(config),
+    "batch_size": a.batch_size,
+    "eval_batches": a.eval_batches,
+    "eval_every": a.eval_every,
+    "corpus_bytes": a.corpus_bytes,
+    **vars(opt_args),
+  }
+
+  @functools.cache  # one optimizer per rate: its seeds share the compiled step
+  def optimizer(name, lr):
+    return optimizers.make_optimizer(name, lr, config, opt_args, moe.discovered_roles(config))
+
+  def run(seed, name, lr, desc):
+    _, params = moe.init_model(config, seed=seed)
+    return moe.train(
+      graphdef,
+      params,
+      optimizer(name, lr),
+      setup.corpus,
+      config,
+      steps=a.moe_steps,
+      batch_size=a.batch_size,
+      seed=seed,
+      eval_every=a.eval_every,
+      eval_batches=a.eval_batches,
+      desc=desc,
+    )
+
+  return [
+    Spec(
+      "moe",
+      name,
+      seed,
+      {**run_config, "lr": rates[name]},
+      functools.partial(run, seed, name, rates[name]),
+    )
+    for seed in seeds
+    for name in rates
+  ]
+
+
 # The code a run's numbers depend on: the library, the example model and the
 # optimizers, the versions below them, and the study's own run builders (not
 # its report, nor the statistics, so a change of wording keeps the runs).
-RUN_MODULES = (saggs, lm, optimizers)
+RUN_MODULES = (saggs, lm, optimizers, moe)
 RUN_FUNCTIONS = (
   make_setup,
   base_config,
@@ -484,6 +600,8 @@ RUN_FUNCTIONS = (
   optimizer_specs,
   lr_grid,
   run_optimizers,
+  moe_config,
+  moe_specs,
   eval_seeds,
   tune_seeds,
 )
@@ -824,6 +942,168 @@ def print_verdicts(judged: Sequence[Judged]) -> None:
   print(bonferroni(judged))
 
 
+# ----------------------------------------------------------------------------
+# The moe experiment's quantities and claims
+# ----------------------------------------------------------------------------
+
+# Name -> (what it is, how a run's recorded metrics reduce to it). Each is defined in
+# docs/study.md; the reductions are tested on records whose values are known.
+MOE_QUANTITIES = {
+  "load CV": "final coefficient of variation of tokens per expert, mean over layers",
+  "max/mean load": "final max/mean tokens per expert, mean over layers",
+  "flip rate": "fraction of probe tokens whose top-k set changed between evaluations, "
+  "mean over intervals and layers",
+  "router norm": "final mean over probe tokens of ||router logits||, mean over layers",
+  "router change": "mean over probe tokens of ||router logits - those of the evaluation "
+  "before||, mean over intervals and layers",
+  "max |logit|": "final max |vocabulary logit| on the probe batch",
+  "logit RMS": "final RMS of the vocabulary logits on the probe batch",
+}
+
+
+def moe_quantities(record: dict) -> dict[str, float]:
+  """A moe run's ``MOE_QUANTITIES`` from its recorded metrics."""
+  m = record["metrics"]
+  return {
+    "load CV": float(np.mean(m["cv"][-1])),
+    "max/mean load": float(np.mean(m["max_mean"][-1])),
+    "flip rate": float(np.mean(m["flip"])),
+    "router norm": float(np.mean(m["router_norm"][-1])),
+    "router change": float(np.mean(m["router_change"])),
+    "max |logit|": float(m["logit_max"][-1]),
+    "logit RMS": float(m["logit_rms"][-1]),
+  }
+
+
+def moe_values(records: Sequence[dict], quantity: str) -> np.ndarray:
+  """``quantity`` of each record, in the records' (seed) order."""
+  return np.array([moe_quantities(r)[quantity] for r in records])
+
+
+# Lau & Su's three MoE claims against AdamW, each a lower value of a quantity (router
+# stability by two: the top-k flips and the change of the router logits); judged for the
+# two symmetry-compatible arms, the paper's rules. Muon is measured, not judged: the paper
+# claims nothing of it. None is a "no worse" claim, so none is tested by TOST.
+MOE_CLAIMS = {
+  "load CV": "reduces expert load imbalance",
+  "flip rate": "improves router stability (fewer top-k flips)",
+  "router change": "improves router stability (smaller router logit change)",
+  "max |logit|": "controls final vocabulary-logit growth",
+}
+MOE_JUDGED_ARMS = ("stack", "reference")
+
+
+def moe_judged(arms: dict[str, list[dict]], control: str = "adamw") -> list[Judged]:
+  """Each of ``MOE_JUDGED_ARMS`` in ``arms`` against ``control`` on each of ``MOE_CLAIMS``:
+  "arm - control < 0"."""
+  judged = []
+  for arm in MOE_JUDGED_ARMS:
+    if arm not in arms:
+      continue
+    for quantity, text in MOE_CLAIMS.items():
+      diffs = stats.paired_differences(
+        moe_values(arms[arm], quantity), moe_values(arms[control], quantity)
+      )
+      paper = f"{text.split(' (')[0]}, no figure ({LAU_SU})"
+      judged.append(
+        Judged(Claim("moe", arm, control, "direction", -1, f"{arm} {text}", paper), diffs)
+      )
+  return judged
+
+
+def moe_table(arms: dict[str, list[dict]]) -> list[list]:
+  """Rows: arm, val loss and each of ``MOE_QUANTITIES``, mean ± sample std over seeds."""
+  rows = []
+  for arm, records in arms.items():
+    cells = [_pm(*stats.mean_std(final(records)))]
+    cells += [_pm(*stats.mean_std(moe_values(records, q)), ".3f") for q in MOE_QUANTITIES]
+    rows.append([arm, *cells])
+  return rows
+
+
+def moe_verdict_row(judged: Judged, alpha: float = ALPHA) -> list[str]:
+  """claim, measured Δ with its 95% interval, seeds in favour (Δ < 0), paper, verdict."""
+  claim, diffs, _ = judged
+  interval, outcome = decide(claim, diffs, alpha)
+  return [
+    f"{claim.text} ({claim.arm} - {claim.control})",
+    f"{interval.mean:+.4f} [{interval.low:+.4f}, {interval.high:+.4f}] ({1 - alpha:.0%})",
+    f"{int(np.sum(diffs < 0))}/{interval.n}",
+    claim.paper or "-",
+    outcome,
+  ]
+
+
+def print_moe(title: str, scale: str, arms: dict[str, list[dict]]) -> list[Judged]:
+  """The moe table and its verdicts, with Bonferroni over the moe claims; its judged claims."""
+  print(f"\n{title}: routing and logits\n{scale}")
+  lm.results_table(moe_table(arms), ["arm", "val loss", *MOE_QUANTITIES])
+  print(
+    "mean ± std over seeds (sample std); val loss in nats/byte. "
+    + "; ".join(f"{q}: {what}" for q, what in MOE_QUANTITIES.items())
+    + "."
+  )
+  judged = moe_judged(arms)
+  print(
+    f"\nMoE verdicts. Δ = arm - adamw, paired per seed; each claim is Δ < 0. The "
+    f"{1 - ALPHA:.0%} t-interval wholly below 0: {stats.REPRODUCED}; wholly above: "
+    f"{stats.NOT_REPRODUCED}; else {stats.INCONCLUSIVE}. No claim is 'no worse', so "
+    "none is tested for equivalence."
+  )
+  lm.results_table(
+    [moe_verdict_row(j) for j in judged],
+    ["claim", "here: Δ [interval]", "seeds favour arm", "paper's figure", "verdict"],
+  )
+  print(bonferroni(judged))
+  return judged
+
+
+def plot_moe(out: pathlib.Path, arms: dict[str, list[dict]]) -> None:
+  """``moe_{load_imbalance,router_flips,router_norm,router_change,logit_growth}.png``: each
+  arm's mean over seeds (and layers) against the step."""
+  steps = np.array(next(iter(arms.values()))[0]["eval_step"])
+  metrics = lambda name: {
+    arm: np.mean([np.reshape(r["metrics"][name], (len(r["metrics"][name]), -1)) for r in rs], 0)
+    for arm, rs in arms.items()
+  }
+  seeds = len(next(iter(arms.values())))
+  plots = (
+    ("load_imbalance", "cv", steps, "CV of tokens per expert (mean over layers)", False),
+    ("router_flips", "flip", steps[1:], "fraction of probe tokens whose top-k set changed", False),
+    ("router_norm", "router_norm", steps, "mean ||router logits|| on the probe batch", False),
+    (
+      "router_change",
+      "router_change",
+      steps[1:],
+      "mean ||router logit change|| since the last evaluation",
+      True,
+    ),
+    ("logit_growth", "logit_max", steps, "max |vocabulary logit| on the probe batch", True),
+  )
+  for name, metric, x, ylabel, logy in plots:
+    lm.plot_metric_curves(
+      {arm: (x, values.mean(-1)) for arm, values in metrics(metric).items()},
+      out / f"moe_{name}.png",
+      ylabel,
+      f"MoE: {ylabel}\n(mean over {seeds} seeds)",
+      logy=logy,
+    )
+
+
+def print_tuning(
+  title: str, steps: int, args, best: dict[str, float], rows: list, edges: list[str]
+) -> str:
+  """``run_optimizers``' sweep table and edge note; the best rates in words."""
+  print(
+    f"\n{title}: final validation loss (nats/byte) after {steps} steps, mean over tuning "
+    f"seeds {', '.join(map(str, tune_seeds(args)))}; * = best"
+  )
+  lm.results_table(rows, ["optimizer", "lr", "val loss", "best"])
+  if edges:
+    print(f"note: the best rate of {', '.join(edges)} is at the edge of the grid")
+  return ", ".join(f"{name} {lr:g}" for name, lr in best.items())
+
+
 def scale_text(setup: Setup, steps: str, tokens: int, seeds: int) -> str:
   _, params = lm.init_model(setup.config, seed=0)
   return (
@@ -918,6 +1198,7 @@ TITLES = {
   "resume": "Resume from a checkpoint rescaled by {factor:g} and 1/{factor:g}",
   "balanced": "Balanced initialisation",
   "optimizers": "Optimizers at their best learning rates",
+  "moe": "Sparse MoE (OLMoE-style)",
 }
 
 
@@ -1009,14 +1290,7 @@ def main(
   if "optimizers" in args.experiments:
     records, best, tuning_rows, edges = run_optimizers(setup, store)
     arms = by_arm(records)
-    print(
-      f"\nLearning-rate sweep: final validation loss (nats/byte) after {args.opt_steps} "
-      f"steps, mean over tuning seeds {', '.join(map(str, tune_seeds(args)))}; * = best"
-    )
-    lm.results_table(tuning_rows, ["optimizer", "lr", "val loss", "best"])
-    if edges:
-      print(f"note: the best rate of {', '.join(edges)} is at the edge of the grid")
-    rates = ", ".join(f"{name} {lr:g}" for name, lr in best.items())
+    rates = print_tuning("Learning-rate sweep", args.opt_steps, args, best, tuning_rows, edges)
     print_experiment(
       f"{title['optimizers']}: {rates}",
       scale_text(setup, f"{args.opt_steps} steps", run_bytes(args.opt_steps), args.opt_seeds),
@@ -1027,6 +1301,34 @@ def main(
     judged += judged_claims("optimizers", arms)
 
   print_verdicts(judged)
+
+  if "moe" in args.experiments:
+    config = moe_config(args)
+    _, params = moe.init_model(config, seed=0)
+    roles = moe.discovered_roles(config)
+    print(
+      f"\nMoE: roles read by saggs.discover from the model (stack, reference; Muon's "
+      f"matrices): {'; '.join(f'{r} {list(p)}' for r, p in roles.items())}"
+    )
+    records, best, tuning_rows, edges = run_optimizers(
+      setup, store, moe_specs, args.moe_seeds, args.moe_lr_multipliers
+    )
+    arms = by_arm(records)
+    rates = print_tuning("MoE learning-rate sweep", args.moe_steps, args, best, tuning_rows, edges)
+    title["moe"] += (
+      f": top-{config.top_k} of {config.num_experts} experts, "
+      f"{config.num_layers} layer{'s' * (config.num_layers != 1)}"
+    )
+    scale = (
+      f"{lm.num_params(params):,} parameters, {args.moe_steps} steps of {args.batch_size}x"
+      f"{config.seq_len} bytes, {args.moe_seeds} seeds ({args.first_seed}-"
+      f"{args.first_seed + args.moe_seeds - 1}); best peak rates: {rates}"
+    )
+    print_experiment(title["moe"], scale, arms, "adamw")
+    plot_experiment(args.out, "moe", title["moe"], arms, "adamw")
+    print_moe(title["moe"], scale, arms)
+    plot_moe(args.out, arms)
+
   print(
     f"Plots in {args.out}; {store.trained} runs trained, wall time "
     f"{(time.perf_counter() - start) / 60:.1f} min",

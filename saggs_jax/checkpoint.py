@@ -5,13 +5,16 @@ restart AdamW onto different trajectories. :func:`restore` with ``pairs``
 canonicalizes the restored state (:func:`saggs_jax.canonicalize`), so runs
 restarted from either follow the same trajectory. It moves each moment by the
 degree measured on the optimizer that made it (``tx=``): a state type does not
-fix its degrees (``optax.adamax`` keeps degree 1 in Adam's ``nu``), and one
-that optax reuses so (:data:`AMBIGUOUS`) is refused without ``tx``.
+fix its degrees (``optax.adamax`` keeps degree 1 in Adam's ``nu``, a moment after a
+normaliser degree 0), so without ``tx`` every moment of a declared parameter is refused
+(:func:`moved_without_tx`).
 
 :func:`save` writes three items: ``state`` (the params and the optimizer state,
 SAGGS stage state included), ``layout``, a small JSON record of every leaf's
 path, shape and dtype and of every empty node (such as optax's
-``EmptyState``), and ``checksums``, two 32-bit hashes of every array's bits.
+``EmptyState``), and ``checksums``, two 32-bit hashes of every array's bits; given
+``tx=``, a fourth, ``degrees``: the transport degree of every leaf of its state, so that
+:func:`restore` refuses another optimizer with the same layout.
 :func:`restore` reads ``layout`` first and compares it with the target, so a
 checkpoint made with other pairs, another optimizer chain or other dtypes fails
 with the first mismatching path before any array is read. It then reads the
@@ -61,6 +64,7 @@ from saggs_jax import canonical, paths
 from saggs_jax.pairs import Pair, as_pairs, resolve
 from saggs_jax.paths import Layout, first_difference, is_empty, layout
 from saggs_jax.transform import SaggsState
+from saggs_jax.transport import registered_types, transport
 
 if TYPE_CHECKING:
   import orbax.checkpoint as ocp
@@ -273,34 +277,36 @@ def _check_step(step) -> None:
 
 
 def _check_not_nnx_objects(params: Any, opt_state: Any) -> None:
-  """Refuses a Flax nnx object where its arrays belong, before anything is written or read.
-
-  ``nnx.state(optimizer)`` holds the optax states as plain mappings, which no
-  ``tx`` can update and :func:`restore` cannot give back to an
-  ``nnx.Optimizer``: the pair to save is ``nnx.state(model, nnx.Param)`` and
-  ``optimizer.opt_state``.
-  """
+  """Refuses a Flax nnx object where its state belongs, before anything is written or read."""
   nnx = sys.modules.get("flax.nnx")  # no nnx object exists unless flax.nnx was imported
   if nnx is None:
     return
-  fix = (
-    " Save nnx.state(model, nnx.Param) and optimizer.opt_state; after restore, put them"
-    " back with nnx.update(model, params) and optimizer.opt_state = opt_state."
-  )
   objects = tuple(getattr(nnx, n) for n in ("Pytree", "Object") if hasattr(nnx, n))  # by version
   for name, value in (("params", params), ("opt_state", opt_state)):
     if isinstance(value, objects):
-      raise TypeError(f"{name} is an nnx {type(value).__name__} object, not its state.{fix}")
-    if isinstance(value, nnx.State) and "opt_state" in value:
       raise TypeError(
-        f"{name} is nnx.state(optimizer): the whole nnx.Optimizer state (keys"
-        f" {sorted(map(str, value.keys()))}), whose optax states have become plain"
-        f" mappings that no optimizer can update.{fix}"
+        f"{name} is an nnx {type(value).__name__} object, not its state. Save"
+        " nnx.state(model, nnx.Param) and nnx.state(optimizer); after restore, put them back"
+        " with nnx.update(model, params) and nnx.update(optimizer, opt_state)."
       )
 
 
-def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any) -> bool:
+def save(
+  manager: ocp.CheckpointManager,
+  step: int,
+  params: Any,
+  opt_state: Any,
+  *,
+  tx: optax.GradientTransformation | None = None,
+  pairs: Sequence[Pair] | None = None,
+) -> bool:
   """Saves ``params`` and ``opt_state`` as checkpoint ``step``, with their layout and checksums.
+
+  Given ``tx``, the optimizer that made ``opt_state``, it also records the transport degree
+  of every leaf of its state (:func:`saggs_jax.degrees.measure` on ``pairs``, by default the
+  pairs of ``tx``'s first symmetry stage), so that :func:`restore` refuses a ``tx`` whose
+  degrees differ (another optimizer with the same layout: adamax for adam), which the layout
+  alone cannot tell.
 
   Saving is asynchronous, as with ``manager.save``: call
   ``manager.wait_until_finished()`` before the process exits (:func:`restore`
@@ -308,9 +314,8 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
   same ``step``, on its global arrays and a directory all processes share.
 
   With ``flax.nnx``, save ``nnx.state(model, nnx.Param)`` and
-  ``optimizer.opt_state``: an nnx object, or ``nnx.state(optimizer)`` (whose
-  optax states are plain mappings), is a ``TypeError`` here rather than at
-  :func:`restore`.
+  ``nnx.state(optimizer)`` (or ``optimizer.opt_state``); an nnx object itself
+  is a ``TypeError`` here rather than at :func:`restore`.
 
   Returns:
     Whether a checkpoint was written (the manager's ``save_interval_steps``
@@ -318,7 +323,9 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
 
   Raises:
     TypeError: ``step`` is not an int, or ``params`` or ``opt_state`` is an
-      nnx object or ``nnx.state(optimizer)``.
+      nnx object, or a degree of ``tx`` cannot be measured.
+    ValueError: ``tx`` does not make ``opt_state``, or is given with no ``pairs`` and has
+      no symmetry stage to take them from.
 
   Example:
     >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, saggs_jax as saggs
@@ -333,28 +340,89 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any)
   _check_step(step)
   _check_not_nnx_objects(params, opt_state)
   state = {"params": params, "opt_state": opt_state}
-  return manager.save(
-    step,
-    args=ocp.args.Composite(
-      state=ocp.args.StandardSave(_storable(state)),
-      layout=ocp.args.JsonSave(layout(state)),
-      checksums=ocp.args.JsonSave(checksums(state)),
-    ),
-  )
+  items = {
+    "state": ocp.args.StandardSave(_storable(state)),
+    "layout": ocp.args.JsonSave(layout(state)),
+    "checksums": ocp.args.JsonSave(checksums(state)),
+  }
+  if tx is not None:
+    items[_RECORD] = ocp.args.JsonSave(_degree_record(tx, params, opt_state, pairs))
+  return manager.save(step, args=ocp.args.Composite(**items))
+
+
+# ---------------------------------------------------------------------------
+# What the layout cannot tell: two optimizers with one layout (adam and adamax, both
+# ScaleByAdamState) whose moments move by other degrees. save(tx=) records the degrees of
+# every leaf of tx's state, measured on the pairs; restore(tx=) measures its own on the same
+# pairs and refuses a difference. Hyperparameters that change no degree (a learning rate, a
+# schedule, b1) pass: canonicalising by them is exact.
+
+_RECORD = "degrees"
+
+
+def _pairs_of(tx: optax.GradientTransformation) -> tuple[Pair, ...] | None:
+  stages = getattr(tx.update, "stages", ())
+  return stages[0].pairs if stages else None
+
+
+def _measured(tx: optax.GradientTransformation, params: Any, pairs: Sequence[Pair]) -> dict:
+  """``{path: degree}`` of every leaf of ``tx.init(params)`` (paths in its layout): a measured
+  degree, or ``"as registered"``."""
+  plan = resolve(pairs, params)
+  found = canonical._degrees(tx, params, jax.eval_shape(tx.init, params), plan)
+  return {} if found is None else dict(paths.leaves_with_paths(found))
+
+
+def _degree_record(tx, params: Any, opt_state: Any, pairs: Sequence[Pair] | None) -> dict:
+  pairs = _pairs_of(tx) if pairs is None else as_pairs(pairs)
+  if not pairs:
+    raise ValueError(
+      "save(tx=...) records the degrees measured on the pairs: tx has no symmetry stage to"
+      " take them from, so pass pairs= too (those restore will canonicalize with)."
+    )
+  arrays = _arrays(params)
+  nodes, _, i = _split(tx, arrays, _arrays(opt_state))
+  made = jax.eval_shape(tx.init, arrays)
+  _made_by(tx, arrays, _laid_out(nodes[i], made))  # a tx that did not make it: ValueError
+  return {"pairs": [repr(p) for p in pairs], "degrees": _measured(tx, arrays, pairs)}
+
+
+def _check_record(manager, step: int, what: str, tx, params: Any, pairs) -> None:
+  """Raises a ValueError if checkpoint ``step`` records degrees (:func:`save` with ``tx=``) on
+  these ``pairs`` and ``tx``'s differ. A checkpoint saved without ``tx=`` records none, one
+  saved with other pairs others: neither can be checked (see docs/checkpoints.md)."""
+  import orbax.checkpoint as ocp  # as in _abstract
+
+  try:
+    record = manager.restore(step, args=ocp.args.Composite(**{_RECORD: ocp.args.JsonRestore()}))
+  except KeyError as e:  # Orbax: 'Item "degrees" was not found in the checkpoint'
+    if "not found" not in str(e):
+      raise
+    return
+  record = record[_RECORD]
+  if record["pairs"] != [repr(p) for p in as_pairs(pairs)]:
+    return
+  saved, ours = record["degrees"], _measured(tx, params, pairs)
+  for path in [*ours, *(p for p in saved if p not in ours)]:
+    if saved.get(path) != ours.get(path):
+      raise ValueError(
+        f"{what} was saved by another optimizer than tx: the leaf {path!r} of its state moves"
+        f" by degree {saved.get(path, 'none')!r} there, by {ours.get(path, 'none')!r} in tx"
+        " (the same layout, other moments: adamax's nu for adam's). Pass the optimizer that"
+        " saved it. Nothing was restored."
+      )
 
 
 # ---------------------------------------------------------------------------
 # Canonicalising a restored state moves its moments, each by its degree. A state type
-# registers the degrees it has where optax usually puts it, but optax reuses these
-# types for moments of other degrees: optax.adamax and adamaxw keep an infinity norm
-# (degree 1) in Adam's nu; the trace of rmsprop(centered=True, momentum=...), or of any
-# optimizer chained before optax.trace, holds normalised updates (degree 0), and lars's
-# follows a trust ratio (degree -1). Only the optimizer tells, so restore measures the
-# degrees on it (saggs_jax.degrees.measure) and refuses these types without it.
-
-AMBIGUOUS = (optax.ScaleByAdamState, optax.TraceState)
-"""State types whose degrees depend on the optimizer that made them: :func:`restore`
-canonicalises them only given that optimizer (``tx=``)."""
+# registers the degrees it has where optax usually puts it, but its place in the chain
+# decides them: optax.adamax and adamaxw keep an infinity norm (degree 1) in Adam's nu; any
+# moment after a normaliser holds updates of degree 0 (the trace of rmsprop(centered=True,
+# momentum=...), chain(scale_by_rms(), scale_by_lion()), chain(scale_by_rms(),
+# MultiSteps(sgd, 4))'s accumulator), after a trust ratio parameter-like ones (lars's
+# trace, -1), after a stage scaling by a parameter norm one less. No state type is safe
+# from such a stage before it, so restore measures the degrees on the optimizer
+# (saggs_jax.degrees.measure) and refuses, without it, every leaf it would move.
 
 _TX_FIX = (
   " Pass the optimizer that made opt_state, e.g. the saggs.chain you train with:"
@@ -369,17 +437,73 @@ def _nodes(tree: Any, types: tuple[type, ...]) -> list[tuple[str, Any]]:
   return [(p, x) for p, x in found if isinstance(x, types)]
 
 
-def _refuse_ambiguous(opt_state: Any) -> None:
-  found = _nodes(opt_state, AMBIGUOUS)
+def moved_without_tx(params: Any, opt_state: Any, pairs: Sequence[Pair]) -> list[str]:
+  """The paths of the leaves of ``opt_state`` that canonicalising by ``pairs`` would move by
+  their state types' registered degrees: every moment of a declared parameter, each of whose
+  degrees a stage before it can change (see above). Read off the transport's program on
+  abstract values (a leaf it returns as it came is not moved): nothing is computed.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, saggs_jax as saggs
+    >>> params = {"q": jnp.ones((2, 2)), "k": jnp.ones((2, 2)), "b": jnp.ones(2)}
+    >>> state = optax.chain(optax.scale_by_rms(), optax.scale_by_lion()).init(params)
+    >>> saggs.checkpoint.moved_without_tx(params, state, [saggs.Pair("q", "k")])
+    ['0/nu/k', '0/nu/q', '1/mu/k', '1/mu/q']
+  """
+  plan = resolve(pairs, params)
+  found = list(paths.arrays_with_paths(opt_state))
+  specs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for _, x in found]
+  factors = {i.key: jax.ShapeDtypeStruct(i.factor_shape, jnp.float32) for i in plan.instances}
+  treedef = jax.tree.structure(opt_state)
+
+  def moved(leaves, f):
+    return jax.tree.leaves(transport(plan, treedef.unflatten(leaves), f))
+
+  jaxpr = jax.make_jaxpr(moved)(specs, factors).jaxpr
+  inputs = jaxpr.invars[: len(specs)]
+  return [path for (path, _), i, o in zip(found, inputs, jaxpr.outvars) if o is not i]
+
+
+def _refuse_moments(params: Any, opt_state: Any, pairs: Sequence[Pair]) -> None:
+  found = moved_without_tx(params, opt_state, pairs)
   if found:
-    path, node = found[0]
-    others = f" (and {len(found) - 1} more such states)" if len(found) > 1 else ""
+    owners = [  # the registered states holding it, by the length of their paths
+      (len(p), type(x).__name__)
+      for t in registered_types()
+      for p, x in _nodes(opt_state, (t,))
+      if found[0].startswith(p + "/") or not p
+    ]
+    what = f"{max(owners)[1]} leaf" if owners else "leaf"
+    others = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     raise TypeError(
-      f"Cannot canonicalize opt_state without its optimizer: {type(node).__name__} at"
-      f" {'opt_state/' + path if path else 'opt_state'}{others} has the degrees of the"
-      " optimizer that made it (optax.adamax keeps degree 1 in ScaleByAdamState.nu, a"
-      " trace after a normaliser degree 0), so its registered degrees may move it wrongly."
-      + _TX_FIX
+      f"Cannot canonicalize opt_state without its optimizer: the {what} at"
+      f" opt_state/{found[0]}{others} is a moment of a declared parameter, whose degree"
+      " its place in the optimizer decides, not its type (optax.adamax keeps degree 1 in"
+      " ScaleByAdamState.nu; any moment after a normaliser such as scale_by_rms holds degree"
+      " 0), so its registered degree may move it wrongly." + _TX_FIX
+    )
+
+
+def _refuse_params_inside(params: Any, opt_state: Any) -> None:
+  """Refuses a train state that holds ``params`` themselves (a Linen ``TrainState``): that
+  copy would come back as saved, beside canonicalised ``params``."""
+  ids = {id(x) for x in jax.tree.leaves(params)}
+  inside = [p for p, x in paths.leaves_with_paths(opt_state) if id(x) in ids]
+  if inside:
+    raise ValueError(
+      f"opt_state holds params themselves (at 'opt_state/{inside[0]}'), which would come back"
+      " as saved beside the canonicalised params. Pass the train state without them, e.g."
+      " state.replace(params=None) for a Linen TrainState, and save it so too. Nothing was"
+      " restored."
+    )
+
+
+def _refuse_nnx_mappings(opt_state: Any) -> None:
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is not None and _nodes(opt_state, (nnx.State,)):
+    raise TypeError(
+      "Cannot canonicalize an nnx state without its optimizer: nnx.state(optimizer) keeps the"
+      " optax states as plain mappings, so only tx can tell their degrees." + _TX_FIX
     )
 
 
@@ -412,15 +536,36 @@ def _made_by(tx: optax.GradientTransformation, params: Any, opt_state: Any) -> t
   return optimizer, n, jax.tree.structure(made)
 
 
+def _arrays_by_path(tree: Any) -> dict[str, str]:
+  """``{path: "dtype[shape]"}`` of ``tree``'s array leaves: its layout up to order and empty
+  nodes, which an ``nnx.state(optimizer)`` keeps its optax state without."""
+  return {p: d for p, d in layout(tree).items() if d.endswith("]")}
+
+
+def _relaid(values: Any, like: Any) -> Any:
+  """``like``'s structure holding, at each of its leaves' paths, the leaf ``values`` has
+  there (an optax state and the mapping ``nnx.state(optimizer)`` keeps it as, both ways)."""
+  found = dict(paths.leaves_with_paths(values))
+  leaves = [found[p] for p, _ in paths.leaves_with_paths(like)]
+  return jax.tree.structure(like).unflatten(leaves)
+
+
+def _laid_out(node: Any, made: Any) -> Any:
+  """``node`` in the structure of ``made``, the state ``tx.init`` makes, when it holds the
+  same arrays at the same paths (an ``nnx.state(optimizer)``'s mappings); else as it is."""
+  return _relaid(node, made) if _arrays_by_path(node) == _arrays_by_path(made) else node
+
+
 def _split(tx: optax.GradientTransformation, params: Any, opt_state: Any) -> tuple[Any, ...]:
   """``(nodes, treedef, i)``: ``opt_state`` flattened down to the state ``tx`` makes, which
   is ``nodes[i]``. A train state may hold more than the optax state (an RNG key, a step,
-  EMA weights): its one subtree with ``tx.init(params)``'s layout is ``tx``'s."""
-  want = layout(jax.eval_shape(tx.init, params))
+  EMA weights, an ``nnx.Optimizer``'s step): its one subtree with the arrays
+  ``tx.init(params)`` makes, at the same paths, is ``tx``'s."""
+  want = _arrays_by_path(jax.eval_shape(tx.init, params))
   whole = [opt_state], jax.tree.structure(0), 0
-  if layout(opt_state) == want:
+  if _arrays_by_path(opt_state) == want:
     return whole
-  is_tx_state = lambda x: not is_empty(x) and layout(x) == want  # noqa: E731
+  is_tx_state = lambda x: not is_empty(x) and _arrays_by_path(x) == want  # noqa: E731
   nodes, treedef = jax.tree.flatten(opt_state, is_leaf=is_tx_state)
   found = [i for i, x in enumerate(nodes) if is_tx_state(x)]
   if len(found) > 1:
@@ -490,11 +635,11 @@ def restore(
   With ``pairs``, the state is canonicalised: the parameters balanced
   (:func:`saggs_jax.canonicalize`) and every moment moved by its degree, as
   measured on ``tx`` (:func:`saggs_jax.degrees.measure`), the optimizer that
-  made ``opt_state``. A state type whose degrees depend on that optimizer
-  (:data:`AMBIGUOUS`: Adam's state, which ``optax.adamax`` also uses with an
-  infinity norm of degree 1 in ``nu``; a trace, which may follow a normaliser)
-  is refused without ``tx``; other registered types move by their registered
-  degrees.
+  made ``opt_state``. A moment's degree depends on its place in that optimizer,
+  not on its state type (``optax.adamax`` keeps an infinity norm of degree 1 in
+  Adam's ``nu``; any moment after a normaliser holds degree 0), so without ``tx``
+  a state holding any moment of a declared parameter (:func:`moved_without_tx`)
+  is refused; one holding none (plain SGD, counters) needs no ``tx``.
 
   Args:
     manager: the ``orbax.checkpoint.CheckpointManager`` it was saved with.
@@ -520,15 +665,16 @@ def restore(
     ``(params, opt_state, step)``.
 
   Raises:
-    TypeError: ``step`` is not an int, the target is an nnx object or
-      ``nnx.state(optimizer)`` (see :func:`save`), ``opt_state`` holds an
-      :data:`AMBIGUOUS` state and no ``tx`` is given, or a degree measured on
+    TypeError: ``step`` is not an int, the target is an nnx object (see
+      :func:`save`), ``opt_state`` holds a moment of a declared parameter (or an
+      ``nnx.State``) and no ``tx`` is given, or a degree measured on
       ``tx`` transports no leaf (see :func:`saggs_jax.degrees.measure`).
     FileNotFoundError: the manager holds no checkpoint ``step`` (or none at all).
     ValueError: the checkpoint was not written by :func:`save` (it lacks the
       layout and checksums), its layout differs from the target's (the
       message names the first differing path), ``tx`` does not make
-      ``opt_state``, or ``pairs`` do not resolve on ``params``: raised before
+      ``opt_state``, its degrees differ from those the checkpoint records (see
+      :func:`save`), or ``pairs`` do not resolve on ``params``: raised before
       any array is read. Or the arrays could not be read, or one read back
       does not match its checksum or has none (the message names it).
 
@@ -561,6 +707,7 @@ def restore(
   balanced_by = pairs if canonicalize else None  # the pairs to canonicalize with, if any
   if balanced_by is not None:
     resolve(balanced_by, params)  # a bad declaration fails before anything is read
+    _refuse_params_inside(params, opt_state)
   target = {"params": params, "opt_state": opt_state}
   what = f"Checkpoint {step} in {manager.directory}"
   try:
@@ -579,13 +726,17 @@ def restore(
   canonicalizer, nodes, i = None, [_arrays(opt_state)], 0
   node_def = jax.tree.structure(0)  # opt_state as one node: all of it tx's, or no tx
   if balanced_by is not None:
-    optimizer, n, made = None, -1, None
+    optimizer, n, made, made_by_tx = None, -1, None, None
     if tx is not None and opt_state is not None:
       nodes, node_def, i = _split(tx, _arrays(params), nodes[0])
-      optimizer, n, made = _made_by(tx, _arrays(params), nodes[i])
+      made_by_tx = jax.eval_shape(tx.init, _arrays(params))
+      optimizer, n, made = _made_by(tx, _arrays(params), _laid_out(nodes[i], made_by_tx))
+      _check_record(manager, step, what, tx, _arrays(params), balanced_by)
     else:
-      _refuse_ambiguous(opt_state)
-    specs, treedef = jax.tree.flatten(jax.tree.map(_spec, _arrays((params, nodes[i]))))
+      _refuse_nnx_mappings(opt_state)
+      _refuse_moments(_arrays(params), _arrays(opt_state), balanced_by)
+    node = nodes[i] if made_by_tx is None else _laid_out(nodes[i], made_by_tx)
+    specs, treedef = jax.tree.flatten(jax.tree.map(_spec, _arrays((params, node))))
     canonicalizer = _canonicalizer(as_pairs(balanced_by), optimizer, n, made, treedef, tuple(specs))
   try:
     state = manager.restore(
@@ -601,7 +752,9 @@ def restore(
   arrays = state["params"], state["opt_state"]
   if canonicalizer is not None:  # tx's state alone is canonicalised; the rest comes back as read
     nodes = node_def.flatten_up_to(arrays[1])
-    restored, nodes[i] = canonicalizer.result()(arrays[0], nodes[i])
+    node = nodes[i] if made_by_tx is None else _laid_out(nodes[i], made_by_tx)
+    restored, moved = canonicalizer.result()(arrays[0], node)
+    nodes[i] = moved if made_by_tx is None else _relaid(moved, nodes[i])
     arrays = restored, node_def.unflatten(nodes)
   params, opt_state = _with_statics((params, opt_state), arrays)
   return params, opt_state, step

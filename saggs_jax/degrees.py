@@ -68,6 +68,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
+import sys
 import types
 import warnings
 import weakref
@@ -400,9 +401,17 @@ def _alone(fn: Any) -> Any:
   """``fn()`` on a thread of its own, where no context of the caller's reaches it: not its
   trace (so that it runs now, even while an init or an update is traced: a value it closes
   over from that trace would become one more input), nor its ``jax.set_mesh`` (which would
-  run each small op, and compile the probe, for every device of the mesh)."""
+  run each small op, and compile the probe, for every device of the mesh). The caller's
+  ``jax.enable_x64`` does reach it: it is thread-local too, and the probe must see the
+  dtypes the caller's arrays have."""
+  x64 = bool(jax.config.jax_enable_x64)
+
+  def run():
+    with jax.enable_x64(x64):
+      return fn()
+
   with concurrent.futures.ThreadPoolExecutor(1) as thread:
-    return thread.submit(fn).result()
+    return thread.submit(run).result()
 
 
 class _Cut(NamedTuple):
@@ -679,6 +688,42 @@ def _same_layout(small_state, state) -> tuple | None:
   return None
 
 
+# The code of optax.lookahead's init and update: a frame running one of them on the stack of
+# a symmetry stage's update means the stage is (part of) lookahead's fast optimizer.
+_LOOKAHEAD_CODE = frozenset(
+  c for c in optax.lookahead.__code__.co_consts if isinstance(c, types.CodeType)
+)
+
+
+def _refuse_inside_lookahead() -> None:
+  """Raises a ValueError if called, at any depth, from ``optax.lookahead``'s update or init.
+
+  A symmetry stage inside lookahead (``optax.lookahead(saggs.chain(adam, saggs(pairs)),
+  ...)``) balances the fast weights alone: the slow weights, which each synchronisation mixes
+  with the fast ones (``slow + α (fast - slow)``), are outside its reach and stay where they
+  were on the orbit, so two equivalent states sync onto two functions that are not
+  equivalent, and never meet again. Keeping them equivalent would need the slow weights moved
+  by the fast weights' factors, which only a rule outside lookahead could do. Called by
+  :func:`measure`, which every symmetry stage's update calls for the states it transports.
+  Runs at trace time only (a walk up the Python stack)."""
+  frame = sys._getframe(1)
+  while frame is not None:
+    if frame.f_code in _LOOKAHEAD_CODE:
+      raise ValueError(
+        "A saggs_jax symmetry stage runs inside optax.lookahead's fast optimizer: it rescales"
+        " the fast weights alone, while lookahead's slow weights, which every synchronisation"
+        " mixes with the fast ones, stay where they were. Under SAGGS two equivalent states"
+        " then synchronise onto functions that are no longer equivalent and never meet again"
+        " (the slow weights would have to move by the fast weights' factors, out of the"
+        " stage's reach); under qk_clip the mixed slow weights' logits are not bounded by the"
+        " clip. A stage around lookahead refuses its LookaheadParams for the same reason: no"
+        " arrangement of the two keeps the guarantee. Train without lookahead;"
+        " saggs_jax.reparameterize / canonicalize still move a whole lookahead state, its slow"
+        " weights declared as followers."
+      )
+    frame = frame.f_back
+
+
 def measure(tx: optax.GradientTransformation, params: Any, plan: Plan, state: Any = None) -> Any:
   """The degree of every leaf of ``tx.init(params)``, as :func:`transport` takes them.
 
@@ -715,6 +760,7 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan, state: An
   """
   if not plan.slots:
     return None
+  _refuse_inside_lookahead()  # before the cache: the same chain may also run outside it
   cache_key, tx = tx.update, optax.with_extra_args_support(tx)
   try:
     known = _MEASURED.setdefault(cache_key, {})

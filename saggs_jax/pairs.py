@@ -676,6 +676,16 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]], dtypes: dict[s
     ]
     for side in (0, 1)
   ]
+  for spec, _, found in (s for side in sides for s in side):
+    wild = "*" in _pattern(spec).rsplit("/", 1)[-1]
+    bias = next((q for q in found.values() if wild and q.rsplit("/", 1)[-1] == "bias"), None)
+    if bias is not None:  # a wildcard caught it: a bias alone never carries a factor
+      raise ValueError(
+        f"{pair._spelled}: pattern {spec!r} matches the bias {bias!r} by its wildcard, which"
+        " would give the bias a factor of its own: no symmetry. A bias moves with its kernel"
+        " or gain: name their leaf in the pattern and declare the bias a follower"
+        " (follow_a=/follow_b=; presets.llama: qk_norm_bias='bias')."
+      )
   matched = [(side, found) for side in (0, 1) for _, _, found in sides[side]]
   everywhere = set.intersection(*(set(found) for _, found in matched))
   for side, found in matched:

@@ -94,6 +94,10 @@ def llama(
   qk_norm: Literal["head", "all"] | None = None,
   experts: str | None = None,
   expert_leaf: str | None = "kernel",
+  qk_norm_bias: str | None = None,
+  qk_norm_gain: str | None = None,
+  q_norm: str = "q_norm",
+  k_norm: str = "k_norm",
 ) -> list[Pair]:
   """Q/K and V/O per KV head (GQA) and SwiGLU up/down per channel, LLaMA naming; QK-norm
   (Qwen3, Gemma 3, OLMoE) and stacked MoE experts (OLMoE, Qwen3-MoE) too.
@@ -109,7 +113,12 @@ def llama(
   ``qk_norm="head"`` (Qwen3, Gemma 3: each head normalised over ``hd``, one gain
   (hd,) shared by the heads) gives one factor per layer, a scalar, which commutes
   with RoPE; ``qk_norm="all"`` (OLMoE: one norm over the H*hd query, gain (H*hd,))
-  gives one factor per KV head, for the query heads that read it.
+  gives one factor per KV head, for the query heads that read it. A QK LayerNorm with a
+  bias (Persimmon, StableLM: ``q = γ n(x) + β``) scales ``q`` only if its bias moves with
+  its gain by the same factor: name the bias leaf, ``qk_norm_bias="bias"``, and it follows
+  the gain. Without it the default gain pattern (any leaf of each norm) also matches the
+  bias, which a factor of its own would move off the symmetry: the pairs refuse it, naming
+  the bias, where they first meet the parameters.
 
   ``experts`` names the module of stacked experts, ``<experts>/<up>`` (E, d, F) and
   ``<experts>/<down>`` (E, F, d) (each ``/<expert_leaf>``, or bare leaves when it is
@@ -127,6 +136,12 @@ def llama(
     prefix: restricts the patterns to part of the tree.
     q, k, v, o, up, down: module names.
     qk_norm: ``"head"`` or ``"all"``, the QK-norm's extent (above); None: no QK-norm.
+    qk_norm_bias: the leaf name of the QK norms' bias (``"bias"``), which then moves with
+      the gain (above); None: the norms have no bias.
+    qk_norm_gain: the leaf name of the QK norms' gain; default any one leaf (``*``), or
+      ``"scale"`` (Flax's ``LayerNorm``) with ``qk_norm_bias``, which a wildcard would
+      also match.
+    q_norm, k_norm: the QK norms' module names (Persimmon's ``q_layernorm``).
     experts: the module holding the stacked experts, e.g. ``"mlp/experts"``.
     expert_leaf: the leaf name of the experts' kernels, or None for bare leaves.
 
@@ -146,6 +161,12 @@ def llama(
 
   if qk_norm not in (None, "head", "all"):
     raise ValueError(f"llama: qk_norm must be None, 'head' or 'all', got {qk_norm!r}.")
+  gain = qk_norm_gain or ("*" if qk_norm_bias is None else "scale")
+  if qk_norm_bias is not None and "*" in gain:
+    raise ValueError(
+      f"llama: qk_norm_gain={gain!r} would also match the bias {qk_norm_bias!r}, pairing it"
+      " apart from its gain; name the gain's leaf (qk_norm_gain='scale' or 'weight')."
+    )
   vo = Pair(
     p(v),
     p(o),
@@ -170,12 +191,15 @@ def llama(
     )
     pairs = [qk, vo]
   else:
+    follow = qk_norm_bias is not None  # a LayerNorm's bias moves with its gain
     gains = Pair(
-      p("q_norm", "*"),
-      p("k_norm", "*"),
+      p(q_norm, gain),
+      p(k_norm, gain),
       axes=(0, 0),
       groups=1 if qk_norm == "head" else num_kv_heads,
       stacked=stacked,
+      follow_a=(p(q_norm, qk_norm_bias),) if follow else (),
+      follow_b=(p(k_norm, qk_norm_bias),) if follow else (),
       name="QK-norm gains",
       ndim=(1, 1),
     )

@@ -105,6 +105,11 @@ def register_transport(state_type: type, fields: Mapping[str, Degree]) -> None:
   _RULES[state_type] = functools.partial(_transport_fields, dict(fields))
 
 
+def registered_types() -> tuple[type, ...]:
+  """The state types :func:`transport` has a rule for, registered or built in."""
+  return tuple(_RULES)
+
+
 def _replace(state, **changes):
   if hasattr(state, "_replace"):
     return state._replace(**changes)

@@ -1,8 +1,18 @@
-"""saggs_jax.discovery.candidates: the groupings a candidate is tried at."""
+"""saggs_jax.discovery.candidates: the groupings a candidate is tried at, and the blocks a
+leaf is cut into (contiguous, or interleaved every ``period`` entries)."""
 
+import numpy as np
 import pytest
 
-from saggs_jax.discovery.candidates import as_stacked, copy_axes, group_options, relative
+from saggs_jax.discovery.candidates import (
+  Part,
+  _partition,
+  as_stacked,
+  copy_axes,
+  group_options,
+  relative,
+)
+from saggs_jax.discovery.propagation import Cut
 
 
 @pytest.mark.parametrize(
@@ -31,3 +41,17 @@ def test_relative_counts_a_leaf_axis_among_the_axes_that_are_not_copies():
   # A (d, layers, F) MaxText kernel: its F axis is 2 of the leaf, 1 of a Pair's axes.
   assert [relative(a, (1,)) for a in (0, 2)] == [0, 1]
   assert [relative(a, 2) for a in (2, 3)] == [0, 1]  # two leading copy axes
+
+
+def test_blocks_of_every_run_partition_the_run_and_index_every_run():
+  # BLOOM's fused axis of 2 heads x (q, k, v) x 4 dims: q is [0, 4) of every run of 12
+  cuts = {Cut(1, 0, 4, 12), Cut(1, 8, 12, 12)}
+  assert _partition(cuts, (16, 24)) == (1, ((0, 4), (4, 8), (8, 12)), 12)  # k, a gap, is one
+  assert _partition({Cut(1, 0, 4, 12), Cut(1, 0, 8)}, (16, 24)) is None  # two structures
+  assert _partition({Cut(0, 2, 5)}, (8, 3)) == (0, ((0, 2), (2, 5), (5, 8)), 0)
+  k = Part(1, 4, 8, ((0, 4), (4, 8), (8, 12)), 12)
+  columns = np.arange(24).reshape(2, 3, 4)[:, 1].ravel()  # head by head, written here
+  (_, index) = k.index(24)
+  np.testing.assert_array_equal(index, columns)
+  assert k.size(24) == 8 and Part(0, 2, 5, ((0, 2), (2, 5), (5, 8))).size(8) == 3
+  assert Part(0, 2, 5, ((0, 2), (2, 5), (5, 8))).index(8) == (slice(2, 5),)

@@ -799,3 +799,19 @@ def test_a_leaf_at_zero_past_the_longest_history_has_its_degree_past_the_horizon
       p, s, _ = step(p, s, 1.0)
     ends.append((p, s[0]))
   assert_close(ends[1], ends[0], name)
+
+
+def test_degrees_are_measured_in_the_callers_x64_mode():
+  """``jax.enable_x64`` is thread-local, and the degrees are measured on a thread of their
+  own: a float64 chain must be measured (and run) in float64. q = 4, k = 1 balance to 2
+  and 2; Adam's first step then moves each by the learning rate, 1e-9, which float32 at 2
+  cannot hold (its spacing there is 2.4e-7)."""
+  pairs = [saggs.Pair("q", "k")]
+  with jax.enable_x64(True), warnings.catch_warnings():
+    warnings.simplefilter("error")  # no "float64 ... truncated to float32"
+    params = {"q": jnp.full((2, 2), 4.0, jnp.float64), "k": jnp.ones((2, 2), jnp.float64)}
+    tx = saggs.chain(optax.adam(1e-9), saggs.saggs(pairs, every=1))
+    updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
+    assert updates["q"].dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(updates["q"]), -2.0 - 1e-9, rtol=0, atol=1e-15)
+    np.testing.assert_allclose(np.asarray(updates["k"]), 1.0 - 1e-9, rtol=0, atol=1e-15)

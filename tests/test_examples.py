@@ -18,6 +18,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+# The moe experiment's own plots (harness.study.plot_moe), besides its differences and curves.
+MOE_PLOTS = ("load_imbalance", "router_flips", "router_norm", "router_change", "logit_growth")
 # Each documented command: the files it writes (relative to where it runs), or why it cannot
 # run here.
 COMMANDS = {
@@ -35,8 +37,12 @@ COMMANDS = {
   "python examples/qk_clip.py": ["runs/qk_clip/max_logit.png"],
   "python examples/study.py": [
     f"runs/study/{experiment}_{plot}.png"
-    for experiment in ("imbalance", "resume", "balanced", "optimizers")
+    for experiment in ("imbalance", "resume", "balanced", "optimizers", "moe")
     for plot in ("differences", "curves")
+  ]
+  + [f"runs/study/moe_{plot}.png" for plot in MOE_PLOTS],
+  "python examples/study.py --experiments moe": [
+    f"runs/study/moe_{plot}.png" for plot in ("differences", "curves", *MOE_PLOTS)
   ],
   "python examples/study.py --seeds 10 --opt-seeds 6 --tune-seeds 2": ["runs/study/runs.jsonl"],
   "python examples/gpu_study.py --tiny": ["runs/gpu_study_tiny/summary.json"],
@@ -48,6 +54,10 @@ COMMANDS = {
   ): (
     "needs MaxText and a 7B model's memory; the zoo's MaxText leg runs the same driver on a"
     " tiny config (tests/zoo/test_zoo_maxtext_train.py)"
+  ),
+  "python examples/easydel_saggs.py": (
+    "needs EasyDeL (Python 3.11 with its own pins); the zoo's EasyDeL leg runs it at smoke size"
+    " (tests/zoo/test_zoo_easydel_train.py::test_the_documented_command_runs)"
   ),
 }
 

@@ -247,6 +247,64 @@ def test_lookahead_inside_the_chain_is_refused_recommending_no_inexact_form():
   assert "optax.lookahead(saggs_jax.chain" not in str(e.value)
 
 
+LOOKAHEAD_FORMS = {
+  "chain": lambda: optax.lookahead(saggs.chain(optax.adam(LR), saggs.saggs(PAIRS)), 3, 0.5),
+  "wrapper": lambda: optax.lookahead(saggs.saggs(optax.adam(LR), PAIRS), 3, 0.5),
+  "nested": lambda: optax.lookahead(
+    optax.chain(optax.scale(1.0), saggs.chain(optax.adam(LR), saggs.soft(PAIRS, 0.5))), 3, 0.5
+  ),
+}
+
+
+@pytest.mark.parametrize("form", LOOKAHEAD_FORMS)
+def test_a_symmetry_stage_inside_lookahead_is_refused_at_its_first_update(form):
+  """optax.lookahead(saggs.chain(...)) balanced the fast weights alone (issue 43, finding 6):
+  refused at the update's trace, jitted or not, with the reason and no inexact way out."""
+  tx = LOOKAHEAD_FORMS[form]()
+  params = optax.LookaheadParams.init_synced(PARAMS)
+  state = tx.init(params)  # lookahead's init hands the chain plain fast weights
+  for update in (tx.update, jax.jit(tx.update)):
+    with pytest.raises(ValueError, match=r"inside optax.lookahead's fast optimizer") as e:
+      update(GRADS[0], state, params)
+    assert "slow weights" in str(e.value) and "Train without lookahead" in str(e.value)
+  # The same chain outside lookahead is not refused: the check reads the call, not the chain.
+  inner = saggs.chain(optax.adam(LR), saggs.saggs(PAIRS))
+  inner.update(GRADS[0], inner.init(PARAMS), PARAMS)
+
+
+def test_the_lookahead_refusal_is_true_equivalent_states_part(monkeypatch):
+  """Why it is refused: with the check off, two equivalent lookahead states (fast and slow
+  weights moved by the same factors, Adam's moments by c**-1 and c**-2, built here in NumPy)
+  end with slow weights computing other functions (q kᵀ per head), and stay apart."""
+  monkeypatch.setattr(saggs.degrees, "_refuse_inside_lookahead", lambda: None)
+  tx = LOOKAHEAD_FORMS["chain"]()
+  slow = _tree(7, 1.0, 2.0)
+  params = optax.LookaheadParams(fast=PARAMS, slow=slow)
+  c = np.repeat(np.array([3.0, 0.25]), HD)  # per head, columns of q (k by 1 / c)
+  m = {"q": c, "k": 1 / c}
+  moved = optax.LookaheadParams(
+    fast={n: PARAMS[n] * m[n] for n in m}, slow={n: slow[n] * m[n] for n in m}
+  )
+  state = tx.init(params)  # fresh: zero moments, equal counts (moved by any degree)
+  target = np.random.default_rng(3).standard_normal((2, 3, 3))
+
+  def heads(p):  # q kᵀ of each head: what the function reads of the pair
+    q, k = (jnp.asarray(p[n]).reshape(3, 2, HD) for n in ("q", "k"))
+    return jnp.einsum("ihd,jhd->hij", q, k)
+
+  grad = jax.jit(jax.grad(lambda p: jnp.sum((heads(p) - target) ** 2)))
+  step = jax.jit(tx.update)
+  np.testing.assert_allclose(heads(moved.slow), heads(slow), rtol=1e-5)  # equivalent
+  states = [(params, state), (moved, state)]
+  for _ in range(9):  # three synchronisations; each state's gradient at its own fast weights
+    states = [
+      (optax.apply_updates(p, u), s)
+      for p, (u, s) in ((p, step(grad(p.fast), s, p)) for p, s in states)
+    ]
+  a, b = (np.asarray(heads(p.slow)) for p, _ in states)
+  assert np.max(np.abs(a - b)) > 1e-2 * np.max(np.abs(a))  # apart, not rounding
+
+
 def test_checkpoint_restore_canonicalizes_a_wrapper_state(tmp_path):
   """saggs.checkpoint.restore with tx= a wrapper gives back a SymmetryState, its moments moved
   as canonicalize moves them."""

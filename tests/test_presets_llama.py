@@ -18,6 +18,11 @@ def _rms(x, w):
   return x * jax.lax.rsqrt(jnp.mean(x**2, -1, keepdims=True) + 1e-6) * w
 
 
+def _ln(x, scale, bias):
+  x = x - jnp.mean(x, -1, keepdims=True)
+  return x * jax.lax.rsqrt(jnp.mean(x**2, -1, keepdims=True) + 1e-6) * scale + bias
+
+
 def _rope(x):  # (T, heads, hd): halves rotated together
   t, hd = x.shape[0], x.shape[-1]
   angle = jnp.arange(t)[:, None, None] * 10000.0 ** (-jnp.arange(hd // 2) / (hd // 2))
@@ -29,7 +34,10 @@ def _rope(x):  # (T, heads, hd): halves rotated together
 def _layer(p, x, qk_norm):
   t = x.shape[0]
   a = p["self_attn"]
-  if qk_norm == "head":  # Qwen3: per head over head_dim
+  if "bias" in a["q_norm"]:  # Persimmon, StableLM: a LayerNorm with a bias, per head
+    q = _ln((x @ a["q_proj"]["kernel"]).reshape(t, HEADS, HD), **a["q_norm"])
+    k = _ln((x @ a["k_proj"]["kernel"]).reshape(t, KV, HD), **a["k_norm"])
+  elif qk_norm == "head":  # Qwen3: per head over head_dim
     q = _rms((x @ a["q_proj"]["kernel"]).reshape(t, HEADS, HD), a["q_norm"]["scale"])
     k = _rms((x @ a["k_proj"]["kernel"]).reshape(t, KV, HD), a["k_norm"]["scale"])
   else:  # OLMoE: over the whole projection
@@ -49,7 +57,7 @@ def _layer(p, x, qk_norm):
   return x + jnp.einsum("te,tef,efd->td", weights, h, e["down_proj"]["kernel"])
 
 
-def _model(qk_norm, layers=2, seed=0):
+def _model(qk_norm, layers=2, seed=0, norm_bias=False):
   rng = np.random.default_rng(seed)
   w = lambda *s: jnp.asarray(0.5 * rng.standard_normal(s), jnp.float32)  # noqa: E731
   g = lambda n: jnp.asarray(np.exp(0.3 * rng.standard_normal(n)), jnp.float32)  # noqa: E731
@@ -77,6 +85,10 @@ def _model(qk_norm, layers=2, seed=0):
       for i in range(layers)
     },
   }
+  if norm_bias:
+    for layer in params["layers"].values():
+      for n in ("q_norm", "k_norm"):
+        layer["self_attn"][n]["bias"] = w(width or HEADS * HD)
 
   def logits(p):
     x = p["embed"][jnp.arange(7) % VOCAB]
@@ -152,6 +164,48 @@ def test_llama_qk_norm_per_channel_gains_are_not_exact():
   a["q_norm"]["scale"] *= c
   a["k_norm"]["scale"] /= c
   assert np.max(np.abs(logits(bent) - logits(params))) > 1e-2
+
+
+def test_llama_qk_layernorm_with_a_bias_moves_the_bias_with_its_gain():
+  """Persimmon/StableLM (issue 43, finding 11): q = γ n(x) + β. 'q_norm/*' also matched the
+  bias as a pair of its own (two factors per layer: no symmetry), and is now refused;
+  qk_norm_bias="bias" makes it follow the gain. Oracle: one hard balancing keeps the logits, and moves gain and bias of
+  each norm by the one scalar c = sqrt(||γ_k|| / ||γ_q||) computed here."""
+  import optax
+
+  params, logits = _model("head", norm_bias=True)
+  for layer in params["layers"].values():  # k's norm 3x q's: something to balance
+    layer["self_attn"]["k_norm"]["scale"] = 3.0 * layer["self_attn"]["k_norm"]["scale"]
+  pairs = saggs.presets.llama(
+    KV, qk_norm="head", qk_norm_bias="bias", mlp=False, experts="mlp/experts"
+  )
+  tx = saggs.chain(optax.sgd(0.0), saggs.saggs(pairs))
+  grads = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  balanced = jax.tree.map(np.asarray, optax.apply_updates(params, updates))
+  for layer in params["layers"]:
+    a, b = params["layers"][layer]["self_attn"], balanced["layers"][layer]["self_attn"]
+    c = np.sqrt(np.linalg.norm(a["k_norm"]["scale"]) / np.linalg.norm(a["q_norm"]["scale"]))
+    assert abs(np.log(c)) > 0.3  # there was something to balance
+    for n, m in (("q_norm", c), ("k_norm", 1 / c)):
+      for leaf in ("scale", "bias"):
+        np.testing.assert_allclose(b[n][leaf], a[n][leaf] * m, rtol=1e-5, err_msg=f"{n}/{leaf}")
+  with jax.default_matmul_precision("highest"):
+    y0, y1 = np.asarray(logits(params)), np.asarray(logits(balanced))
+  assert np.max(np.abs(y1 - y0)) < 1e-5 * np.max(np.abs(y0))
+  toks = None  # logits reads no input: check_symmetry's apply_fn takes one
+  assert max(saggs.check_symmetry(lambda p, _: logits(p), params, pairs, toks).values()) < 1e-5
+  # The default gain pattern also catches the bias, which no factor of its own may move: it
+  # is refused wherever the pairs meet the parameters, naming the bias and the fix.
+  plain = saggs.presets.llama(KV, qk_norm="head", mlp=False, experts="mlp/experts")
+  for meet in (
+    lambda: saggs.chain(optax.sgd(0.0), saggs.saggs(plain)).init(params),
+    lambda: saggs.check_symmetry(lambda p, _: logits(p), params, plain, toks),
+  ):
+    with pytest.raises(ValueError, match=r"q_norm/\*'.*matches the bias 'layers/0/.*qk_norm_bias"):
+      meet()
+  with pytest.raises(ValueError, match="would also match the bias"):
+    saggs.presets.llama(KV, qk_norm="head", qk_norm_bias="bias", qk_norm_gain="*")
 
 
 def test_llama_experts_of_scanned_layers():

@@ -127,7 +127,7 @@ def _own_test_file(name: str) -> str:
 
 def test_every_module_has_its_tests():
   """Every module has its own file, tests/test_<module>.py (see :func:`_own_test_file`),
-  holding the tests of its functions; theme files (trajectories, sharding, the optax battery)
+  holding the tests of its functions; theme files (trajectories, sharding, the optimizer battery)
   stand beside them, not instead."""
   files = {name: _own_test_file(name) for name, p in MODULES.items() if p.name != "__init__.py"}
   missing = [f"{name}: {file}" for name, file in files.items() if not (TESTS / file).exists()]

@@ -212,7 +212,7 @@ def test_source_hash_follows_the_sources(tmp_path):
   # not the study's report and statistics.
   files = study.run_files()
   names = [f.name for f in files]
-  assert {"__init__.py", "transform.py", "lm.py", "optimizers.py"} <= set(names)
+  assert {"__init__.py", "transform.py", "lm.py", "optimizers.py", "moe.py"} <= set(names)
   assert not {"study.py", "stats.py"} & set(names) and len(set(files)) == len(files)
   assert len(study.code_version()) == 12
   # The study's functions are read from the file as imported, which is unedited here.
@@ -247,12 +247,40 @@ def test_store_skips_finished_runs_and_resumes(tmp_path):
   assert calls == [0, 1, 2, 0, 1]
 
 
+def test_store_keeps_the_moe_metrics_and_nothing_else(tmp_path):
+  moe_history = {
+    "eval_step": np.array([0, 5]),
+    "eval_loss": np.array([5.0, 2.0]),
+    "cv": np.array([[0.5, 0.4], [0.3, 0.2]]),
+    "flip": np.array([[0.25, 0.5]]),
+    "logit_max": np.array([1.0, 3.0]),
+    "seconds": np.asarray(1.5),
+  }
+  dense_history = {"eval_step": np.array([0, 5]), "eval_loss": np.array([5.0, 2.5])}
+  path = tmp_path / "runs.jsonl"
+  store = study.Store(path)
+  store.add(study.Spec("moe", "a", 0, {}, None), moe_history)  # pyright: ignore[reportArgumentType]
+  store.add(study.Spec("imbalance", "a", 0, {}, None), dense_history)  # pyright: ignore[reportArgumentType]
+  moe_record, dense_record = (json.loads(line) for line in path.read_text().splitlines())
+  assert moe_record["metrics"] == {
+    "cv": [[0.5, 0.4], [0.3, 0.2]],
+    "flip": [[0.25, 0.5]],
+    "logit_max": [1.0, 3.0],
+  }
+  assert "metrics" not in dense_record  # the dense runs' records are as before
+  assert study.Store(path).records == store.records
+
+
 def test_every_run_config_carries_the_code_version():
   args = study.parse_args(study.build_parser(""), [])
   # The configs read neither the graph nor the corpus.
   setup = study.Setup(args, study.lm.ModelConfig(), None, None, [], "0123456789ab")  # pyright: ignore[reportArgumentType]
   assert study.base_config(setup)["code"] == "0123456789ab"
   assert study.saggs_config(setup)["code"] == "0123456789ab"
+  (moe,) = study.moe_specs(setup, {"muon": 0.025}, [200])
+  assert (moe.experiment, moe.arm, moe.seed) == ("moe", "muon", 200)
+  assert moe.config["code"] == "0123456789ab" and moe.config["lr"] == 0.025
+  assert moe.config["steps"] == args.moe_steps and moe.config["model"]["num_experts"] == 8
 
 
 def _gpu_study(*flags, check=True):

@@ -13,6 +13,8 @@ import collections
 import math
 from typing import NamedTuple
 
+import numpy as np
+
 from saggs_jax.discovery import propagation
 from saggs_jax.discovery.program import Program
 from saggs_jax.discovery.propagation import (
@@ -49,12 +51,26 @@ def relative(axis: int, stacked: Stacked) -> int:
 
 
 class Part(NamedTuple):
-  """The block ``[lo, hi)`` of a leaf's ``axis``; ``bounds``: every block's range on it."""
+  """The block ``[lo, hi)`` of a leaf's ``axis``; ``bounds``: every block's range on it. With
+  a ``period``, the ranges are within each run of ``period`` entries (blocks interleaved)."""
 
   axis: int
   lo: int
   hi: int
   bounds: tuple[tuple[int, int], ...]
+  period: int = 0  # 0: one run, the whole axis
+
+  def index(self, n: int) -> tuple:
+    """The block's index into a leaf whose ``axis`` has ``n`` entries: a slice, or the
+    block's entries of every run in order (run by run: one head's q dims, the next head's)."""
+    if not self.period:
+      return (slice(None),) * self.axis + (slice(self.lo, self.hi),)
+    runs = np.arange(0, n, self.period)[:, None]
+    return (slice(None),) * self.axis + ((runs + np.arange(self.lo, self.hi)).ravel(),)
+
+  def size(self, n: int) -> int:
+    """The block's length along ``axis``, the leaf's being ``n``."""
+    return (self.hi - self.lo) * (n // self.period if self.period else 1)
 
 
 class Unit(NamedTuple):
@@ -259,25 +275,27 @@ class Analysis:
     self.gates_of[leaf] |= trace.gates
     for g in trace.gates:
       self.gated[g].add(leaf)
-    parts = (
-      None
-      if _clean(trace)
-      else _partition({c for c in trace.cuts if c.axis not in trace.joined}, self.shapes[leaf])
-    )
+    parts = _partition({c for c in trace.cuts if c.axis not in trace.joined}, self.shapes[leaf])
+    whole = [Source(leaf, start.eqn, start.channel, start.stacked, trace, gain)]
     if parts is None:
-      return [Source(leaf, start.eqn, start.channel, start.stacked, trace, gain)]
-    axis, bounds = parts
-    return [
-      Source(
-        self._block(leaf, Part(axis, lo, hi, bounds)),
-        start.eqn,
-        tuple(a for a in start.channel if a != axis or hi - lo > 1),
-        start.stacked,
-        self._block_followers(self._follow(start, Cut(axis, lo, hi)), Part(axis, lo, hi, bounds)),
-        gain,
+      return whole
+    # blocks are tried even where the whole leaf is exact: MLA's query meets the key whole,
+    # and its non-rotary block meets the latent's non-rotary block per head
+    axis, bounds, period = parts
+    out = whole if _clean(trace) else []
+    for lo, hi in bounds:
+      part = Part(axis, lo, hi, bounds, period)
+      out.append(
+        Source(
+          self._block(leaf, part),
+          start.eqn,
+          tuple(a for a in start.channel if a != axis or part.size(self.shapes[leaf][axis]) > 1),
+          start.stacked,
+          self._block_followers(self._follow(start, Cut(axis, lo, hi, period)), leaf, part),
+          gain,
+        )
       )
-      for lo, hi in bounds
-    ]
+    return out
 
   def _block(self, leaf: int, part: Part) -> int:
     """The unit of ``leaf``'s block ``part``."""
@@ -287,17 +305,17 @@ class Analysis:
       self.units.append(Unit(leaf, part))
       self.names.append(self.names[leaf])
       self.shapes.append(
-        tuple(part.hi - part.lo if a == part.axis else n for a, n in enumerate(self.shapes[leaf]))
+        tuple(part.size(n) if a == part.axis else n for a, n in enumerate(self.shapes[leaf]))
       )
     return self._blocks[key]
 
-  def _block_followers(self, trace: Trace, part: Part) -> Trace:
-    """``trace`` with each follower (a fused bias) cut like its source: the same range of the
-    follower axis that moves with the source's block axis."""
+  def _block_followers(self, trace: Trace, leaf: int, part: Part) -> Trace:
+    """``trace`` with each follower (a fused bias) cut like its source (block ``part`` of
+    ``leaf``): the same range of the follower axis that moves with the source's block axis."""
     followers = []
     for f in trace.followers:
       fa = min(f.amap[part.axis]) if len(f.amap.get(part.axis, ())) == 1 else None
-      if fa is not None and self.shapes[f.leaf][fa] == part.bounds[-1][1]:
+      if fa is not None and self.shapes[f.leaf][fa] == self.shapes[leaf][part.axis]:
         f = f._replace(leaf=self._block(f.leaf, part._replace(axis=fa)))
       followers.append(f)
     return trace._replace(followers=tuple(followers))
@@ -307,9 +325,10 @@ class Analysis:
     leaf, part = self.units[unit]
     if part is None:
       return self.names[leaf]
+    every = f", interleaved every {part.period}" if part.period else ""
     return (
       f"{self.names[leaf]}[part {part.bounds.index((part.lo, part.hi))} of"
-      f" {len(part.bounds)} on axis {part.axis}]"
+      f" {len(part.bounds)} on axis {part.axis}{every}]"
     )
 
   def rejection(self, a: list[int], b: list[int], reason: str) -> Rejection:
@@ -539,23 +558,25 @@ def _clean(trace: Trace) -> bool:
 
 def _partition(
   cuts: set[Cut], shape: tuple[int, ...]
-) -> tuple[int, tuple[tuple[int, int], ...]] | None:
-  """``(axis, bounds)``: the parts the blocks in ``cuts`` split one leaf axis into, gaps
-  included as parts of their own; None unless they are disjoint blocks of one axis."""
-  if len({c.axis for c in cuts}) != 1:
+) -> tuple[int, tuple[tuple[int, int], ...], int] | None:
+  """``(axis, bounds, period)``: the parts the blocks in ``cuts`` split one leaf axis (or each
+  of its runs of ``period``) into, gaps included as parts of their own; None unless they are
+  disjoint blocks of one axis, with one period."""
+  if len({(c.axis, c.period) for c in cuts}) != 1:
     return None
-  axis = next(iter(cuts)).axis
-  bounds, end = [], 0
-  for _, lo, hi in sorted(cuts):
+  axis, period = next(iter(cuts)).axis, next(iter(cuts)).period
+  bounds, end, n = [], 0, period or shape[axis]
+  for _, lo, hi, _ in sorted(cuts):
     if lo < end:
       return None
     bounds += [(end, lo)] * (lo > end) + [(lo, hi)]
     end = hi
-  bounds += [(end, shape[axis])] * (shape[axis] > end)
-  return (axis, tuple(bounds)) if len(bounds) > 1 else None
+  bounds += [(end, n)] * (n > end)
+  return (axis, tuple(bounds), period) if len(bounds) > 1 else None
 
 
-def _contracted(meet: Meet) -> tuple[tuple[str, int], ...]:
-  """The contracted positions a factor sits on. A batch axis (heads) may carry it on one side
-  only: one KV head read by every query head (MQA); the check then finds the grouping."""
-  return tuple(x for x in meet.positions if x[0] == "c")
+def _contracted(meet: Meet) -> tuple:
+  """The contracted positions a factor sits on, and the block of them (a span) if one. A batch
+  axis (heads) may carry it on one side only: one KV head read by every query head (MQA); the
+  check then finds the grouping."""
+  return tuple(x for x in meet.positions if x[0] == "c"), meet.span

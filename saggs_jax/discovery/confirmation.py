@@ -112,7 +112,7 @@ class Checker:
         leaf, part = self.units[unit]
         x = changed.get(leaf)
         x = np.array(self.leaves[leaf], np.float32) if x is None else x
-        block = (slice(None),) * part.axis + (slice(part.lo, part.hi),) if part else ()
+        block = part.index(x.shape[part.axis]) if part else ()
         x[block] = x[block] * _expand(np.exp(sign * u), x[block].shape, axis, inst.stacked)
         changed[leaf] = x
     leaves = [
@@ -131,7 +131,7 @@ class Checker:
     tangents = [jnp.zeros_like(x) for x in leaves]
     for (unit, axis, stacked), log in zip(self.slots, logs):
       leaf, part = self.units[unit]
-      block = (slice(None),) * part.axis + (slice(part.lo, part.hi),) if part else ()
+      block = part.index(leaves[leaf].shape[part.axis]) if part else ()
       v = leaves[leaf][block]
       d = (v.astype(jnp.float32) * _expand(log, v.shape, axis, stacked)).astype(v.dtype)
       tangents[leaf] = tangents[leaf].at[block].add(d) if part else tangents[leaf] + d
@@ -209,7 +209,9 @@ def _unit_shape(leaves: list, unit: Unit) -> tuple[int, ...]:
   leaf, part = unit
   shape = tuple(np.shape(leaves[leaf]))
   return (
-    shape if part is None else shape[: part.axis] + (part.hi - part.lo,) + shape[part.axis + 1 :]
+    shape
+    if part is None
+    else shape[: part.axis] + (part.size(shape[part.axis]),) + shape[part.axis + 1 :]
   )
 
 

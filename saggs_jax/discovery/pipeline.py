@@ -34,6 +34,12 @@ _NO_MATCH = (
   " (keep its head and KV-head structure: GQA for GQA, heads > 1)"
 )
 _REFUTED = "the jaxpr suggests it, but random factors change the output"
+_INTERLEAVED = (
+  "exact at {} groups on random factors, but {} interleaves its blocks along axis {} (one"
+  " run of them every {} entries, as [q_0 k_0 v_0 q_1 k_1 v_1 ...]); a Block names"
+  " contiguous parts only, so no Pair declares it: store the leaf with its blocks contiguous"
+  " (q|k|v) to balance it"
+)
 
 
 def discover(
@@ -139,6 +145,10 @@ def discover(
     confirmation = "none"
   pairs, rejections, confirmed = [], list(analysis.rejected), []
   for insts, groups, reason in outcomes:
+    interleaved = _interleaved(analysis, insts[0])
+    if reason is None and interleaved is not None:
+      unit, part = interleaved
+      reason = _INTERLEAVED.format(groups, repr(analysis.names[unit]), part.axis, part.period)
     if reason is None:
       confirmed.append(insts)
       pairs += declarations.declare(analysis.units, analysis.names, analysis.shapes, insts, groups)
@@ -257,6 +267,15 @@ def _kind(key: tuple) -> tuple:
   name, rel, parts, counts, axes, stacked, _ = key
   parts = tuple(p and (p.axis, p.bounds.index((p.lo, p.hi)), len(p.bounds)) for p in parts)
   return name, rel, parts, counts, axes, stacked
+
+
+def _interleaved(analysis: Analysis, inst: Candidate):
+  """``(unit, part)`` of a member of ``inst`` that is a block interleaved with others, if one."""
+  for unit, _ in inst.a + inst.b + inst.follow_a + inst.follow_b:
+    part = analysis.units[unit].part
+    if part is not None and part.period:
+      return unit, part
+  return None
 
 
 def _rejection(analysis: Analysis, inst: Candidate, reason: str):

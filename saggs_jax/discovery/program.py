@@ -4,7 +4,8 @@
 ``scan`` becomes one iteration between a ``scan_slice`` of its ``xs`` and a
 ``scan_stack`` of its ``ys``; a ``cond`` becomes every branch inlined and a
 ``select_n`` on the index; jax 0.12's ``unstack`` becomes the ``split`` and
-``squeeze`` that older jaxes emit; a ``gather`` carries its dimension numbers read
+``squeeze`` that older jaxes emit; equations whose values reach no output are dropped (a
+product computed and thrown away uses a leaf in no way that matters); a ``gather`` carries its dimension numbers read
 (``params["gather"]``), a ``ragged_dot_general`` its group axes
 (``params["ragged_groups"]``). Nothing here knows what a primitive does; the equations'
 parameters are read through :mod:`saggs_jax.jaxpr_params`.
@@ -42,7 +43,8 @@ class Program:
     eqns: the equations in program order (a topological order).
     shapes: the shape of every value id.
     leaf_ids, input_ids: the value ids of the parameters and of the other inputs.
-    outputs: the value ids the program returns.
+    outputs: the value ids the program returns; every equation left reaches one (or a scan's
+      carry, which the next iteration reads).
     zeros: the constants (literals, closed-over arrays) that are all zero.
   """
 
@@ -50,10 +52,22 @@ class Program:
     self.eqns: list[Eqn] = []
     self.shapes: list[tuple[int, ...]] = []
     self.zeros: set[int] = set()
+    self._carried: set[int] = set()  # a scan body's carry out: the next iteration reads it
     jaxpr, consts = jaxpr_params.opened(closed)
     ids = [self._new(_shape(v)) for v in jaxpr.invars]
     self.leaf_ids, self.input_ids = ids[:num_leaves], ids[num_leaves:]
     self.outputs = set(self._inline(jaxpr, ids, consts))
+    self._prune()
+
+  def _prune(self) -> None:
+    """Drops the equations none of whose values reaches an output (dead code, as jaxpr DCE):
+    a leaf read only there is not used at all, and no rescaling has to keep what they make."""
+    live, kept = self.outputs | self._carried, []
+    for eqn in reversed(self.eqns):
+      if live.intersection(eqn.outs):
+        live.update(eqn.ins)
+        kept.append(eqn)
+    self.eqns = kept[::-1]
 
   def _new(self, shape: Sequence[int]) -> int:
     self.shapes.append(tuple(shape))
@@ -109,6 +123,7 @@ class Program:
     body, consts, nc, ncarry = jaxpr_params.scan(eqn)
     xs = [self._emit("scan_slice", [i], [self.shapes[i][1:]], {})[0] for i in ins[nc + ncarry :]]
     outs = self._inline(body, ins[: nc + ncarry] + xs, consts)
+    self._carried.update(outs[:ncarry])
     ys = [
       self._emit("scan_stack", [o], [_shape(v)], {})[0]
       for o, v in zip(outs[ncarry:], eqn.outvars[ncarry:])

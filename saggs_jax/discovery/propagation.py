@@ -57,6 +57,7 @@ def inexact(text: str) -> Reason:
 
 
 NORM = inexact("a normalization over its channels")
+UNLIKE = inexact("a concatenation with a value that does not scale like it")
 
 
 def explain(reasons: frozenset[Reason], where: str) -> str:
@@ -72,11 +73,15 @@ def explain(reasons: frozenset[Reason], where: str) -> str:
 
 
 class Tag(NamedTuple):
-  """A value scaled per channel: value axis -> source leaf axes; why it is no longer exact."""
+  """A value scaled per channel: value axis -> source leaf axes; why it is no longer exact.
+  With a ``span`` ``(axis, lo, hi)``, only the entries ``[lo, hi)`` of that value axis scale,
+  the rest not at all: a block of a concatenation (MLA's key, the latent's non-rotary dims
+  beside a rotary key that no head's factor reaches)."""
 
   axes: tuple[tuple[int, frozenset[int]], ...]
   reasons: frozenset[Reason] = frozenset()
   positive: bool = False  # exact for positive factors only (it went through a ReLU, say)
+  span: tuple[int, int, int] | None = None
 
   @property
   def amap(self) -> dict[int, frozenset[int]]:
@@ -340,6 +345,7 @@ class Meet(NamedTuple):
   positions: tuple[tuple[str, int], ...]  # ("c" or "b", k): the dimension numbers it sits on
   reasons: frozenset[Reason]
   positive: bool
+  span: tuple[int, int, int] | None = None  # (k, lo, hi): only [lo, hi) of contracted dim k
 
 
 class Follower(NamedTuple):
@@ -359,11 +365,14 @@ class Lost(NamedTuple):
 
 
 class Cut(NamedTuple):
-  """The block ``[lo, hi)`` of a source leaf's ``axis`` (a fused QKV kernel's q columns)."""
+  """The block ``[lo, hi)`` of a source leaf's ``axis`` (a fused QKV kernel's q columns); with
+  a ``period``, the block ``[lo, hi)`` of every run of ``period`` entries along it (columns
+  interleaved per head, ``[q_0 k_0 v_0 q_1 k_1 v_1 ...]``, as BLOOM stores them)."""
 
   axis: int
   lo: int
   hi: int
+  period: int = 0  # 0: one run, the whole axis
 
 
 class Via(enum.Enum):
@@ -452,10 +461,21 @@ def _carry(
 ) -> list[Out]:
   """Axes move, the factor moves with them; with ``cuts`` (per output, a block of the source
   leaf or None), an output that cuts another block than :attr:`Walk.keep` does not scale."""
-  t, eqn, keep = x.tags[0], x.eqn, walk.keep
+  t, eqn, keep, shapes = x.tags[0], x.eqn, walk.keep, walk.flow.prog.shapes
   amap = t.amap
-  axes = tuple(amap.get(a, frozenset()) for a in range(len(walk.flow.prog.shapes[eqn.ins[0]])))
-  value = tag(dict(enumerate(moved(eqn, walk.flow.prog.shapes, axes))), reasons, t.positive)
+  axes = tuple(amap.get(a, frozenset()) for a in range(len(shapes[eqn.ins[0]])))
+  value = tag(dict(enumerate(moved(eqn, shapes, axes))), reasons, t.positive)
+  if t.span is not None and value is not None:  # the block's entries stay where they were?
+    a, lo, hi = t.span
+    lands = RULES[eqn.prim].axes(shapes[eqn.ins[0]], shapes[eqn.outs[0]], eqn.params)[a]  # pyright: ignore[reportOptionalCall]
+    if (
+      len(lands) == 1
+      and shapes[eqn.outs[0]][lands[0]] == shapes[eqn.ins[0]][a]
+      and (eqn.prim not in ("rev", "pad"))
+    ):
+      value = value._replace(span=(lands[0], lo, hi))
+    else:
+      value = value._replace(reasons=value.reasons | {UNLIKE})
   return [
     (
       o,
@@ -477,9 +497,22 @@ def _identity(walk: Walk, x: Site) -> Step:
 
 
 def _concatenate(walk: Walk, x: Site) -> Step:
+  """A concatenation of values that all scale alike scales like them; of one that scales with
+  values the factor does not reach, it scales on that block of the axis only (a span)."""
+  t, shapes, eqn = x.tags[0], walk.flow.prog.shapes, x.eqn
+  tagged = [k for k, s in enumerate(x.values) if isinstance(s, Tag)]
+  if eqn.prim == "concatenate" and len(tagged) == 1 and t.span is None:
+    k = tagged[0]
+    if all(s is None for j, s in enumerate(x.values) if j != k):
+      dim = eqn.params["dimension"]
+      lo = sum(shapes[i][dim] for i in eqn.ins[:k])
+      [(o, value, cut)] = _carry(walk, x, x.reasons)
+      if isinstance(value, Tag):
+        value = value._replace(span=(dim, lo, lo + shapes[eqn.ins[k]][dim]))
+      return [(o, value, cut)], None
   reasons = x.reasons
-  if any(not isinstance(s, Tag) or s.axes != x.tags[0].axes for s in x.values):
-    reasons |= {inexact("a concatenation with a value that does not scale like it")}
+  if any(not isinstance(s, Tag) or s.axes != t.axes or s.span for s in x.values):
+    reasons |= {UNLIKE}
   return _carry(walk, x, reasons), None
 
 
@@ -497,15 +530,21 @@ def _reshape(walk: Walk, x: Site) -> Step:
 
 
 def _slice(walk: Walk, x: Site) -> Step:
-  """A slice or split: an output that is one block of a whole leaf axis is a :class:`Cut`."""
+  """A slice or split: an output that is one block of a leaf axis is a :class:`Cut`. A block
+  of every run (a head's first ``r`` dims, which partial RoPE rotates) proposes groups finer
+  than a run: as many as the largest groups whose bounds its bounds fall on."""
   cuts = _cuts(walk, x.eqn, x.tags[0])
   found = frozenset(c for c in cuts if c is not None)
-  return _carry(walk, x, x.reasons, cuts), Trace(cuts=found) if found else None
+  finer = frozenset(walk.shape[c.axis] // math.gcd(c.lo, c.hi, c.period) for c in found if c.period)
+  return _carry(walk, x, x.reasons, cuts), Trace(cuts=found, splits=finer) if found else None
 
 
 def _cuts(walk: Walk, eqn: Eqn, t: Tag) -> list[Cut | None]:
   """Per output of a slice or split, the block it takes of the source leaf, or None. A block
-  is a contiguous range of an axis that holds exactly one whole leaf axis."""
+  is a contiguous range of an axis that holds one leaf axis, whole or as one of the axes a
+  reshape split it into (heads, then q|k|v, then head dims): the range of every run of the
+  axes it and those after it span, the axes taken to keep the leaf's order (a wrong block is
+  only a wrong candidate, which the numbers refute)."""
   shape, p = walk.flow.prog.shapes[eqn.ins[0]], eqn.params
   if eqn.prim == "split":
     axis, bounds = p["axis"], np.cumsum([0] + list(p["sizes"]))
@@ -526,9 +565,15 @@ def _cuts(walk: Walk, eqn: Eqn, t: Tag) -> list[Cut | None]:
   if len(leaf_axes) != 1:
     return [None] * len(ranges)
   (la,) = leaf_axes
-  if shape[axis] != walk.shape[la] or sum(la in s for s in amap.values()) > 1:
+  holders = sorted(a for a, s in amap.items() if la in s)
+  if (
+    any(len(amap[a]) > 1 for a in holders) or math.prod(shape[a] for a in holders) != walk.shape[la]
+  ):
     return [None] * len(ranges)
-  return [Cut(la, int(lo), int(hi)) for lo, hi in ranges]
+  inner = math.prod(shape[a] for a in holders if a > axis)
+  period = shape[axis] * inner
+  period = 0 if period == walk.shape[la] else period
+  return [Cut(la, int(lo) * inner, int(hi) * inner, period) for lo, hi in ranges]
 
 
 def _operands(x: Site) -> tuple[bool, Tag, Value | None, int]:
@@ -595,7 +640,7 @@ def _product(walk: Walk, x: Site) -> Step:
     reasons |= {inexact("a division by it")}
   elif walk.flow.dep[i] and i not in walk.flow.views:  # a product with another activation
     note = Trace(through=frozenset({Via.GATE}), gates=frozenset({x.eqn.outs[0]}))
-  return _first(x, Tag(t.axes, reasons, positive), note)
+  return _first(x, t._replace(reasons=reasons, positive=positive), note)
 
 
 def _relu(walk: Walk, x: Site) -> Step:
@@ -636,6 +681,16 @@ def _dot(walk: Walk, x: Site) -> Step:
   t, other, amap = x.tags[0], eqn.ins[1 - side], x.tags[0].amap
   contract, batch = (lc, rc)[side], (lb, rb)[side]
   out = dot_out_axis(dims, [flow.prog.shapes[i] for i in eqn.ins], side)
+  span, out_span = None, None  # a block of a contracted axis; of a kept one, where it lands
+  if t.span is not None:
+    a, lo, hi = t.span
+    if a in contract and a in amap and flow.dep[other] and other not in flow.views:
+      span = (contract.index(a), lo, hi)  # it meets a block alike, or nothing pairs it
+    elif a in contract or (set(contract) & set(amap) and flow.dep[other]):
+      reasons |= {UNLIKE}  # summed with entries that do not scale; or a reach or a meet that
+      # would compensate the factor on every entry of an axis it holds on a block only
+    else:
+      out_span = (out[a], lo, hi)
   if set(contract) & set(amap):
     view = flow.views.get(other)
     ocontract, obatch = (lc, rc)[1 - side], (lb, rb)[1 - side]
@@ -654,16 +709,18 @@ def _dot(walk: Walk, x: Site) -> Step:
           + [("b", k) for k, a in enumerate(batch) if a in amap]
         )
       )
-      return [], Trace(meets=(Meet(x.e, side, positions, reasons, t.positive),))
+      return [], Trace(meets=(Meet(x.e, side, positions, reasons, t.positive, span),))
     # a constant mixes the contracted channels (RoPE as a matmul): the rest stay
     rest = tag({out[a]: s for a, s in amap.items() if a not in contract}, reasons, t.positive)
+    rest = rest and rest._replace(span=out_span)
     return _first(x, rest or Taint(reasons | {inexact("a contraction with a constant")}))
   note = (
     Trace(through=frozenset({Via.ATTENTION}))
     if flow.dep[other] and other not in flow.views
     else None
   )
-  return _first(x, tag({out[a]: s for a, s in amap.items()}, reasons, t.positive), note)
+  value = tag({out[a]: s for a, s in amap.items()}, reasons, t.positive)
+  return _first(x, value and value._replace(span=out_span), note)
 
 
 def _select(walk: Walk, x: Site) -> Step:
@@ -774,6 +831,9 @@ RULES: dict[str, Rule] = {
   "select_n": Rule(_select, joins=True),
 }
 _OTHER = Rule(_other)
+# Steps that keep a Tag's span (with the axis movers, which move it): any other primitive
+# makes a spanned value inexact first, whatever it does.
+_SPANS = frozenset({"mul", "div", "dot_general"})
 
 
 def rule_of(prim: str) -> Rule:
@@ -818,16 +878,42 @@ def follow(
   return Trace.merge(notes)
 
 
+def _in_place(walk: Walk, eqn: Eqn, st: list, cut_of: dict[int, Cut | None]) -> bool:
+  """A concatenation that puts the blocks of a leaf axis back where they were (MLA's query:
+  its non-rotary block, then its rotary one): side by side, not one channel. Blocks put
+  elsewhere (``concat([-x2, x1])``, rotate-half RoPE as MaxText writes it) are joined."""
+  if eqn.prim != "concatenate":
+    return False
+  shapes, dim, offset = walk.flow.prog.shapes, eqn.params["dimension"], 0
+  for i, s in zip(eqn.ins, st):
+    size, cut = shapes[i][dim], cut_of.get(i)
+    if isinstance(s, Tag) and (
+      cut is None or cut.period or (cut.lo, cut.hi) != (offset, offset + size)
+    ):
+      return False
+    offset += size
+  return offset == walk.shape[next(c for c in map(cut_of.get, eqn.ins) if c).axis]
+
+
 def _step(walk: Walk, e: int, values: dict[int, Value], cut_of: dict[int, Cut | None]) -> Step:
   """Eqn ``e`` on the inputs' ``values``: the outputs' values, and what the factor met."""
   eqn = walk.flow.prog.eqns[e]
+  rule = rule_of(eqn.prim)
   st = [values.get(i) for i in eqn.ins]
+  if not (rule.identity or rule.axes is not None or eqn.prim in _SPANS):  # a block is lost
+    st = [
+      Tag(s.axes, s.reasons | {UNLIKE}, s.positive) if isinstance(s, Tag) and s.span else s
+      for s in st
+    ]
   tags = [s for s in st if isinstance(s, Tag)]
   taints = [s for s in st if isinstance(s, Taint)]
   reasons = frozenset().union(*(s.reasons for s in tags + taints))
-  rule = rule_of(eqn.prim)
   cuts = {cut_of[i] for i, s in zip(eqn.ins, st) if isinstance(s, Tag)}
-  joined = frozenset(c.axis for c in cuts if c) if len(cuts) > 1 and rule.joins else None
+  joined = (
+    frozenset(c.axis for c in cuts if c)
+    if len(cuts) > 1 and rule.joins and not _in_place(walk, eqn, st, cut_of)
+    else None
+  )
   x = Site(e, eqn, st, tags, reasons, cuts.pop() if len(cuts) == 1 else None)
   if tags or rule.identity:
     outs, note = rule.step(walk, x)

@@ -1,8 +1,8 @@
 """The zoo, EasyDeL 0.3.0: Qwen3, Gemma 3 and gpt-oss from tiny configs with random weights
 (``zoo_easydel``): every check of ``zoo_oracle.CHECKS``, ``found.roles`` against each
 architecture's leaves, and the symmetry-compatible stack they route, rule by rule against
-NumPy. Needs .ci/zoo's venv (``.ci/zoo-requirements.txt``): skipped where EasyDeL is not
-installed."""
+NumPy. Needs .ci/zoo's EasyDeL venv (``.ci/zoo-easydel-requirements.txt``): skipped where
+EasyDeL is not installed."""
 
 import os
 
@@ -13,12 +13,14 @@ os.environ.setdefault("EASYDEL_AUTO", "0")
 
 pytestmark = [
   pytest.mark.heavy,  # run by .ci/zoo (pytest -m heavy), not by default
-  # EasyDeL 0.3.0 (written for flax 0.12.3) reads nnx variables' `.value`, which the flax
-  # both it and MaxText run with here (0.12.12) deprecates
+  # EasyDeL 0.3.0 (written for flax 0.12.3) reads nnx variables' `.value`, which newer flax
+  # deprecates
   pytest.mark.filterwarnings("ignore:'.value' access is now deprecated:DeprecationWarning"),
 ]
 
-pytest.importorskip("easydel", reason="EasyDeL is not installed: see .ci/zoo-requirements.txt")
+pytest.importorskip(
+  "easydel", reason="EasyDeL is not installed: see .ci/zoo-easydel-requirements.txt"
+)
 
 import zoo_easydel  # noqa: E402
 import zoo_oracle  # noqa: E402

@@ -5,7 +5,7 @@ with ``param_scan_axis=0`` and unscanned.
 Every check of ``zoo_oracle.CHECKS``; the hand-written per-layer declarations
 (``stacked=(1,)``) balanced one layer at a time; ``saggs.presets.maxtext``; and discover's
 Muon dimension numbers against MaxText's own. Needs .ci/zoo's venv
-(``.ci/zoo-requirements.txt``): skipped where MaxText is not installed.
+(``.ci/zoo-maxtext-requirements.txt``): skipped where MaxText is not installed.
 """
 
 import jax
@@ -21,7 +21,7 @@ pytestmark = [
   pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 ]
 
-pytest.importorskip("maxtext", reason="MaxText is not installed: see .ci/zoo-requirements.txt")
+pytest.importorskip("maxtext", reason="MaxText is not installed: see .ci/zoo maxtext")
 
 import saggs_jax as saggs  # noqa: E402
 import zoo_maxtext  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.heavy  # run by .ci/zoo (pytest -m heavy), not by default
 
-pytest.importorskip("maxtext", reason="MaxText is not installed: see .ci/zoo-requirements.txt")
+pytest.importorskip("maxtext", reason="MaxText is not installed: see .ci/zoo maxtext")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 
