@@ -391,9 +391,9 @@ def solve(plan: Plan, stats: Stats, dtypes: dict, strength: float) -> tuple[Fact
   sweep gives the closed form ``c = (||B|| / ||A||) ** (strength / 2)``; the residual is 0.
   With overlaps the objective is convex in the log-factors (a sum of exponentials of
   linear functions), and its gradient for an instance is ``2 (||A||^2 - ||B||^2)``: at the
-  minimum every instance is balanced. One sweep of closed-form steps comes first; then
-  each round, under ``jit``, takes one Newton step (see :func:`_flat_newton`) and one sweep
-  (which keeps every factor within its dtype bounds), until the sweep moves no log-factor
+  minimum every instance is balanced. From no factors, each round, under ``jit``, takes one
+  Newton step (see :func:`_flat_newton`) and one sweep of closed-form steps (which keeps
+  every factor within its dtype bounds), until the sweep moves no log-factor
   by more than ``TOLERANCE`` or ``MAX_ITERATIONS`` rounds have run. Coordinate descent
   alone would need sweeps growing with the square of the depth of the overlaps (a chain
   of layers); the Newton step propagates along it at once.
