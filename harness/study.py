@@ -63,10 +63,9 @@ wall time go to standard error). Plots: per experiment
 interval) and ``<experiment>_curves.png`` (validation loss, mean ± std band
 over seeds).
 
-The defaults (4 seeds; 76 runs and 4 pretrainings) took 61 minutes of wall
-time on two CPU cores shared with seven other jobs (docs/study.md says how),
-before the ``moe`` experiment (32 runs: docs/study.md gives its time);
-a rerun that finds every run in the JSONL prints the same output in 15 s. More seeds
+The defaults (4 seeds: 112 runs and 4 pretrainings, the ``moe`` experiment's 36
+included) took 10 min 42 s of wall time on two quiet CPU cores (docs/study.md);
+a rerun that finds every run in the JSONL trains nothing and prints the same. More seeds
 reuse the runs already made. ``examples/study.py`` runs ``main``; the study
 lives in the package (not a stable API) so that the tests can check its
 runner and verdicts function by function. From the repository root::
