@@ -150,3 +150,10 @@ def test_api_page_names_every_public_name():
   missing = [n for n in saggs.__all__ if n not in documented and n not in modules]
   missing += [f"equivariant.{n}" for n in equivariant.__all__ if n not in documented]
   assert not missing, f"docs/api.md lacks {missing}"
+
+
+def test_the_readme_stays_short():
+  """What a researcher reads first: what it is, the two commands, the tour, one table, links;
+  the measurements live in docs/ (benchmarks, pod scale, study, development)."""
+  size = (ROOT / "README.md").stat().st_size
+  assert size < 10_000, f"README.md is {size} bytes; move measurements to docs/"
