@@ -15,7 +15,7 @@ pytestmark = [
   pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # MaxText's: see test_zoo_maxtext
 ]
 
-pytest.importorskip("maxtext", reason="MaxText is not installed: see .ci/zoo-requirements.txt")
+pytest.importorskip("maxtext", reason="MaxText is not installed: see .ci/zoo maxtext")
 
 import saggs_jax as saggs  # noqa: E402
 import zoo_maxtext  # noqa: E402
