@@ -35,91 +35,61 @@ import jax.numpy as jnp
 import numpy as np
 
 from saggs_jax import paths
-from saggs_jax.norms import Stats, along_slot, leaf_stats, stacked_axes
+from saggs_jax.norms import Stats, leaf_stats, stacked_axes
 from saggs_jax.numerics import AxisName, Factors, log_dtype_max
 from saggs_jax.pairs import Instance, Plan
 
 __all__ = ["TOLERANCE", "compute_factors", "log_norms", "solve"]
 
 
-def _marginal(
-  plan: Plan, piece: tuple, stats: jax.Array, u: dict, key: str, weight: int, reduce
-) -> jax.Array:
-  """``stats`` of ``piece`` with the log-factors ``weight * sign * u`` of its other slots
-  applied, reduced to the groups of instance ``key``."""
+def _onto(plan: Plan, piece: tuple, x: jax.Array, inst: Instance, reduce) -> jax.Array:
+  """``x``, on the statistics layout of ``piece``, reduced to the groups of ``inst``."""
   slots = plan.pieces[piece].slots
-  for i, s in enumerate(slots):
-    if s.key != key:
-      stats = stats + weight * s.sign * along_slot(u[s.key], i, slots)
-  return _onto(plan, piece, stats, key, u[key].shape, reduce)
-
-
-def _onto(
-  plan: Plan, piece: tuple, x: jax.Array, key: str, shape: tuple[int, ...], reduce
-) -> jax.Array:
-  """``x``, on the statistics layout of ``piece``, reduced to the groups of instance ``key``
-  (of factor shape ``shape``)."""
-  slots = plan.pieces[piece].slots
-  j = next(i for i, s in enumerate(slots) if s.key == key)
+  j = next(i for i, s in enumerate(slots) if s.key == inst.key)
   copies = stacked_axes(slots)
   kept = {copies.index(a) for a in slots[j].stacked} | {len(copies) + j}
   others = tuple(d for d in range(x.ndim) if d not in kept)
-  return (reduce(x, axis=others) if others else x).reshape(shape)
+  return (reduce(x, axis=others) if others else x).reshape(inst.factor_shape)
 
 
 def _logsumexp(xs: list[jax.Array]) -> jax.Array:
   return xs[0] if len(xs) == 1 else jax.nn.logsumexp(jnp.stack(xs), axis=0)
 
 
-def _side_log_sq(plan: Plan, stats: Stats, u: dict, inst: Instance, sign: int) -> jax.Array:
-  """``log ||side||**2`` per group of ``inst``, its other pairs' log-factors ``u`` applied."""
+def _side_log_sq(plan: Plan, stats: Stats, inst: Instance, sign: int) -> jax.Array:
+  """``log ||side||**2`` per group of ``inst``, before any factor."""
   return _logsumexp(
     [
-      _marginal(plan, k, stats[k][0], u, inst.key, 2, jax.nn.logsumexp)
+      _onto(plan, k, stats[k][0], inst, jax.nn.logsumexp)
       for name in inst.members(sign)
       for k in plan.pieces_of(name, inst.key)
     ]
   )
 
 
-def _no_factors(plan: Plan) -> dict:
-  """Log-factors 0 (factors 1) for every instance."""
-  return {i.key: jnp.zeros(i.factor_shape, jnp.float32) for i in plan.instances}
-
-
-def _bounds(
-  plan: Plan, stats: Stats, dtypes: dict, u: dict, inst: Instance
-) -> tuple[jax.Array, jax.Array]:
+def _bounds(plan: Plan, stats: Stats, dtypes: dict, inst: Instance) -> tuple[jax.Array, jax.Array]:
   """``lo <= log c <= hi`` keeping every scaled entry of ``inst`` within its dtype."""
   lo, hi = jnp.full(inst.factor_shape, -jnp.inf), jnp.full(inst.factor_shape, jnp.inf)
   for sign in (+1, -1):
     for name in inst.members(sign) + inst.followers(sign):
       for k in plan.pieces_of(name, inst.key):
-        size = _marginal(plan, k, stats[k][1], u, inst.key, 1, jnp.max)
+        size = _onto(plan, k, stats[k][1], inst, jnp.max)
         room = jnp.where(jnp.isfinite(size), log_dtype_max(dtypes[k[0]]) - size, jnp.inf)
         lo, hi = (lo, jnp.minimum(hi, room)) if sign > 0 else (jnp.maximum(lo, -room), hi)
   return lo, hi
 
 
-def _sweep(
-  plan: Plan, stats: Stats, dtypes: dict, u: dict, scale: float
-) -> tuple[dict, dict, jax.Array]:
-  """One pass over the instances, each set to its best factor given the others: the
-  minimiser of ``||c A||^2 + ||B / c||^2`` with the others' factors applied, times
-  ``scale`` in log space and clipped to the dtype bounds; 1 (log 0) where a side's norm
-  is zero or non-finite or no factor fits. Also returns, per instance, where the factor
-  is free (balanced by the closed form, neither frozen at 1 nor clipped), and the
-  largest finite log squared norm of a side met, which bounds every leaf's after it."""
-  u, free, top = dict(u), {}, jnp.float32(-jnp.inf)
+def _closed_form(plan: Plan, stats: Stats, dtypes: dict, strength: float) -> Factors:
+  """The factors of pairs that share no leaf, each independently: the minimiser of
+  ``||c A||^2 + ||B / c||^2``, ``strength`` of the way in log space and clipped to the dtype
+  bounds; 1 where a side's norm is zero or non-finite or no factor fits."""
+  factors = {}
   for inst in plan.instances:
-    la, lb = (_side_log_sq(plan, stats, u, inst, sign) for sign in (+1, -1))
-    lo, hi = _bounds(plan, stats, dtypes, u, inst)
+    la, lb = (_side_log_sq(plan, stats, inst, sign) for sign in (+1, -1))
+    lo, hi = _bounds(plan, stats, dtypes, inst)
     ok = jnp.isfinite(la) & jnp.isfinite(lb) & (lo <= hi)
-    best = scale * 0.25 * jnp.where(ok, lb - la, 0)
-    u[inst.key] = jnp.where(ok, jnp.clip(best, lo, hi), 0)
-    free[inst.key] = ok & (best >= lo) & (best <= hi)
-    top = jnp.maximum(top, jnp.max(jnp.where(ok, jnp.maximum(la, lb), -jnp.inf), initial=-jnp.inf))
-  return u, free, top
+    factors[inst.key] = jnp.exp(jnp.where(ok, jnp.clip(strength * 0.25 * (lb - la), lo, hi), 0))
+  return factors
 
 
 class _Graph(NamedTuple):
@@ -280,8 +250,11 @@ def _terms(g: _Graph, u: jax.Array) -> jax.Array:
 def _flat_sweep(
   g: _Graph, log_sq: jax.Array, log_max: jax.Array, u: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """:func:`_sweep` on the flat layout (:class:`_Graph`), in colour order: the instances of
-  one colour share no piece, so setting them at once is setting them one after another."""
+  """One pass of closed-form steps over the instances (as :func:`_closed_form`, each given
+  the others' log-factors ``u``), in colour order: the instances of one colour share no
+  piece, so setting them at once is setting them one after another. Also returns where each
+  factor is free (neither frozen at 1 nor clipped) and the largest finite log squared norm
+  of a side met."""
   size, segments = u.size, g.segment_factor.size
 
   def color(c, carry):  # one colour's instances, set at once; traced once for all colours
@@ -401,11 +374,8 @@ def solve(plan: Plan, stats: Stats, dtypes: dict, strength: float) -> tuple[Fact
   The residual is the largest move of a log-factor in the last sweep (half a
   ``log(||A|| / ||B||)`` that the sweep found): at most ``TOLERANCE`` when converged.
   """
-  u = _no_factors(plan)
   if not plan.overlapping:
-    return {
-      k: jnp.exp(v) for k, v in _sweep(plan, stats, dtypes, u, strength)[0].items()
-    }, jnp.float32(0.0)
+    return _closed_form(plan, stats, dtypes, strength), jnp.float32(0.0)
 
   g = _Graph.of(plan, stats, dtypes)
   pieces = list(plan.pieces)
@@ -437,9 +407,9 @@ def _dtypes(params: Any) -> dict:
 
 def log_norms(plan: Plan, params: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
   """Per instance: ``log`` of the group norms of sides A and B (scale-safe)."""
-  stats, u = leaf_stats(plan, params), _no_factors(plan)
+  stats = leaf_stats(plan, params)
   return {
-    i.key: (0.5 * _side_log_sq(plan, stats, u, i, +1), 0.5 * _side_log_sq(plan, stats, u, i, -1))
+    i.key: (0.5 * _side_log_sq(plan, stats, i, +1), 0.5 * _side_log_sq(plan, stats, i, -1))
     for i in plan.instances
   }
 
