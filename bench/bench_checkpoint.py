@@ -16,7 +16,7 @@ RSS of each, their ratio, and the peak difference as a share of the state:
   ``manager.restore(step, args=StandardRestore(abstract))``; ``restore-raw`` is
   the saggs restore with ``canonicalize=False`` (against the same Orbax restore).
   The degrees are measured by a probe history on the parameters' shapes
-  (``saggs.degrees.measure``), whose cost ``restore`` includes: ``--ops
+  (``saggs._src.degrees.measure``), whose cost ``restore`` includes: ``--ops
   restore-raw`` leaves it out.
 
 Targets are abstract (``jax.ShapeDtypeStruct``) on both sides, as a restart

@@ -4,7 +4,7 @@ canonicalising restore, against AdamW's and Orbax's.
 The model is the harness's nnx decoder at about 39k parameters (d 32, 2 layers, 4 heads over
 2 KV heads, head_dim 8, MLP 86), its pairs those ``saggs.discover`` proposes by default: Q/K,
 V/O, up/down and three norm gains, which overlap Q/K, V/O and up/down and so take the joint
-solve (:func:`saggs_jax.balance.solve`). ``(5 without norm gains)`` is the same model with the
+solve (:func:`saggs_jax._src.balance.solve`). ``(5 without norm gains)`` is the same model with the
 three non-overlapping pairs alone.
 
 ``--part update``: the train step (loss, gradients and the update, as
@@ -48,8 +48,8 @@ import optax
 import common  # also puts the repository root on sys.path, for harness
 import saggs_jax as saggs
 from harness import lm
-from saggs_jax import balance, norms, paths
-from saggs_jax.pairs import resolve
+from saggs_jax._src import balance, norms, paths
+from saggs_jax._src.pairs import resolve
 
 CONFIG = dict(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_hidden=86)
 BATCH = (4, 17)  # a window of 16 tokens and its next ones

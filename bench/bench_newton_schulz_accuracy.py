@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from saggs_jax.equivariant import _linalg
+from saggs_jax._src.equivariant import linalg
 
 
 def inputs(count: int, cond: float, shape=(16, 32)) -> jax.Array:
@@ -47,7 +47,7 @@ def band(y: jax.Array) -> tuple[float, float]:
 
 def variant(x: jax.Array, coeffs, steps: int, how: str) -> jax.Array:
   """The library's steps, or a rounding it avoids (``how``: "iterate_bf16", "expanded")."""
-  triples, headroom = _linalg._schedule(coeffs, steps)
+  triples, headroom = linalg._schedule(coeffs, steps)
   y = x / (headroom * jnp.linalg.norm(x, axis=(-2, -1), keepdims=True))
   bf = jnp.bfloat16
   for a, b, c in triples:
@@ -72,12 +72,12 @@ def main():
   args = parser.parse_args()
   x = inputs(args.count, args.cond)
   print(f"bands: {args.count} inputs 16 x 32, condition number {args.cond:g}, bfloat16 matmuls")
-  for name in _linalg.NS_COEFFS:
+  for name in linalg.NS_COEFFS:
     for steps in (5, 6):
-      lo, hi = band(_linalg.newton_schulz(x, name, steps, jnp.bfloat16))
+      lo, hi = band(linalg.newton_schulz(x, name, steps, jnp.bfloat16))
       print(f"  {name:<22} {steps} steps  [{lo:.2f}, {hi:.2f}]")
   print("rounding: largest |sigma - 1|, polar_express, 8 steps (converged in exact arithmetic)")
-  library = _linalg.newton_schulz(x, "polar_express", 8, jnp.bfloat16)
+  library = linalg.newton_schulz(x, "polar_express", 8, jnp.bfloat16)
   assert np.allclose(library, variant(x, "polar_express", 8, "library"), atol=1e-5)
   for how in ("library", "iterate_bf16", "expanded"):
     lo, hi = band(variant(x, "polar_express", 8, how))

@@ -33,8 +33,8 @@ import optax
 import common
 import saggs_jax as saggs
 from harness import lm
-from saggs_jax import paths
-from saggs_jax.pairs import resolve
+from saggs_jax._src import paths
+from saggs_jax._src.pairs import resolve
 
 
 def adamw():

@@ -17,7 +17,7 @@ Orbax's threads cannot start under a heap cap):
   (Explicit) on 8 CPU devices under ``jax.set_mesh``, scanned and unrolled, for adamw,
   SAGGS, soft SAGGS, QK-clip and the equivariant stack, and the process's peak host memory
   after each (``tx.init(params)`` for the concrete model). A chain's init measures nothing:
-  the transport degrees (:func:`saggs_jax.degrees.measure`, a probe on a small proxy) are
+  the transport degrees (:func:`saggs_jax._src.degrees.measure`, a probe on a small proxy) are
   measured where they are first used, the update's trace or a restore, and timed there.
 * ``update``: the train step ``(params, state, grads) -> (params, state)`` lowered and
   compiled from abstract values: XLA's temp memory and bytes accessed (deterministic; the

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
   from matplotlib.figure import Figure
 
 import saggs_jax as saggs
-from saggs_jax import paths
+from saggs_jax._src import paths
 
 VOCAB_SIZE = 256  # bytes
 T = TypeVar("T")

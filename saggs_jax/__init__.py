@@ -11,15 +11,13 @@
 * :mod:`saggs_jax.equivariant` holds symmetry-compatible update rules.
 """
 
-from saggs_jax import checkpoint, degrees, equivariant, presets
-from saggs_jax.canonical import canonicalize, reparameterize
-from saggs_jax.diagnostics import MootPairWarning, check_symmetry, imbalance
-from saggs_jax.discovery import Discovery, Rejected, discover
-from saggs_jax.equivariant import MuonDimensionNumbers, UnitDimensionNumbers, muon_dimension_numbers
-from saggs_jax.pairs import Block, Pair, describe
-from saggs_jax.qk_clip import max_logits, qk_clip
-from saggs_jax.scan_axes import copy_axes
-from saggs_jax.transform import (
+from saggs_jax import checkpoint, equivariant, presets
+from saggs_jax._src.canonical import canonicalize, reparameterize
+from saggs_jax._src.diagnostics import MootPairWarning, check_symmetry, imbalance
+from saggs_jax._src.pairs import Block, Pair, describe
+from saggs_jax._src.qk_clip import max_logits, qk_clip
+from saggs_jax._src.scan_axes import copy_axes
+from saggs_jax._src.transform import (
   SaggsState,
   SymmetryState,
   SymmetryTransformation,
@@ -29,7 +27,9 @@ from saggs_jax.transform import (
   soft,
   wrap,
 )
-from saggs_jax.transport import NESTED, register_transport
+from saggs_jax._src.transport import NESTED, register_transport
+from saggs_jax.discovery import Discovery, Rejected, discover
+from saggs_jax.equivariant import MuonDimensionNumbers, UnitDimensionNumbers, muon_dimension_numbers
 
 __all__ = [
   "NESTED",
@@ -48,7 +48,6 @@ __all__ = [
   "checkpoint",
   "check_symmetry",
   "copy_axes",
-  "degrees",
   "describe",
   "discover",
   "equivariant",

@@ -19,11 +19,11 @@ from typing import Any, Literal
 import jax
 from optax.contrib import MuonDimensionNumbers
 
-from saggs_jax.equivariant.dimension_numbers import (
+from saggs_jax._src.equivariant.dimension_numbers import (
   muon_dimension_numbers as _from_patterns,
 )
-from saggs_jax.pairs import Block, Pair
-from saggs_jax.paths import is_array, match, path_str
+from saggs_jax._src.pairs import Block, Pair
+from saggs_jax._src.paths import is_array, match, path_str
 
 
 def _join(prefix: str | None, name: str) -> str:

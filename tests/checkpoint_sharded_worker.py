@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 import models
 import saggs_jax as saggs
-from saggs_jax import checkpoint, paths
-from saggs_jax.pairs import as_pairs
+from saggs_jax._src import checkpoint, paths
+from saggs_jax._src.pairs import as_pairs
 
 PAIRS = models.llama_pairs()
 TX = saggs.chain(optax.adamw(1e-2), saggs.saggs(PAIRS, every=100))

@@ -263,7 +263,7 @@ def nnx_mha():
 def blind_to_reasons(monkeypatch) -> None:
   """Makes discover's jaxpr reading forget what a factor passed through, so that only the
   numerical confirmation can refute a candidate (the tests of that check)."""
-  from saggs_jax.discovery import candidates
+  from saggs_jax._src.discovery import candidates
 
   follow = candidates.propagation.follow
 

@@ -158,7 +158,7 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
     return params, state
 
   def save_npz(name, params, **extra):
-    flat = {p: np.asarray(x) for p, x in saggs.paths.leaves_with_paths(host(params))}
+    flat = {p: np.asarray(x) for p, x in saggs._src.paths.leaves_with_paths(host(params))}
     if jax.process_index() == 0:
       np.savez(directory / f"{name}.npz", **flat, **extra)
 

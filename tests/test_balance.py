@@ -277,9 +277,9 @@ _canon_llama = jax.jit(lambda p: saggs.canonicalize(p, None, PAIRS)[0])
 
 def _side_norms_numpy(params, pairs):
   """log(||A_g|| / ||B_g||) per instance, from NumPy norms over every tensor of each side."""
-  flat = dict(saggs.paths.leaves_with_paths(params))
+  flat = dict(saggs._src.paths.leaves_with_paths(params))
   out = {}
-  for inst in saggs.pairs.resolve(pairs, params).instances:
+  for inst in saggs._src.pairs.resolve(pairs, params).instances:
     stacked = inst.pair.stacked
     sq = []
     for side, members in enumerate((inst.members_a, inst.members_b)):
@@ -313,12 +313,12 @@ def test_llama_with_norm_gains_is_balanced_minimal_and_orbit_invariant():
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(c, a, rtol=1e-4, atol=1e-6)
   # A minimum: any small move along the orbit only adds squared norm.
-  plan = saggs.pairs.resolve(PAIRS, params)
+  plan = saggs._src.pairs.resolve(PAIRS, params)
 
   def total(p):
     return sum(
       float(np.sum(np.asarray(x, np.float64) ** 2))
-      for path, x in saggs.paths.leaves_with_paths(p)
+      for path, x in saggs._src.paths.leaves_with_paths(p)
       if path in plan.counted
     )
 
@@ -466,7 +466,7 @@ def test_joint_solve_stopped_at_its_cap_is_reported(monkeypatch):
     tx = saggs.chain(optax.sgd(0.0), saggs.saggs(pairs))
     return float(jax.jit(tx.update)(zeros, tx.init(params), params)[1][1].residual)
 
-  assert residual() <= saggs.balance.TOLERANCE
+  assert residual() <= saggs._src.balance.TOLERANCE
   monkeypatch.setattr(saggs.balance, "MAX_ITERATIONS", 1)
   monkeypatch.setattr(saggs.balance, "MAX_CG", 0)
   assert residual() > 1e-3

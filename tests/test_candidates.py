@@ -1,10 +1,10 @@
-"""saggs_jax.discovery.candidates: the groupings a candidate is tried at, and the blocks a
+"""saggs_jax._src.discovery.candidates: the groupings a candidate is tried at, and the blocks a
 leaf is cut into (contiguous, or interleaved every ``period`` entries)."""
 
 import numpy as np
 import pytest
 
-from saggs_jax.discovery.candidates import (
+from saggs_jax._src.discovery.candidates import (
   Part,
   _partition,
   as_stacked,
@@ -12,7 +12,7 @@ from saggs_jax.discovery.candidates import (
   group_options,
   relative,
 )
-from saggs_jax.discovery.propagation import Cut
+from saggs_jax._src.discovery.propagation import Cut
 
 
 @pytest.mark.parametrize(

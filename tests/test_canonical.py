@@ -1,4 +1,4 @@
-"""saggs_jax.canonical: reparameterize's checks of its factors (eagerly an error, traced a
+"""saggs_jax._src.canonical: reparameterize's checks of its factors (eagerly an error, traced a
 no-op on the groups they would break) and canonicalize against a NumPy balance of each channel
 with Adam's moments moved alongside. Every layout and optimizer: tests/test_checkpoint.py."""
 

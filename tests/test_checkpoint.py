@@ -908,7 +908,7 @@ def test_corrupted_data_files_never_restore_silently(manager, tmp_path):
   # Flips hit every array stored outside the B-tree nodes (all but the inlined
   # count), and each is named by its checksum.
   arrays = {
-    p for p, _ in saggs.paths.leaves_with_paths({"params": saved[0], "opt_state": saved[1]})
+    p for p, _ in saggs._src.paths.leaves_with_paths({"params": saved[0], "opt_state": saved[1]})
   }
   assert set(named) - {"(unreadable)"} == arrays - {"opt_state/0/count"}, named
 
@@ -973,8 +973,8 @@ def test_checksums_need_no_full_size_temporaries():
   n = 1 << 24
   others = [jax.ShapeDtypeStruct((n,), t) for t in (jnp.bfloat16, jnp.complex64, jnp.int8, bool)]
   others.append(jax.eval_shape(lambda: jax.random.split(jax.random.key(0), n)))
-  leaves = dict(saggs.paths.arrays_with_paths((state, others)))
-  compiled = saggs.checkpoint._checksum_all.lower(leaves).compile()
+  leaves = dict(saggs._src.paths.arrays_with_paths((state, others)))
+  compiled = saggs._src.checkpoint._checksum_all.lower(leaves).compile()
   assert nbytes > 80e9
   assert compiled.memory_analysis().temp_size_in_bytes <= 0.05 * nbytes
 
@@ -984,7 +984,7 @@ def test_checksums_trace_the_hash_once_per_shape_and_dtype():
   traced hash: tracing a copy per leaf took 0.1-0.2 s of a 101M restore."""
   leaves = {f"layer{i}": jax.ShapeDtypeStruct((64, 32), jnp.float32) for i in range(6)}
   leaves["count"] = jax.ShapeDtypeStruct((), jnp.int32)
-  (program,) = jax.make_jaxpr(saggs.checkpoint._checksum_all)(leaves).jaxpr.eqns
+  (program,) = jax.make_jaxpr(saggs._src.checkpoint._checksum_all)(leaves).jaxpr.eqns
   calls = [e for e in program.params["jaxpr"].jaxpr.eqns if "jaxpr" in e.params]
   assert len(calls) == len(leaves)
   assert len({id(e.params["jaxpr"]) for e in calls}) == 2  # float32[64, 32] and int32[]
@@ -1233,7 +1233,7 @@ def test_restore_verifies_by_checksum_programs_compiled_before_the_read(manager,
   state = models.random_like(tx.init(params), 6)
   saggs.checkpoint.save(manager, 1, params, state)
   manager.wait_until_finished()
-  jitted = saggs.checkpoint._checksum_all
+  jitted = saggs._src.checkpoint._checksum_all
 
   class LoweredOnly:  # the jitted program, which may only be lowered now
     lower = staticmethod(jitted.lower)
@@ -1267,7 +1267,7 @@ def test_restore_canonicalizes_in_place_on_abstract_7b_shapes():
   state = optax.ScaleByBeliefState(adam.count, adam.mu, adam.nu)
   pairs = saggs.presets.llama(num_kv_heads=32, stacked=1)
   specs, treedef = jax.tree.flatten((params, state))
-  program = saggs.checkpoint._canonicalizer(
+  program = saggs._src.checkpoint._canonicalizer(
     tuple(pairs), None, -1, None, treedef, tuple(specs)
   ).result()
   memory = program.memory_analysis()
@@ -1284,9 +1284,9 @@ def test_restore_by_tx_canonicalizes_in_place_on_abstract_7b_shapes():
   pairs = saggs.presets.llama(num_kv_heads=32, stacked=1)
   tx = saggs.chain(optax.adamw(1e-3), saggs.saggs(pairs, every=100))
   state = jax.eval_shape(tx.init, params)
-  optimizer, n, made = saggs.checkpoint._made_by(tx, params, state)
+  optimizer, n, made = saggs._src.checkpoint._made_by(tx, params, state)
   specs, treedef = jax.tree.flatten((params, state))
-  program = saggs.checkpoint._canonicalizer(
+  program = saggs._src.checkpoint._canonicalizer(
     tuple(pairs), optimizer, n, made, treedef, tuple(specs)
   ).result()
   memory = program.memory_analysis()

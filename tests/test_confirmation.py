@@ -1,11 +1,11 @@
-"""saggs_jax.discovery.confirmation: the leaves the numeric check runs on, and the bisection
+"""saggs_jax._src.discovery.confirmation: the leaves the numeric check runs on, and the bisection
 that confirms instances at their finest exact grouping; the check itself on models is in
 tests/test_discover_guards.py."""
 
 import jax.numpy as jnp
 import numpy as np
 
-from saggs_jax.discovery.confirmation import Verdict, confirm, live
+from saggs_jax._src.discovery.confirmation import Verdict, confirm, live
 
 
 def test_live_draws_only_all_zero_floating_leaves_at_their_ranks_rms():

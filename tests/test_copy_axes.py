@@ -175,7 +175,7 @@ def test_hard_balance_equals_the_numpy_oracle(layout):
   want_a, want_b, c = np_balance(a, b, stacked, axes, groups or size)
   np.testing.assert_allclose(got["a"], want_a, rtol=2e-6)
   np.testing.assert_allclose(got["b"], want_b, rtol=2e-6)
-  (inst,) = saggs.pairs.resolve([pair], params).instances
+  (inst,) = saggs._src.pairs.resolve([pair], params).instances
   assert inst.factor_shape == c.shape  # the copy axes' sizes in order, then the groups
   tx = saggs.chain(optax.sgd(0.0), saggs.saggs([pair]))
   _, state = tx.update(params, tx.init(params), params)
@@ -250,7 +250,7 @@ def test_adam_moments_transport_like_the_equivalent_history():
   state = tx.init(params)
   for g in grads:
     _, state = tx.update(g, state, params)
-  plan = saggs.pairs.resolve(pairs, params)
+  plan = saggs._src.pairs.resolve(pairs, params)
   factors = {i.a: np.exp(rng.uniform(-1.5, 1.5, i.factor_shape)) for i in plan.instances}
   _, moved = saggs.reparameterize(params, state, pairs, lambda path, shape: factors[path])
 
@@ -391,17 +391,17 @@ def test_bad_copy_axes_are_named():
   with pytest.raises(
     ValueError, match=r"norm/scale' has shape \(8, 2\), too few axes for the copy axes at \(2,\)"
   ):
-    saggs.pairs.resolve([saggs.Pair(GAIN.a, GAIN.b, axes=(0, 0), stacked=(2,))], params)
+    saggs._src.pairs.resolve([saggs.Pair(GAIN.a, GAIN.b, axes=(0, 0), stacked=(2,))], params)
   with pytest.raises(
     ValueError,
     match=r"group axis 3 is out of range for .*query/kernel' with shape \(8, 2, 4, 3\) \(3 axes besides",
   ):
-    saggs.pairs.resolve(
+    saggs._src.pairs.resolve(
       [saggs.Pair(f"{ATTN}/query/kernel", f"{ATTN}/key/kernel", (3, 1), stacked=(1,))], params
     )
   with pytest.raises(ValueError, match="stacked axes differ"):
     bad = {"a": jnp.ones((4, 2, 3)), "b": jnp.ones((3, 5, 4))}
-    saggs.pairs.resolve([saggs.Pair("a", "b", axes=(1, 0), stacked=(1,))], bad)
+    saggs._src.pairs.resolve([saggs.Pair("a", "b", axes=(1, 0), stacked=(1,))], bad)
 
 
 SHARDED = textwrap.dedent(r"""
@@ -442,7 +442,7 @@ def test_sharded_equals_unsharded():
 
 def test_discover_confirmation_expands_factors_onto_a_non_leading_copy_axis():
   """discover's random factors (copies..., groups) land on a leaf's own copy axes."""
-  from saggs_jax.discovery.confirmation import _expand
+  from saggs_jax._src.discovery.confirmation import _expand
 
   rng = np.random.default_rng(0)
   x = rng.standard_normal((H, L, HD, E))  # MaxText's out kernel: heads, layers, head_dim, emb

@@ -1,7 +1,8 @@
-"""saggs_jax.discovery.declarations: the path patterns a discovery declares its pairs with."""
+"""saggs_jax._src.discovery.declarations: the path patterns a discovery declares its pairs with."""
 
-from saggs_jax.discovery import Rejected, declarations
-from saggs_jax.discovery.candidates import Rejection
+from saggs_jax._src.discovery import declarations
+from saggs_jax._src.discovery.candidates import Rejection
+from saggs_jax.discovery import Rejected
 
 
 def test_patterns_drop_the_enclosing_module_and_number_wildcards():

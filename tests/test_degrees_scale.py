@@ -1,6 +1,6 @@
 """Transport degrees at any size: measured on a small proxy, from abstract parameters.
 
-:func:`saggs_jax.degrees.measure` reads only the parameters' shapes and dtypes and probes a
+:func:`saggs_jax._src.degrees.measure` reads only the parameters' shapes and dtypes and probes a
 proxy of a few entries per group, so its cost does not grow with the model's width: a
 70B-parameter LLaMA shape initialises (abstractly, and compiled on an 8-device FSDP mesh)
 within a bounded amount of host memory over plain AdamW's, measured in a subprocess.
@@ -20,9 +20,9 @@ import pytest
 
 import saggs_jax as saggs
 from harness import shapes
-from saggs_jax import degrees, transform
-from saggs_jax.balance import compute_factors
-from saggs_jax.pairs import resolve
+from saggs_jax._src import degrees, transform
+from saggs_jax._src.balance import compute_factors
+from saggs_jax._src.pairs import resolve
 from xla_env import cpu_env
 
 

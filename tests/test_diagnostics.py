@@ -13,7 +13,7 @@ import pytest
 
 import models
 import saggs_jax as saggs
-from saggs_jax.diagnostics import MootPairWarning
+from saggs_jax._src.diagnostics import MootPairWarning
 
 X = jnp.asarray(np.random.default_rng(0).standard_normal((4, models.CONFIG.d_model)), jnp.float32)
 UP_DOWN = [saggs.Pair("up/kernel", "down/kernel", axes=(1, 0))]

@@ -116,7 +116,7 @@ def orbit_move(params, pairs, seed=0, spread=1.5):
       for k, (pattern, axis) in enumerate(side + [(f, None) for f in followers]):
         block = pattern if isinstance(pattern, saggs.Block) else None
         for path in values:
-          caps = saggs.paths.match(block.pattern if block else pattern, path)
+          caps = saggs._src.paths.match(block.pattern if block else pattern, path)
           if caps is not None:
             index = () if block is None else _block_index(block, values[path].shape, pair.stacked)
             instances.setdefault(caps, []).append((path, index, sign, axis, k))
@@ -141,7 +141,7 @@ def orbit_move(params, pairs, seed=0, spread=1.5):
           f.shape[:-1] + (1,) * (axis - pair.stacked) + (-1,) + (1,) * (x.ndim - axis - 1)
         )
   return jax.tree_util.tree_map_with_path(
-    lambda kp, x: jnp.asarray(values[saggs.paths.path_str(kp)], x.dtype), params
+    lambda kp, x: jnp.asarray(values[saggs._src.paths.path_str(kp)], x.dtype), params
   )
 
 

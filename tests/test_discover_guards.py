@@ -37,7 +37,7 @@ def moved(params, moves, seed=0):
   factors = {}
 
   def move(key_path, x):
-    path = saggs.paths.path_str(key_path)
+    path = saggs._src.paths.path_str(key_path)
     for name, axis, groups, sign in (m[1:] for m in moves if m[0] == path):
       c = factors.setdefault(name, np.exp(rng.uniform(-np.log(4), np.log(4), groups)))
       f = np.repeat(c**sign, x.shape[axis] // groups)  # contiguous groups
@@ -364,7 +364,7 @@ def test_a_backend_that_fails_the_zero_direction_control_refutes_nothing(monkeyp
   """The first-order check is also run on a zero direction, whose tangent must be exactly 0:
   when it is not, discover says so, naming the backend, and judges on the finite count alone
   instead of refuting an exact pair."""
-  from saggs_jax.discovery import confirmation
+  from saggs_jax._src.discovery import confirmation
 
   monkeypatch.setattr(confirmation, "jax", _FaultyJit())
   with pytest.warns(RuntimeWarning, match=r"zero direction is not zero on the cpu backend"):

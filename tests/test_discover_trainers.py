@@ -258,9 +258,9 @@ def test_the_default_expert_patterns_leave_the_expert_biases_alone():
   }
   matched = {
     path
-    for path, _ in saggs.paths.arrays_with_paths(params)
+    for path, _ in saggs._src.paths.arrays_with_paths(params)
     for pattern in eqv.ROLE_PATTERNS["experts"]
-    if saggs.paths.match(pattern, path) is not None
+    if saggs._src.paths.match(pattern, path) is not None
   }
   assert matched == {"mlp/experts/gate_up_proj", "mlp/experts/down_proj"}
 
@@ -270,10 +270,10 @@ def test_every_matrix_has_one_role_or_none(arch):
   """No leaf is matched by two roles' patterns, and of the leaves with two axes or more only
   biases (per head, per expert) are left to AdamW."""
   d = found(arch)
-  leaves = dict(saggs.paths.arrays_with_paths(dt.init(arch)))
+  leaves = dict(saggs._src.paths.arrays_with_paths(dt.init(arch)))
   left = set()
   for path, x in leaves.items():
-    roles = [r for r, pats in d.roles.items() if any(saggs.paths.match(p, path) for p in pats)]
+    roles = [r for r, pats in d.roles.items() if any(saggs._src.paths.match(p, path) for p in pats)]
     assert len(roles) <= 1, (path, roles)
     if not roles and np.ndim(x) >= 2:
       left.add(path)
@@ -288,7 +288,7 @@ def _copy_axes_supported() -> bool:
   """Whether ``Pair(stacked=positions)`` resolves (the copy-axes work of issue 31)."""
   leaves = {"a": jnp.ones((2, 3, 4)), "b": jnp.ones((2, 3, 4))}
   try:
-    saggs.pairs.resolve([saggs.Pair("a", "b", axes=(1, 1), stacked=(1,))], leaves)
+    saggs._src.pairs.resolve([saggs.Pair("a", "b", axes=(1, 1), stacked=(1,))], leaves)
   except (TypeError, ValueError):
     return False
   return True

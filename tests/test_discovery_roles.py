@@ -1,4 +1,4 @@
-"""saggs_jax.discovery.roles: the roles read off a LLaMA whose names are Meta's, not Hugging
+"""saggs_jax._src.discovery.roles: the roles read off a LLaMA whose names are Meta's, not Hugging
 Face's, and the stack they route (equivariant.symmetry_compatible(patterns=...))."""
 
 import jax

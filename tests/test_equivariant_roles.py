@@ -1,10 +1,10 @@
-"""saggs_jax.equivariant.roles: the role tables and the Muon dimension numbers per role."""
+"""saggs_jax._src.equivariant.roles: the role tables and the Muon dimension numbers per role."""
 
 import jax.numpy as jnp
 import pytest
 from optax.contrib import MuonDimensionNumbers
 
-from saggs_jax.equivariant import roles
+from saggs_jax._src.equivariant import roles
 
 
 def test_every_role_has_patterns_and_dimension_numbers():

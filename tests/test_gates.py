@@ -1,4 +1,4 @@
-"""saggs_jax.gates.opened: each gate of an update on its open side, everything else as written.
+"""saggs_jax._src.gates.opened: each gate of an update on its open side, everything else as written.
 
 The expected values are computed in NumPy from the definitions: a clip that does not clip
 passes its input, an eps next to a norm is dropped, and a test against zero (a sign) is kept.
@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from saggs_jax.gates import opened
+from saggs_jax._src.gates import opened
 
 G = np.array([3.0, -4.0, 0.5], np.float32)  # norm 5.02: past every threshold below
 

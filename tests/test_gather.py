@@ -1,4 +1,4 @@
-"""saggs_jax.equivariant._gather: which mesh axes carry the batch of matrices, the mesh read
+"""saggs_jax._src.equivariant.gather: which mesh axes carry the batch of matrices, the mesh read
 off the arrays' types when the context has none, and whole matrices per device by one
 all-to-all (a stack) or one all-gather (a single matrix) with the local result unchanged. The
 stack's update sharded against unsharded: tests/test_equivariant_sharding.py.
@@ -16,13 +16,13 @@ from xla_env import cpu_env
 CODE = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-    from saggs_jax.equivariant import _gather
+    from saggs_jax._src.equivariant import gather
 
     def axes_in(mesh, spec, contextual=True):
         x = jnp.ones((4, 4))
         def probe(x):
-            with _gather.on_mesh([x]):
-                return _gather.spread_axes([x])
+            with gather.on_mesh([x]):
+                return gather.spread_axes([x])
         found = []
         def f(x):
             found.append(probe(x))
@@ -37,7 +37,7 @@ CODE = textwrap.dedent("""
 
     auto = jax.make_mesh((4, 1), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
     explicit = jax.make_mesh((2, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
-    assert _gather.spread_axes([jnp.ones(3)]) == ()  # no mesh: nothing moves
+    assert gather.spread_axes([jnp.ones(3)]) == ()  # no mesh: nothing moves
     assert axes_in(auto, P()) == ("x",)  # Auto: every axis of size > 1
     assert axes_in(explicit, P("y", None)) == ("y",)  # Explicit: those that shard a leaf
     assert axes_in(auto, P("x", None), contextual=False) == ("x",)  # the mesh of the type
@@ -48,14 +48,14 @@ CODE = textwrap.dedent("""
     for count, collective in ((8, "all-to-all"), (1, "all-gather"), (6, "all-to-all")):
         x = jnp.asarray(rng.standard_normal((count, 8, 3)), jnp.float32)
         rows = jax.device_put(x, NamedSharding(mesh, P(None, "x", None)))
-        f = jax.jit(lambda x: _gather.locally(direction, x, ("x",)))
+        f = jax.jit(lambda x: gather.locally(direction, x, ("x",)))
         with jax.set_mesh(mesh):
             got = f(rows)
             hlo = f.lower(rows).compile().as_text()
         np.testing.assert_allclose(np.asarray(got), np.asarray(direction(x)), rtol=1e-5, atol=1e-6)
         assert collective in hlo, (count, collective)
         assert count > 1 or "all-to-all" not in hlo  # one matrix: gathered, not moved twice
-    np.testing.assert_array_equal(_gather.locally(direction, x, ()), direction(x))  # no axes
+    np.testing.assert_array_equal(gather.locally(direction, x, ()), direction(x))  # no axes
     print("GATHER-OK")
 """)
 

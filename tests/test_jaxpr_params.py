@@ -1,4 +1,4 @@
-"""saggs_jax.jaxpr_params against the jaxprs of the running jax.
+"""saggs_jax._src.jaxpr_params against the jaxprs of the running jax.
 
 Each primitive whose parameters the discovery reads is traced here from the
 public API, and each read is compared with the value the trace was built with:
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from saggs_jax import jaxpr_params
+from saggs_jax._src import jaxpr_params
 
 
 def eqns_of(fn, *args):

@@ -9,7 +9,7 @@ import pytest
 
 import saggs_jax as saggs
 from harness import moe, study
-from saggs_jax import paths
+from saggs_jax._src import paths
 
 # 6 tokens, top-2 of 4 experts. Tokens per expert: 5, 4, 2, 1 (12 slots, mean 3).
 TABLE = np.array([[0, 1], [0, 1], [0, 2], [0, 3], [1, 2], [1, 0]])

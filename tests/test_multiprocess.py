@@ -11,7 +11,7 @@ Auto and an Explicit mesh: its skipped updates run the gradient's collectives
 beside a ``lax.cond`` branch that communicates nothing, and must match the
 same run on one device. A third trains ``head_axis_llama.py`` in the setup where skipped
 updates once aborted both processes in gloo (a later collective overtook a ``lax.cond``'s,
-see :func:`saggs_jax.numerics.ordered_control_flow`). What each process does is in
+see :func:`saggs_jax._src.numerics.ordered_control_flow`). What each process does is in
 ``multiprocess_worker.py``.
 """
 

@@ -1,10 +1,10 @@
-"""saggs_jax.numerics: the compute dtype and the dtype limits balancing shares."""
+"""saggs_jax._src.numerics: the compute dtype and the dtype limits balancing shares."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from saggs_jax.numerics import compute_dtype, log_dtype_max
+from saggs_jax._src.numerics import compute_dtype, log_dtype_max
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """Where collectives inside control flow may be overtaken (XLA:CPU across processes, see
-:func:`saggs_jax.numerics.ordered_control_flow`), SAGGS puts no collective inside a
+:func:`saggs_jax._src.numerics.ordered_control_flow`), SAGGS puts no collective inside a
 ``lax.cond`` or a loop: skipped updates select the ones, and the norms' scale-safe
 fallback recomputes every piece. The results equal those of the ``lax.cond`` path.
 
@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import saggs_jax as saggs
-from saggs_jax import norms, transform
+from saggs_jax._src import norms, transform
 
 # A cycle of pairs (every leaf in two: two-pass statistics, the fallback a switch over its
 # pieces), and c's tiny entries underflow float32's fast sum of squares: the scale-safe

@@ -48,7 +48,7 @@ def test_default_groups_one_per_index_and_negative_axes():
 
 def test_whole_tensor_pair():
   params = {"a": jnp.full((2, 3), 8.0), "b": jnp.ones((4,))}
-  plan = saggs.pairs.resolve([saggs.Pair("a", "b")], params)
+  plan = saggs._src.pairs.resolve([saggs.Pair("a", "b")], params)
   assert [i.factor_shape for i in plan.instances] == [()]
   new, _ = saggs.canonicalize(params, None, [saggs.Pair("a", "b")])
   np.testing.assert_allclose(np.linalg.norm(new["a"]), np.linalg.norm(new["b"]), rtol=1e-6)
@@ -149,7 +149,7 @@ def test_valid_declarations_resolve():
     saggs.Pair("q", "k", axes=[1, -1], groups=np.int64(2), follow_a="qb", follow_b=("kb",)),
     saggs.Pair("v", "o", axes=(1, 0), stacked=np.int32(1)),
   ]
-  plan = saggs.pairs.resolve(pairs, params)
+  plan = saggs._src.pairs.resolve(pairs, params)
   assert [(i.a, i.b, i.followers_a, i.followers_b, i.factor_shape) for i in plan.instances] == [
     ("q", "k", ("qb",), ("kb",), (2,)),
     ("v", "o", (), (), (2, 4)),
@@ -328,7 +328,7 @@ def test_a_bias_of_an_out_in_kernel_follows_its_leading_group_axis():
       {**params, "f": _arr(rng, L, 5, H * HD)},
     )
   # ... and a (heads, hd) bias of a (d, heads, hd) kernel follows axis 1 as before.
-  plan = saggs.pairs.resolve(
+  plan = saggs._src.pairs.resolve(
     [saggs.Pair("w", "u", axes=(1, 1), follow_a="b")],
     {"w": _arr(rng, D, H, HD), "u": _arr(rng, D, H, HD), "b": _arr(rng, H, HD)},
   )
@@ -494,7 +494,7 @@ def test_leaf_on_both_sides_of_one_pair(pair, msg):
 )
 def test_non_float_leaf_in_a_pair(dtype, leaf, pair):
   params = _qkvo()
-  plan = saggs.pairs.resolve([pair], params)  # floats resolve and are cached...
+  plan = saggs._src.pairs.resolve([pair], params)  # floats resolve and are cached...
   assert plan.instances[0].a == "q"
   params[leaf] = params[leaf].astype(dtype)  # ...the same shapes with integers do not
   msg = f"{pair.label}: pattern '{leaf}' matches '{leaf}' of dtype {jnp.dtype(dtype).name}; only"

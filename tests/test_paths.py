@@ -8,8 +8,8 @@ from flax import nnx
 
 import models
 import saggs_jax as saggs
-from saggs_jax import paths
-from saggs_jax.pairs import resolve
+from saggs_jax._src import paths
+from saggs_jax._src.pairs import resolve
 
 # --- match -----------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""saggs_jax.discovery.pipeline: ``discover``'s own arguments (its key) and its name; what
+"""saggs_jax._src.discovery.pipeline: ``discover``'s own arguments (its key) and its name; what
 it finds on models is checked by tests/test_discover*.py."""
 
 import importlib

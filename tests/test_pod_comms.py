@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(r"""
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     from saggs_jax import equivariant as eqv
-    from saggs_jax.equivariant import _linalg
+    from saggs_jax._src.equivariant import linalg
     from bench_comms import collectives
 
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -91,7 +91,7 @@ SCRIPT = textwrap.dedent(r"""
       # Newton-Schulz in float64, written from the docstring: X0 = X / (1.01 ||X||_F),
       # X <- (aI + bG + cG^2) X, G = X X^T, Polar Express's per-step (a, b, c).
       y = x.astype(np.float64) / (1.01 * np.linalg.norm(x))
-      for a, b, c in _linalg.POLAR_EXPRESS[:steps]:
+      for a, b, c in linalg.POLAR_EXPRESS[:steps]:
         g = y @ y.T
         y = (a * np.eye(len(y)) + b * g + c * g @ g) @ y
       return y

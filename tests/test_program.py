@@ -1,10 +1,10 @@
-"""saggs_jax.discovery.program: a jaxpr flattened into equations on value ids, with scans,
+"""saggs_jax._src.discovery.program: a jaxpr flattened into equations on value ids, with scans,
 conds and calls inlined, and its all-zero constants known."""
 
 import jax
 import jax.numpy as jnp
 
-from saggs_jax.discovery.program import Program
+from saggs_jax._src.discovery.program import Program
 
 
 def program(fn, *args, num_leaves=1):

@@ -1,4 +1,4 @@
-"""saggs_jax.discovery.propagation: the axis bookkeeping (reshape blocks, every structural
+"""saggs_jax._src.discovery.propagation: the axis bookkeeping (reshape blocks, every structural
 primitive's axis map, dot_general output positions), the typed reasons and a factor followed
 to the next linear, against hand-computed expectations. tests/test_discover*.py check the whole
 pipeline on models."""
@@ -7,9 +7,16 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from saggs_jax.discovery import propagation
-from saggs_jax.discovery.program import Program
-from saggs_jax.discovery.propagation import RULES, Trace, explain, inexact, nonlinear, reshape_map
+from saggs_jax._src.discovery import propagation
+from saggs_jax._src.discovery.program import Program
+from saggs_jax._src.discovery.propagation import (
+  RULES,
+  Trace,
+  explain,
+  inexact,
+  nonlinear,
+  reshape_map,
+)
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,11 @@
-"""saggs_jax.discovery.result: a Discovery as a declaration, a sequence of pairs, and its
+"""saggs_jax._src.discovery.result: a Discovery as a declaration, a sequence of pairs, and its
 report."""
 
 import pytest
 
 from saggs_jax import Block, Pair
+from saggs_jax._src.discovery.result import CONFIRMATIONS
 from saggs_jax.discovery import Discovery, Rejected
-from saggs_jax.discovery.result import CONFIRMATIONS
 
 
 def test_report_names_block_sides():

@@ -1,4 +1,4 @@
-"""saggs_jax.equivariant.rules: each rule against a float64 NumPy reference of its definition,
+"""saggs_jax._src.equivariant.rules: each rule against a float64 NumPy reference of its definition,
 its symmetry group, zero rows, dtypes, per-head and joint layouts, and the errors that name a
 parameter that does not fit.
 

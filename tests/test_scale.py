@@ -137,7 +137,7 @@ FSDP_SCRIPT = textwrap.dedent(r"""
       mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(axis_type,))
       params = shapes.fsdp(shapes.llama(**size, vocab=8000, scanned=True), mesh, "fsdp")
       shard = shapes.num_bytes(params) / 8
-      with mock.patch("saggs_jax.transform.measure", lambda *a: None):
+      with mock.patch("saggs_jax._src.transform.measure", lambda *a: None):
         with jax.set_mesh(mesh) if in_context else contextlib.nullcontext():
           adamw = optax.adamw(1e-3)
           temp_a, bytes_a = compiled_update(adamw, params)

@@ -1,12 +1,12 @@
-"""saggs_jax.scaling: multiplying the declared leaves by their factors, and landing updates."""
+"""saggs_jax._src.scaling: multiplying the declared leaves by their factors, and landing updates."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import saggs_jax as saggs
-from saggs_jax.pairs import resolve
-from saggs_jax.scaling import land_on, scale_tree
+from saggs_jax._src.pairs import resolve
+from saggs_jax._src.scaling import land_on, scale_tree
 
 PARAMS = {
   "q": jnp.arange(1.0, 9.0).reshape(2, 4),

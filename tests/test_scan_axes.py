@@ -1,4 +1,4 @@
-"""saggs_jax.scan_axes: copy axes read off the axis names of Flax's boxes (linen's
+"""saggs_jax._src.scan_axes: copy axes read off the axis names of Flax's boxes (linen's
 Partitioned, nnx Variables), as a scan over layers and an MoE expert axis leave them; what they
 then balance is checked by tests/test_copy_axes.py."""
 
@@ -46,7 +46,7 @@ def test_copy_axes_read_from_linen_scan_metadata():
   assert axes == {"params/wi_1/kernel": (1,), "params/wo/kernel": (1,)}
   params = nn.unbox(boxed)
   pair = saggs.Pair("wi_1/kernel", "wo/kernel", axes=(1, 0), stacked=axes["params/wi_1/kernel"])
-  assert saggs.pairs.resolve([pair], params).instances[0].factor_shape == (L, M)
+  assert saggs._src.pairs.resolve([pair], params).instances[0].factor_shape == (L, M)
 
 
 def test_copy_axes_read_from_nnx_scan_metadata():

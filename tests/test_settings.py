@@ -1,4 +1,4 @@
-"""saggs_jax.equivariant.settings: the settings groups of the rules.
+"""saggs_jax._src.equivariant.settings: the settings groups of the rules.
 
 Their defaults are the rules' former keyword defaults: a rule built with the group's default
 and one built with each field spelled out compute the same update, bit for bit, and a field

@@ -82,8 +82,8 @@ PRELUDE = textwrap.dedent(r"""
     def specs(tree, layout):
       # layout: role -> PartitionSpec of one (unstacked) kernel or bias.
       def spec(kp, x):
-        path = saggs.paths.path_str(kp)
-        for suffix in sorted(saggs.paths.leaves_with_paths(PARAMS), key=lambda s: -len(s[0])):
+        path = saggs._src.paths.path_str(kp)
+        for suffix in sorted(saggs._src.paths.leaves_with_paths(PARAMS), key=lambda s: -len(s[0])):
           if path.endswith(suffix[0]) and np.shape(x) == np.shape(suffix[1]):
             s = layout.get(role(suffix[0]), P())
             return P(*(None,) * (np.ndim(x) - len(s)), *s)
@@ -233,7 +233,7 @@ OVERLAP_SECTION = textwrap.dedent(r"""
           for (kp, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
             a, b = np.asarray(a), np.asarray(b)
             if kp[-1] == jax.tree_util.GetAttrKey("residual"):  # rounding-level on both: converged
-              check(a <= saggs.balance.TOLERANCE and b <= saggs.balance.TOLERANCE, f"residual {a}, {b}")
+              check(a <= saggs._src.balance.TOLERANCE and b <= saggs._src.balance.TOLERANCE, f"residual {a}, {b}")
               continue
             check(np.allclose(a, b, rtol=1e-5, atol=1e-6 * np.max(np.abs(b))),
                   f"{axis_type} {name} {jax.tree_util.keystr(kp)}: max diff {np.max(np.abs(a - b))}")

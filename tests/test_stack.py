@@ -1,4 +1,4 @@
-"""saggs_jax.equivariant.stack: the one stack builder and its presets.
+"""saggs_jax._src.equivariant.stack: the one stack builder and its presets.
 
 The rules themselves are checked against NumPy in test_rules.py and against the reference
 implementation's golden data in test_equivariant_reference.py; here: routing by path
@@ -36,7 +36,7 @@ from equivariant_oracles import (
   row_norm,
 )
 from saggs_jax import equivariant as eqv
-from saggs_jax.paths import path_str
+from saggs_jax._src.paths import path_str
 
 WIDTH, HIDDEN, VOCAB = 8, 16, 32
 

@@ -104,7 +104,7 @@ def hand_transport(tree, mult, degree=None):
   """
 
   def visit(key_path, x):
-    names = [saggs.paths.key_name(e) for e in key_path]
+    names = [saggs._src.paths.key_name(e) for e in key_path]
     path = next(
       ("/".join(names[i:]) for i in range(len(names)) if "/".join(names[i:]) in mult), None
     )
@@ -183,7 +183,9 @@ def test_soft_factor_property(log_a, log_b, strength):
   b = rng.standard_normal((3, 4)) * np.exp(log_b)[:, None]
   params = {"a": jnp.asarray(a, jnp.float32), "b": jnp.asarray(b, jnp.float32)}
   pairs = [saggs.Pair("a", "b", axes=(1, 0))]
-  c = saggs.balance.compute_factors(saggs.pairs.resolve(pairs, params), params, strength)[0]["a|b"]
+  c = saggs._src.balance.compute_factors(saggs._src.pairs.resolve(pairs, params), params, strength)[
+    0
+  ]["a|b"]
   new, _ = saggs.reparameterize(params, None, pairs, lambda p, s: c)
   before = np.log(np.linalg.norm(a, axis=0) / np.linalg.norm(b, axis=1))
   after = np.log(
@@ -761,7 +763,7 @@ def test_only_the_leaves_that_overflow_take_the_safe_passes():
   params = small_params(12)
   scale = {"layers/0/q": 1e25, "layers/0/k": 1e-25, "layers/1/up": 1e-22}
   params = jax.tree_util.tree_map_with_path(
-    lambda kp, x: x * scale.get(saggs.paths.path_str(kp), 1.0), params
+    lambda kp, x: x * scale.get(saggs._src.paths.path_str(kp), 1.0), params
   )
   p = {k: np.asarray(v, np.float64) for k, v in leaf_dict(params).items()}
   want = {}

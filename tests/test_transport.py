@@ -23,8 +23,8 @@ import pytest
 import models
 import saggs_jax as saggs
 from saggs_jax import equivariant
-from saggs_jax.pairs import resolve
-from saggs_jax.transport import _RULES, transport
+from saggs_jax._src.pairs import resolve
+from saggs_jax._src.transport import _RULES, transport
 
 rng = np.random.default_rng(0)
 PARAMS = {

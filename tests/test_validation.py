@@ -1,11 +1,11 @@
-"""saggs_jax.validation: the argument checks the stages share."""
+"""saggs_jax._src.validation: the argument checks the stages share."""
 
 import re
 
 import numpy as np
 import pytest
 
-from saggs_jax.validation import check_number
+from saggs_jax._src.validation import check_number
 
 
 @pytest.mark.parametrize("value", [1, 2, np.int64(3)])

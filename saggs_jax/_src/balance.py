@@ -15,8 +15,8 @@ in the log-factors solved by Newton steps and sweeps of the closed form above
 (see :func:`solve`), which reports how far from converged it stopped; soft
 balancing takes ``strength`` of those log-factors.
 
-This module solves for the factors; :mod:`saggs_jax.norms` takes the scale-safe
-group norms it starts from and :mod:`saggs_jax.scaling` applies the factors to
+This module solves for the factors; :mod:`saggs_jax._src.norms` takes the scale-safe
+group norms it starts from and :mod:`saggs_jax._src.scaling` applies the factors to
 parameters and moments. No NaN or Inf is ever produced: each module's docstring
 says how. A factor never overflows a leaf's dtype: ``c`` is clipped so that
 ``c ||A_g||`` and ``||B_g|| / c`` (followers included) stay below the largest
@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from saggs_jax import paths
-from saggs_jax.norms import Stats, leaf_stats, stacked_axes
-from saggs_jax.numerics import AxisName, Factors, log_dtype_max
-from saggs_jax.pairs import Instance, Plan
+from saggs_jax._src import paths
+from saggs_jax._src.norms import Stats, leaf_stats, stacked_axes
+from saggs_jax._src.numerics import AxisName, Factors, log_dtype_max
+from saggs_jax._src.pairs import Instance, Plan
 
 __all__ = ["TOLERANCE", "compute_factors", "log_norms", "solve"]
 

@@ -11,14 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from saggs_jax import paths
-from saggs_jax.balance import TOLERANCE, compute_factors
-from saggs_jax.degrees import measure
-from saggs_jax.numerics import Factors
-from saggs_jax.pairs import Pair, Plan, resolve
-from saggs_jax.scaling import scale_tree
-from saggs_jax.transform import ChainUpdate
-from saggs_jax.transport import transport
+from saggs_jax._src import paths
+from saggs_jax._src.balance import TOLERANCE, compute_factors
+from saggs_jax._src.degrees import measure
+from saggs_jax._src.numerics import Factors
+from saggs_jax._src.pairs import Pair, Plan, resolve
+from saggs_jax._src.scaling import scale_tree
+from saggs_jax._src.transform import ChainUpdate
+from saggs_jax._src.transport import transport
 
 FactorSpec = float | Callable[[str, tuple[int, ...]], Any]
 _TX_FIX = "Pass the transformation that made it: for a saggs_jax.chain's state, the chain itself."
@@ -151,7 +151,7 @@ def reparameterize(
       symmetry stages' states stay as they are, or any optax transformation.
       A state type does not always fix its degrees (``optax.adamax`` keeps
       degree 1 in Adam's ``nu``): given ``tx``, each leaf moves by the degree
-      measured at its place (:func:`saggs_jax.degrees.measure`), and a leaf no
+      measured at its place (:func:`saggs_jax._src.degrees.measure`), and a leaf no
       degree moves is a TypeError naming its state and path. Without it, the
       degrees registered for the state types are used.
 
@@ -180,7 +180,7 @@ def canonicalize(
   jointly minimise the total squared norm, which balances every pair. The
   moments are transported alongside (by the degrees measured on ``tx``, if
   given: see :func:`reparameterize`). Should the joint solve stop at its iteration
-  cap short of ``TOLERANCE`` (see :func:`saggs_jax.balance.solve`), it warns (from
+  cap short of ``TOLERANCE`` (see :func:`saggs_jax._src.balance.solve`), it warns (from
   the host when traced, via ``jax.debug.callback``). ``canonicalize`` is idempotent and
   ``canonicalize(reparameterize(s, f)) == canonicalize(s)`` for every f > 0
   up to floating point, so equivalent checkpoints become the same state.

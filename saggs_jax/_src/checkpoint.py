@@ -1,49 +1,7 @@
-"""Saving training states with Orbax and restoring them onto the canonical orbit member.
+"""Orbax save and restore of training states; restore lands on the canonical orbit member.
 
-Two checkpoints that are equivalent (same function, moments transported)
-restart AdamW onto different trajectories. :func:`restore` with ``pairs``
-canonicalizes the restored state (:func:`saggs_jax.canonicalize`), so runs
-restarted from either follow the same trajectory. It moves each moment by the
-degree measured on the optimizer that made it (``tx=``): a state type does not
-fix its degrees (``optax.adamax`` keeps degree 1 in Adam's ``nu``, a moment after a
-normaliser degree 0), so without ``tx`` every moment of a declared parameter is refused
-(:func:`moved_without_tx`).
-
-:func:`save` writes three items: ``state`` (the params and the optimizer state,
-SAGGS stage state included), ``layout``, a small JSON record of every leaf's
-path, shape and dtype and of every empty node (such as optax's
-``EmptyState``), and ``checksums``, two 32-bit hashes of every array's bits; given
-``tx=``, a fourth, ``degrees``: the transport degree of every leaf of its state, so that
-:func:`restore` refuses another optimizer with the same layout.
-:func:`restore` reads ``layout`` first and compares it with the target, so a
-checkpoint made with other pairs, another optimizer chain or other dtypes fails
-with the first mismatching path before any array is read. It then reads the
-arrays and recomputes their checksums: Orbax's data files carry none, so a
-corrupted file would otherwise restore silently wrong values. Neither the files
-nor the caller's state are touched by a failed restore. Checksums are computed
-on the devices that hold the arrays (jitted integer sums), so sharded and
-multi-process states are hashed without gathering them, in one fused
-reduction per array (no full-size temporary). Canonicalising is one program
-for the target's shapes and shardings, lowered before any array is read and compiled
-while Orbax reads them, which updates the restored arrays in place. Typed PRNG keys
-(``jax.random.key``) are stored as their raw ``key_data`` and rewrapped with
-the target's implementation. Use a manager dedicated to these two functions
-(the items are fixed).
-
-Example:
-  >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp
-  >>> import saggs_jax as saggs
-  >>> pairs = [saggs.Pair("up", "down", axes=(1, 0))]
-  >>> params = {"up": jnp.full((3, 4), 4.0), "down": jnp.ones((4, 3))}
-  >>> tx = saggs.chain(optax.adamw(1e-3), saggs.saggs(pairs, every=100))
-  >>> opt_state = tx.init(params)
-  >>> manager = ocp.CheckpointManager(tempfile.mkdtemp())
-  >>> saggs.checkpoint.save(manager, 7, params, opt_state)
-  True
-  >>> params, opt_state, step = saggs.checkpoint.restore(manager, params, opt_state, pairs, tx=tx)
-  >>> float(params["up"][0, 0]), float(params["down"][0, 0]), step
-  (2.0, 2.0, 7)
-  >>> manager.close()
+The public functions are re-exported by :mod:`saggs_jax.checkpoint`; docs/checkpoints.md
+explains the items a checkpoint holds, the checksums and the compile overlap.
 """
 
 from __future__ import annotations
@@ -60,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from saggs_jax import canonical, paths
-from saggs_jax.pairs import Pair, as_pairs, resolve
-from saggs_jax.paths import Layout, first_difference, is_empty, layout
-from saggs_jax.transform import SaggsState
-from saggs_jax.transport import registered_types, transport
+from saggs_jax._src import canonical, paths
+from saggs_jax._src.pairs import Pair, as_pairs, resolve
+from saggs_jax._src.paths import Layout, first_difference, is_empty, layout
+from saggs_jax._src.transform import SaggsState
+from saggs_jax._src.transport import registered_types, transport
 
 if TYPE_CHECKING:
   import orbax.checkpoint as ocp
@@ -303,7 +261,7 @@ def save(
   """Saves ``params`` and ``opt_state`` as checkpoint ``step``, with their layout and checksums.
 
   Given ``tx``, the optimizer that made ``opt_state``, it also records the transport degree
-  of every leaf of its state (:func:`saggs_jax.degrees.measure` on ``pairs``, by default the
+  of every leaf of its state (:func:`saggs_jax._src.degrees.measure` on ``pairs``, by default the
   pairs of ``tx``'s first symmetry stage), so that :func:`restore` refuses a ``tx`` whose
   degrees differ (another optimizer with the same layout: adamax for adam), which the layout
   alone cannot tell.
@@ -422,7 +380,7 @@ def _check_record(manager, step: int, what: str, tx, params: Any, pairs) -> None
 # MultiSteps(sgd, 4))'s accumulator), after a trust ratio parameter-like ones (lars's
 # trace, -1), after a stage scaling by a parameter norm one less. No state type is safe
 # from such a stage before it, so restore measures the degrees on the optimizer
-# (saggs_jax.degrees.measure) and refuses, without it, every leaf it would move.
+# (saggs_jax._src.degrees.measure) and refuses, without it, every leaf it would move.
 
 _TX_FIX = (
   " Pass the optimizer that made opt_state, e.g. the saggs.chain you train with:"
@@ -634,7 +592,7 @@ def restore(
 
   With ``pairs``, the state is canonicalised: the parameters balanced
   (:func:`saggs_jax.canonicalize`) and every moment moved by its degree, as
-  measured on ``tx`` (:func:`saggs_jax.degrees.measure`), the optimizer that
+  measured on ``tx`` (:func:`saggs_jax._src.degrees.measure`), the optimizer that
   made ``opt_state``. A moment's degree depends on its place in that optimizer,
   not on its state type (``optax.adamax`` keeps an infinity norm of degree 1 in
   Adam's ``nu``; any moment after a normaliser holds degree 0), so without ``tx``
@@ -668,7 +626,7 @@ def restore(
     TypeError: ``step`` is not an int, the target is an nnx object (see
       :func:`save`), ``opt_state`` holds a moment of a declared parameter (or an
       ``nnx.State``) and no ``tx`` is given, or a degree measured on
-      ``tx`` transports no leaf (see :func:`saggs_jax.degrees.measure`).
+      ``tx`` transports no leaf (see :func:`saggs_jax._src.degrees.measure`).
     FileNotFoundError: the manager holds no checkpoint ``step`` (or none at all).
     ValueError: the checkpoint was not written by :func:`save` (it lacks the
       layout and checksums), its layout differs from the target's (the

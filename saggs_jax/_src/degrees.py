@@ -17,7 +17,7 @@ gradients) that are negligible. The probe opens both kinds itself, so that no si
 values, nor of the model's gradients, decides a degree: its gradients are
 :data:`GRADIENT_SCALE` times larger than the parameters, next to which such constants vanish,
 and it runs the update with every comparison of a gradient-dependent value with another
-taken to its open side (:func:`saggs_jax.gates.opened`). Under hard SAGGS with ``every=1``
+taken to its open side (:func:`saggs_jax._src.gates.opened`). Under hard SAGGS with ``every=1``
 this is what makes a clipped optimizer exact: equivalent states are balanced onto one point
 before each step, their moments moved by one fixed degree, so the clip sees one gradient.
 
@@ -53,7 +53,7 @@ must also hold with gradients of the stand-ins' size, since whether such a value
 negligible depends on its real size, which a tracer does not tell (else a TypeError).
 
 The probe runs one state leaf of each class of leaves that the optimizer computes alike
-(:mod:`saggs_jax.leaf_classes`, read off its jaxprs on the proxy: the same equations from one
+(:mod:`saggs_jax._src.leaf_classes`, read off its jaxprs on the proxy: the same equations from one
 parameter leaf of the same layout, at the same place in the state), and what their updates
 read: the layers of an unrolled model share their leaves' classes, so its program does not
 grow with the layers. Results are kept per optimizer (weakly, by its ``update`` function)
@@ -80,11 +80,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from saggs_jax import gates, leaf_classes, paths
-from saggs_jax.numerics import Factors
-from saggs_jax.pairs import Plan, Slot
-from saggs_jax.scaling import scale_tree
-from saggs_jax.transport import AS_REGISTERED, transport
+from saggs_jax._src import gates, leaf_classes, paths
+from saggs_jax._src.numerics import Factors
+from saggs_jax._src.pairs import Plan, Slot
+from saggs_jax._src.scaling import scale_tree
+from saggs_jax._src.transport import AS_REGISTERED, transport
 
 CANDIDATES = (1, 2, 0, -1, -2, 3, 4)
 """Degrees tried, in order, for a leaf whose registered degree does not fit."""
@@ -125,7 +125,7 @@ GRADIENT_SCALE = 2.0**16
 additive constant of the optimizer (an ``eps`` up to :data:`HYPERPARAMETER`, an initial
 accumulator, a weight decay times the parameters added to the gradients) stays below the
 probe's rounding next to them, as the contract's open gates want, while decay rates keep
-their weight. Clips are opened by :func:`saggs_jax.gates.opened`, whatever this size."""
+their weight. Clips are opened by :func:`saggs_jax._src.gates.opened`, whatever this size."""
 
 FAST_COMPILE = types.MappingProxyType(
   {
@@ -155,7 +155,7 @@ def probe_factors(plan: Plan) -> Factors:
 
   Example:
     >>> import jax, jax.numpy as jnp, saggs_jax as saggs
-    >>> from saggs_jax.pairs import resolve
+    >>> from saggs_jax._src.pairs import resolve
     >>> params = {"q": jax.ShapeDtypeStruct((4, 8), jnp.float32),
     ...           "k": jax.ShapeDtypeStruct((4, 8), jnp.float32)}
     >>> c = probe_factors(resolve(saggs.Pair("q", "k", axes=(1, 1), groups=2), params))
@@ -224,7 +224,7 @@ def proxy(plan: Plan, whole: bool = False, most: int | None = GROUPS) -> Plan:
 
   Example:
     >>> import jax, jax.numpy as jnp, saggs_jax as saggs
-    >>> from saggs_jax.pairs import resolve
+    >>> from saggs_jax._src.pairs import resolve
     >>> params = {"q": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
     ...           "k": jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
     >>> small = proxy(resolve(saggs.Pair("q", "k", axes=(1, 1), groups=8), params))
@@ -416,7 +416,7 @@ def _alone(fn: Any) -> Any:
 
 class _Cut(NamedTuple):
   """The optimizer's ``init`` and ``update`` on the proxy as jaxprs cut down to the state
-  leaves the probe runs (``kept``: one of each class of :mod:`saggs_jax.leaf_classes`, and
+  leaves the probe runs (``kept``: one of each class of :mod:`saggs_jax._src.leaf_classes`, and
   what their updates read), with the parameter leaves they read (``params``)."""
 
   init: Any  # ClosedJaxpr: the used inputs of [outer values..., params...] -> kept leaves
@@ -485,7 +485,7 @@ def _fails(tx, params, state) -> TypeError:
     )
   return TypeError(
     f"Cannot measure the transport degrees of {type(state).__name__}: the optimizer runs on"
-    " the parameters' shapes but not on a small proxy of them (saggs_jax.degrees.proxy: at"
+    " the parameters' shapes but not on a small proxy of them (saggs_jax._src.degrees.proxy: at"
     f" most every pair's groups whole and every other axis cut to {KEEP} entries), as a rule"
     " that splits an axis into pieces of a fixed size does where no pair groups that axis"
     " (the heads of an attention kernel that no pair declares). Declare the pairs of that"
@@ -563,7 +563,7 @@ def _one_of_each_kind(plan: Plan, params: Any, state: Any) -> Any:
 def _probe(program: _Cut, spec: list, param_mult: list, kept: list, outer_scale=GRADIENT_SCALE):
   """``probe(steps, seeds={})``: runs the history of ``steps`` updates from probe parameters
   with probe gradients (``outer_scale`` times the parameters' size) and every gate of the
-  update open (:func:`saggs_jax.gates.opened`), and the equivalent history (parameters times
+  update open (:func:`saggs_jax._src.gates.opened`), and the equivalent history (parameters times
   ``param_mult``, gradients divided by it), and gives each float state leaf of ``kept`` (the abstract leaves
   ``program.kept``) after both; values the optimizer closes over from a trace outside take
   stand-ins. ``spec`` and ``param_mult`` are the parameter leaves ``program.params``.
@@ -750,8 +750,8 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan, state: An
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, saggs_jax as saggs
-    >>> from saggs_jax.degrees import measure
-    >>> from saggs_jax.pairs import resolve
+    >>> from saggs_jax._src.degrees import measure
+    >>> from saggs_jax._src.pairs import resolve
     >>> params = {"q": jax.ShapeDtypeStruct((4096, 512), jnp.float32),
     ...           "k": jax.ShapeDtypeStruct((1024, 512), jnp.float32)}
     >>> state_degrees = measure(optax.adamax(1e-3), params, resolve(saggs.Pair("q", "k"), params))

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from saggs_jax.balance import log_norms
-from saggs_jax.pairs import Block, Instance, Pair, Plan, per_copy_axis, resolve
-from saggs_jax.scaling import scale_tree
+from saggs_jax._src.balance import log_norms
+from saggs_jax._src.pairs import Block, Instance, Pair, Plan, per_copy_axis, resolve
+from saggs_jax._src.scaling import scale_tree
 
 
 class MootPairWarning(UserWarning):

@@ -2,7 +2,7 @@
 
 The transport degree of a state leaf is the one it has where every scale-dependent gate of
 the optimizer is open (docs/moments.md): clips that do not clip, additive constants that are
-negligible. The degree probe (:mod:`saggs_jax.degrees`) makes the additive constants
+negligible. The degree probe (:mod:`saggs_jax._src.degrees`) makes the additive constants
 negligible by the size of its gradients, and opens the gates with :func:`opened`.
 
 A *gate* is an equation that compares a *hot* value (computed from the gradients or the
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from saggs_jax import jaxpr_params
+from saggs_jax._src import jaxpr_params
 
 GATES = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "max", "min", "clamp"})
 """The primitives that compare their operands (see the module doc)."""

@@ -54,7 +54,7 @@ def _missing(eqn: jcore.JaxprEqn, name: str) -> KeyError:
   return KeyError(
     f"saggs_jax does not know the {eqn.primitive.name!r} equations of jax {jax.__version__}:"
     f" it reads their parameter {name!r}, and they have {sorted(eqn.params)}."
-    " Please report it with your jax version; saggs_jax.jaxpr_params is where the reads live."
+    " Please report it with your jax version; saggs_jax._src.jaxpr_params is where the reads live."
   )
 
 

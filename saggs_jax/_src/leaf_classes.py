@@ -7,7 +7,7 @@ state leaves that share a class: their whole histories (``init``, then any numbe
 one parameter leaf each (and to values every leaf shares: a step count, a learning rate), whose
 shapes, dtypes and multipliers under the pairs (its *layout*) agree, at the same place of
 their parameters' trees inside the state. Such leaves have one transport degree, so the degree
-probe (:mod:`saggs_jax.degrees`) runs one leaf of each class, and :func:`reduced` cuts the
+probe (:mod:`saggs_jax._src.degrees`) runs one leaf of each class, and :func:`reduced` cuts the
 probe's program down to it: its cost no longer grows with the layers.
 
 Equality is structural and exact (interned keys, no hashes): an equation's key is its
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jcore
 
-from saggs_jax import jaxpr_params
+from saggs_jax._src import jaxpr_params
 
 SMALL = 4096
 """Constants of up to this many entries are compared by value; larger ones by identity."""

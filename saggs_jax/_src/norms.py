@@ -33,7 +33,7 @@ A zero norm is reported as ``-inf``, a group with a non-finite entry as
 ``+inf``, and a non-finite entry only affects its own group.
 
 A leaf with blocks (see :class:`saggs_jax.Block`) is cut at their boundaries
-into pieces (:attr:`saggs_jax.pairs.Plan.pieces`) whose entries move by the
+into pieces (:attr:`saggs_jax._src.pairs.Plan.pieces`) whose entries move by the
 same slots; its statistics are taken per piece through a mask along the block
 axis, so a sharded block axis stays sharded.
 """
@@ -50,8 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import core
 
-from saggs_jax import paths
-from saggs_jax.numerics import (
+from saggs_jax._src import paths
+from saggs_jax._src.numerics import (
   AxisName,
   compute_dtype,
   is_explicit,
@@ -59,7 +59,7 @@ from saggs_jax.numerics import (
   ordered_control_flow,
   replicated,
 )
-from saggs_jax.pairs import Piece, Plan, Slot, Span
+from saggs_jax._src.pairs import Piece, Plan, Slot, Span
 
 # A float32 sum of squares this small may have lost digits to underflow: such
 # norms (and overflowing or non-finite ones) are recomputed on the safe path.
@@ -413,7 +413,7 @@ def _recompute_all(
   log_max: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
   """Every piece recomputed, kept where untrusted: where collectives inside a loop could be
-  overtaken by later ones (see :func:`~saggs_jax.numerics.ordered_control_flow`)."""
+  overtaken by later ones (see :func:`~saggs_jax._src.numerics.ordered_control_flow`)."""
   del packing
   sq, top = (jnp.concatenate(v) for v in zip(*(f(x) for f, x in zip(safe, operands))))
   return jnp.where(trusted, log_sq, sq), jnp.where(trusted, log_max, top)
@@ -493,9 +493,9 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
 
   Example:
     >>> import jax.numpy as jnp, saggs_jax as saggs
-    >>> from saggs_jax.norms import leaf_stats
+    >>> from saggs_jax._src.norms import leaf_stats
     >>> params = {"q": jnp.full((2, 4), 1e30), "k": jnp.ones((2, 4))}  # squares overflow
-    >>> plan = saggs.pairs.resolve([saggs.Pair("q", "k", axes=(1, 1), groups=2)], params)
+    >>> plan = saggs._src.pairs.resolve([saggs.Pair("q", "k", axes=(1, 1), groups=2)], params)
     >>> log_sq, _ = leaf_stats(plan, params)["q", None]
     >>> [round(float(v) / 2.302585, 3) for v in log_sq]  # log10 ||q_g||**2 = log10 4e60
     [60.602, 60.602]

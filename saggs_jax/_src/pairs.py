@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, TypeGuard
 import jax.numpy as jnp
 import numpy as np
 
-from saggs_jax import paths
+from saggs_jax._src import paths
 
 
 def _as_tuple(x) -> tuple:
@@ -80,7 +80,7 @@ class Block:
   on both sides of a pair and in several pairs.
 
   Attributes:
-    pattern: path pattern of the fused leaves (see :mod:`saggs_jax.paths`).
+    pattern: path pattern of the fused leaves (see :mod:`saggs_jax._src.paths`).
     axis: the split axis, counted like a pair's group axes: among the axes that
       are not the pair's ``stacked`` copy axes, negative from the end.
     parts: the number of parts, or their names.
@@ -187,7 +187,7 @@ class Pair:
   """An exact symmetry: ``a`` scaled by ``c`` per group, ``b`` by ``1/c``.
 
   Attributes:
-    a: path pattern of the side scaled by ``c`` (see :mod:`saggs_jax.paths`),
+    a: path pattern of the side scaled by ``c`` (see :mod:`saggs_jax._src.paths`),
       or a tuple of patterns when that side is several tensors: all of them
       are scaled by ``c``, and the side's norm is taken over all of them. A
       :class:`Block` may stand for any pattern, here and in the followers.
@@ -538,7 +538,7 @@ class Plan:
 
 def _leaf_specs(tree: Any) -> tuple[tuple[str, tuple[int, ...], Any], ...]:
   """``(path, shape, dtype)`` of every array leaf (the others are static, see
-  :func:`saggs_jax.paths.is_array`): all that resolution reads, hence its cache key."""
+  :func:`saggs_jax._src.paths.is_array`): all that resolution reads, hence its cache key."""
   out = {}
   for path, leaf in paths.arrays_with_paths(tree):
     if path in out:

@@ -35,11 +35,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
-from saggs_jax.scaling import land_on, scale_tree
-from saggs_jax.transform import Stage, SymmetryTransformation, symmetry_stage, wrappable
-from saggs_jax.transport import transport
-from saggs_jax.validation import check_number
+from saggs_jax._src.pairs import Pair, Plan, as_pairs, resolve
+from saggs_jax._src.scaling import land_on, scale_tree
+from saggs_jax._src.transform import Stage, SymmetryTransformation, symmetry_stage, wrappable
+from saggs_jax._src.transport import transport
+from saggs_jax._src.validation import check_number
 
 
 def max_logits(
@@ -261,7 +261,7 @@ def qk_clip(
 
   Args:
     inner: optional, before ``pairs``: the optimizer to wrap
-      (:func:`saggs_jax.transform.wrap`).
+      (:func:`saggs_jax._src.transform.wrap`).
     pairs: the Q/K :class:`~saggs_jax.Pair` declarations (a group axis whose
       groups are KV heads: ``presets.llama(...)[0]``, ``presets.flax_mha()[0]``,
       ``presets.gpt2(...)[0]`` or ``discover``'s Q/K pairs); every instance

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
-from saggs_jax import paths
-from saggs_jax.numerics import Factors, compute_dtype, is_explicit, replicated
-from saggs_jax.pairs import Plan, Slot
+from saggs_jax._src import paths
+from saggs_jax._src.numerics import Factors, compute_dtype, is_explicit, replicated
+from saggs_jax._src.pairs import Plan, Slot
 
 
 class Shared(dict):

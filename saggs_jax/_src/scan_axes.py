@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from saggs_jax import paths
+from saggs_jax._src import paths
 
 _NNX_NAMES = ("out_sharding", "sharding_names", "sharding")  # across Flax versions
 
@@ -46,7 +46,7 @@ def copy_axes(tree: Any, names: str | Sequence[str] = ("layers",)) -> dict[str, 
       is ``"layers"``), and for MoE trees the expert axis's logical name.
 
   Returns:
-    ``{path: positions}`` (paths as :mod:`saggs_jax.paths` spells them), positions increasing,
+    ``{path: positions}`` (paths as :mod:`saggs_jax._src.paths` spells them), positions increasing,
     for each leaf whose axis names include one of ``names``: a Pair's ``stacked``.
 
   Example:

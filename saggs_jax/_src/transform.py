@@ -30,14 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from saggs_jax import paths
-from saggs_jax.balance import compute_factors
-from saggs_jax.degrees import measure
-from saggs_jax.numerics import AxisName, Factors, is_explicit, ordered_control_flow, replicated
-from saggs_jax.pairs import Pair, Plan, as_pairs, resolve
-from saggs_jax.scaling import Shared, land_on, scale_tree
-from saggs_jax.transport import NESTED, register_transport, transport
-from saggs_jax.validation import check_number
+from saggs_jax._src import paths
+from saggs_jax._src.balance import compute_factors
+from saggs_jax._src.degrees import measure
+from saggs_jax._src.numerics import AxisName, Factors, is_explicit, ordered_control_flow, replicated
+from saggs_jax._src.pairs import Pair, Plan, as_pairs, resolve
+from saggs_jax._src.scaling import Shared, land_on, scale_tree
+from saggs_jax._src.transport import NESTED, register_transport, transport
+from saggs_jax._src.validation import check_number
 
 
 @jax.tree_util.register_static
@@ -69,8 +69,8 @@ class SaggsState(NamedTuple):
       ones after an update that ``every`` skipped. Log them to watch SAGGS work.
     residual: how far the joint solve of overlapping pairs was from converged
       when the latest balancing stopped: the largest move of a log-factor in
-      its last sweep (see :func:`saggs_jax.balance.solve`). At most
-      ``saggs_jax.balance.TOLERANCE`` when it converged; larger means it hit its
+      its last sweep (see :func:`saggs_jax._src.balance.solve`). At most
+      ``saggs_jax._src.balance.TOLERANCE`` when it converged; larger means it hit its
       iteration cap and the pairs are not exactly balanced. 0 without overlaps
       and on updates that do not balance. Read on the host; the update never
       syncs on it.
@@ -116,7 +116,7 @@ class Stage:
       their inputs, their outputs or both) and returns ``(updates, state,
       prior_states)``. ``plan`` is ``resolve(pairs, params)``, resolved once by the
       chain; ``degrees`` are the transport degrees of ``prior_states``
-      (:func:`saggs_jax.degrees.measure`); ``extra_args`` are the keyword arguments
+      (:func:`saggs_jax._src.degrees.measure`); ``extra_args`` are the keyword arguments
       of the chain's ``update`` (:func:`saggs_jax.qk_clip` reads ``max_logits``
       there), which ``prior`` passes on to the stages before it.
     alone: the update of the stage outside :func:`chain` (as in ``optax.chain``),
@@ -330,7 +330,7 @@ def scale_by_saggs(
   the factors are ones from a ``lax.cond`` that computes no norms and
   communicates nothing (on XLA:CPU across processes the norms run on every update
   and are discarded: no collective may sit in a ``lax.cond`` there, see
-  :func:`~saggs_jax.numerics.ordered_control_flow`).
+  :func:`~saggs_jax._src.numerics.ordered_control_flow`).
 
   Inside a plain ``optax.chain`` the stage could not reach the optimizer before
   it, whose moments would stay untransported: its ``init`` refuses it there and
@@ -339,7 +339,7 @@ def scale_by_saggs(
   stage_state)`` as optax's wrappers hold theirs.
 
   Norms are scale-safe and a factor never overflows a leaf's dtype (see
-  :mod:`saggs_jax.balance`). One update rescales a weight by at most
+  :mod:`saggs_jax._src.balance`). One update rescales a weight by at most
   :func:`step_limits` (``2**±10`` in float32), so that adding the update keeps
   the function; a larger imbalance is balanced over several updates.
 
@@ -652,7 +652,7 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
   :func:`saggs_jax.register_transport`), each leaf by the degree it has at its
   place in the chain: the first update traced on a parameter layout measures
   them on a probe history of a small proxy of the parameters, from their shapes
-  alone and once per layout (:func:`saggs_jax.degrees.measure`; a restore or a
+  alone and once per layout (:func:`saggs_jax._src.degrees.measure`; a restore or a
   ``canonicalize`` that needs them first measures them there), and raises a
   TypeError naming the state and the path of a leaf that no degree transports, as
   after a trust ratio over a leaf whose groups move apart. A leaf's degree is the one it

@@ -28,7 +28,7 @@ A state type does not always fix its degrees: optax reuses them for moments of
 other degrees (``optax.adamax`` keeps an infinity norm, degree 1, in Adam's
 ``nu``; a ``trace`` after a normaliser holds updates of degree 0). So
 :func:`transport` takes ``degrees``, the degree of each leaf as measured at its
-place in the chain (:func:`saggs_jax.degrees.measure`), in place of the
+place in the chain (:func:`saggs_jax._src.degrees.measure`), in place of the
 registered one.
 """
 
@@ -46,10 +46,10 @@ import numpy as np
 import optax
 import optax.contrib
 
-from saggs_jax import paths
-from saggs_jax.numerics import Factors
-from saggs_jax.pairs import Plan
-from saggs_jax.scaling import scale_leaf
+from saggs_jax._src import paths
+from saggs_jax._src.numerics import Factors
+from saggs_jax._src.pairs import Plan
+from saggs_jax._src.scaling import scale_leaf
 
 NESTED = "nested"
 """Marks a field that holds an inner optimizer state to transport recursively."""

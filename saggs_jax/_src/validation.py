@@ -1,6 +1,6 @@
 """Checks of user arguments, shared by the symmetry stages.
 
->>> from saggs_jax.validation import check_number
+>>> from saggs_jax._src.validation import check_number
 >>> check_number("every", 0, lambda k: k >= 1, ">= 1", integer=True)
 Traceback (most recent call last):
 ...

@@ -57,7 +57,7 @@ the rule table of every primitive), ``candidates``, ``confirmation``,
 ``declarations`` and ``result``; ``pipeline`` runs them.
 """
 
-from saggs_jax.discovery.pipeline import discover
-from saggs_jax.discovery.result import Discovery, Rejected
+from saggs_jax._src.discovery.pipeline import discover
+from saggs_jax._src.discovery.result import Discovery, Rejected
 
 __all__ = ["Discovery", "Rejected", "discover"]

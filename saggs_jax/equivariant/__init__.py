@@ -26,20 +26,23 @@ Example:
 
 from optax.contrib import MuonDimensionNumbers
 
-from saggs_jax.equivariant._linalg import (
+from saggs_jax._src.equivariant.dimension_numbers import (
+  UnitDimensionNumbers,
+  muon_dimension_numbers,
+)
+from saggs_jax._src.equivariant.linalg import (
   NS_COEFFS,
   POLAR_EXPRESS,
   QUINTIC,
   CoefficientSet,
   newton_schulz,
 )
-from saggs_jax.equivariant.dimension_numbers import UnitDimensionNumbers, muon_dimension_numbers
-from saggs_jax.equivariant.roles import (
+from saggs_jax._src.equivariant.roles import (
   ROLE_DIMENSION_NUMBERS,
   ROLE_PATTERNS,
   role_dimension_numbers,
 )
-from saggs_jax.equivariant.rules import (
+from saggs_jax._src.equivariant.rules import (
   REFERENCE,
   MomentumState,
   scale_by_hybrid,
@@ -48,8 +51,8 @@ from saggs_jax.equivariant.rules import (
   scale_by_right_spectral,
   scale_by_row_norm,
 )
-from saggs_jax.equivariant.settings import InverseSqrt, NewtonSchulz
-from saggs_jax.equivariant.stack import (
+from saggs_jax._src.equivariant.settings import InverseSqrt, NewtonSchulz
+from saggs_jax._src.equivariant.stack import (
   PRESETS,
   REFERENCE_LEARNING_RATES,
   REFERENCE_WEIGHT_DECAYS,

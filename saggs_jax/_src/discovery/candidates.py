@@ -1,7 +1,7 @@
 """Candidates: the rescalings the program suggests, and what it rules out on its own.
 
 Every use of a parameter as a linear map or a gain is a source; its factor is
-followed (:func:`~saggs_jax.discovery.propagation.follow`) and what it reaches
+followed (:func:`~saggs_jax._src.discovery.propagation.follow`) and what it reaches
 makes a candidate: parameters it is contracted against (``A -> B``, a chain),
 or another source's factor met in one contraction (Q.K). A leaf whose blocks
 are read apart (fused q|k|v columns) is split into units, one per block.
@@ -15,9 +15,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from saggs_jax.discovery import propagation
-from saggs_jax.discovery.program import Program
-from saggs_jax.discovery.propagation import (
+from saggs_jax._src.discovery import propagation
+from saggs_jax._src.discovery.program import Program
+from saggs_jax._src.discovery.propagation import (
   NORM,
   Cut,
   Meet,
@@ -28,7 +28,7 @@ from saggs_jax.discovery.propagation import (
   explain,
   tag,
 )
-from saggs_jax.pairs import follower_axis
+from saggs_jax._src.pairs import follower_axis
 
 Stacked = int | tuple[int, ...]  # copy axes as Pair(stacked=...) takes them
 

@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from saggs_jax.diagnostics import Probe
-from saggs_jax.discovery.candidates import Candidate, Unit
-from saggs_jax.pairs import copy_positions
+from saggs_jax._src.diagnostics import Probe
+from saggs_jax._src.discovery.candidates import Candidate, Unit
+from saggs_jax._src.pairs import copy_positions
 
 # A tangent along a zero direction must be exactly zero: one that is not is the backend's fault.
 _FAULTY = (

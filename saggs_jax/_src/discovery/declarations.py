@@ -11,10 +11,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from saggs_jax import paths
-from saggs_jax.discovery.candidates import Candidate, Part, Rejection, Stacked, Unit, relative
-from saggs_jax.discovery.result import Rejected
-from saggs_jax.pairs import Block, Pair
+from saggs_jax._src import paths
+from saggs_jax._src.discovery.candidates import Candidate, Part, Rejection, Stacked, Unit, relative
+from saggs_jax._src.discovery.result import Rejected
+from saggs_jax._src.pairs import Block, Pair
 
 
 def patterns(names: list[str], extra: int) -> list[str]:
@@ -46,7 +46,7 @@ def declare(
   groups: int,
 ) -> list[Pair]:
   """The fewest Pairs whose patterns resolve to exactly ``instances`` (by unit: ``units``,
-  ``names`` and ``shapes`` of :class:`~saggs_jax.discovery.candidates.Analysis`)."""
+  ``names`` and ``shapes`` of :class:`~saggs_jax._src.discovery.candidates.Analysis`)."""
   first = instances[0]
   leaf_names = [names[leaf] for leaf, part in units if part is None]
   sizes = [shapes[unit][axis] for unit, axis in first.a + first.b]

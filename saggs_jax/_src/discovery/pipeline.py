@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import core
 
-from saggs_jax import paths
-from saggs_jax.diagnostics import default_rtol
-from saggs_jax.discovery import declarations, roles
-from saggs_jax.discovery.candidates import Analysis, Candidate, group_options
-from saggs_jax.discovery.confirmation import Checker, confirm
-from saggs_jax.discovery.result import Discovery
+from saggs_jax._src import paths
+from saggs_jax._src.diagnostics import default_rtol
+from saggs_jax._src.discovery import declarations, roles
+from saggs_jax._src.discovery.candidates import Analysis, Candidate, group_options
+from saggs_jax._src.discovery.confirmation import Checker, confirm
+from saggs_jax._src.discovery.result import Discovery
 
 _UNCONFIRMED = (
   "unconfirmed: rescaling side a alone does not change the output on the example"
@@ -76,7 +76,7 @@ def discover(
     apply_fn: ``apply_fn(params, *example_args, **example_kwargs)``, returning
       an array or a pytree.
     params: the parameter tree (an ``nnx.State``, a Linen dict, an Equinox
-      module): its inexact arrays, concrete or abstract (see ``saggs_jax.paths.is_parameter``),
+      module): its inexact arrays, concrete or abstract (see ``saggs_jax._src.paths.is_parameter``),
       are the parameters; every other leaf (flags, activation functions, integer
       buffers) is static, as under ``eqx.filter``.
     *example_args: small example inputs (one short sequence is enough).

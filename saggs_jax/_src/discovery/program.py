@@ -8,7 +8,7 @@
 product computed and thrown away uses a leaf in no way that matters); a ``gather`` carries its dimension numbers read
 (``params["gather"]``), a ``ragged_dot_general`` its group axes
 (``params["ragged_groups"]``). Nothing here knows what a primitive does; the equations'
-parameters are read through :mod:`saggs_jax.jaxpr_params`.
+parameters are read through :mod:`saggs_jax._src.jaxpr_params`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from saggs_jax import jaxpr_params
+from saggs_jax._src import jaxpr_params
 
 
 def _shape(var: jcore.Var | jcore.Literal) -> tuple[int, ...]:

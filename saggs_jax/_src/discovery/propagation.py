@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from saggs_jax.discovery.program import Eqn, Program
+from saggs_jax._src.discovery.program import Eqn, Program
 
 Shape = Sequence[int]
 AxisMap = Callable[[Shape, Shape, dict], list[list[int]]]

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from types import MappingProxyType
 from typing import NamedTuple, cast
 
-from saggs_jax.equivariant.roles import role_dimension_numbers
-from saggs_jax.pairs import Pair, Spec
+from saggs_jax._src.equivariant.roles import role_dimension_numbers
+from saggs_jax._src.pairs import Pair, Spec
 
 
 class Rejected(NamedTuple):

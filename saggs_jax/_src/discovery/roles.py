@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import collections
 
-from saggs_jax import paths
-from saggs_jax.discovery.candidates import Analysis, Candidate, copy_axes
-from saggs_jax.discovery.program import Program
-from saggs_jax.discovery.propagation import Flow, dot_out_axis, rule_of
+from saggs_jax._src import paths
+from saggs_jax._src.discovery.candidates import Analysis, Candidate, copy_axes
+from saggs_jax._src.discovery.program import Program
+from saggs_jax._src.discovery.propagation import Flow, dot_out_axis, rule_of
 
 _MLP = {
   "gated MLP up/down": ("gate_up", "down"),

@@ -27,7 +27,7 @@ from typing import Any, Literal, NamedTuple
 import jax
 from optax.contrib import MuonDimensionNumbers
 
-from saggs_jax.paths import is_array, match, path_str
+from saggs_jax._src.paths import is_array, match, path_str
 
 Axes = int | Sequence[int]
 Side = Literal["reduction", "output"]
@@ -198,7 +198,7 @@ def muon_dimension_numbers(params: Any, layouts: Mapping[Patterns, Layout]) -> A
   """The tree of ``MuonDimensionNumbers`` that ``optax.contrib.muon`` takes, from path patterns.
 
   Each array leaf whose path matches a pattern of ``layouts`` (see
-  :mod:`saggs_jax.paths`) gets that pattern's ``MuonDimensionNumbers``, or what
+  :mod:`saggs_jax._src.paths`) gets that pattern's ``MuonDimensionNumbers``, or what
   ``fn(path, shape)`` gives for it where the pattern maps to a function;
   every other leaf gets ``None``, which ``optax.contrib.muon`` hands to AdamW.
   The tree has the structure of ``params`` (an ``nnx.State`` included).

@@ -9,7 +9,7 @@ from typing import Any
 
 from optax.contrib import MuonDimensionNumbers
 
-from saggs_jax.equivariant.dimension_numbers import (
+from saggs_jax._src.equivariant.dimension_numbers import (
   Layout,
   Patterns,
   dense_dimension_numbers,
@@ -84,7 +84,7 @@ def role_dimension_numbers(
   positions, or ``{path: positions}`` as :func:`saggs_jax.copy_axes` reads them) the
   kernels may have several input or output axes, as MaxText's (emb, layers, heads,
   head_dim) query and (heads, layers, head_dim, emb) output do: each gets
-  :func:`~saggs_jax.equivariant.dimension_numbers.dense_dimension_numbers`, the copy
+  :func:`~saggs_jax._src.equivariant.dimension_numbers.dense_dimension_numbers`, the copy
   axes batched, the output and down projections producing their last axis and the
   others reduced over their first (a kernel whose copy axes are all but its last two, as
   without ``copy_axes``: ``MuonDimensionNumbers(-2, -1)``).

@@ -32,19 +32,19 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from saggs_jax.equivariant import _gather, _linalg
-from saggs_jax.equivariant.dimension_numbers import (
+from saggs_jax._src.equivariant import gather, linalg
+from saggs_jax._src.equivariant.dimension_numbers import (
   Axes,
   UnitDimensionNumbers,
   muon_axes,
   partition,
   unit_dimension_numbers,
 )
-from saggs_jax.equivariant.dimension_numbers import as_tuple as _as_tuple
-from saggs_jax.equivariant.dimension_numbers import normalize as _normalize
-from saggs_jax.equivariant.settings import InverseSqrt, NewtonSchulz
-from saggs_jax.paths import match, path_str
-from saggs_jax.transport import register_transport
+from saggs_jax._src.equivariant.dimension_numbers import as_tuple as _as_tuple
+from saggs_jax._src.equivariant.dimension_numbers import normalize as _normalize
+from saggs_jax._src.equivariant.settings import InverseSqrt, NewtonSchulz
+from saggs_jax._src.paths import match, path_str
+from saggs_jax._src.transport import register_transport
 
 
 class MomentumState(NamedTuple):
@@ -239,7 +239,7 @@ def _rule(
   is worth its copies for directions built on matmuls, not for elementwise ones.
   With ``whole`` (iterations of matmuls on each matrix) every device computes
   on whole matrices under a mesh, moved once in and once out (see
-  :mod:`saggs_jax.equivariant._gather`).
+  :mod:`saggs_jax._src.equivariant.gather`).
   """
 
   def plan_tree(tree):
@@ -275,7 +275,7 @@ def _rule(
     dtypes = [g.dtype for g in jax.tree.leaves(updates)]
 
     def local(x):
-      return _gather.locally(direction, x, axes, batched)
+      return gather.locally(direction, x, axes, batched)
 
     def matrices(leaves):
       xs = []
@@ -290,9 +290,9 @@ def _rule(
           out[i] = _from_matrix(piece, plans[i], leaves[i].shape).astype(dtypes[i])
       return out
 
-    with _gather.on_mesh(leaves):  # the mesh of the context, else of the leaves' types
-      axes = _gather.spread_axes(leaves) if whole else ()
-      out = _gather.in_place(matrices, leaves, jax.tree.leaves(updates), axes)
+    with gather.on_mesh(leaves):  # the mesh of the context, else of the leaves' types
+      axes = gather.spread_axes(leaves) if whole else ()
+      out = gather.in_place(matrices, leaves, jax.tree.leaves(updates), axes)
     return jax.tree_util.tree_unflatten(treedef, out), MomentumState(
       optax.tree.cast_like(mu, state.mu)
     )
@@ -301,7 +301,7 @@ def _rule(
 
 
 def _maybe_center(center: bool) -> Callable[[jax.Array], jax.Array]:
-  return _linalg.center if center else (lambda x: x)
+  return linalg.center if center else (lambda x: x)
 
 
 def scale_by_polar(
@@ -318,7 +318,7 @@ def scale_by_polar(
   ema: bool = True,
   newton_schulz: NewtonSchulz = NewtonSchulz(),
   eps: float = 1e-7,
-  eps_form: _linalg.EpsForm = "floor",
+  eps_form: linalg.EpsForm = "floor",
   mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   """Muon: the polar factor of the Nesterov momentum, per matrix (and per head).
@@ -340,7 +340,7 @@ def scale_by_polar(
   batch_axes=0`` for Lau & Su's shape factor).
 
   ``reduction_axes`` may instead be an ``optax.contrib.MuonDimensionNumbers``
-  (see :mod:`saggs_jax.equivariant.dimension_numbers`): its reduction and
+  (see :mod:`saggs_jax._src.equivariant.dimension_numbers`): its reduction and
   output axes make the matrix and every other axis is batched, whatever the
   rank, as in ``optax.contrib.muon``; ``MuonDimensionNumbers(-2, -1)`` serves
   a ``(d, F)`` kernel and a ``(layers, d, F)`` stack of them.
@@ -398,7 +398,7 @@ def scale_by_polar(
   def direction(x):
     width = math.sqrt(max(1.0, x.shape[-1] / x.shape[-2]))
     ns = newton_schulz
-    return width * _linalg.newton_schulz(x, ns.coeffs, ns.steps, ns.dtype, eps, eps_form, ns.gram)
+    return width * linalg.newton_schulz(x, ns.coeffs, ns.steps, ns.dtype, eps, eps_form, ns.gram)
 
   return _rule(
     "scale_by_polar",
@@ -420,7 +420,7 @@ def scale_by_row_norm(
   joint: Sequence[str] = (),
   beta: float = 0.95,
   eps: float = 1e-8,
-  eps_form: _linalg.EpsForm = "floor",
+  eps_form: linalg.EpsForm = "floor",
   mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   """Row-norm: every unit vector of the momentum scaled to unit length.
@@ -440,7 +440,7 @@ def scale_by_row_norm(
       (batch axes of stacked layers and experts, fused branches).
     center: remove the shared-shift direction before and after.
     joint: path patterns whose parameters (paired by equal captures, see
-      ``saggs_jax.paths``) share units, e.g. ``("gate_proj/kernel",
+      ``saggs_jax._src.paths``) share units, e.g. ``("gate_proj/kernel",
       "up_proj/kernel")``: a neuron's vector is its gate vector followed by
       its up vector.
     beta: momentum decay.
@@ -469,7 +469,7 @@ def scale_by_row_norm(
   return _rule(
     "scale_by_row_norm",
     _unit_planner(unit_dimension_numbers(unit_axis)),
-    lambda x: p(_linalg.row_normalize(p(x), eps, eps_form)),
+    lambda x: p(linalg.row_normalize(p(x), eps, eps_form)),
     beta=beta,
     nesterov=False,
     mu_dtype=mu_dtype,
@@ -500,7 +500,7 @@ def _spectral_rule(
   floor = 0.0 if relative_eps else eps
 
   def direction(m):
-    u, nu = _linalg.spectral(p(m), eps, relative=relative_eps, **inverse_sqrt._asdict())
+    u, nu = linalg.spectral(p(m), eps, relative=relative_eps, **inverse_sqrt._asdict())
     return p(_nuclear_scale(nu, alpha, floor) * u)
 
   return _rule(
@@ -634,7 +634,7 @@ def scale_by_hybrid(
   joint: Sequence[str] = (),
   beta: float = 0.95,
   eps: float = 1e-8,
-  eps_form: _linalg.EpsForm = "floor",
+  eps_form: linalg.EpsForm = "floor",
   alpha: float = 1.0,
   nuclear_norm_axes: Axes = (),
   polar: Literal["newton_schulz", "gram"] = "newton_schulz",
@@ -718,14 +718,14 @@ def scale_by_hybrid(
       f"{dims} (and its feature_axis None)."
     )
   p = _maybe_center(center)
-  row = lambda x: _linalg.row_normalize(x, eps, eps_form)
+  row = lambda x: linalg.row_normalize(x, eps, eps_form)
 
   def polar_and_scale(x):
     if polar == "gram":
-      o, nu = _linalg.spectral(x, eps, relative=relative_eps, **inverse_sqrt._asdict())
+      o, nu = linalg.spectral(x, eps, relative=relative_eps, **inverse_sqrt._asdict())
     else:
       ns = newton_schulz
-      o = _linalg.newton_schulz(x, ns.coeffs, ns.steps, ns.dtype, eps, eps_form, ns.gram)
+      o = linalg.newton_schulz(x, ns.coeffs, ns.steps, ns.dtype, eps, eps_form, ns.gram)
       nu = jnp.sum(o * x, axis=(-2, -1), keepdims=True)
     if nuclear_norm_axes != ():
       batch = sorted(_normalize(batch_axes, x.ndim))

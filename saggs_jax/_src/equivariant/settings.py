@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from saggs_jax.equivariant import _linalg
+from saggs_jax._src.equivariant import linalg
 
 
 class NewtonSchulz(NamedTuple):
@@ -33,7 +33,7 @@ class NewtonSchulz(NamedTuple):
       long as wide).
   """
 
-  coeffs: _linalg.Coeffs = "polar_express"
+  coeffs: linalg.Coeffs = "polar_express"
   steps: int = 5
   dtype: Any = jnp.bfloat16
   gram: bool = False
@@ -44,12 +44,12 @@ class InverseSqrt(NamedTuple):
 
   Attributes:
     method: ``"eigh"`` (exact) or a coefficient set for the iterative inverse square root
-      (see :func:`saggs_jax.equivariant._linalg.inv_sqrt`).
+      (see :func:`saggs_jax._src.equivariant.linalg.inv_sqrt`).
     steps: iterations of the iterative inverse square root.
     gram: ``"smaller"``, ``"right"`` (``Xᵀ X``) or ``"left"`` (``X Xᵀ``): the Gram matrix
       whose inverse square root is taken.
   """
 
-  method: str | _linalg.Coeffs = "eigh"
+  method: str | linalg.Coeffs = "eigh"
   steps: int = 5
-  gram: _linalg.Gram = "smaller"
+  gram: linalg.Gram = "smaller"

@@ -10,20 +10,20 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from saggs_jax.equivariant.dimension_numbers import (
+from saggs_jax._src.equivariant.dimension_numbers import (
   Patterns,
   UnitDimensionNumbers,
 )
-from saggs_jax.equivariant.roles import ROLE_PATTERNS, as_patterns
-from saggs_jax.equivariant.rules import (
+from saggs_jax._src.equivariant.roles import ROLE_PATTERNS, as_patterns
+from saggs_jax._src.equivariant.rules import (
   REFERENCE,
   scale_by_hybrid,
   scale_by_left_spectral,
   scale_by_polar,
   scale_by_row_norm,
 )
-from saggs_jax.equivariant.settings import NewtonSchulz
-from saggs_jax.paths import match, path_str
+from saggs_jax._src.equivariant.settings import NewtonSchulz
+from saggs_jax._src.paths import match, path_str
 
 Rules = (
   Mapping[Patterns, optax.GradientTransformation]
@@ -66,7 +66,7 @@ def layerwise(
 ) -> optax.GradientTransformation:
   """Routes every parameter to the transformation whose path pattern matches it.
 
-  Patterns use ``saggs_jax.paths.match``: anchored at the end of the path, a
+  Patterns use ``saggs_jax._src.paths.match``: anchored at the end of the path, a
   trailing Flax ``value`` ignored, so the same rules serve plain dicts, Linen
   ``{"params": ...}`` trees and pure ``nnx.State``. Built on
   ``optax.multi_transform``; each transformation sees only its parameters and

@@ -1,0 +1,1 @@
+"""The implementation of :mod:`saggs_jax.discovery`: its stages, one module each (docs/discover_pipeline.md)."""

@@ -1,0 +1,1 @@
+"""The implementation of :mod:`saggs_jax.equivariant`."""
