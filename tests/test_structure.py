@@ -2,6 +2,7 @@
 other (no cycles, no module reading another's private names)."""
 
 import ast
+import importlib
 import inspect
 import pathlib
 import re
@@ -157,19 +158,76 @@ def _public(module) -> dict[str, object]:
   }
 
 
-# What users import: the package, its equivariant stack and the modules docs/api.md documents.
+# The public namespaces: everything else is saggs_jax._src, the implementation.
+PUBLIC = (
+  "saggs_jax",
+  "saggs_jax.equivariant",
+  "saggs_jax.discovery",
+  "saggs_jax.checkpoint",
+  "saggs_jax.presets",
+)
+SURFACE_LIMIT = 55  # public names in all, modules not counted
+
+
+def _namespaces() -> list[types.ModuleType]:
+  return [importlib.import_module(m) for m in PUBLIC]
+
+
+# What users import: every public name of every public namespace.
 API = {
   f"{m.__name__}.{n}": v
-  for m in (
-    saggs_jax,
-    saggs_jax.equivariant,
-    saggs_jax.presets,
-    saggs_jax.checkpoint,
-    saggs_jax._src.degrees,
-  )
+  for m in _namespaces()
   for n, v in _public(m).items()
   if not inspect.ismodule(v) and n != "TYPE_CHECKING"
 }
+
+
+def test_the_public_namespaces_are_the_only_modules_outside_src():
+  outside = {n for n in MODULES if not (n + ".").startswith("saggs_jax._src.")}
+  assert outside == set(PUBLIC), sorted(outside ^ set(PUBLIC))
+
+
+def test_every_public_looking_name_is_in_an_all():
+  """Each namespace lists its names in ``__all__``, and holds nothing else without an
+  underscore but the public subpackages: no helper or import reads as API."""
+  stray = []
+  for module in _namespaces():
+    assert hasattr(module, "__all__"), f"{module.__name__} has no __all__"
+    for name, value in vars(module).items():
+      public_module = inspect.ismodule(value) and value.__name__ in PUBLIC
+      if not name.startswith("_") and name not in module.__all__ and not public_module:
+        stray.append(f"{module.__name__}.{name}")
+  assert not stray, f"public-looking names outside every __all__: {stray}"
+
+
+def test_the_surface_is_small():
+  assert 20 < len(API) <= SURFACE_LIMIT, sorted(API)
+
+
+def _documented() -> set[str]:
+  """The qualified names docs/api.md's autodoc directives document."""
+  found, module = set(), ""
+  for line in (PACKAGE.parent / "docs" / "api.md").read_text().splitlines():
+    line = line.strip()
+    if m := re.match(r"\.\. (?:currentmodule|automodule):: (\S+)", line):
+      module = m.group(1)
+    elif m := re.match(r":members: (.+)", line):
+      found |= {f"{module}.{n.strip()}" for n in m.group(1).split(",")}
+    elif m := re.match(r"\.\. (?:autofunction|autoclass|autodata|py:data|py:class):: (\S+)", line):
+      found.add(f"{module}.{m.group(1)}")
+  return found
+
+
+def test_the_api_reference_documents_exactly_the_surface():
+  """docs/api.md documents every public object (under one of its names) and nothing else."""
+  documented = _documented()
+  assert "saggs_jax.chain" in documented  # the parser reads the directives
+  unknown = sorted(documented - set(API))
+  missing = {id(v): n for n, v in API.items()}
+  for name in documented & set(API):
+    missing.pop(id(API[name]), None)
+  assert not unknown, f"docs/api.md documents names outside the public surface: {unknown}"
+  assert not missing, f"public names docs/api.md does not document: {sorted(missing.values())}"
 
 
 def test_every_public_function_has_an_example():
