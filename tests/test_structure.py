@@ -114,6 +114,67 @@ def test_no_import_cycles():
       visit(m, [m])
 
 
+# The layers of saggs_jax._src, in order (docs/architecture.md): a module imports only its
+# own layer or the layers before it.
+LAYERS = {
+  "foundations": (
+    "paths",
+    "numerics",
+    "validation",
+    "jaxpr_params",
+    "equivariant.linalg",
+    "equivariant.gather",
+  ),
+  "declarations": (
+    "pairs",
+    "scan_axes",
+    "gates",
+    "leaf_classes",
+    "discovery.program",
+    "equivariant.settings",
+    "equivariant.dimension_numbers",
+    "equivariant.roles",
+  ),
+  "statistics": ("norms", "balance", "scaling"),
+  "moments": ("transport", "degrees"),
+  "stages": ("transform", "qk_clip", "equivariant.rules", "equivariant.stack"),
+  "states": ("canonical", "diagnostics", "checkpoint"),
+  "discovery": (
+    "discovery.propagation",
+    "discovery.candidates",
+    "discovery.confirmation",
+    "discovery.declarations",
+    "discovery.result",
+    "discovery.roles",
+    "discovery.pipeline",
+  ),
+  "presets": ("presets",),
+}
+RANK = {f"saggs_jax._src.{m}": i for i, layer in enumerate(LAYERS.values()) for m in layer}
+
+
+def test_every_implementation_module_has_a_layer():
+  modules = {n for n, p in MODULES.items() if n.startswith("saggs_jax._src.")}
+  modules = {n for n in modules if MODULES[n].name != "__init__.py"}
+  assert modules == set(RANK), f"without a layer: {sorted(modules - set(RANK))}; gone: " + str(
+    sorted(set(RANK) - modules)
+  )
+
+
+def test_imports_point_up_the_layers():
+  """docs/architecture.md's table: a module of ``_src`` imports its own layer or earlier
+  ones, never a later one, and never a public namespace (those only re-export)."""
+  layer = dict(enumerate(LAYERS))
+  bad = []
+  for name, rank in RANK.items():
+    for module, _, line in _imports(name) if name in MODULES else ():
+      if module in PUBLIC:
+        bad.append(f"{name}:{line} imports the public namespace {module}")
+      elif module in RANK and RANK[module] > rank:
+        bad.append(f"{name}:{line} ({layer[rank]}) imports {module} ({layer[RANK[module]]})")
+  assert not bad, "\n".join(bad)
+
+
 TESTS = PACKAGE.parent / "tests"
 
 
