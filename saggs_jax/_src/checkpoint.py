@@ -591,64 +591,46 @@ def restore(
   """Restores a checkpoint written by :func:`save`, in the structure of the target.
 
   With ``pairs``, the state is canonicalised: the parameters balanced
-  (:func:`saggs_jax.canonicalize`) and every moment moved by its degree, as
-  measured on ``tx`` (:func:`saggs_jax._src.degrees.measure`), the optimizer that
-  made ``opt_state``. A moment's degree depends on its place in that optimizer,
-  not on its state type (``optax.adamax`` keeps an infinity norm of degree 1 in
-  Adam's ``nu``; any moment after a normaliser holds degree 0), so without ``tx``
-  a state holding any moment of a declared parameter (:func:`moved_without_tx`)
-  is refused; one holding none (plain SGD, counters) needs no ``tx``.
+  (:func:`saggs_jax.canonicalize`) and every moment moved by the degree it has in
+  ``tx``, the optimizer that made ``opt_state`` (docs/checkpoints.md). Without ``tx``, a
+  state holding a moment of a declared parameter is refused. Every check runs before
+  any array is read, and a failed restore changes nothing.
 
   Args:
     manager: the ``orbax.checkpoint.CheckpointManager`` it was saved with.
-    params, opt_state: the target: any state with the same tree structure,
-      shapes and dtypes (a fresh ``tx.init``, or an equivalent but different
-      state); its arrays' shardings are kept. It is not modified. ``opt_state``
-      may be a whole train state (``{"opt": ..., "rng": key, "step": n}``, a
-      dataclass): with ``tx``, its one subtree with ``tx.init(params)``'s layout
-      is canonicalised and the rest comes back as saved.
-    pairs: the :class:`~saggs_jax.Pair` declarations; with ``canonicalize``,
-      the restored state is mapped to its canonical (norm-balanced) form: for a
-      checkpoint equivalent to the run's, not for resuming the run that saved
-      it, which restoring without ``pairs`` continues bit for bit.
+    params, opt_state: the target, with the saved tree structure, shapes and dtypes; its
+      shardings are kept and it is not modified. ``opt_state`` may be a whole train
+      state: with ``tx``, its one subtree laid out as ``tx.init(params)`` is canonicalised.
+    pairs: the :class:`~saggs_jax.Pair` declarations (for a checkpoint equivalent to the
+      run's; without them the run that saved it continues bit for bit).
     step: the step to restore (an int); default the latest.
     canonicalize: canonicalize when ``pairs`` is given.
-    tx: the optimizer that made ``opt_state``: the :func:`saggs_jax.chain` it
-      trains with (its state's optimizer entries move by the degrees of the
-      stages before its symmetry stage; their own states hold no moments), or
-      any optax transformation whose ``init(params)`` has ``opt_state``'s layout.
-      Only used to canonicalize.
+    tx: the optimizer that made ``opt_state`` (the :func:`saggs_jax.chain` it trains
+      with, or any transformation whose ``init(params)`` has its layout).
 
   Returns:
     ``(params, opt_state, step)``.
 
   Raises:
-    TypeError: ``step`` is not an int, the target is an nnx object (see
-      :func:`save`), ``opt_state`` holds a moment of a declared parameter (or an
-      ``nnx.State``) and no ``tx`` is given, or a degree measured on
-      ``tx`` transports no leaf (see :func:`saggs_jax._src.degrees.measure`).
-    FileNotFoundError: the manager holds no checkpoint ``step`` (or none at all).
-    ValueError: the checkpoint was not written by :func:`save` (it lacks the
-      layout and checksums), its layout differs from the target's (the
-      message names the first differing path), ``tx`` does not make
-      ``opt_state``, its degrees differ from those the checkpoint records (see
-      :func:`save`), or ``pairs`` do not resolve on ``params``: raised before
-      any array is read. Or the arrays could not be read, or one read back
-      does not match its checksum or has none (the message names it).
+    TypeError: ``step`` is not an int, the target is an nnx object, a moment needs
+      ``tx``, or no degree transports a leaf.
+    FileNotFoundError: the manager holds no checkpoint ``step``.
+    ValueError: the checkpoint was not written by :func:`save`, its layout or recorded
+      degrees differ from the target's (naming the first path), ``pairs`` do not
+      resolve, or an array fails its checksum.
 
   Example:
     >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, saggs_jax as saggs
-    >>> pairs = [saggs.Pair("q", "k")]
-    >>> params = {"q": jnp.full((2, 2), 4.0), "k": jnp.ones((2, 2))}
-    >>> tx = optax.adam(1e-3)
+    >>> params, tx = {"q": jnp.full((2, 2), 4.0), "k": jnp.ones((2, 2))}, optax.adam(1e-3)
     >>> manager = ocp.CheckpointManager(tempfile.mkdtemp())
     >>> saggs.checkpoint.save(manager, 3, params, tx.init(params))
     True
-    >>> restored, opt_state, step = saggs.checkpoint.restore(
-    ...     manager, params, tx.init(params), pairs, tx=tx)
+    >>> restored, _, step = saggs.checkpoint.restore(
+    ...     manager, params, tx.init(params), [saggs.Pair("q", "k")], tx=tx)
     >>> step, float(restored["q"][0, 0]), float(restored["k"][0, 0])  # canonicalised
     (3, 2.0, 2.0)
     >>> manager.close()
+
   """
   import orbax.checkpoint as ocp  # as in _abstract
 

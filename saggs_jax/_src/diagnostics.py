@@ -52,34 +52,14 @@ def check_symmetry(
 ) -> dict[str, float]:
   """Checks that every declared pair is an exact symmetry of ``apply_fn``.
 
-  Each pair instance in turn gets random factors in ``[low, high]`` (the
-  others left alone); the outputs ``apply_fn(params, *inputs)`` before and
-  after must agree within ``atol + rtol * max|output|``, with matmuls at full
-  precision on every backend.
-
-  When an instance fails, further rescalings measure why, and the error
-  reports them with the cause they point to:
-
-  * whether the deviation grows with c (factors within 5% of 1 against the
-    full range); if not, it is rounding noise and ``rtol`` is too tight;
-  * whether scaling A alone, or B alone, by one common factor changes the
-    output. A side that is scale-invariant on its own is followed by a
-    normalization: a norm between A and B breaks the pair, and when both
-    are (QK-norm) the pair is exact with one factor per tensor only;
-  * which groups deviate when rescaled one at a time;
-  * whether another group axis, a coarser grouping (``groups=``), one more
-    follower (a bias of A or B) or one follower less would be exact;
-  * failing all of these, a function between A and B that is not positively
-    homogeneous (GELU, a gate's SiLU) remains.
-
-  QK-norm: a model that normalizes each query and key head (Flax's
-  ``normalize_qk=True``) makes Q and K each scale-invariant. The per-head
-  Q/K pair is then still an exact symmetry and passes this check, but
-  balancing it is moot: neither side's norm reaches the output, and the check
-  says so with a :class:`MootPairWarning` (per-group factors on each side alone
-  leave the output put; a norm after the whole product, as in a post-norm
-  block, hides only one common factor and is no reason). A norm over all heads at once mixes the groups, so
-  per-head factors fail and only one factor per tensor is exact (equally moot).
+  Each pair instance in turn gets random factors in ``[low, high]``; the outputs
+  ``apply_fn(params, *inputs)`` before and after must agree within
+  ``atol + rtol * max|output|``, with matmuls at full precision. A failing instance is
+  rescaled further to find why (rounding noise, a normalisation between the sides, a
+  coarser grouping or another follower that would be exact, a function between the
+  sides that is not positively homogeneous), and the error names that cause. A pair
+  that is exact but moot (each side alone leaves the output put, as Q/K under a
+  per-head QK-norm) warns. docs/declaring.md describes each diagnosis.
 
   Args:
     apply_fn: ``apply_fn(params, *inputs)`` returning an array or a pytree.
@@ -87,8 +67,7 @@ def check_symmetry(
     pairs: the :class:`~saggs_jax.Pair` declarations.
     *inputs: the model inputs.
     key: PRNG key for the factors (default ``PRNGKey(0)``).
-    rtol: relative tolerance; default 1e-4 for float32 outputs, 3e-2 for
-      16-bit ones.
+    rtol: relative tolerance; default 1e-4 for float32 outputs, 3e-2 for 16-bit ones.
     atol: absolute tolerance.
     low, high: range of the random factors.
 
@@ -96,23 +75,22 @@ def check_symmetry(
     The relative deviation measured for each pair instance.
 
   Raises:
-    ValueError: naming the first pair instance whose transform changes the
-      output beyond tolerance, what was measured and the likely cause.
+    ValueError: naming the first pair instance whose transform changes the output
+      beyond tolerance, what was measured and the likely cause.
 
   Warns:
-    MootPairWarning: once per pair that is exact but moot (each side alone is invisible).
+    MootPairWarning: once per pair that is exact but moot.
 
   Example:
     >>> import jax, jax.numpy as jnp, saggs_jax as saggs
-    >>> def f(p, x): return (x @ p["up"]) @ p["down"]  # linear: any rescaling is exact
-    >>> params = {"up": jnp.ones((3, 5)), "down": jnp.ones((5, 2))}
-    >>> _ = saggs.check_symmetry(f, params, [saggs.Pair("up", "down", axes=(1, 0))], jnp.ones((1, 3)))
     >>> def g(p, x): return jax.nn.gelu(x @ p["up"]) @ p["down"]
+    >>> params = {"up": jnp.ones((3, 5)), "down": jnp.ones((5, 2))}
     >>> saggs.check_symmetry(g, params, [saggs.Pair("up", "down", axes=(1, 0))], jnp.ones((1, 3)))
     Traceback (most recent call last):
     ...
     ValueError: Pair('up', 'down') is not a symmetry of the model: ... Likely cause: ...
     not positively homogeneous sits between 'up' and 'down' ...
+
   """
   plan = resolve(pairs, params)
   rng = jax.random.PRNGKey(0) if key is None else key

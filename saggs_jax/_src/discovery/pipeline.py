@@ -53,55 +53,30 @@ def discover(
 ) -> Discovery:
   """Finds the exact rescaling symmetries of ``apply_fn`` in ``params``.
 
-  Reads the jaxpr of ``apply_fn(params, *example_args, **example_kwargs)``
-  traced on abstract shapes, proposes every rescaling of one parameter that
-  another cancels (see the module docstring), and keeps those that random
-  factors in [1/4, 4] leave exact on the example inputs: the outputs agree to
-  ``rtol * max|output|`` with full-precision matmuls, and their tangent along the
-  rescaling is at most ``rtol`` times the change that side a makes alone (the
-  power to see a candidate that moves the outputs little, tiny attention logits
-  at init std 0.02, say). All instances of one candidate (every layer) are
-  checked at once, at the finest grouping the jaxpr suggests that is exact (per
-  channel, per head, per KV head), on ``params`` with all-zero leaves drawn at
-  random, and only where the check could have failed. Blocks of a fused leaf
-  enter pairs as :class:`~saggs_jax.Block` members.
-
-  The check needs the parameters' values; with abstract ones (``jax.ShapeDtypeStruct``
-  leaves, or tracers under ``jax.jit``) only the jaxpr is read, nothing is
-  allocated at the parameters' size, and every candidate is reported as
-  unconfirmed (``confirmation == "none"``). On a large model, confirm with its
-  values on the smallest inputs that can fail: one short sequence.
+  Proposes, from the jaxpr of ``apply_fn(params, *example_args, **example_kwargs)``,
+  every rescaling of one parameter that another cancels, and keeps those that random
+  factors in [1/4, 4] leave exact on the example inputs, every instance (layer) at once,
+  at the finest exact grouping (docs/discover.md, docs/discover_pipeline.md). With
+  abstract ``params`` only the jaxpr is read and nothing is confirmed.
 
   Args:
     apply_fn: ``apply_fn(params, *example_args, **example_kwargs)``, returning
       an array or a pytree.
-    params: the parameter tree (an ``nnx.State``, a Linen dict, an Equinox
-      module): its inexact arrays, concrete or abstract (see ``saggs_jax._src.paths.is_parameter``),
-      are the parameters; every other leaf (flags, activation functions, integer
-      buffers) is static, as under ``eqx.filter``.
+    params: the parameter tree (an ``nnx.State``, a Linen dict, an Equinox module); its
+      inexact arrays, concrete or abstract, are the parameters, other leaves static.
     *example_args: small example inputs (one short sequence is enough).
-    rtol: relative tolerance of the numerical check (>= 0); default 1e-4 in
-      float32, 3e-2 with 16-bit parameters or outputs.
-    key: PRNG key of the random factors (a ``jax.random.key``; default fixed), as
-      :func:`saggs_jax.check_symmetry` takes it.
-    reduced: with abstract ``params``, ``(apply_fn, params, *args)`` of a copy of the model
-      reduced in width and depth (fewer heads, channels, layers; the same paths, and the
-      same head structure: GQA for GQA), with concrete parameters: the candidates are
-      confirmed on it, each at the grouping of the same rank (per head there is per head
-      here), and ``confirmation == "reduced"``.
+    rtol: relative tolerance of the check (>= 0); default 1e-4 in float32, 3e-2 with
+      16-bit parameters or outputs.
+    key: PRNG key of the random factors (default fixed).
+    reduced: with abstract ``params``, ``(apply_fn, params, *args)`` of a copy of the
+      model reduced in width and depth (same paths and head structure) to confirm on.
     **example_kwargs: keyword inputs of ``apply_fn``.
 
   Returns:
-    A :class:`Discovery`: a sequence of :class:`~saggs_jax.Pair` whose patterns
-    cover every layer, with ``.rejected`` (what was considered and why it is
-    no exact symmetry), :meth:`Discovery.report`, and ``.roles``: the path
-    patterns of each role of :func:`saggs_jax.equivariant.symmetry_compatible`
-    found (attention from the Q/K and V/O pairs, MLP up/gate/down from the MLP
-    pairs, stacked experts, the embedding read by a gather on the inputs, the
-    LM head producing the output), for ``symmetry_compatible(patterns=...)``;
-    ``.confirmation`` says which check ran (``"parameters"``, ``"parameters,
-    finite only"`` for a model that cannot be differentiated forward, or
-    ``"none"`` for abstract parameters).
+    A :class:`Discovery`: a sequence of :class:`~saggs_jax.Pair` covering every layer,
+    with ``.rejected`` (and why), ``.roles`` (path patterns per role of
+    :func:`saggs_jax.equivariant.symmetry_compatible`) and ``.confirmation``
+    (``"parameters"``, ``"parameters, finite only"``, ``"reduced"`` or ``"none"``).
 
   Raises:
     ValueError: ``rtol`` is negative or NaN.
@@ -111,14 +86,12 @@ def discover(
     >>> from saggs_jax.discovery import discover
     >>> def mlp(p, x): return jax.nn.relu(x @ p["up"]) @ p["down"]
     >>> params = {"up": jnp.ones((3, 4)), "down": jnp.ones((4, 2))}
-    >>> discover(mlp, params, jnp.ones((2, 3)))
-    Discovery(pairs=[
-        Pair(a='up', b='down', axes=(1, 0), groups=None, stacked=0, follow_a=(), follow_b=(),
-             name='ReLU MLP up/down (positive factors)'),
-    ], rejected=[], roles={'gate_up': ('up',), 'down': ('down',)}, confirmation='parameters')
+    >>> [(p.a, p.b, p.axes) for p in discover(mlp, params, jnp.ones((2, 3)))]
+    [('up', 'down', (1, 0))]
     >>> shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    >>> discover(mlp, shapes, jnp.ones((2, 3))).confirmation  # traced only: nothing confirmed
+    >>> discover(mlp, shapes, jnp.ones((2, 3))).confirmation  # traced only
     'none'
+
   """
   if rtol is not None and not rtol >= 0:  # NaN too
     raise ValueError(f"rtol must be a non-negative number, got {rtol!r}.")
