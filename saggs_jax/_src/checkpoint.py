@@ -630,7 +630,6 @@ def restore(
     >>> step, float(restored["q"][0, 0]), float(restored["k"][0, 0])  # canonicalised
     (3, 2.0, 2.0)
     >>> manager.close()
-
   """
   import orbax.checkpoint as ocp  # as in _abstract
 

@@ -1,65 +1,20 @@
 """The transport degree of every optimizer state leaf, measured at its place in the chain.
 
-A state type registers the degrees its fields have where optax usually puts
-it, but optax reuses types: ``optax.adamax`` keeps an infinity norm (degree 1)
-in Adam's ``nu`` (registered 2); the ``trace`` of ``optax.rmsprop(centered=True,
-momentum=0.9)`` follows a normaliser and holds updates of degree 0; the
-``trace`` of ``optax.lars`` follows a trust ratio and holds parameter-like
-updates (degree -1). The oracle is the equivalent history: an optimizer fed
-the parameters ``T_c p`` and the gradients ``g / c`` on side A, ``g c`` on
-side B must hold the transported state ``s * m**-k``, ``m`` being the
-multiplier of the leaf's parameter (``c`` on A, ``1 / c`` on B).
+A state type registers the degrees its fields usually have, but optax reuses types
+(``optax.adamax`` keeps an infinity norm, degree 1, in Adam's ``nu``, registered 2), so
+:func:`measure` reads each leaf's degree off the optimizer itself. The oracle is the
+equivalent history: fed the parameters ``T_c p`` and the gradients ``g / c`` on side A,
+``g c`` on side B, the optimizer must hold the transported state ``s * m**-k``. A leaf's
+degree is the one it has with every gate open (clips that do not clip, negligible ``eps``;
+:func:`saggs_jax._src.gates.opened`); a leaf that no degree fits is refused, naming its
+state type and path.
 
-The contract (docs/moments.md): a leaf's degree is the one it has where every gate of the
-optimizer that depends on the gradients' size is open: clips that do not clip, additive
-constants (``eps``, ``eps_root``, an initial accumulator, a weight decay added to the
-gradients) that are negligible. The probe opens both kinds itself, so that no size of its
-values, nor of the model's gradients, decides a degree: its gradients are
-:data:`GRADIENT_SCALE` times larger than the parameters, next to which such constants vanish,
-and it runs the update with every comparison of a gradient-dependent value with another
-taken to its open side (:func:`saggs_jax._src.gates.opened`). Under hard SAGGS with ``every=1``
-this is what makes a clipped optimizer exact: equivalent states are balanced onto one point
-before each step, their moments moved by one fixed degree, so the clip sees one gradient.
-
-A degree is a property of the optimizer and of how the groups lie in each
-leaf, not of the leaves' sizes. So :func:`measure` runs the probe on a
-*proxy* (:func:`proxy`): the same tree, dtypes and pairs with every axis cut
-to a few entries per run of constant multiplier, each pair instance to
-:data:`GROUPS` groups and stacked axes to two copies, a few kilobytes per
-leaf whatever the model's width (or, for an optimizer that fails there, the first of
-:data:`PROXIES` on which it runs). It runs the optimizer there on a probe
-history and on its equivalent, and reads for each state leaf the degree ``k``
-for which the two agree: the registered one if it fits, else the first of
-:data:`CANDIDATES`. A leaf that stays zero where its parameter moves (a
-``MultiSteps`` that has not stepped yet, a learning rate that starts at 0)
-fits every degree and decides none: the history grows through :data:`STEPS`
-until each such leaf has moved, then runs once more from step counts of :data:`LATE`
-(every schedule and ``MultiSteps`` past its horizon); one still zero then starts from
-positive values instead (transported by each candidate on the other side),
-and the one candidate that keeps both histories equal is its degree (a leaf
-whose updates keep any degree, as AdaDelta's ``e_x`` at ``eps=0``, keeps the
-registered one and warns). A leaf that no degree fits even with every gate open is
-refused: it comes from a stage that does not commute with the rescaling (a trust ratio or
-a norm taken over a leaf whose groups move apart, a moment that mixes quantities of
-different degrees). Each refusal is a TypeError naming the state type and path. An optimizer whose state layout
-depends on the leaves' sizes (Adafactor factoring only large axes) is
-checked against its abstract state at full size and refused where the proxy
-differs from it.
-
-Values the optimizer closes over from a trace outside the probe (the hyperparameters
-``optax.inject_hyperparams`` around a whole chain turns into tracers of init and update)
-become inputs of the probe's program; they take :data:`HYPERPARAMETER` there; the degrees
-must also hold with gradients of the stand-ins' size, since whether such a value is
-negligible depends on its real size, which a tracer does not tell (else a TypeError).
-
-The probe runs one state leaf of each class of leaves that the optimizer computes alike
-(:mod:`saggs_jax._src.leaf_classes`, read off its jaxprs on the proxy: the same equations from one
-parameter leaf of the same layout, at the same place in the state), and what their updates
-read: the layers of an unrolled model share their leaves' classes, so its program does not
-grow with the layers. Results are kept per optimizer (weakly, by its ``update`` function)
-and proxy layout, so a chain's stages, its updates and ``canonicalize`` do not probe
-again; models that differ only in width share one proxy. Nothing of the
-model's size is made: the full-size checks run on abstract values.
+The probe runs on a :func:`proxy` of the parameters (the same tree, dtypes and pairs, every
+axis cut to a few entries per run of constant multiplier), one state leaf per class of
+leaves the optimizer computes alike (:mod:`saggs_jax._src.leaf_classes`), and its results
+are kept per optimizer and proxy layout. docs/moments.md gives the contract and how each
+case is decided (zero leaves, schedules, hyperparameters injected as tracers, state layouts
+that depend on the leaves' sizes).
 """
 
 from __future__ import annotations

@@ -187,42 +187,27 @@ class Pair:
   """An exact symmetry: ``a`` scaled by ``c`` per group, ``b`` by ``1/c``.
 
   Attributes:
-    a: path pattern of the side scaled by ``c`` (see :mod:`saggs_jax._src.paths`),
-      or a tuple of patterns when that side is several tensors: all of them
-      are scaled by ``c``, and the side's norm is taken over all of them. A
-      :class:`Block` may stand for any pattern, here and in the followers.
-    b: path pattern(s) of the side scaled by ``1/c``. Matches pair up by
-      equal wildcard captures; every match needs exactly one partner in
-      every other pattern.
-    axes: ``(axis_a, axis_b)``, the group axis on each side, or ``None`` for
-      one group spanning the whole tensor. Axes count within one copy: among
-      the axes that are not ``stacked`` copy axes. Negative axes count from the end. On a
-      side of several tensors an int applies to each, or a tuple gives one
-      axis per pattern. All group axes of an instance have one size.
-    groups: split the group axis into this many contiguous blocks (for GQA,
-      the number of KV heads). Default: one group per index.
-    stacked: the axes present on every leaf of the pair that index independent
-      copies (scanned layers, experts): an int ``n`` for the ``n`` leading axes,
-      or a tuple of increasing axis positions, the same in every leaf (followers
-      included), e.g. ``(1,)`` for MaxText's layer axis at position 1 or
-      ``(0, 1)`` for (experts, layers, ...). Factors then have shape
-      ``stacked_shape + (groups,)``, the copy axes' sizes in order; see
-      :func:`saggs_jax.copy_axes` to read the positions from Flax's scan metadata.
-    follow_a: patterns of tensors that move with ``a`` (its biases) but do not
-      count in its norm, grouped like the side's first tensor. A follower
-      with one axis per copy (besides ``stacked``), a bias vector, is grouped
-      along that axis, whatever the kernel's layout: the bias (out,) of an
-      (in, out) or an (out, in) kernel. A follower of more axes shares the
-      kernel's trailing axes, so its group axis is the kernel's counted from
-      the end.
+    a: path pattern of the side scaled by ``c``, or a tuple of patterns (several tensors,
+      one norm over all of them). A :class:`Block` may stand for any pattern.
+    b: path pattern(s) of the side scaled by ``1/c``. Matches pair up by equal wildcard
+      captures; every match needs exactly one partner in every other pattern.
+    axes: ``(axis_a, axis_b)``, the group axis on each side (counted among the axes that
+      are not ``stacked``; negative from the end; a tuple per pattern on a side of
+      several), or ``None`` for one group spanning the whole tensor.
+    groups: split the group axis into this many contiguous blocks (for GQA, the number
+      of KV heads). Default: one group per index.
+    stacked: the axes of every leaf of the pair that index independent copies (scanned
+      layers, experts): ``n`` for the ``n`` leading axes, or increasing positions such
+      as ``(1,)`` for MaxText's layer axis. Factors have shape ``stacked_shape +
+      (groups,)``; :func:`saggs_jax.copy_axes` reads the positions from Flax's metadata.
+    follow_a: patterns of tensors that move with ``a`` (its biases) without counting in
+      its norm. A follower of one axis per copy is grouped along it; one of more axes
+      shares the kernel's trailing axes.
     follow_b: likewise for ``b``.
-    name: label used in errors (with the patterns) and in :func:`saggs_jax.describe`.
-    ndim: ``(ndim_a, ndim_b)``, the number of axes every member of each side has
-      besides the copy axes (``None`` for a side: any). A member of another rank
-      is an error naming its path: a declaration written for one layout (the
-      presets' (in, out) kernels) then cannot resolve on the wrong axes of another
-      (a scanned layer axis taken for the heads). A check only: not shown in the
-      repr nor compared.
+    name: label used in errors and in :func:`saggs_jax.describe`.
+    ndim: ``(ndim_a, ndim_b)``, the number of axes of every member of each side besides
+      the copy axes (``None``: any); a member of another rank is an error naming its
+      path. A check only: not in the repr nor compared.
 
   Example:
     >>> import saggs_jax as saggs

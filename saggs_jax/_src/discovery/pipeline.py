@@ -91,7 +91,6 @@ def discover(
     >>> shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     >>> discover(mlp, shapes, jnp.ones((2, 3))).confirmation  # traced only
     'none'
-
   """
   if rtol is not None and not rtol >= 0:  # NaN too
     raise ValueError(f"rtol must be a non-negative number, got {rtol!r}.")

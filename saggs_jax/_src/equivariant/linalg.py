@@ -127,48 +127,24 @@ def newton_schulz(
 ) -> jax.Array:
   """Approximates the polar factor ``U Vᵀ`` of each matrix in ``x``.
 
-  With ``X₀ = X / max(h ||X||_F, ε)`` (``eps_form="add"``: ``h ||X||_F + ε``;
-  ``h`` the coefficient set's headroom, 1.01 unless the set says otherwise),
-  each step applies the odd quintic
-
-    X <- (a I + b G + c G²) X,   G = X Xᵀ,
-
-  which maps every singular value ``σ`` to ``a σ + b σ³ + c σ⁵`` and leaves
-  the singular vectors alone. Rows and columns that are zero stay exactly zero.
-
-  Only the matmul operands are rounded to ``dtype``: the products accumulate,
-  and the small factor ``a I + b G + c G²`` and the iterate are held, in
-  ``x.dtype`` (at least float32). The expanded form ``a X + (b G + c G²) X``
-  cancels terms near 20 in size down to about 2 in bfloat16: its error
-  exceeds the 1% margin of Polar Express's safety factor, pushes a singular
-  value past the interval the next polynomial was fitted on, where a quintic
-  grows like ``σ⁵``, and the remaining steps compound it. Holding the iterate
-  in float32 rather than rounding it every step lowers the bfloat16 error
-  further (``bench/bench_newton_schulz_accuracy.py`` measures both).
+  With ``X₀ = X / max(h ||X||_F, ε)`` (``eps_form="add"``: ``h ||X||_F + ε``; ``h`` the
+  coefficient set's headroom, 1.01 by default), each step applies the odd quintic
+  ``X <- (a I + b G + c G²) X``, ``G = X Xᵀ``, which maps every singular value ``σ`` to
+  ``a σ + b σ³ + c σ⁵``. Zero rows and columns stay zero. Only the matmul operands are
+  rounded to ``dtype``; the iterate stays in ``x.dtype`` (at least float32).
 
   Args:
     x: ``(..., m, n)`` matrices.
-    coeffs: a name in :data:`NS_COEFFS` (``"polar_express"``, the default;
-      ``"quintic"``; ``"polar_express_cushion"`` and ``"polar_express_1.05"``,
-      the sets of Lau & Su's reference code), a :class:`CoefficientSet`, one
-      ``(a, b, c)`` triple or a per-step sequence of triples (its last
-      repeats). At equal steps Polar Express leaves the singular values
-      closer to 1 than the quintic, which never converges (it settles in
-      about [0.68, 1.2]); ``bench/bench_newton_schulz_accuracy.py`` prints
-      the bands of each set.
+    coeffs: a name in :data:`NS_COEFFS` (``"polar_express"``, the default; ``"quintic"``;
+      the reference code's ``"polar_express_cushion"`` and ``"polar_express_1.05"``), a
+      :class:`CoefficientSet`, one ``(a, b, c)`` triple or a per-step sequence of them.
     steps: number of iterations (unrolled: each is three small matmuls).
-    dtype: dtype the matmul operands are rounded to (see above).
+    dtype: dtype the matmul operands are rounded to.
     eps: floor (or shift) of the normaliser, so a zero matrix maps to zero.
-    eps_form: ``"floor"`` or ``"add"``, see above.
-    gram: iterate on the small Gram matrix ``A = X Xᵀ`` (of the wide
-      orientation, ``m x m`` for an ``m x n`` input, ``m <= n``) instead of on
-      X: every iterate is ``Q X₀`` with ``Q`` a polynomial in ``A₀``, so the
-      steps update ``P = a I + b A + c A²``, ``Q <- P Q``, ``A <- P A P``
-      (``m x m`` products only) and X is touched twice, to form ``A₀`` and to
-      apply Q. Per step that is about ``4 m³`` flops against ``2 m² n + m³``:
-      cheaper once ``n`` is a few times ``m`` (timings:
-      ``bench/bench_gram_newton_schulz.py``).
-      Same result in exact arithmetic; rounding differs.
+    eps_form: ``"floor"`` or ``"add"``.
+    gram: iterate on the small Gram matrix ``X Xᵀ`` of the wide orientation instead of
+      on ``X`` (``m x m`` products only; cheaper once ``n`` is a few times ``m``). Same
+      result in exact arithmetic.
 
   Returns:
     An array like ``x`` (same dtype).
@@ -180,6 +156,16 @@ def newton_schulz(
     >>> bool(jnp.allclose(o @ o.T, jnp.eye(4), atol=1e-2))
     True
   """
+  # Numerics. The factored form (a I + b G + c G²) X, not the expanded a X + (b G + c G²) X:
+  # the latter cancels terms near 20 down to about 2, which in bfloat16 exceeds the 1% margin
+  # of Polar Express's safety factor, pushes a singular value past the interval the next
+  # polynomial was fitted on (where a quintic grows like σ⁵), and later steps compound it.
+  # Holding the iterate in float32 instead of rounding it each step lowers the error further
+  # (bench/bench_newton_schulz_accuracy.py measures both, and prints each set's band: the
+  # quintic never converges, it settles in about [0.68, 1.2]). The Gram variant: every
+  # iterate is Q X₀ with Q a polynomial in A₀ = X₀ X₀ᵀ, so the steps update
+  # P = a I + b A + c A², Q <- P Q, A <- P A P, about 4 m³ flops a step against
+  # 2 m² n + m³ (bench/bench_gram_newton_schulz.py).
   triples, headroom = _schedule(coeffs, steps)
   y = x / _guard(headroom * jnp.linalg.norm(x, axis=(-2, -1), keepdims=True), eps, eps_form)
   eye = jnp.eye(min(x.shape[-2:]), dtype=y.dtype)
