@@ -12,7 +12,7 @@ from saggs_jax._src.discovery.candidates import (
   group_options,
   relative,
 )
-from saggs_jax._src.discovery.propagation import Cut
+from saggs_jax._src.discovery.tags import Cut
 
 
 @pytest.mark.parametrize(

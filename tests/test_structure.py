@@ -140,6 +140,8 @@ LAYERS = {
   "stages": ("transform", "qk_clip", "equivariant.rules", "equivariant.stack"),
   "states": ("canonical", "diagnostics", "checkpoint"),
   "discovery": (
+    "discovery.tags",
+    "discovery.primitives",
     "discovery.propagation",
     "discovery.candidates",
     "discovery.confirmation",

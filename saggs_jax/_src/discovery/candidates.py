@@ -17,15 +17,17 @@ import numpy as np
 
 from saggs_jax._src.discovery import propagation
 from saggs_jax._src.discovery.program import Program
-from saggs_jax._src.discovery.propagation import (
+from saggs_jax._src.discovery.tags import (
   NORM,
   Cut,
+  Flow,
   Meet,
   Tag,
   Trace,
   Via,
   dot_out_axis,
   explain,
+  inexact,
   tag,
 )
 from saggs_jax._src.pairs import follower_axis
@@ -130,10 +132,10 @@ class Rejection(NamedTuple):
 
 
 EXPERTS = "expert up/down"  # the name of an MLP pair with a factor per expert
-OFFSET = propagation.inexact("a constant added to it first (a gain stored as w in 1 + w)")
+OFFSET = inexact("a constant added to it first (a gain stored as w in 1 + w)")
 
 
-def starts(prog: Program, flow: propagation.Flow) -> list[Start]:
+def starts(prog: Program, flow: Flow) -> list[Start]:
   """Each leaf use a factor can start from: a ``dot_general`` operand (a linear map, or a gain
   where the leaf sits on batch dimensions only: ``einsum("...k,k->...k", y, scale)``), or a
   ``mul``'s (a gain). A gain read as ``w + constant`` (Gemma's ``1 + w``) starts inexact."""
@@ -178,7 +180,7 @@ def starts(prog: Program, flow: propagation.Flow) -> list[Start]:
   return found
 
 
-def _offset(prog: Program, flow: propagation.Flow, e: int, k: int) -> tuple[int, int] | None:
+def _offset(prog: Program, flow: Flow, e: int, k: int) -> tuple[int, int] | None:
   """Where ``w + c`` (eqn ``e`` adds a constant ``c`` to its operand ``k``, a view of ``w``) is
   applied as a gain: ``(eqn, operand)`` of its one consumer, a ``mul`` or a ``dot_general``."""
   eqn = prog.eqns[e]

@@ -36,8 +36,9 @@ import collections
 
 from saggs_jax._src import paths
 from saggs_jax._src.discovery.candidates import Analysis, Candidate, copy_axes
+from saggs_jax._src.discovery.primitives import rule_of
 from saggs_jax._src.discovery.program import Program
-from saggs_jax._src.discovery.propagation import Flow, dot_out_axis, rule_of
+from saggs_jax._src.discovery.tags import Flow, dot_out_axis
 
 _MLP = {
   "gated MLP up/down": ("gate_up", "down"),
