@@ -34,7 +34,12 @@ The measured quantities, each a pure function of routing indices or logits:
 * ``router_logit_norm(z)``: the mean over tokens of the Euclidean norm of each
   token's router logit vector ``z_t`` (E,); ``router_logit_change(before,
   after)``: the mean over tokens of ``||after_t - before_t||``, the same tokens'
-  router logits at two evaluations.
+  router logits at two steps.
+
+``train`` logs them at every step without waiting for the device: the jitted step
+also returns the load of its own training batch and runs the updated model on a
+fixed probe batch (``probe``), comparing it with the previous step's probe routing,
+carried on the device (``probe_changes``); see ``make_train_step``.
 """
 
 from __future__ import annotations
@@ -217,12 +222,13 @@ def discovered_roles(config: MoEConfig) -> dict[str, tuple[str, ...]]:
   return dict(saggs.discover(forward, params, jnp.arange(8)[None]).roles)
 
 
-def losses(params, graphdef, batch, top_k: int) -> tuple[jax.Array, jax.Array]:
-  """(next-byte cross-entropy, mean over layers of ``balance_loss``) of windows (B, T + 1)."""
+def losses(params, graphdef, batch, top_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(next-byte cross-entropy, mean over layers of ``balance_loss``, the top-k indices
+  (L, B, T, k) the balance loss saw) of windows (B, T + 1)."""
   logits, routers = nnx.merge(graphdef, params)(batch[:, :-1])
   ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch[:, 1:])
   probs, idx, _ = route(routers, top_k)
-  return ce.mean(), jax.vmap(balance_loss)(probs, idx).mean()
+  return ce.mean(), jax.vmap(balance_loss)(probs, idx).mean(), idx
 
 
 # ----------------------------------------------------------------------------
@@ -276,58 +282,92 @@ def router_logit_change(before: jax.Array, after: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------
 
 
+def probe(params, graphdef: nnx.GraphDef, tokens: jax.Array, top_k: int) -> dict[str, jax.Array]:
+  """The model on the probe tokens (B, T) -> ``router`` logits (L, B*T, E) in float32, their
+  top-k ``idx`` (L, B*T, k), ``router_norm`` (L,) and the vocabulary logits' ``logit_max``
+  and ``logit_rms`` (``logit_stats``)."""
+  logits, routers = nnx.merge(graphdef, params)(tokens)
+  routers = routers.reshape(routers.shape[0], -1, routers.shape[-1]).astype(jnp.float32)
+  _, idx, _ = route(routers, top_k)
+  logit_max, logit_rms = logit_stats(logits)
+  return {
+    "router": routers,
+    "idx": idx,
+    "router_norm": router_logit_norm(routers),
+    "logit_max": logit_max,
+    "logit_rms": logit_rms,
+  }
+
+
+def probe_changes(before: dict, after: dict, num_experts: int) -> dict[str, jax.Array]:
+  """Two ``probe`` results of the same tokens -> per layer (L,) ``flip``
+  (``topk_changed``) and ``router_change`` (``router_logit_change``) from ``before`` to
+  ``after``."""
+  return {
+    "flip": topk_changed(before["idx"], after["idx"], num_experts),
+    "router_change": router_logit_change(before["router"], after["router"]),
+  }
+
+
+# What ``make_train_step``'s step returns besides the state; small, kept on device.
+STEP_METRICS = ("cv", "max_mean", "flip", "router_change")
+PROBE_METRICS = ("router_norm", "logit_max", "logit_rms")
+
+
+@functools.cache  # shared by every arm and seed of a config
+def make_probe(graphdef: nnx.GraphDef, config: MoEConfig) -> Callable:
+  """A jitted ``probe(params, tokens)`` (the function above) for the step-0 values."""
+  return jax.jit(lambda params, tokens: probe(params, graphdef, tokens, config.top_k))
+
+
 @functools.lru_cache(maxsize=16)  # the seeds of an arm share one compilation
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, config: MoEConfig):
-  """A jitted ``step(params, opt_state, batch) -> (params, opt_state, cross-entropy)`` on
-  the cross-entropy plus ``aux_weight`` times the balance loss; donates its state."""
+  """A jitted ``step(params, opt_state, batch, probe_tokens, last) -> (params, opt_state,
+  cross-entropy, metrics, routing)`` on the cross-entropy plus ``aux_weight`` times the
+  balance loss; donates its state and ``last``, the previous step's ``routing``.
+
+  ``routing`` is the ``router`` and ``idx`` of the ``probe`` of the updated model on
+  ``probe_tokens``. ``metrics`` holds (L,) arrays: ``cv`` and ``max_mean``, the
+  ``load_imbalance`` of the step's own training batch as the step routes it (the
+  parameters before the update), and ``probe_changes(last, routing)``; and that probe's
+  ``PROBE_METRICS``.
+  """
 
   def objective(params, batch):
-    ce, balance = losses(params, graphdef, batch, config.top_k)
-    return ce + config.aux_weight * balance, ce
+    ce, balance, idx = losses(params, graphdef, batch, config.top_k)
+    return ce + config.aux_weight * balance, (ce, idx)
 
-  def step(params, opt_state, batch):
-    (_, ce), grads = jax.value_and_grad(objective, has_aux=True)(params, batch)
+  def step(params, opt_state, batch, probe_tokens, last):
+    (_, (ce, idx)), grads = jax.value_and_grad(objective, has_aux=True)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, ce
+    params = optax.apply_updates(params, updates)
+    # Load on the training batch: it is the routing the balance loss sees and the experts
+    # carry, free from this forward pass, and fresh tokens each step, so a mean over
+    # steps averages over batches; the probe batch is for what needs the same tokens twice.
+    idx = idx.reshape(idx.shape[0], -1, idx.shape[-1])  # (L, B*T, k)
+    cv, max_mean = load_imbalance(expert_counts(idx, config.num_experts))
+    new = probe(params, graphdef, probe_tokens, config.top_k)
+    metrics = {
+      "cv": cv,
+      "max_mean": max_mean,
+      **probe_changes(last, new, config.num_experts),
+      **{k: new[k] for k in PROBE_METRICS},
+    }
+    return params, opt_state, ce, metrics, {k: new[k] for k in ("router", "idx")}
 
-  return jax.jit(step, donate_argnums=(0, 1))
+  return jax.jit(step, donate_argnums=(0, 1, 4))
 
 
 @functools.cache
 def make_evaluate(graphdef: nnx.GraphDef, config: MoEConfig) -> Callable:
-  """A jitted ``evaluate(params, batches (N, B, T + 1))`` -> dict: ``loss`` (mean
-  cross-entropy), per layer (L,) ``cv`` and ``max_mean`` (``load_imbalance`` of each
-  batch, averaged over the batches), and on ``batches[0]``, the probe batch: its top-k
-  indices ``probe_idx`` (L, B*T, k), router logits ``probe_router`` (L, B*T, E), their
-  ``router_norm`` (L,) (``router_logit_norm``) and ``logit_max``, ``logit_rms``
-  (``logit_stats``)."""
-  model_fn = lambda params, tokens: nnx.merge(graphdef, params)(tokens)
+  """A jitted ``evaluate(params, batches (N, B, T + 1))`` -> mean cross-entropy."""
 
   def one(params, batch):
-    logits, routers = model_fn(params, batch[:, :-1])
+    logits, _ = nnx.merge(graphdef, params)(batch[:, :-1])
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch[:, 1:])
-    _, idx, _ = route(routers, config.top_k)  # (L, B, T, k)
-    idx = idx.reshape(idx.shape[0], -1, idx.shape[-1])  # (L, B*T, k)
-    cv, max_mean = load_imbalance(expert_counts(idx, config.num_experts))  # (L,) each
-    routers = routers.reshape(routers.shape[0], -1, routers.shape[-1])  # (L, B*T, E)
-    return ce.mean(), cv, max_mean, idx, routers, logits
+    return ce.mean()
 
-  def evaluate(params, batches):
-    loss, cv, max_mean = jax.lax.map(lambda b: one(params, b)[:3], batches)
-    _, _, _, probe_idx, probe_router, logits = one(params, batches[0])
-    logit_max, logit_rms = logit_stats(logits)
-    return {
-      "loss": loss.mean(),
-      "cv": cv.mean(0),
-      "max_mean": max_mean.mean(0),
-      "probe_idx": probe_idx,
-      "probe_router": probe_router.astype(jnp.float32),
-      "router_norm": router_logit_norm(probe_router),
-      "logit_max": logit_max,
-      "logit_rms": logit_rms,
-    }
-
-  return jax.jit(evaluate)
+  return jax.jit(lambda params, batches: jax.lax.map(lambda b: one(params, b), batches).mean())
 
 
 def train(
@@ -344,13 +384,19 @@ def train(
   eval_batches: int,
   desc: str | None = None,
 ) -> dict[str, Any]:
-  """Trains for ``steps`` updates; the batches depend only on ``seed``, as in ``lm.train``.
+  """Trains for ``steps`` updates; the batches depend only on ``seed``, as in ``lm.train``
+  (update ``s``'s is drawn with ``fold_in(data_key, s)``, the validation batches with
+  ``eval_key``, ``data_key, eval_key = split(key(seed))``).
 
-  Returns numpy arrays: ``eval_step`` (0, every ``eval_every`` steps and the last),
-  ``eval_loss``, ``cv`` and ``max_mean`` (evals, L), ``logit_max`` and ``logit_rms``
-  (evals,), ``router_norm`` (evals, L), ``flip`` and ``router_change`` (evals - 1, L):
-  ``topk_changed`` and ``router_logit_change`` on the probe batch between consecutive
-  evaluations; ``seconds``.
+  Returns numpy arrays: ``eval_step`` (0, every ``eval_every`` steps and the last) and
+  ``eval_loss`` (over the ``eval_batches`` validation batches); every step, per layer:
+  ``cv`` and ``max_mean`` (steps, L), step ``s``'s training batch as it routes it (by
+  the parameters after ``s - 1`` updates: row 0 is the initial routing), ``flip`` and
+  ``router_change`` (steps, L), row ``s - 1`` from the probe batch's routing after
+  ``s - 1`` updates to that after ``s``; ``router_norm`` (steps + 1, L), ``logit_max``
+  and ``logit_rms`` (steps + 1,) of the probe batch after 0, 1, ..., ``steps`` updates;
+  ``seconds``; and the trained ``params``. The probe batch is the first validation batch.
+  Nothing waits for the device inside the loop: the metrics stay there until the end.
   """
   from tqdm import tqdm
 
@@ -359,29 +405,26 @@ def train(
   step_fn, evaluate = make_train_step(graphdef, tx, config), make_evaluate(graphdef, config)
   data_key, eval_key = jax.random.split(jax.random.key(seed))
   val = lm.sample_batches(eval_key, corpus.val, eval_batches, batch_size, config.seq_len)
-  evals: list[tuple[int, dict]] = []
+  probe_tokens = val[0, :, :-1]
   start = time.perf_counter()
-  evals.append((0, jax.device_get(evaluate(params, val))))
+  initial = make_probe(graphdef, config)(params, probe_tokens)
+  first = {k: initial[k] for k in PROBE_METRICS}
+  last = {k: initial[k] for k in ("router", "idx")}  # donated to the first step
+  evals, metrics = [(0, evaluate(params, val))], []
   for step in tqdm(range(1, steps + 1), desc=desc, dynamic_ncols=True):
     batch = lm.sample_batch(
       jax.random.fold_in(data_key, step), corpus.train, batch_size, config.seq_len
     )
-    params, opt_state, _ = step_fn(params, opt_state, batch)
+    params, opt_state, _, m, last = step_fn(params, opt_state, batch, probe_tokens, last)
+    metrics.append(m)
     if step % eval_every == 0 or step == steps:
-      evals.append((step, jax.device_get(evaluate(params, val))))
-  idx, router = [e["probe_idx"] for _, e in evals], [e["probe_router"] for _, e in evals]
+      evals.append((step, evaluate(params, val)))
+  evals, first, metrics = jax.device_get((evals, first, metrics))  # the one wait
   return {
     "eval_step": np.array([s for s, _ in evals]),
-    "eval_loss": np.array([e["loss"] for _, e in evals], np.float32),
-    **{
-      k: np.stack([e[k] for _, e in evals])
-      for k in ("cv", "max_mean", "logit_max", "logit_rms", "router_norm")
-    },
-    "flip": np.stack(
-      [np.asarray(topk_changed(a, b, config.num_experts)) for a, b in zip(idx, idx[1:])]
-    ),
-    "router_change": np.stack(
-      [np.asarray(router_logit_change(a, b)) for a, b in zip(router, router[1:])]
-    ),
+    "eval_loss": np.array([v for _, v in evals], np.float32),
+    **{k: np.stack([m[k] for m in metrics]) for k in STEP_METRICS},
+    **{k: np.stack([first[k]] + [m[k] for m in metrics]) for k in PROBE_METRICS},
     "seconds": np.asarray(time.perf_counter() - start),
+    "params": params,
   }

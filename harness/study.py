@@ -24,9 +24,10 @@ mean ± std, t-intervals, seeds in favour), and relative to the control as
   ``harness.moe`` trained with the four ``optimizers``, tuned and run as there
   (``run_optimizers``: the same grid, tuning seeds, then fresh seeds at the best
   rates), the stack and the reference preset routed by ``saggs.discover``'s roles
-  on the model (``moe_roles``); besides the loss, each run logs at every
-  evaluation the expert load imbalance, the router logits and top-k flips of a
-  fixed probe batch and its vocabulary logits (``MOE_QUANTITIES``), and the stack
+  on the model (``moe_roles``); besides the validation loss, each run logs at every
+  step the expert load imbalance of its training batch, the router logits, their
+  step-to-step change and top-k flips on a fixed probe batch and its vocabulary
+  logits (``MOE_QUANTITIES``), and the stack
   and the reference are judged against AdamW on Lau & Su's claims
   (``MOE_CLAIMS``), Bonferroni over those alone. Plots:
   ``moe_{load_imbalance,router_flips,router_norm,router_change,logit_growth}.png``
@@ -106,8 +107,15 @@ RESUME_ARMS = (
   "rescaled, canonicalized",
 )
 OPTIMIZER_ARMS = ("adamw", "muon", "stack", "reference")
-# What a moe run records per evaluation besides its loss (harness.moe.train's history).
+# What a moe run records every step besides its validation loss (harness.moe.train's
+# history): load cv, max_mean and the probe batch's step-to-step flip and router_change at
+# steps 1..steps, (steps, layers); router_norm (steps + 1, layers), logit_max and logit_rms
+# (steps + 1,) on the probe batch after 0..steps updates.
 MOE_METRICS = ("cv", "max_mean", "flip", "router_norm", "router_change", "logit_max", "logit_rms")
+# The "final" moe quantities are means over the last this many steps: for the load, as many
+# training batches (tokens) as the 16 validation batches the evaluations used; for the
+# probe's values, steps at the schedule's low tail that differ by the update noise.
+MOE_FINAL_STEPS = 16
 # A recovery (resume) or a cost (balanced) counts as negligible below this
 # fraction of the penalty SAGGS is there to remove, measured in the same study.
 NEGLIGIBLE_FRACTION = 0.2
@@ -172,7 +180,12 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
   parser.add_argument("--moe-experts", type=int, default=8, help="moe: experts per layer")
   parser.add_argument("--moe-top-k", type=int, default=2, help="moe: experts per token")
   parser.add_argument("--moe-expert-hidden", type=int, default=32, help="moe: expert width")
-  parser.add_argument("--eval-every", type=int, default=25)
+  parser.add_argument(
+    "--eval-every",
+    type=int,
+    default=25,
+    help="validation loss every this many steps (moe's routing and logits: every step)",
+  )
   parser.add_argument("--eval-batches", type=int, default=16)
   parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/study"))
@@ -948,29 +961,33 @@ def print_verdicts(judged: Sequence[Judged]) -> None:
 # Name -> (what it is, how a run's recorded metrics reduce to it). Each is defined in
 # docs/study.md; the reductions are tested on records whose values are known.
 MOE_QUANTITIES = {
-  "load CV": "final coefficient of variation of tokens per expert, mean over layers",
-  "max/mean load": "final max/mean tokens per expert, mean over layers",
-  "flip rate": "fraction of probe tokens whose top-k set changed between evaluations, "
-  "mean over intervals and layers",
-  "router norm": "final mean over probe tokens of ||router logits||, mean over layers",
-  "router change": "mean over probe tokens of ||router logits - those of the evaluation "
-  "before||, mean over intervals and layers",
-  "max |logit|": "final max |vocabulary logit| on the probe batch",
-  "logit RMS": "final RMS of the vocabulary logits on the probe batch",
+  "load CV": "coefficient of variation of tokens per expert on the step's training batch, "
+  f"final (mean over the last {MOE_FINAL_STEPS} steps), mean over layers",
+  "max/mean load": "max/mean tokens per expert on the step's training batch, final, mean "
+  "over layers",
+  "flip rate": "fraction of probe tokens whose top-k set changed since the step before, "
+  "mean over steps and layers",
+  "router norm": "mean over probe tokens of ||router logits||, final, mean over layers",
+  "router change": "mean over probe tokens of ||router logits - those of the step before||, "
+  "mean over steps and layers",
+  "max |logit|": "max |vocabulary logit| on the probe batch, final",
+  "logit RMS": "RMS of the vocabulary logits on the probe batch, final",
 }
 
 
-def moe_quantities(record: dict) -> dict[str, float]:
-  """A moe run's ``MOE_QUANTITIES`` from its recorded metrics."""
+def moe_quantities(record: dict, final_steps: int = MOE_FINAL_STEPS) -> dict[str, float]:
+  """A moe run's ``MOE_QUANTITIES`` from its recorded per-step metrics: a "final" one is the
+  mean over the last ``final_steps`` steps (all of them if fewer), and over the layers."""
   m = record["metrics"]
+  last = lambda name: float(np.mean(m[name][-final_steps:]))
   return {
-    "load CV": float(np.mean(m["cv"][-1])),
-    "max/mean load": float(np.mean(m["max_mean"][-1])),
+    "load CV": last("cv"),
+    "max/mean load": last("max_mean"),
     "flip rate": float(np.mean(m["flip"])),
-    "router norm": float(np.mean(m["router_norm"][-1])),
+    "router norm": last("router_norm"),
     "router change": float(np.mean(m["router_change"])),
-    "max |logit|": float(m["logit_max"][-1]),
-    "logit RMS": float(m["logit_rms"][-1]),
+    "max |logit|": last("logit_max"),
+    "logit RMS": last("logit_rms"),
   }
 
 
@@ -1059,29 +1076,38 @@ def print_moe(title: str, scale: str, arms: dict[str, list[dict]]) -> list[Judge
 
 def plot_moe(out: pathlib.Path, arms: dict[str, list[dict]]) -> None:
   """``moe_{load_imbalance,router_flips,router_norm,router_change,logit_growth}.png``: each
-  arm's mean over seeds (and layers) against the step."""
-  steps = np.array(next(iter(arms.values()))[0]["eval_step"])
+  arm's per-step mean over seeds (and layers) against the step: 1..steps for the training
+  batch's load and the step-to-step flips and change, 0..steps for the probe's values."""
   metrics = lambda name: {
     arm: np.mean([np.reshape(r["metrics"][name], (len(r["metrics"][name]), -1)) for r in rs], 0)
     for arm, rs in arms.items()
   }
   seeds = len(next(iter(arms.values())))
   plots = (
-    ("load_imbalance", "cv", steps, "CV of tokens per expert (mean over layers)", False),
-    ("router_flips", "flip", steps[1:], "fraction of probe tokens whose top-k set changed", False),
-    ("router_norm", "router_norm", steps, "mean ||router logits|| on the probe batch", False),
+    (
+      "load_imbalance",
+      "cv",
+      1,
+      "CV of tokens per expert, training batch (mean over layers)",
+      False,
+    ),
+    ("router_flips", "flip", 1, "fraction of probe tokens whose top-k set changed", False),
+    ("router_norm", "router_norm", 0, "mean ||router logits|| on the probe batch", False),
     (
       "router_change",
       "router_change",
-      steps[1:],
-      "mean ||router logit change|| since the last evaluation",
+      1,
+      "mean ||router logit change|| since the step before",
       True,
     ),
-    ("logit_growth", "logit_max", steps, "max |vocabulary logit| on the probe batch", True),
+    ("logit_growth", "logit_max", 0, "max |vocabulary logit| on the probe batch", True),
   )
-  for name, metric, x, ylabel, logy in plots:
+  for name, metric, first, ylabel, logy in plots:
     lm.plot_metric_curves(
-      {arm: (x, values.mean(-1)) for arm, values in metrics(metric).items()},
+      {
+        arm: (np.arange(first, first + len(values)), values.mean(-1))
+        for arm, values in metrics(metric).items()
+      },
       out / f"moe_{name}.png",
       ylabel,
       f"MoE: {ylabel}\n(mean over {seeds} seeds)",

@@ -248,13 +248,14 @@ def test_store_skips_finished_runs_and_resumes(tmp_path):
 
 
 def test_store_keeps_the_moe_metrics_and_nothing_else(tmp_path):
-  moe_history = {
-    "eval_step": np.array([0, 5]),
+  moe_history = {  # per-step metrics of 2 steps, 2 layers, as moe.train returns them
+    "eval_step": np.array([0, 2]),
     "eval_loss": np.array([5.0, 2.0]),
     "cv": np.array([[0.5, 0.4], [0.3, 0.2]]),
-    "flip": np.array([[0.25, 0.5]]),
-    "logit_max": np.array([1.0, 3.0]),
+    "flip": np.array([[0.25, 0.5], [0.0, 0.125]]),
+    "logit_max": np.array([1.0, 3.0, 4.0]),
     "seconds": np.asarray(1.5),
+    "params": {"w": np.ones(3)},  # the trained parameters are not recorded
   }
   dense_history = {"eval_step": np.array([0, 5]), "eval_loss": np.array([5.0, 2.5])}
   path = tmp_path / "runs.jsonl"
@@ -264,9 +265,10 @@ def test_store_keeps_the_moe_metrics_and_nothing_else(tmp_path):
   moe_record, dense_record = (json.loads(line) for line in path.read_text().splitlines())
   assert moe_record["metrics"] == {
     "cv": [[0.5, 0.4], [0.3, 0.2]],
-    "flip": [[0.25, 0.5]],
-    "logit_max": [1.0, 3.0],
+    "flip": [[0.25, 0.5], [0.0, 0.125]],
+    "logit_max": [1.0, 3.0, 4.0],
   }
+  assert set(moe_record) == {*dense_record, "metrics"}
   assert "metrics" not in dense_record  # the dense runs' records are as before
   assert study.Store(path).records == store.records
 
