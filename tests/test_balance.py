@@ -467,8 +467,8 @@ def test_joint_solve_stopped_at_its_cap_is_reported(monkeypatch):
     return float(jax.jit(tx.update)(zeros, tx.init(params), params)[1][1].residual)
 
   assert residual() <= saggs._src.balance.TOLERANCE
-  monkeypatch.setattr(saggs.balance, "MAX_ITERATIONS", 1)
-  monkeypatch.setattr(saggs.balance, "MAX_CG", 0)
+  monkeypatch.setattr(saggs._src.balance, "MAX_ITERATIONS", 1)
+  monkeypatch.setattr(saggs._src.balance, "MAX_CG", 0)
   assert residual() > 1e-3
   with pytest.warns(RuntimeWarning, match="stopped at its iteration cap"):
     saggs.canonicalize(params, None, pairs)

@@ -276,7 +276,7 @@ def test_the_lookahead_refusal_is_true_equivalent_states_part(monkeypatch):
   """Why it is refused: with the check off, two equivalent lookahead states (fast and slow
   weights moved by the same factors, Adam's moments by c**-1 and c**-2, built here in NumPy)
   end with slow weights computing other functions (q kᵀ per head), and stay apart."""
-  monkeypatch.setattr(saggs.degrees, "_refuse_inside_lookahead", lambda: None)
+  monkeypatch.setattr(saggs._src.degrees, "_refuse_inside_lookahead", lambda: None)
   tx = LOOKAHEAD_FORMS["chain"]()
   slow = _tree(7, 1.0, 2.0)
   params = optax.LookaheadParams(fast=PARAMS, slow=slow)
