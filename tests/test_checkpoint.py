@@ -1241,7 +1241,7 @@ def test_restore_verifies_by_checksum_programs_compiled_before_the_read(manager,
     def __call__(self, leaves):
       raise AssertionError("a checksum program compiled after the read")
 
-  monkeypatch.setattr(saggs.checkpoint, "_checksum_all", LoweredOnly())
+  monkeypatch.setattr(saggs._src.checkpoint, "_checksum_all", LoweredOnly())
   got_params, _, _ = saggs.checkpoint.restore(manager, params, state, UP_DOWN, tx=tx)
   want, _ = saggs.canonicalize(params, state[0], UP_DOWN, tx=optax.adam(1e-2))
   chex.assert_trees_all_close(got_params, want, rtol=1e-6)
