@@ -311,3 +311,101 @@ def test_every_message_is_short():
 def test_no_sentence_is_written_twice():
   repeated = {s: places for s, places in written().items() if len(set(places)) > 1}
   assert not repeated, "\n".join(f"{places}: {s}" for s, places in repeated.items())
+
+
+def test_the_estimate_counts_written_text_and_values(tmp_path):
+  """The estimator on a module written here: text as written, a value as :data:`VALUE`, a
+  number :data:`NUMBER`, a shape :data:`SHAPE`, a constant's fields as the values given."""
+  source = tmp_path / "module.py"
+  source.write_text(
+    'MSG = "{name} fails at {path!r}. Pass fix=."\n'
+    "def inline(name, axis, shape):\n"
+    '  raise ValueError(f"{name} x {axis} {shape}")\n'
+    "def constant(name, path):\n"
+    "  raise ValueError(MSG.format(name=name, path=path))\n"
+    "def helper(what):\n"
+    '  return TypeError(f"{what}: broken.")\n'
+    "def through_helper():\n"
+    '  raise helper("abc")\n'
+  )
+  reader = _Reader()
+  found = [
+    reader.raised(source, node.exc)
+    for node in ast.walk(_tree(source))
+    if isinstance(node, ast.Raise) and node.exc is not None
+  ]
+  lengths = [m.length for m in found if m is not None]
+  constant = len("{name} fails at {path!r}. Pass fix=.") - len("{name}{path!r}") + 2 * VALUE
+  assert lengths == [VALUE + 3 + NUMBER + 1 + SHAPE, constant, len("abc: broken.")]
+  assert sentences("Its axis 3 is out of range for the leaf {}. Pass axes= within it.") == [
+    "Its axis 3 is out of range for the leaf {}."
+  ]
+
+
+# --- Each constant, as a raise says it ------------------------------------------------
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+
+import saggs_jax as saggs  # noqa: E402
+from saggs_jax._src import pairs, transform, transport  # noqa: E402
+
+
+def test_too_few_copy_axes_is_the_constant():
+  pair = saggs.Pair("q", "k", axes=(0, 0), stacked=3)
+  params = {"q": jnp.ones((4, 4)), "k": jnp.ones((4, 4))}
+  want = pairs.COPY_AXES_MSG.format(where=pair.label, path="q", shape=(4, 4), copy=(0, 1, 2))
+  with pytest.raises(ValueError, match=re.escape(want) + "$"):
+    pairs.resolve([pair], params)
+
+
+def test_an_unregistered_state_holding_a_parameter_image_is_the_constant():
+  import typing
+
+  class Moments(typing.NamedTuple):
+    nu: typing.Any
+
+  params = {"q": jnp.ones((2, 4)), "k": jnp.ones((3, 4))}
+  plan = pairs.resolve([saggs.Pair("q", "k", axes=(1, 1))], params)
+  fix = "Register its degrees: saggs_jax.register_transport(Moments, ...)."
+  want = transport.UNREGISTERED_MSG.format(name="Moments", where="opt_state", hit="nu/k", fix=fix)
+  with pytest.raises(TypeError, match=re.escape(want) + "$"):
+    transport.transport(plan, Moments(params), {"q|k": jnp.ones(4)})
+
+
+def _shard_mapped(tx, params, *, init_inside: bool):
+  """One ``tx`` step inside ``shard_map`` over a one-device mesh: every axis manual."""
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+  specs = jax.tree.map(lambda _: jax.sharding.PartitionSpec(), params)
+
+  def step(p, state):
+    state = tx.init(p) if init_inside else state
+    return tx.update(p, state, p)[0]
+
+  state = None if init_inside else tx.init(params)
+  state_specs = jax.tree.map(lambda _: jax.sharding.PartitionSpec(), state)
+  fn = jax.shard_map(step, mesh=mesh, in_specs=(specs, state_specs), out_specs=specs)
+  return jax.jit(fn)(params, state)
+
+
+SHARDED = {"q": jnp.ones((4, 4)), "k": jnp.ones((4, 4))}
+END = r"(\n|$)"  # jax appends a note on its filtered frames to an error raised under jit
+
+
+def test_saggs_inside_shard_map_without_axis_name_is_the_constant():
+  tx = saggs.chain(optax.sgd(0.0), saggs.saggs([saggs.Pair("q", "k", axes=(1, 1))]))
+  _, tail = transform.SHARD_MAP_AXIS_MSG.split("{manual}")
+  with pytest.raises(ValueError, match=re.escape(tail) + END):
+    _shard_mapped(tx, SHARDED, init_inside=False)
+
+
+def test_groups_inside_shard_map_without_global_shapes_is_the_constant():
+  pair = saggs.Pair("q", "k", axes=(1, 1), groups=2)
+  tx = saggs.chain(optax.sgd(0.0), saggs.saggs([pair], axis_name="x"))
+  want = transform.SHARD_MAP_SHAPES_MSG.format(
+    pair=pair.label, groups=2, axis=1, path="q", axis_name="x"
+  )
+  with pytest.raises(ValueError, match=re.escape(want) + END):
+    _shard_mapped(tx, SHARDED, init_inside=True)

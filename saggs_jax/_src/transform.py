@@ -265,12 +265,12 @@ SHARD_MAP_AXIS_MSG = (
   " would balance its shard alone. Pass axis_name= the mesh axes that split the groups, or ()."
 )
 SHARD_MAP_SHAPES_MSG = (
-  "{pair!r}: groups={groups} along axis {axis} of {path!r} inside shard_map, where"
+  "{pair}: groups={groups} along axis {axis} of {path!r} inside shard_map, where"
   " axis_name={axis_name!r} sums its norms, need the global shapes. Call tx.init outside"
   " shard_map."
 )
 SHARD_MAP_SPLITS_MSG = (
-  "{pair!r}: groups={groups} along axis {axis} of {path!r}, which shard_map splits ({size}"
+  "{pair}: groups={groups} along axis {axis} of {path!r}, which shard_map splits ({size}"
   " entries, {local} per device). Keep that axis whole on each device, or balance outside"
   " shard_map."
 )
@@ -304,13 +304,18 @@ def _check_whole_groups(plan, global_shapes, axis_name) -> None:
       if whole is None and axis_name:
         raise ValueError(
           SHARD_MAP_SHAPES_MSG.format(
-            pair=inst.pair, groups=groups, axis=axis, path=path, axis_name=axis_name
+            pair=inst.pair.label, groups=groups, axis=axis, path=path, axis_name=axis_name
           )
         )
       if whole is not None and local[axis] != whole[axis]:
         raise ValueError(
           SHARD_MAP_SPLITS_MSG.format(
-            pair=inst.pair, groups=groups, axis=axis, path=path, size=whole[axis], local=local[axis]
+            pair=inst.pair.label,
+            groups=groups,
+            axis=axis,
+            path=path,
+            size=whole[axis],
+            local=local[axis],
           )
         )
 
