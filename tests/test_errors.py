@@ -284,16 +284,22 @@ def sentences(text: str) -> list[str]:
   return [s.strip() for s in split if len(s.strip()) >= SENTENCE]
 
 
-def written() -> dict[str, list[str]]:
-  """Each long sentence of the package's messages, with the places (``file:line``) that write
-  it: a constant or a helper several raises share is one place."""
+def texts() -> list[tuple[Source, str]]:
+  """Every piece of message text the package writes, with where: a constant or a helper
+  several raises share is one piece."""
   reader = _Reader()
   for path in sorted(PACKAGE.rglob("*.py")):
     for node in ast.walk(_tree(path)):
       if isinstance(node, ast.Raise) and node.exc is not None:
         reader.raised(path, node.exc)
+  return list(reader.sources.values())
+
+
+def written() -> dict[str, list[str]]:
+  """Each long sentence of the package's messages, with the places (``file:line``) that write
+  it."""
   found: dict[str, list[str]] = {}
-  for source, text in reader.sources.values():
+  for source, text in texts():
     for sentence in sentences(text):
       found.setdefault(sentence, []).append(source.where)
   return found
@@ -311,6 +317,13 @@ def test_every_message_is_short():
 def test_no_sentence_is_written_twice():
   repeated = {s: places for s, places in written().items() if len(set(places)) > 1}
   assert not repeated, "\n".join(f"{places}: {s}" for s, places in repeated.items())
+
+
+def test_every_page_a_message_points_to_exists():
+  pages = {page for _, text in texts() for page in re.findall(r"docs/\w+\.md", text)}
+  assert "docs/moments.md" in pages  # the probe reads the messages
+  missing = [page for page in pages if not (PACKAGE.parent / page).exists()]
+  assert not missing, missing
 
 
 def test_the_estimate_counts_written_text_and_values(tmp_path):
