@@ -11,6 +11,7 @@ logits recomputed from the clipped kernels.
 """
 
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -24,6 +25,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import saggs_jax as saggs
+from saggs_jax._src import paths
+from saggs_jax._src.pairs import COPY_AXES_MSG
 from xla_env import cpu_env
 
 E, L, H, KV, HD, M, B, T = 8, 2, 4, 2, 3, 6, 2, 5
@@ -388,10 +391,11 @@ def test_bad_copy_axes_are_named():
     saggs.Pair("a", "b", stacked=(1, 0))
   with pytest.raises(ValueError, match="increasing axis positions"):
     saggs.Pair("a", "b", stacked=(-1,))
-  with pytest.raises(
-    ValueError, match=r"norm/scale' has shape \(8, 2\), too few axes for the copy axes at \(2,\)"
-  ):
-    saggs._src.pairs.resolve([saggs.Pair(GAIN.a, GAIN.b, axes=(0, 0), stacked=(2,))], params)
+  few = saggs.Pair(GAIN.a, GAIN.b, axes=(0, 0), stacked=(2,))
+  path = next(p for p, _ in paths.arrays_with_paths(params) if p.endswith("norm/scale"))
+  want = COPY_AXES_MSG.format(where=few.label, path=path, shape=(8, 2), copy=(2,))
+  with pytest.raises(ValueError, match=re.escape(want)):
+    saggs._src.pairs.resolve([few], params)
   with pytest.raises(
     ValueError,
     match=r"group axis 3 is out of range for .*query/kernel' with shape \(8, 2, 4, 3\) \(3 axes besides",

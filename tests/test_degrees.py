@@ -116,7 +116,7 @@ TRUST = optax.chain(optax.scale_by_trust_ratio(), optax.trace(0.9))
 
 def unregistered(state):
   """No rule for ``state``, which holds parameter images."""
-  return rf"Cannot transport {state} at opt_state\S*: it holds an array that looks like an image"
+  return rf"Cannot transport {state} at opt_state\S*: it holds an image of a parameter"
 
 
 def no_degree(state, leaf):

@@ -22,10 +22,11 @@ qk_norm_forward = functools.partial(models.llama_forward, c=QK_NORM)
 
 
 def failure(*args, **kwargs) -> str:
-  """The message of the ValueError that ``check_symmetry(*args)`` raises."""
+  """The message of the ValueError that ``check_symmetry(*args)`` raises, with its diagnosis
+  (a note)."""
   with pytest.raises(ValueError, match="is not a symmetry of the model") as info:
     saggs.check_symmetry(*args, **kwargs)
-  return str(info.value)
+  return " ".join([str(info.value), *info.value.__notes__])
 
 
 def measured(message, what):

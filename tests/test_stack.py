@@ -375,7 +375,7 @@ def test_partial_routing_keeps_the_named_matrices_on_adamw_on_purpose():
   out = tx.update(g, tx.init(g), g)[0]
   close(-np.asarray(out["1"]) / 0.1, polar(np.float64(g["1"])), rtol=1e-4)
   close(-np.asarray(out["0"]) / 0.01, np.sign(g["0"]), rtol=1e-4)
-  with pytest.raises(ValueError, match=r"the matrices \['0'\] fall to AdamW.*patterns=\{'adamw'"):
+  with pytest.raises(ValueError, match=r"and \['0'\] fall to AdamW\. Pass .*\{'adamw'"):
     eqv.symmetry_compatible(0.1, patterns={"query": "1"}).init(g)
   with pytest.raises(ValueError, match=r"role 'adamw' matches no parameter \(patterns \['2'\]\)"):
     eqv.symmetry_compatible(0.1, patterns={"query": "*", "adamw": "2"}).init(g)

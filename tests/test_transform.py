@@ -463,9 +463,7 @@ def test_init_from_refuses_a_state_the_optimizer_does_not_make():
   other = small_params(0, jnp.bfloat16)
   with pytest.raises(ValueError, match=r"at '0/mu/layers/0/down' it holds bfloat16\[6, 4\]"):
     tx.init_from(params, adam.init(other))
-  with pytest.raises(
-    ValueError, match=r"at '0/count' it holds nothing, the optimizer makes int32\[\]"
-  ):
+  with pytest.raises(ValueError, match=r"at '0/count' it holds nothing, not int32\[\]"):
     tx.init_from(params, optax.sgd(1e-2, momentum=0.9).init(params))
   with pytest.raises(ValueError, match="no symmetry stage"):
     saggs.chain(adam).init_from(params, adam.init(params))

@@ -67,9 +67,7 @@ def _check_range(before: Any, after: Any) -> None:
       where = ("params", "opt_state")[key_path[0].idx] + jax.tree_util.keystr(key_path[1:])
       raise ValueError(
         f"The factors move {int(lost.sum())} finite nonzero entries of {where} ({x.dtype})"
-        " to inf or 0, past what its dtype holds (a moment of degree k moves by the factors"
-        " to the power -k). Use factors closer to 1, or move in several steps with the"
-        " state in a wider dtype."
+        " to inf or 0, past what its dtype holds. Use factors closer to 1, or a wider dtype."
       )
 
 

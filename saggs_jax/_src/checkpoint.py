@@ -34,6 +34,15 @@ def _is_key(x) -> bool:
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+# What restore says of a checkpoint whose tree, shapes or dtypes differ from the target.
+LAYOUT_MSG = (
+  "{what} does not fit the target at {path!r}: {there} there, the target {want}."
+  " Restore with the pairs, optimizer and dtypes it was saved with."
+)
+# The end of a refusal to restore a step whose arrays cannot be read or verified.
+ANOTHER_STEP = " Nothing was restored; restore another step."
+
+
 def check_layout(saved: Layout, target: Any, what: str = "The checkpoint") -> None:
   """Raises ValueError naming the first path where ``saved`` and ``target``'s layout differ.
 
@@ -50,11 +59,8 @@ def check_layout(saved: Layout, target: Any, what: str = "The checkpoint") -> No
   expected = layout(target)
   first = first_difference(saved, expected)
   if first is not None:
-    raise ValueError(
-      f"{what} does not fit the target at {first!r}: {saved.get(first, 'nothing')} there, the"
-      f" target {expected.get(first, 'nothing')}. Was it saved with other pairs, another"
-      " optimizer chain or other dtypes? Nothing was restored."
-    )
+    there, want = saved.get(first, "nothing"), expected.get(first, "nothing")
+    raise ValueError(LAYOUT_MSG.format(what=what, path=first, there=there, want=want))
 
 
 # ---------------------------------------------------------------------------
@@ -179,15 +185,14 @@ def _verify(saved: Checksums, restored: Any, what: str, hashers: dict) -> None:
   if unchecked:
     raise ValueError(
       f"{what} has no checksum for the array at {unchecked[0]!r}: its checksums file was"
-      " edited or truncated, so that array cannot be verified. Nothing was restored;"
-      " restore another step."
+      " edited or truncated." + ANOTHER_STEP
     )
   corrupted = [p for p in saved if read.get(p) != saved[p]]
   if corrupted:
     others = f" (and {len(corrupted) - 1} more arrays)" if len(corrupted) > 1 else ""
     raise ValueError(
       f"{what} is corrupted: the array at {corrupted[0]!r}{others} does not match the checksum"
-      " saved with it. Nothing was restored; restore another step."
+      " saved with it." + ANOTHER_STEP
     )
 
 
@@ -244,8 +249,8 @@ def _check_not_nnx_objects(params: Any, opt_state: Any) -> None:
     if isinstance(value, objects):
       raise TypeError(
         f"{name} is an nnx {type(value).__name__} object, not its state. Save"
-        " nnx.state(model, nnx.Param) and nnx.state(optimizer); after restore, put them back"
-        " with nnx.update(model, params) and nnx.update(optimizer, opt_state)."
+        " nnx.state(model, nnx.Param) and nnx.state(optimizer); put them back with"
+        " nnx.update(model, params), nnx.update(optimizer, opt_state)."
       )
 
 
@@ -364,10 +369,9 @@ def _check_record(manager, step: int, what: str, tx, params: Any, pairs) -> None
   for path in [*ours, *(p for p in saved if p not in ours)]:
     if saved.get(path) != ours.get(path):
       raise ValueError(
-        f"{what} was saved by another optimizer than tx: the leaf {path!r} of its state moves"
-        f" by degree {saved.get(path, 'none')!r} there, by {ours.get(path, 'none')!r} in tx"
-        " (the same layout, other moments: adamax's nu for adam's). Pass the optimizer that"
-        " saved it. Nothing was restored."
+        f"{what} was saved by another optimizer: its leaf {path!r} has degree"
+        f" {saved.get(path, 'none')!r} there, {ours.get(path, 'none')!r} in tx. Pass the"
+        " optimizer that saved it."
       )
 
 
@@ -382,11 +386,7 @@ def _check_record(manager, step: int, what: str, tx, params: Any, pairs) -> None
 # from such a stage before it, so restore measures the degrees on the optimizer
 # (saggs_jax._src.degrees.measure) and refuses, without it, every leaf it would move.
 
-_TX_FIX = (
-  " Pass the optimizer that made opt_state, e.g. the saggs.chain you train with:"
-  " saggs.checkpoint.restore(manager, params, opt_state, pairs, tx=tx); or restore with"
-  " canonicalize=False. Nothing was restored."
-)
+_TX_FIX = " Nothing was restored; pass the chain: restore(..., pairs, tx=tx)."
 
 
 def _nodes(tree: Any, types: tuple[type, ...]) -> list[tuple[str, Any]]:
@@ -435,10 +435,7 @@ def _refuse_moments(params: Any, opt_state: Any, pairs: Sequence[Pair]) -> None:
     others = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     raise TypeError(
       f"Cannot canonicalize opt_state without its optimizer: the {what} at"
-      f" opt_state/{found[0]}{others} is a moment of a declared parameter, whose degree"
-      " its place in the optimizer decides, not its type (optax.adamax keeps degree 1 in"
-      " ScaleByAdamState.nu; any moment after a normaliser such as scale_by_rms holds degree"
-      " 0), so its registered degree may move it wrongly." + _TX_FIX
+      f" opt_state/{found[0]}{others} is a moment." + _TX_FIX
     )
 
 
@@ -450,9 +447,7 @@ def _refuse_params_inside(params: Any, opt_state: Any) -> None:
   if inside:
     raise ValueError(
       f"opt_state holds params themselves (at 'opt_state/{inside[0]}'), which would come back"
-      " as saved beside the canonicalised params. Pass the train state without them, e.g."
-      " state.replace(params=None) for a Linen TrainState, and save it so too. Nothing was"
-      " restored."
+      " uncanonicalised. Nothing was restored; save and restore state.replace(params=None)."
     )
 
 
@@ -460,8 +455,8 @@ def _refuse_nnx_mappings(opt_state: Any) -> None:
   nnx = sys.modules.get("flax.nnx")
   if nnx is not None and _nodes(opt_state, (nnx.State,)):
     raise TypeError(
-      "Cannot canonicalize an nnx state without its optimizer: nnx.state(optimizer) keeps the"
-      " optax states as plain mappings, so only tx can tell their degrees." + _TX_FIX
+      "Cannot canonicalize an nnx state without its optimizer: nnx.state(optimizer) keeps"
+      " plain mappings, so only tx can tell their degrees." + _TX_FIX
     )
 
 
@@ -479,17 +474,15 @@ def _made_by(tx: optax.GradientTransformation, params: Any, opt_state: Any) -> t
     made = jax.eval_shape(tx.init, params)
     if _nodes(made, (SaggsState,)):
       raise TypeError(
-        "tx holds a SAGGS stage inside another transformation: its degrees would be measured"
-        " through a stage that balances its probe histories onto one point. Pass the"
-        " saggs.chain itself, or the optimizer stages before its symmetry stage."
-        " Nothing was restored."
+        "tx holds a SAGGS stage inside another transformation, which hides the degrees of the"
+        " moments. Nothing was restored; pass the saggs.chain itself as tx."
       )
   ours, theirs = layout(made), layout(part)
   first = first_difference(theirs, ours)
   if first is not None:  # a chain's state that is no tuple lacks all of it
     raise ValueError(
       f"tx does not make this opt_state: at {first!r}, {name}.init(params) gives"
-      f" {ours.get(first, 'nothing')}, opt_state holds {theirs.get(first, 'nothing')}." + _TX_FIX
+      f" {ours.get(first, 'nothing')}, it holds {theirs.get(first, 'nothing')}." + _TX_FIX
     )
   return optimizer, n, jax.tree.structure(made)
 
@@ -656,8 +649,7 @@ def restore(
   except Exception as e:  # a plain Orbax checkpoint: KeyError, ValueError, ... from Orbax
     raise ValueError(
       f"{what} was not written by saggs_jax.checkpoint.save: it has no readable 'layout' and"
-      f" 'checksums' items (Orbax: {str(e).splitlines()[0]}). Restore it with Orbax directly,"
-      " or save with saggs_jax.checkpoint.save. Nothing was restored."
+      f" 'checksums' items (Orbax: {str(e).splitlines()[0]}). Restore it with Orbax directly."
     ) from e
   check_layout(saved["layout"], target, what)
   abstract = jax.tree.map(lambda x: _abstract(x) if paths.is_array(x) else None, target)
@@ -682,10 +674,7 @@ def restore(
       step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
     )["state"]
   except Exception as e:  # Orbax raises whatever TensorStore met (DATA_LOSS, zstd errors, ...)
-    raise ValueError(
-      f"{what} could not be read: {str(e).splitlines()[0]}. Nothing was"
-      " restored; restore another step."
-    ) from e
+    raise ValueError(f"{what} could not be read: {str(e).splitlines()[0]}." + ANOTHER_STEP) from e
   _verify(saved["checksums"], state, what, hashers)
   state = _unstorable(target, state)
   arrays = state["params"], state["opt_state"]

@@ -226,8 +226,8 @@ def proxy(plan: Plan, whole: bool = False, most: int | None = GROUPS) -> Plan:
         if not np.array_equal(_group_of(s, plan.shapes[path][s.axis])[k], _group_of(cut, len(k))):
           raise TypeError(
             f"Cannot measure transport degrees for {path!r} {plan.shapes[path]}: the groups"
-            f" of {s.key!r} along axis {s.axis} do not survive cutting the leaf to a small"
-            " proxy (another pair's blocks split them)."
+            f" of {s.key!r} along axis {s.axis} do not survive the small proxy. Split that axis"
+            " by one pair's blocks only."
           )
       new.append(cut)
     slots[path] = tuple(new)
@@ -435,16 +435,13 @@ def _fails(tx, params, state) -> TypeError:
   except Exception as e:  # e.g. an update that needs more than the gradients and a value
     return TypeError(
       f"Cannot transport {type(state).__name__} at opt_state: its degrees are measured on a"
-      " probe history (gradients laid out like the parameters, extra argument value=1), on"
-      f" which the optimizer fails: {type(e).__name__}: {e}"
+      " probe history (gradients like the parameters, value=1), on which the optimizer"
+      f" fails: {type(e).__name__}: {e}"
     )
   return TypeError(
     f"Cannot measure the transport degrees of {type(state).__name__}: the optimizer runs on"
-    " the parameters' shapes but not on a small proxy of them (saggs_jax._src.degrees.proxy: at"
-    f" most every pair's groups whole and every other axis cut to {KEEP} entries), as a rule"
-    " that splits an axis into pieces of a fixed size does where no pair groups that axis"
-    " (the heads of an attention kernel that no pair declares). Declare the pairs of that"
-    " leaf too, or leave that rule out of the optimizer the pairs balance."
+    " the parameters' shapes but not on a small proxy of them (docs/moments.md). Declare the"
+    " pairs of every leaf it splits, or leave that rule out."
   )
 
 
@@ -607,8 +604,8 @@ def _stand_in(aval) -> np.ndarray:
   if not (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_):
     raise TypeError(
       f"Cannot measure transport degrees: the optimizer closes over a {aval} traced outside"
-      " it (a saggs.chain built inside a transformation that traces it), for which the probe"
-      " has no stand-in. Build the chain outside, or pass that value as a number."
+      " it, which the probe has no stand-in for. Build the chain outside the trace, or pass"
+      " that value as a number."
     )
   value = HYPERPARAMETER if jnp.issubdtype(dtype, jnp.inexact) else 1
   return np.full(aval.shape, value, dtype)
@@ -665,16 +662,9 @@ def _refuse_inside_lookahead() -> None:
   while frame is not None:
     if frame.f_code in _LOOKAHEAD_CODE:
       raise ValueError(
-        "A saggs_jax symmetry stage runs inside optax.lookahead's fast optimizer: it rescales"
-        " the fast weights alone, while lookahead's slow weights, which every synchronisation"
-        " mixes with the fast ones, stay where they were. Under SAGGS two equivalent states"
-        " then synchronise onto functions that are no longer equivalent and never meet again"
-        " (the slow weights would have to move by the fast weights' factors, out of the"
-        " stage's reach); under qk_clip the mixed slow weights' logits are not bounded by the"
-        " clip. A stage around lookahead refuses its LookaheadParams for the same reason: no"
-        " arrangement of the two keeps the guarantee. Train without lookahead;"
-        " saggs_jax.reparameterize / canonicalize still move a whole lookahead state, its slow"
-        " weights declared as followers."
+        "A saggs_jax symmetry stage runs inside optax.lookahead's fast optimizer, out of reach"
+        " of the slow weights each synchronisation mixes in (docs/moments.md). Train without"
+        " lookahead."
       )
     frame = frame.f_back
 
@@ -742,10 +732,8 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan, state: An
   if mismatch is not None:
     raise TypeError(
       f"Cannot measure the transport degrees of {_where(state, mismatch)}: its layout"
-      " depends on the parameters' sizes (as Adafactor factors only axes of at least"
-      " min_dim_size_to_factor), so the small proxy the degrees are measured on holds"
-      " another layout than the full-size state. Keep that layout independent of the"
-      " sizes (optax.adafactor(..., factored=False))."
+      " depends on the parameters' sizes, so the small proxy has another. Keep it"
+      " size-independent: optax.adafactor(..., factored=False)."
     )
   if layout not in known:
     program = _trace(spec, small_state, small, traced_init.jaxpr, update)
@@ -760,12 +748,9 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan, state: An
         plain = None
       if plain != found:
         raise TypeError(
-          f"Cannot measure the transport degrees of {type(state).__name__}: it closes over"
-          " values traced outside it (optax.inject_hyperparams around the whole chain), and"
-          " whether its state transports depends on their size (an eps inside a normaliser"
-          " or a trust ratio, a weight decay before a moment), which a tracer does not tell."
-          " Pass those hyperparameters as numbers (inject_hyperparams(...,"
-          " static_args=(...))), or put inject_hyperparams inside the chain."
+          f"{type(state).__name__} closes over values traced outside it, and whether it"
+          " transports depends on their size. Pass them as numbers"
+          " (inject_hyperparams(..., static_args=...)), or inject them inside the chain."
         )
     known[layout] = found
   known[full] = jax.tree.structure(state).unflatten(known[layout])
@@ -806,14 +791,9 @@ def _decide(program: _Cut, spec, state, small, outer_scale=GRADIENT_SCALE) -> li
         decided[n] = CANDIDATES[int(np.argmax(fits[1:]))]
       else:
         raise TypeError(
-          f"Cannot transport {_where(state, leaves[n][0])}:"
-          " after an equivalent history (parameters T_c p, gradients g / c on side A and"
-          " g * c on side B, every clip open and every additive constant negligible) this leaf"
-          f" is not the transported one for any degree in {sorted(CANDIDATES)}, so a stage"
-          " before it does not commute with the rescaling (a trust ratio or norm over a leaf"
-          " whose groups move apart, a moment that mixes quantities of different degrees)."
-          " Drop or move that stage, or declare the pairs with one group per tensor"
-          " (axes=None) when a per-tensor norm is the cause."
+          f"Cannot transport {_where(state, leaves[n][0])}: after an equivalent history this"
+          " leaf is not the transported one for any degree (docs/moments.md). Drop that stage,"
+          " or declare the pairs with axes=None."
         )
     if len(decided) == len(floats):
       break
@@ -842,11 +822,9 @@ def _decide_seeded(probe, state, leaves, floats, mults, registered, decided) -> 
       unchecked += [] if agree is CANDIDATES else [where]
     else:
       raise TypeError(
-        f"Cannot transport {where}: this leaf stays zero where its parameter moves through"
-        f" {STEPS[-1]} probe updates from init and as many past every schedule's horizon (a"
-        " learning rate that is zero for good, a mask or a stage that zeroes what reaches"
-        " it), and started elsewhere no degree, or several but not its registered one, keeps"
-        " the two histories equal. Leave the leaf out of the pairs."
+        f"Cannot transport {where}: this leaf stays zero through the probe's updates where"
+        " its parameter moves, and started elsewhere no one degree fits. Leave its parameter"
+        " out of the pairs."
       )
   if unchecked:
     warnings.warn(

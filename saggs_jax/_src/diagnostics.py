@@ -101,12 +101,15 @@ def check_symmetry(
     deviations[inst.key] = probe(_only(plan, inst), factors)
     if not deviations[inst.key] <= probe.tolerance:  # NaN fails too
       measured, cause = _diagnose(probe, plan, inst, sub, max(high, 1 / low))
-      raise ValueError(
+      error = ValueError(
         f"{inst.pair.label} is not a symmetry of the model: rescaling {_side(inst.members_a)} by"
         f" c and {_side(inst.members_b)} by 1/c (c in [{low}, {high}]) changed the output by"
-        f" {deviations[inst.key]:.3g} relative to its largest entry (tolerance"
-        f" {probe.tolerance:.3g}). Measured: {'; '.join(measured)}. Likely cause: {cause}"
+        f" {deviations[inst.key]:.3g} (tolerance {probe.tolerance:.3g}). Diagnosis below."
       )
+      # The diagnosis is long (measurements, then the likely cause and its fix): a note, which
+      # the traceback prints after the message (PEP 678).
+      error.add_note(f"Measured: {'; '.join(measured)}. Likely cause: {cause}")
+      raise error
     # Moot only if each side alone, by per-group factors (never all 1), is invisible: a norm
     # after the whole product (a post-norm) hides one common factor, not the groups' relative
     # ones.

@@ -53,8 +53,7 @@ CALLS = MappingProxyType(
 def _missing(eqn: jcore.JaxprEqn, name: str) -> KeyError:
   return KeyError(
     f"saggs_jax does not know the {eqn.primitive.name!r} equations of jax {jax.__version__}:"
-    f" it reads their parameter {name!r}, and they have {sorted(eqn.params)}."
-    " Please report it with your jax version; saggs_jax._src.jaxpr_params is where the reads live."
+    f" they lack {name!r}, and have {sorted(eqn.params)}. Please report it with your jax version."
   )
 
 

@@ -52,17 +52,22 @@ def per_copy_axis(axis: int, copy: tuple[int, ...]) -> int:
   return axis - sum(c < axis for c in copy)
 
 
+# A leaf with fewer axes than a pair's copy axes (``stacked``) needs: two raises say it.
+COPY_AXES_MSG = (
+  "{where}: {path!r} has shape {shape}, too few axes for the copy axes at {copy}."
+  " Set stacked= to the copy axes this leaf has."
+)
+
+
 def _absolute(where: str, what: str, axis: int, path: str, shape, copy: tuple[int, ...]) -> int:
   """The absolute axis of ``axis``, counted among the non-copy axes of the leaf at ``path``."""
   if copy and max(copy) >= len(shape):
-    raise ValueError(
-      f"{where}: {path!r} has shape {shape}, too few axes for the copy axes at {copy}."
-    )
+    raise ValueError(COPY_AXES_MSG.format(where=where, path=path, shape=shape, copy=copy))
   free = free_axes(len(shape), copy)
   if not -len(free) <= axis < len(free):
     raise ValueError(
       f"{where}: {what} {axis} is out of range for {path!r} with shape {shape}"
-      f" ({len(free)} axes besides the copy axes at {copy})."
+      f" ({len(free)} axes besides the copy axes at {copy}). Count it among those."
     )
   return free[axis]
 
@@ -163,13 +168,13 @@ class Block:
     if self.sizes is None and size % n:
       raise ValueError(
         f"{where}: {self!r} cannot split axis {axis} of size {size} of {path!r}"
-        f" with shape {shape} into {n} equal parts; pass sizes=."
+        f" with shape {shape} into {n} equal parts. Pass sizes=, one size per part."
       )
     sizes = self.sizes or (size // n,) * n
     if sum(sizes) != size:
       raise ValueError(
         f"{where}: {self!r} sizes sum to {sum(sizes)}, but axis {axis} of"
-        f" {path!r} with shape {shape} has size {size}."
+        f" {path!r} with shape {shape} has size {size}. Pass sizes= that sum to {size}."
       )
     start = sum(sizes[: self.index])
     return axis, start, start + sizes[self.index]
@@ -280,8 +285,8 @@ class Pair:
     if not ok:
       raise ValueError(
         f"{self._spelled}: stacked must be an int >= 0 (the number of leading copy axes)"
-        f" or a tuple of increasing axis positions >= 0 (e.g. (1,) for a layer axis at"
-        f" position 1), got {self.stacked!r}."
+        f" or a tuple of increasing axis positions >= 0, got {self.stacked!r}. Pass e.g."
+        " stacked=(1,) for a layer axis at position 1."
       )
     object.__setattr__(self, "stacked", stacked)
     first = self.patterns(0)[0]
@@ -326,8 +331,8 @@ class Pair:
     ):
       raise ValueError(
         f"{self._spelled}: axes must be None or a pair of ints (axis_a, axis_b), got"
-        f" {self.axes!r}; e.g. axes=(1, 1) groups axis 1 of both sides. On a side of several"
-        " patterns the axis may also be a tuple of one int per pattern."
+        f" {self.axes!r}. Pass e.g. axes=(1, 1) (axis 1 of both sides), or a tuple per side"
+        " of several patterns."
       )
     return tuple(
       tuple(map(int, ax)) if isinstance(ax, (tuple, list)) else int(ax) for ax in self.axes
@@ -542,14 +547,12 @@ def _matches(spec: Spec, dtypes: dict[str, Any], pair: Pair) -> dict[tuple, str]
     if caps in found:
       raise ValueError(
         f"{pair._spelled}: pattern {spec!r} matches both {found[caps]!r} and {path!r} with"
-        " the same wildcard captures, so their partners are ambiguous. Make the pattern more"
-        " specific."
+        " the same wildcard captures. Make the pattern more specific."
       )
     if not jnp.issubdtype(dtypes[path], jnp.floating):
       raise ValueError(
         f"{pair._spelled}: pattern {spec!r} matches {path!r} of dtype {dtypes[path]}; only"
-        " floating-point leaves can be rescaled (an integer would be truncated). Narrow the"
-        " pattern or store the leaf as floats."
+        " floats rescale (an integer would be truncated). Narrow the pattern or store floats."
       )
     found[caps] = path
   if not found:
@@ -580,10 +583,7 @@ def _copy_shape(pair: Pair, path: str, shape: tuple[int, ...]) -> tuple[int, ...
   """The sizes of the copy axes of the leaf at ``path``; raises if it has too few axes."""
   copy = pair.copy_axes
   if copy and max(copy) >= len(shape):
-    raise ValueError(
-      f"{pair._spelled}: {path!r} has shape {shape}, too few axes for the copy axes at"
-      f" {copy} (stacked={pair.stacked!r})."
-    )
+    raise ValueError(COPY_AXES_MSG.format(where=pair._spelled, path=path, shape=shape, copy=copy))
   return tuple(shape[i] for i in copy)
 
 
@@ -592,11 +592,8 @@ def _check_ndim(pair: Pair, side: int, path: str, shape: tuple[int, ...]) -> Non
   per_copy = len(shape) - len(pair.copy_axes)
   if want is not None and per_copy != want:
     raise ValueError(
-      f"{pair._spelled}: {path!r} (side {'ab'[side]}) has shape {shape}, {per_copy} axes"
-      f" besides the copy axes (stacked={pair.stacked!r}), but the declaration describes"
-      f" {want}: it was written for another layout, and its group axes would land on"
-      " other axes (a scanned layer axis, say). Declare the copy axes with stacked=, or"
-      " use the preset for this layout (saggs_jax.presets.maxtext for MaxText)."
+      f"{pair._spelled}: {path!r} {shape} has {per_copy} axes besides the copy axes, the"
+      f" declaration {want}. Declare copy axes with stacked=, or use this layout's preset."
     )
 
 
@@ -637,8 +634,7 @@ def _follower_slot(pair, key, sign, kernel, kernel_shape, kernel_axis, groups, n
     if axis < 0 or shape[axis] != kernel_shape[kernel_axis]:
       raise ValueError(
         f"{pair._spelled}: follower {name!r} with shape {shape} has no axis matching group axis"
-        f" {kernel_axis} of {kernel!r} {kernel_shape}; a follower is a bias of that axis's"
-        " size, or shares its kernel's trailing axes."
+        f" {kernel_axis} of {kernel!r} {kernel_shape}. Follow a bias of that axis's size."
       )
   return Slot(key, sign, axis, groups, pair.copy_axes, block)
 
@@ -666,10 +662,8 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]], dtypes: dict[s
     bias = next((q for q in found.values() if wild and q.rsplit("/", 1)[-1] == "bias"), None)
     if bias is not None:  # a wildcard caught it: a bias alone never carries a factor
       raise ValueError(
-        f"{pair._spelled}: pattern {spec!r} matches the bias {bias!r} by its wildcard, which"
-        " would give the bias a factor of its own: no symmetry. A bias moves with its kernel"
-        " or gain: name their leaf in the pattern and declare the bias a follower"
-        " (follow_a=/follow_b=; presets.llama: qk_norm_bias='bias')."
+        f"{pair._spelled}: pattern {spec!r} matches the bias {bias!r} by its wildcard, giving it"
+        " a factor of its own. Name the kernel's leaf in the pattern and the bias in follow_a=."
       )
   matched = [(side, found) for side in (0, 1) for _, _, found in sides[side]]
   everywhere = set.intersection(*(set(found) for _, found in matched))
@@ -781,34 +775,29 @@ def _claim(inst: Instance, members, declared: dict, roles: dict, parts: dict) ->
     for first_role, first, first_slot in roles.get(part.path, ()):
       if slot.block and first_slot.block and slot.block[0] != first_slot.block[0]:
         raise ValueError(
-          f"{part.path!r} is split along axis {first_slot.block[0]} as {first_role} of"
-          f" {first.pair._spelled} and along axis {slot.block[0]} as {role} of"
-          f" {inst.pair._spelled}; the blocks of one leaf must split one axis."
+          f"{part.path!r} is split along axis {first_slot.block[0]} by {first.pair._spelled}"
+          f" and along axis {slot.block[0]} by {inst.pair._spelled}. Split one axis of it."
         )
       if not _overlap(slot.block, first_slot.block):
         continue  # disjoint blocks of one leaf move independently
       if first.key == inst.key:
         raise ValueError(
-          f"{inst.pair._spelled}: {part.path!r} is both {first_role} and {role} of the pair of"
-          f" {inst.a!r} and {inst.b!r}, and the two overlap; a leaf moves with one side of a"
-          " pair only, unless disjoint blocks of it are declared. Remove it from one of the"
-          " patterns."
+          f"{inst.pair._spelled}: {part.path!r} is both {first_role} and {role}, overlapping;"
+          " a leaf moves with one side of a pair only. Remove it from one of the patterns."
         )
-      clash = next(
+      clash_axis = next(
         (
-          f"axis {ax}"
+          ax
           for ax, other in ((slot.axis, first_slot), (first_slot.axis, slot))
           if ax is not None and (ax == other.axis or ax in other.stacked)
         ),
         None,
       )
-      if clash:
+      if clash_axis is not None:
         raise ValueError(
-          f"{part.path!r} is {first_role} of {first.pair._spelled} (pairing {first.a!r} with"
-          f" {first.b!r}) and {role} of {inst.pair._spelled} (pairing {inst.a!r} with"
-          f" {inst.b!r}), both grouping or stacking its {clash}. Overlapping symmetries are"
-          " balanced jointly when each groups a different axis of a shared leaf, outside the"
-          " other's stacked axes."
+          f"{part.path!r} is {first_role} of {first.pair._spelled} and {role} of"
+          f" {inst.pair._spelled}, both grouping or stacking its axis {clash_axis}. Group"
+          " another axis in one."
         )
     roles.setdefault(part.path, []).append((role, inst, slot))
 

@@ -233,6 +233,6 @@ def check_made_by(given: Any, made: Any, what: str, maker: str, fix: str) -> Non
   first = first_difference(theirs, ours)
   if first is not None:
     raise ValueError(
-      f"{what} is not what {maker} makes for these parameters: at {first!r} it holds"
-      f" {theirs.get(first, 'nothing')}, {maker} makes {ours.get(first, 'nothing')}. {fix}"
+      f"{what} is not what {maker} makes: at {first!r} it holds {theirs.get(first, 'nothing')},"
+      f" not {ours.get(first, 'nothing')}. {fix}"
     )

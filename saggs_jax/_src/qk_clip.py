@@ -148,8 +148,7 @@ def _checked_logits(plan: Plan, extra_args: dict, num_heads: int | None) -> dict
   if logits is None:
     raise ValueError(
       "qk_clip needs the measured maximum logits: call update(grads, state, params,"
-      f" max_logits={{{spelled}}}), each the per-head max of q·k·scale on this step's batch"
-      " (saggs_jax.max_logits); inside saggs_jax.chain the qk_clip stage comes last."
+      f" max_logits={{{spelled}}}), each the per-head max of q·k·scale (saggs_jax.max_logits)."
     )
   if not isinstance(logits, Mapping) or set(logits) != set(wanted):
     got = sorted(logits) if isinstance(logits, Mapping) else type(logits).__name__
@@ -170,11 +169,9 @@ def _checked_logits(plan: Plan, extra_args: dict, num_heads: int | None) -> dict
     if inst.pair.groups is None:  # one group per entry: the heads are not declared
       if num_heads is None or q_size % num_heads or k_size != q_size:
         raise ValueError(
-          f"qk_clip: {inst.pair.label} has one group per entry and declares no heads, so the"
-          f" head of each of its {q_size} query entries cannot be checked against max_logits."
-          " Pass num_heads= the query heads of a multi-head attention (dividing"
-          f" {q_size}, the key axis as wide, here {k_size}; got {num_heads}), or declare the"
-          " pair's groups= the KV heads."
+          f"qk_clip: {inst.pair.label} has one group per entry and declares no heads (num_heads"
+          f" {num_heads}, {q_size} query and {k_size} key entries). Pass num_heads= the query"
+          " heads, dividing both, or declare groups= the KV heads."
         )
       heads, rule = num_heads, f"heads = num_heads = {num_heads}"
     elif (q_size * inst.factor_shape[-1]) % k_size:
@@ -185,15 +182,12 @@ def _checked_logits(plan: Plan, extra_args: dict, num_heads: int | None) -> dict
       )
     else:  # head_dim = k_size / groups, as many query heads as fill the query axis
       heads = q_size * inst.factor_shape[-1] // k_size
-      rule = (
-        f"heads = {heads} query heads ({q_size} query entries per"
-        f" {k_size // inst.factor_shape[-1]}-entry head, {inst.factor_shape[-1]} KV groups)"
-      )
+      rule = f"heads = {heads}: {q_size} query entries, {inst.factor_shape[-1]} KV groups"
     shape = tuple(jnp.shape(s))
     if len(shape) != len(stacked) + 1 or shape[:-1] != stacked or shape[-1] != heads:
       raise ValueError(
-        f"qk_clip: max_logits[{a!r}] has shape {shape}; {inst.pair.label} wants"
-        f" {stacked} + (heads,), {rule}: one max logit per query head."
+        f"qk_clip: max_logits[{a!r}] has shape {shape}, not {stacked} + (heads,) with {rule}."
+        " Pass one max logit per query head."
       )
     out[inst.key] = jnp.asarray(s, jnp.float32)
   return out

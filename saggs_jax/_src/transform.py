@@ -258,16 +258,29 @@ def _check_axis_name(axis_name) -> None:
     )
 
 
+# Inside shard_map a leaf is a shard, and a group may be split over devices: docs/multi_host.md
+# says which axis_name sums its norms over them, and where the global shapes come from.
+SHARD_MAP_AXIS_MSG = (
+  "SAGGS is traced inside shard_map (manual axes {manual}) with axis_name=None: each device"
+  " would balance its shard alone. Pass axis_name= the mesh axes that split the groups, or ()."
+)
+SHARD_MAP_SHAPES_MSG = (
+  "{pair}: groups={groups} along axis {axis} of {path!r} inside shard_map, where"
+  " axis_name={axis_name!r} sums its norms, need the global shapes. Call tx.init outside"
+  " shard_map."
+)
+SHARD_MAP_SPLITS_MSG = (
+  "{pair}: groups={groups} along axis {axis} of {path!r}, which shard_map splits ({size}"
+  " entries, {local} per device). Keep that axis whole on each device, or balance outside"
+  " shard_map."
+)
+
+
 def _check_global(axis_name) -> None:
   """Inside ``shard_map`` a leaf is a shard: its norms alone would balance per shard."""
   manual = jax.sharding.get_abstract_mesh().manual_axes
   if manual and axis_name is None:
-    raise ValueError(
-      f"SAGGS is traced inside shard_map (manual mesh axes {manual}), where each device sees"
-      " only its shard and would balance it on its own. Pass axis_name= the mesh axes that"
-      " split the parameters' groups (FSDP or data axes; the norms are summed over them), or"
-      " axis_name=() if every shard holds whole groups."
-    )
+    raise ValueError(SHARD_MAP_AXIS_MSG.format(manual=manual))
 
 
 def _check_whole_groups(plan, global_shapes, axis_name) -> None:
@@ -287,20 +300,23 @@ def _check_whole_groups(plan, global_shapes, axis_name) -> None:
       local, whole = plan.shapes[path], global_shapes.get(path)
       if axis is None:
         continue
+      groups = inst.pair.groups
       if whole is None and axis_name:
         raise ValueError(
-          f"{inst.pair!r} declares groups={inst.pair.groups} along axis {axis} of {path!r}"
-          f" (shape {local} per device) inside shard_map, where axis_name={axis_name!r} sums"
-          " its norms over shards; if the shards split that axis, pieces of different groups"
-          " would be summed as one. The global shapes tell: call tx.init on the global"
-          " parameters outside shard_map (jit on the mesh), or balance outside shard_map."
+          SHARD_MAP_SHAPES_MSG.format(
+            pair=inst.pair.label, groups=groups, axis=axis, path=path, axis_name=axis_name
+          )
         )
       if whole is not None and local[axis] != whole[axis]:
         raise ValueError(
-          f"{inst.pair!r} declares groups={inst.pair.groups} along axis {axis} of {path!r},"
-          f" which shard_map splits over devices (shape {whole} holds {local} per device):"
-          " each device would balance its slices as groups of their own. Keep that axis"
-          " whole on every device, or balance outside shard_map (jit on a mesh)."
+          SHARD_MAP_SPLITS_MSG.format(
+            pair=inst.pair.label,
+            groups=groups,
+            axis=axis,
+            path=path,
+            size=whole[axis],
+            local=local[axis],
+          )
         )
 
 
@@ -604,7 +620,7 @@ class Chain(optax.GradientTransformationExtraArgs):
         want,
         f"init_from: optimizer_states[{i}]",
         "the optimizer",
-        "Pass the state of the transformation before the symmetry stage, for these parameters.",
+        "Pass the state of the transformation before the symmetry stage.",
       )
     fresh = _placed_like(optimizer_states, tuple(s.init(params) for s in update.stages))
     kept = jax.tree.map(lambda x: x, optimizer_states)  # new nnx Variables, the same arrays
@@ -632,13 +648,8 @@ def _check_params(params, name: str) -> None:
     raise ValueError(f"{name} needs the current parameters: call update(updates, state, params).")
   if isinstance(params, optax.LookaheadParams):
     raise ValueError(
-      f"{name} cannot balance optax.lookahead's LookaheadParams: its gradients are laid out"
-      " like params.fast, not like the parameters, and its slow weights would need moving"
-      " with them. Balancing the fast weights alone (the chain as lookahead's fast"
-      " optimizer) is no way out: each synchronisation then mixes slow weights of one orbit"
-      " point with fast weights of another, and equivalent states part. Train without"
-      " lookahead, or move a whole lookahead state with saggs_jax.reparameterize /"
-      " canonicalize."
+      f"{name} cannot balance optax.lookahead's LookaheadParams, and balancing the fast"
+      " weights alone is no way out (docs/moments.md). Train without lookahead."
     )
 
 
@@ -675,9 +686,7 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
     if first == 0 or not all(symmetric[first:]):
       raise ValueError(
         f"saggs_jax.chain: the symmetry stage at position {first} must come after the optimizer"
-        " it balances, and only symmetry stages may follow it (their updates land on the"
-        " balanced parameters, which a later stage would change); stages are"
-        f" {['symmetry' if s else 'optimizer' for s in symmetric]}. Write"
+        " it balances, and only symmetry stages may follow it. Write"
         " saggs_jax.chain(optax.adamw(...), saggs_jax.saggs(pairs))."
       )
   optimizers = tuple(optax.with_extra_args_support(t) for t in transforms[:first])

@@ -61,10 +61,13 @@ AS_REGISTERED = "as registered"
 """A leaf of a ``degrees`` tree that keeps the degree its state type registers."""
 _RULES: dict[type, Rule] = {}
 
-_LAYOUT_FIX = (
-  "Initialise the optimizer on the parameters that the SAGGS stage sees; a state of your own"
-  " must keep each moment in a tree laid out like them (one field per moment), registered"
-  " with saggs_jax.register_transport(Type, {'field': degree, ...})."
+_LAYOUT_FIX = "Lay each moment out like the parameters (docs/moments.md)."
+
+# A state holding an array laid out like a declared parameter (its path, its shape, or all
+# parameters raveled), and no rule that says its degree: docs/moments.md lists the degrees.
+UNREGISTERED_MSG = (
+  "Cannot transport {name} at {where}: it holds an image of a parameter (at {hit!r}) and no"
+  " rule. {fix}"
 )
 
 
@@ -183,13 +186,10 @@ def _map_leaves(plan: Plan, state, where: str, tree, degrees, leaf_fn: Callable[
     out = leaf_fn(path, x, measured)
     if out is None:
       if path in plan.shapes:
-        why = f"the parameter {path!r} has shape {plan.shapes[path]}, this leaf {_shape(x)}"
+        why = f"its parameter has shape {plan.shapes[path]}, this leaf {_shape(x)}."
       else:
-        why = (
-          f"no parameter has the path {path!r}, and this leaf, shape {_shape(x)}, is not the"
-          " raveled vector of all parameters"
-        )
-      raise _refusal(state, f"{where}[{path!r}]", f"{why}, so it has no exact transport.")
+        why = "no parameter has this path, and it is not all of them raveled."
+      raise _refusal(state, f"{where}[{path!r}]", why)
     return out
 
   if degrees is None:
@@ -291,20 +291,13 @@ def _transport_factored(plan: Plan, state, factors: Factors, where: str, degrees
       hit = _varying(plan, path, axes)
       if hit is not None:
         axis, slot, why = hit
-        regroup = (
-          ""
-          if why != "groups"
-          else "Declare the pair with one group per tensor"
-          " (axes=None) or a group axis other than the two largest, or keep"
-        )
         raise _refusal(
           state,
           f"{where}.{field}[{path!r}]",
-          f"Adafactor keeps only means of g**2 over axes {axes[0]} and {axes[1]} of {path!r}"
-          f" {shape}, and the factors of {slot.key!r} change along axis {axis} ({why}), so"
-          " the transported means are not determined by the stored ones.",
-          f"{regroup or 'Keep'} this moment unfactored: optax.adafactor(..., factored=False)"
-          f" or min_dim_size_to_factor > {shape[axes[1]]}.",
+          f"the factors change along axis {axis} ({why}), which Adafactor averages.",
+          "Declare axes=None or factored=False."
+          if why == "groups"
+          else "Pass adafactor(..., factored=False).",
         )
       return _scale(plan, path, x, factors, -_degree(2, measured), drop=axes[which])
 
@@ -345,10 +338,8 @@ def _transport_lookahead(plan: Plan, state, factors: Factors, where: str, degree
       raise _refusal(
         state,
         where,
-        f"the slow weight 'slow/{path}' does not move by the same factors as the fast weight"
-        f" 'fast/{path}', and each synchronisation mixes the two.",
-        "Declare the pairs on the fast weights with the slow ones as followers, e.g."
-        " Pair('fast/q', 'fast/k', follow_a='slow/q', follow_b='slow/k').",
+        f"the slow weight 'slow/{path}' moves apart from its fast weight.",
+        "Declare it a follower: Pair('fast/q', 'fast/k', follow_a='slow/q').",
       )
   return state._replace(
     fast_state=transport(
@@ -424,11 +415,9 @@ def transport(
     # Moments kept directly in a plain container have no rule to say their degree.
     hit = _image_path(plan, state, is_leaf=lambda x: not _is_plain_container(x))
     if hit is not None:
+      fix = "Wrap such arrays in a NamedTuple state and register_transport it."
       raise TypeError(
-        f"Cannot transport the plain container at {where}: it holds an array that"
-        f" looks like an image of a declared parameter (at {hit!r}) with no state"
-        " type to say its degree. Wrap such arrays in a NamedTuple state and"
-        " register it with saggs_jax.register_transport."
+        UNREGISTERED_MSG.format(name="the plain container", where=where, hit=hit, fix=fix)
       )
     items = state.items() if isinstance(state, dict) else enumerate(state)
     new = {
@@ -440,18 +429,10 @@ def transport(
   if hit is not None:
     name = type(state).__name__
     # nnx.state(optimizer) turns optax's NamedTuple states into plain mappings.
-    hint = (
-      " An nnx.state(optimizer) has lost the optax state types: pass optimizer.opt_state instead."
+    fix = (
+      "nnx.state(optimizer) lost the optax types: pass optimizer.opt_state."
       if isinstance(state, Mapping)
-      else ""
+      else f"Register its degrees: saggs_jax.register_transport({name}, ...)."
     )
-    raise TypeError(
-      f"Cannot transport {name} at {where}: it holds an array that looks like an image of a"
-      f" declared parameter (at {hit!r}: its path, its shape or all parameters raveled) and"
-      f" saggs_jax has no rule for {name}. Register one with"
-      f" saggs_jax.register_transport({name}, {{'field': degree, ...}}), degree being 1 for"
-      " gradient moments, 2 for squared gradients, -1 for parameter-like state and"
-      f" saggs_jax.NESTED for inner optimizer states; {{}} if no field changes under the"
-      f" rescaling.{hint}"
-    )
+    raise TypeError(UNREGISTERED_MSG.format(name=name, where=where, hit=hit, fix=fix))
   return state

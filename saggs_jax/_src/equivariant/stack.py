@@ -487,16 +487,13 @@ def _routed(tx, roles, given, optional, stacked) -> optax.GradientTransformation
       for r in roles
       if not hits[r] and (r in given or (adamw and r not in optional and r != "adamw"))
     ]
-    fix = (
-      ". Pass patterns={role: patterns}, or patterns=saggs_jax.discover(...).roles; keep"
-      " matrices on AdamW on purpose with patterns={'adamw': patterns}."
-    )
+    fix = ". Pass patterns={role: [...]} or {'adamw': [...]}."
     listed = f"{adamw[:4]}{' ...' if len(adamw) > 4 else ''}"
     if empty:
       raise ValueError(
         "symmetry_compatible: "
         + "; ".join(f"role {r!r} matches no parameter (patterns {list(roles[r])})" for r in empty)
-        + (f", while the matrices {listed} fall to AdamW" if adamw else "")
+        + (f", and {listed} fall to AdamW" if adamw else "")
         + fix
       )
     if adamw:
