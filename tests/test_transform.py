@@ -965,11 +965,11 @@ def _adam(g, mu, nu, t, lr=0.1, b1=0.9, b2=0.999, eps=1e-8):
 
 
 def _toy(before=None, after=None):
+  """Adam chained with a toy stage on Pair("q", "k") whose state counts its updates."""
   from saggs_jax._src import transform
 
-  stage = transform.Stage(
-    "toy", (saggs.Pair("q", "k"),), lambda p: optax.EmptyState(), before, after
-  )
+  init = lambda params: jnp.zeros([], jnp.int32)  # noqa: E731
+  stage = transform.Stage("toy", (saggs.Pair("q", "k"),), init, before, after)
   return saggs.chain(optax.adam(0.1), transform.symmetry_stage(stage))
 
 
@@ -988,27 +988,35 @@ def _toy_problem():
   return params, grads
 
 
+def _check_adam(got, state, p, mu, nu):
+  adam = state[0][0]
+  for n in p:
+    np.testing.assert_allclose(np.asarray(got[n]), p[n], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(adam.mu[n]), mu[n], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(adam.nu[n]), nu[n], rtol=1e-5, atol=1e-9)
+
+
 def test_a_stage_before_the_step_gets_its_factors_applied_by_the_chain():
-  """Factor 2 on the pair before every step: the parameters move (q*2, k/2), the gradients
-  inversely, Adam's moments by their degrees (mu/c, nu/c**2 on q; the inverse on k), and the
-  step lands on the moved parameters."""
+  """Factors 2, then 3, on the pair before each step: the parameters move (q*c, k/c), the
+  gradients inversely, Adam's moments by their degrees (mu/c, nu/c**2 on q; the inverse on
+  k), and the step lands on the moved parameters. (A constant factor would hide unscaled
+  gradients: Adam's step does not see a gradient scale its moments share.)"""
 
   def before(state, params, plan, **extra):
-    return {i.key: jnp.full(i.factor_shape, 2.0) for i in plan.instances}, state
+    return {i.key: jnp.full(i.factor_shape, 2.0 + state) for i in plan.instances}, state + 1
 
   params, grads = _toy_problem()
-  got, _ = _two_steps(_toy(before=before), params, grads)
-  c = {"q": 2.0, "k": 0.5}
+  got, state = _two_steps(_toy(before=before), params, grads)
   p = {n: params[n].astype(np.float64) for n in params}
   mu = {n: np.zeros((2, 3)) for n in p}
   nu = {n: np.zeros((2, 3)) for n in p}
-  for t, g in enumerate(grads, 1):
-    for n in p:
-      p[n], mu[n], nu[n] = p[n] * c[n], mu[n] / c[n], nu[n] / c[n] ** 2
-      step, mu[n], nu[n] = _adam(g[n] / c[n], mu[n], nu[n], t)
+  for t, (g, c_q) in enumerate(zip(grads, (2.0, 3.0)), 1):
+    for n, c in (("q", c_q), ("k", 1 / c_q)):
+      p[n], mu[n], nu[n] = p[n] * c, mu[n] / c, nu[n] / c**2
+      step, mu[n], nu[n] = _adam(g[n] / c, mu[n], nu[n], t)
       p[n] = p[n] + step
-  for n in p:
-    np.testing.assert_allclose(np.asarray(got[n]), p[n], rtol=1e-5, atol=1e-5)
+  _check_adam(got, state, p, mu, nu)
+  assert int(state[1]) == 2  # the stage's own state is the hook's
 
 
 def test_a_stage_after_the_step_corrects_it_and_moves_the_gauge():
@@ -1032,8 +1040,4 @@ def test_a_stage_after_the_step_corrects_it_and_moves_the_gauge():
       step, mu[n], nu[n] = _adam(g[n], mu[n], nu[n], t)
       p[n] = (p[n] + step) * d[n]
       mu[n], nu[n] = mu[n] / gauge[n], nu[n] / gauge[n] ** 2
-  adam = state[0][0]
-  for n in p:
-    np.testing.assert_allclose(np.asarray(got[n]), p[n], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(adam.mu[n]), mu[n], rtol=2e-6, atol=1e-7)
-    np.testing.assert_allclose(np.asarray(adam.nu[n]), nu[n], rtol=2e-6, atol=1e-9)
+  _check_adam(got, state, p, mu, nu)
