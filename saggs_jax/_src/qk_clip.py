@@ -35,10 +35,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from saggs_jax._src.pairs import Pair, Plan, as_pairs, resolve
-from saggs_jax._src.scaling import land_on, scale_tree
-from saggs_jax._src.transform import Stage, SymmetryTransformation, symmetry_stage, wrappable
-from saggs_jax._src.transport import transport
+from saggs_jax._src.pairs import Pair, Plan, as_pairs
+from saggs_jax._src.transform import (
+  Correction,
+  Stage,
+  SymmetryTransformation,
+  symmetry_stage,
+  wrappable,
+)
 from saggs_jax._src.validation import check_number
 
 
@@ -290,34 +294,16 @@ def qk_clip(
   if num_heads is not None:
     check_number("num_heads", num_heads, lambda n: n >= 1, ">= 1", integer=True)
 
-  def clip(params, plan, updates, extra_args):
-    """Updates landing on the clipped ``params + updates``, and the gauge factors."""
+  def after(state, params, updates, plan, **extra_args):
+    """The clip of ``params + updates`` per query head, and its Q/K gauge."""
+    del updates  # the clip reads the logits measured on params, not the step
     logits = _checked_logits(plan, extra_args, num_heads)
     heads = {inst.key: logits[inst.key].shape[-1] for inst in plan.instances}
     factors, gauge = _clip_factors(plan, logits, tau, alpha)
-    clipped = _heads_plan(plan, heads)
-    target = scale_tree(clipped, optax.apply_updates(params, updates), factors, 1.0)
-    return land_on(params, updates, target, clipped, factors), gauge
+    return Correction(_heads_plan(plan, heads), factors, gauge), state
 
-  def around(prior, grads, state, prior_states, params, plan, degrees=None, **extra_args):
-    _checked_logits(plan, extra_args, num_heads)  # fails before the inner step runs
-    updates, prior_states = prior(grads, prior_states, params)
-    updates, gauge = clip(params, plan, updates, extra_args)
-    return updates, state, transport(plan, prior_states, gauge, degrees=degrees)
-
-  def alone(updates, state, params=None, **extra_args):
-    if params is None:
-      raise ValueError(
-        "qk_clip needs the current parameters: call update(updates, state, params, max_logits=...)."
-      )
-    return clip(params, resolve(pairs, params), updates, extra_args)[0], state
-
-  # Outside saggs_jax.chain only the split alpha = 1/2 is exact: it moves no moment.
+  # Outside saggs_jax.chain only the split alpha = 1/2 is exact: its gauge moves no moment.
   stage = Stage(
-    "saggs_jax.qk_clip",
-    pairs,
-    lambda params: optax.EmptyState(),
-    around,
-    alone if alpha == 0.5 else None,
+    "saggs_jax.qk_clip", pairs, lambda params: optax.EmptyState(), after=after, alone=alpha == 0.5
   )
   return symmetry_stage(stage)

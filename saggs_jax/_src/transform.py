@@ -102,40 +102,64 @@ class SaggsState(NamedTuple):
 register_transport(SaggsState, {})
 
 
+class Correction(NamedTuple):
+  """What a stage's ``after`` hook asks of the chain once the optimizers before it stepped.
+
+  Attributes:
+    plan: the plan ``factors`` are laid out on (a finer one than the stage's pairs may be).
+    factors: multipliers of the stepped parameters ``params + updates``.
+    gauge: factors on the stage's pairs that move the earlier stages' states along the
+      orbit, or None where no moment moves.
+  """
+
+  plan: Plan
+  factors: Factors
+  gauge: Factors | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
-  """What a symmetry stage does, for :func:`chain` to run.
+  """What a symmetry stage does, for :func:`chain` to run: two hooks around the optimizers
+  before it, the scaling, transport and landing being the chain's.
 
   Attributes:
     name: how the stage was built, for messages (``"saggs_jax.soft"``).
     pairs: its pair declarations.
     init: ``init(params)``, the stage's own state.
-    around: ``around(prior, grads, state, prior_states, params, plan, degrees,
-      **extra_args)`` runs ``prior``, the stages before this one as ``prior(grads,
-      prior_states, params) -> (updates, prior_states)``, itself (so it can transform
-      their inputs, their outputs or both) and returns ``(updates, state,
-      prior_states)``. ``plan`` is ``resolve(pairs, params)``, resolved once by the
-      chain; ``degrees`` are the transport degrees of ``prior_states``
-      (:func:`saggs_jax._src.degrees.measure`); ``extra_args`` are the keyword arguments
-      of the chain's ``update`` (:func:`saggs_jax.qk_clip` reads ``max_logits``
-      there), which ``prior`` passes on to the stages before it.
-    alone: the update of the stage outside :func:`chain` (as in ``optax.chain``),
-      or None where that would be inexact: ``init`` then refuses it.
+    before: ``before(state, params, plan, **extra_args) -> (factors, state)``: factors of the
+      stage's pairs that move the parameters along the orbit before the optimizers step,
+      their gradients and states with them (SAGGS); None for a stage that moves nothing
+      there. ``plan`` is ``resolve(pairs, params)``, resolved once by the chain.
+    after: ``after(state, params, updates, plan, **extra_args) -> (correction, state)``: a
+      :class:`Correction` of ``params + updates`` once they have stepped (QK-clip reads
+      ``max_logits`` in ``extra_args``); None for none.
+    alone: whether the stage may run outside :func:`chain` (as in ``optax.chain``): only
+      an ``after`` whose gauge moves no moment may; ``init`` refuses the others.
   """
 
   name: str
   pairs: tuple[Pair, ...]
   init: Callable[[Any], Any]
-  around: Callable[..., tuple]
-  alone: Callable[..., tuple] | None = None
+  before: Callable[..., tuple[Factors, Any]] | None = None
+  after: Callable[..., tuple[Correction, Any]] | None = None
+  alone: bool = False
 
   def resolve(self, params: Any) -> Plan:
     return resolve(self.pairs, params)
 
   def __call__(self, updates, state, params=None, **extra_args):
-    if self.alone is None:
+    if not self.alone or self.after is None:
       raise ValueError(_outside_chain(self.name))
-    return self.alone(updates, state, params, **extra_args)
+    _check_params(params, self.name)
+    correction, state = self.after(state, params, updates, self.resolve(params), **extra_args)
+    return corrected(params, updates, correction), state
+
+
+def corrected(params, updates, correction: Correction):
+  """``updates`` landing on ``params + updates`` scaled by ``correction.factors``."""
+  plan, factors = correction.plan, correction.factors
+  target = scale_tree(plan, optax.apply_updates(params, updates), factors, 1.0)
+  return land_on(params, updates, target, plan, factors)
 
 
 def _outside_chain(name: str) -> str:
@@ -175,7 +199,7 @@ def _stage_of(tx) -> Stage | None:
 def symmetry_stage(stage: Stage) -> SymmetryTransformation:
   """The transformation of ``stage``: its own ``init`` where it may stand alone, else one
   that refuses with the fix."""
-  if stage.alone is not None:
+  if stage.alone:
     return SymmetryTransformation(cast(optax.TransformInitFn, stage.init), stage)
 
   def init(params):
@@ -435,24 +459,16 @@ def scale_by_saggs(
     factors, residual = _no_balancing(resolve(pairs, params), params)
     return SaggsState(step, factors, residual, GlobalShapes(shapes))
 
-  def around(prior, grads, state, prior_states, params, plan, degrees=None, **extra_args):
-    del extra_args  # the stages before it receive them through prior
+  def before(state, params, plan, **extra_args):
+    del extra_args
     _check_global(axis_name)
     _check_whole_groups(plan, state.global_shapes, axis_name)
     step = jnp.asarray(optax.safe_increment(state.step))
     factors, residual = scheduled_factors(plan, step, params)
-    shared = Shared(factors)  # the same multipliers for parameters, gradients and moments
-    balanced = scale_tree(plan, params, shared, 1.0)
-    updates, prior_states = prior(
-      scale_tree(plan, grads, shared, -1.0),
-      transport(plan, prior_states, shared, degrees=degrees),
-      balanced,
-    )
-    updates = land_on(params, updates, optax.apply_updates(balanced, updates), plan, shared)
-    return updates, SaggsState(step, factors, residual, state.global_shapes), prior_states
+    return factors, SaggsState(step, factors, residual, state.global_shapes)
 
   name = "saggs_jax.saggs" if strength == 1 else "saggs_jax.soft"
-  return symmetry_stage(Stage(name, pairs, init, around))
+  return symmetry_stage(Stage(name, pairs, init, before=before))
 
 
 def saggs(
@@ -718,20 +734,25 @@ def chain(*transforms: optax.GradientTransformation) -> Chain:
   def run(n, grads, states, params, extra_args):  # the optimizer and the first n stages
     if n == 0:
       return inner.update(grads, states, params, **extra_args)
-    stage = stages[n - 1]
+    stage, state, prior_states = stages[n - 1], states[-1], tuple(states[:-1])
     _check_params(params, stage.name)
-    plan = stage.resolve(params)  # once per stage and trace, passed down
-    prior = lambda g, s, p: run(n - 1, g, s, p, extra_args)  # noqa: E731
-    updates, state, prior_states = stage.around(
-      prior,
-      grads,
-      states[-1],
-      tuple(states[:-1]),
-      params,
-      plan,
-      degrees(n - 1, params, plan, states[: len(optimizers)]),  # their shapes, not a new init
-      **extra_args,
-    )
+    plan = stage.resolve(params)  # once per stage and trace
+    moments = degrees(n - 1, params, plan, states[: len(optimizers)])  # their shapes, no init
+    moved, shared = params, None
+    if stage.before is not None:  # move along the orbit, then step from there
+      factors, state = stage.before(state, params, plan, **extra_args)
+      shared = Shared(factors)  # the same multipliers for parameters, gradients and moments
+      moved = scale_tree(plan, params, shared, 1.0)
+      grads = scale_tree(plan, grads, shared, -1.0)
+      prior_states = transport(plan, prior_states, shared, degrees=moments)
+    updates, prior_states = run(n - 1, grads, prior_states, moved, extra_args)
+    if shared is not None:
+      updates = land_on(params, updates, optax.apply_updates(moved, updates), plan, shared)
+    if stage.after is not None:  # correct the stepped parameters, move the gauge's moments
+      correction, state = stage.after(state, params, updates, plan, **extra_args)
+      updates = corrected(params, updates, correction)
+      if correction.gauge is not None:
+        prior_states = transport(plan, prior_states, correction.gauge, degrees=moments)
     return updates, (*prior_states, state)
 
   def update(updates, state, params=None, **extra_args):
