@@ -2,8 +2,8 @@
 
 Patterns are anchored at the end of a path and pair up within one module, so
 they apply to every layer of a model at once; ``prefix`` restricts them to
-part of the tree (e.g. ``"decoder/**"``). :func:`muon_dimension_numbers`
-declares the same layouts' matrices for ``optax.contrib.muon``.
+part of the tree (e.g. ``"decoder/**"``). :func:`saggs_jax.muon_dimension_numbers`
+declares the same layouts' matrices for ``optax.contrib.muon`` (``layouts="llama"``, ...).
 
 Example:
   >>> import saggs_jax as saggs
@@ -16,14 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-import jax
-from optax.contrib import MuonDimensionNumbers
-
-from saggs_jax.equivariant.dimension_numbers import (
-  muon_dimension_numbers as _from_patterns,
-)
 from saggs_jax.pairs import Block, Pair
-from saggs_jax.paths import is_array, match, path_str
 
 
 def _join(prefix: str | None, name: str) -> str:
@@ -541,135 +534,3 @@ def _maxtext_mla(config, p, attn, layer, nope, rope, v, q_lora) -> list[Pair]:
       ndim=(3, 3),
     ),
   ]
-
-
-# The hidden matrices of each layout for Muon; negative axes, so that the
-# leading axes of scanned layers are batched too.
-_MUON_LAYOUTS: dict[str, dict[tuple[str, ...], MuonDimensionNumbers]] = {
-  # Dense (in, out) kernels.
-  "llama": {
-    (
-      "q_proj/kernel",
-      "k_proj/kernel",
-      "v_proj/kernel",
-      "o_proj/kernel",
-      "gate_proj/kernel",
-      "up_proj/kernel",
-      "down_proj/kernel",
-    ): MuonDimensionNumbers(-2, -1)
-  },
-  # (d, H, hd) query/key/value and (H, hd, d) output kernels: one matrix per head.
-  "flax_mha": {
-    ("query/kernel", "key/kernel", "value/kernel"): MuonDimensionNumbers(-3, -1),
-    ("out/kernel",): MuonDimensionNumbers(-2, -1),
-  },
-  # FlaxConv1D (out, in) kernels; c_attn's q, k and v blocks form one matrix.
-  "gpt2": {
-    (
-      "attn/c_attn/kernel",
-      "attn/c_proj/kernel",
-      "mlp/c_fc/kernel",
-      "mlp/c_proj/kernel",
-    ): MuonDimensionNumbers(-1, -2)
-  },
-}
-
-
-# MaxText's matrices, per layer: (per-layer rank, reduction axes, output axes), first match
-# wins; the layer axis is then inserted at param_scan_axis (see _maxtext_muon).
-_MAXTEXT_EXCLUDED = frozenset({"scale", "bias", "embedding", "logits_dense"})
-_MAXTEXT_MATRICES: tuple[tuple[str, tuple[int, tuple[int, ...], tuple[int, ...]]], ...] = (
-  ("MoeBlock_0/wi_*", (3, (1,), (2,))),  # (experts, in, out): per expert, bare leaves
-  ("MoeBlock_0/wo", (3, (1,), (2,))),
-  ("self_attention*/out/kernel", (3, (0, 1), (2,))),  # (heads, head_dim, emb): one matrix
-  *(
-    (f"self_attention*/{name}/kernel", (3, (0,), (1, 2)))  # (in, heads, head_dim)
-    for name in ("query", "key", "value", "wq_b", "wkv_b")
-  ),
-)
-
-
-def _maxtext_muon(params: Any, prefix: str | None, scan_axis: int | None) -> Any:
-  """MaxText's ``muon_weight_dimension_numbers`` (see :func:`muon_dimension_numbers`)."""
-  if scan_axis not in (0, 1, None):
-    raise ValueError(f"param_scan_axis must be 0, 1 or None (unscanned), got {scan_axis!r}.")
-  scanned = scan_axis is not None
-  # Per-layer axes before the layer axis count from the start, the others from the end:
-  # MaxText's own numbers for the layer axis at 1 (or none); at 0 all count from the end.
-  split = 1 if scan_axis is None else scan_axis
-
-  def leaf(key_path, x):
-    path = path_str(key_path)
-    if not is_array(x) or _MAXTEXT_EXCLUDED & set(path.split("/")):
-      return None
-    if prefix is not None and match(_join(prefix, "**"), path) is None:
-      return None
-    rule = next((r for pat, r in _MAXTEXT_MATRICES if match(pat, path) is not None), None)
-    n = len(x.shape) - (scanned and "layers_remainder" not in path)  # gemma3's, unscanned
-    if rule is None:  # a Dense kernel (in, out), or no matrix
-      if n < 2:
-        return None
-      rule = (n, (0,), (n - 1,))
-    rank, reduction, output = rule
-    if n != rank:
-      raise ValueError(
-        f"presets.muon_dimension_numbers(..., 'maxtext'): {path!r} has shape"
-        f" {tuple(x.shape)}, {n} axes per layer; MaxText's layout has {rank}"
-        f" (param_scan_axis={scan_axis}; None for scan_layers=False)."
-      )
-
-    def at(axes):  # before the layer axis from the start, after it from the end
-      return tuple(a if a < split else a - n for a in axes)
-
-    return MuonDimensionNumbers(at(reduction), at(output))
-
-  return jax.tree_util.tree_map_with_path(leaf, params)
-
-
-def muon_dimension_numbers(
-  params: Any,
-  layout: Literal["llama", "flax_mha", "gpt2", "maxtext"],
-  *,
-  prefix: str | None = None,
-  param_scan_axis: int | None = 1,
-) -> Any:
-  """The ``muon_weight_dimension_numbers`` tree of ``optax.contrib.muon`` for a preset layout.
-
-  The hidden matrices of :func:`llama` (q/k/v/o and the SwiGLU kernels),
-  :func:`flax_mha` (one matrix per head: the heads axis is batched) or
-  :func:`gpt2` get their ``MuonDimensionNumbers``; every other leaf (norms,
-  biases, embeddings, the LM head) ``None``, which Muon leaves to AdamW. The
-  same declarations serve :func:`saggs_jax.equivariant.scale_by_polar`.
-
-  ``"maxtext"`` gives MaxText's trees (see :func:`maxtext`) what MaxText's own
-  ``muon_utils`` gives them where that is right: attention q/k/v (and MLA's ``wq_b``,
-  ``wkv_b``) reduced over their input and producing (heads, head_dim), ``out`` reduced over
-  (heads, head_dim), MoE experts one matrix per expert, every other kernel (in, out), and
-  ``None`` for norm scales, biases, the embedding and ``logits_dense``. The layer axis at
-  ``param_scan_axis`` (1, MaxText's default; 0; or ``None`` for ``scan_layers=False``) is
-  always a batch axis (gemma3's unscanned ``layers_remainder`` has none). With
-  ``param_scan_axis=0`` MaxText's own tree reduces the MLP, the router and the attention
-  kernels over the layer axis (``docs/dimension_numbers.md``); this one does not. On gemma2
-  MaxText's misses the attention (``self_attention_local``, ``_global``); this one does not.
-
-  Example:
-    >>> import jax.numpy as jnp, optax
-    >>> import saggs_jax as saggs
-    >>> params = {"attn": {"query": {"kernel": jnp.ones((8, 2, 4))}, "out": {"kernel": jnp.ones((2, 4, 8))}},
-    ...           "ln": {"scale": jnp.ones(8)}}
-    >>> dims = saggs.presets.muon_dimension_numbers(params, "flax_mha")
-    >>> dims["attn"]["query"]["kernel"], dims["ln"]["scale"]
-    (MuonDimensionNumbers(reduction_axis=-3, output_axis=-1), None)
-    >>> tx = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
-    >>> updates, _ = tx.update(params, tx.init(params), params)
-  """
-  if layout == "maxtext":
-    return _maxtext_muon(params, prefix, param_scan_axis)
-  if layout not in _MUON_LAYOUTS:
-    raise ValueError(
-      f"Unknown layout {layout!r}; expected one of {sorted(_MUON_LAYOUTS) + ['maxtext']}."
-    )
-  return _from_patterns(
-    params,
-    {tuple(_join(prefix, p) for p in pats): dims for pats, dims in _MUON_LAYOUTS[layout].items()},
-  )

@@ -121,6 +121,18 @@ def test_muon_dimension_numbers_tree_and_its_errors():
     saggs.muon_dimension_numbers(params, {"a/kernel": MDN(0, 1), "a/*": MDN(1, 0)})
   with pytest.raises(ValueError, match="No parameter matches"):
     saggs.muon_dimension_numbers(params, {"q_proj/kernel": MDN(0, 1)})
+  # prefix restricts a mapping's patterns as it does a preset's layout.
+  nested = {"enc": params, "dec": params}
+  tree = saggs.muon_dimension_numbers(nested, {"*/kernel": MDN(0, -1)}, prefix="dec")
+  assert tree["dec"]["a"]["kernel"] == MDN(0, -1) and tree["enc"]["a"]["kernel"] is None
+  with pytest.raises(ValueError, match="Unknown layout 'gpt3'.*or a mapping"):
+    saggs.muon_dimension_numbers(params, "gpt3")
+
+
+def test_one_muon_dimension_numbers():
+  """One function per concept (issue 45): the presets' layouts are names it takes."""
+  assert saggs.muon_dimension_numbers is saggs.equivariant.muon_dimension_numbers
+  assert not hasattr(saggs.presets, "muon_dimension_numbers")
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +167,7 @@ def test_discovery_and_llama_preset_emit_the_hidden_matrices(scanned_lm):
   want = {f"layers/{m}/kernel": MDN(-2, -1) for m in HIDDEN}
   assert {p: d for p, d in tree.items() if d is not None} == want
   assert set(tree) == set(by_path(params))  # embedding, LM head, norms: None
-  assert by_path(saggs.presets.muon_dimension_numbers(params, "llama")) == tree
+  assert by_path(saggs.muon_dimension_numbers(params, "llama")) == tree
 
 
 def test_optax_muon_with_the_discovered_tree_equals_the_polar_rule(scanned_lm):
@@ -220,7 +232,7 @@ def test_flax_mha_preset_orthogonalises_each_head_in_optax_and_the_library():
     },
     "ln": {"scale": gaussian((2, 8), 5)},
   }
-  tree = saggs.presets.muon_dimension_numbers(g, "flax_mha")
+  tree = saggs.muon_dimension_numbers(g, "flax_mha")
   assert tree["ln"]["scale"] is None
   muon = optax.contrib.muon(
     1.0, ns_coeffs=eqv.QUINTIC[0], beta=0.0, nesterov=False, muon_weight_dimension_numbers=tree
