@@ -54,8 +54,8 @@ def test_polar_takes_muon_dimension_numbers_like_its_axes_and_a_numpy_oracle():
 
 def test_polar_dimension_numbers_batch_every_other_axis_heads_included():
   g = {"q": gaussian((2, 8, 12), 1)}  # (layers, d, H*hd)
-  dims = one_step(eqv.scale_by_polar(MDN(-2, -1), num_heads=3, beta=0.0, **EXACT_NS), g)
-  axes = one_step(eqv.scale_by_polar(batch_axes=0, num_heads=3, beta=0.0, **EXACT_NS), g)
+  dims = one_step(eqv.scale_by_polar(MDN(-2, -1), heads=eqv.Heads(num=3), beta=0.0, **EXACT_NS), g)
+  axes = one_step(eqv.scale_by_polar(batch_axes=0, heads=eqv.Heads(num=3), beta=0.0, **EXACT_NS), g)
   np.testing.assert_array_equal(dims["q"], axes["q"])
   head = np.asarray(g["q"][1, :, 4:8], np.float64)
   np.testing.assert_allclose(dims["q"][1, :, 4:8], polar(head), atol=2e-3)

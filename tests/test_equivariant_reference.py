@@ -42,8 +42,8 @@ def meta(case):
 EXPERT_MUON = {
   "row": (1, 2, {}),  # factor sqrt(max(1, a/b))
   "col": (2, 1, {}),  # factor sqrt(max(1, b/a))
-  "gpt_oss_gate_up_pair": (1, 2, dict(num_heads=2, head_axis=2, interleaved=True)),
-  "olmoe_gate_up_pair": (1, 2, dict(num_heads=2, head_axis=1)),
+  "gpt_oss_gate_up_pair": (1, 2, dict(heads=eqv.Heads(num=2, axis=2, interleaved=True))),
+  "olmoe_gate_up_pair": (1, 2, dict(heads=eqv.Heads(num=2, axis=1))),
 }
 # Unit layouts of RowNormM / HybridPolarGradM (2-D orientation, 3-D expert layout).
 UNITS_2D = {"row": dict(unit_axis=0), "col": dict(unit_axis=1)}
@@ -69,7 +69,7 @@ def rule(opt, name, ns_dtype, settings=eqv.REFERENCE, shared_nuclear_norm=True):
     heads = (
       {}
       if cfg is None
-      else dict(num_heads=cfg["num_heads"], head_axis=0 if cfg["layout"] == "qkv" else 1)
+      else dict(heads=eqv.Heads(num=cfg["num_heads"], axis=0 if cfg["layout"] == "qkv" else 1))
     )
   if cls == "BatchedExpertMuonPolarExpress":
     out, red, heads = EXPERT_MUON[kw["expert_layout"]]

@@ -141,7 +141,7 @@ def nnx_state():
 ROUTED = eqv.layerwise(
   {
     "embed/embedding": eqv.scale_by_row_norm(0, beta=0.0),
-    ("q_proj/kernel",): eqv.scale_by_polar(num_heads=2, beta=0.0, **EXACT_NS),
+    ("q_proj/kernel",): eqv.scale_by_polar(heads=eqv.Heads(num=2), beta=0.0, **EXACT_NS),
   },
   default=optax.sgd(1.0),
 )

@@ -16,7 +16,7 @@ Example:
   >>> from saggs_jax import equivariant as eqv
   >>> tx = eqv.layerwise(
   ...     {"embed/embedding": eqv.optimizer(eqv.scale_by_row_norm(unit_axis=0), 0.01),
-  ...      ("q_proj/kernel", "k_proj/kernel"): eqv.optimizer(eqv.scale_by_polar(num_heads=2), 0.02)},
+  ...      ("q_proj/kernel", "k_proj/kernel"): eqv.optimizer(eqv.scale_by_polar(heads=eqv.Heads(num=2)), 0.02)},
   ...     default=optax.adamw(3e-4))
   >>> params = {"embed": {"embedding": jnp.ones((16, 8))},
   ...           "q_proj": {"kernel": jnp.ones((8, 8))}, "k_proj": {"kernel": jnp.ones((8, 8))},
@@ -33,7 +33,11 @@ from saggs_jax.equivariant._linalg import (
   CoefficientSet,
   newton_schulz,
 )
-from saggs_jax.equivariant.dimension_numbers import UnitDimensionNumbers, muon_dimension_numbers
+from saggs_jax.equivariant.dimension_numbers import (
+  Heads,
+  UnitDimensionNumbers,
+  muon_dimension_numbers,
+)
 from saggs_jax.equivariant.roles import (
   ROLE_DIMENSION_NUMBERS,
   ROLE_PATTERNS,
@@ -61,6 +65,7 @@ from saggs_jax.equivariant.stack import (
 
 __all__ = [
   "CoefficientSet",
+  "Heads",
   "InverseSqrt",
   "MomentumState",
   "MuonDimensionNumbers",

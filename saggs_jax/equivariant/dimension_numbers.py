@@ -134,6 +134,29 @@ class UnitDimensionNumbers(NamedTuple):
     return unit, features, batch
 
 
+class Heads(NamedTuple):
+  """How one axis of a weight splits into heads, each a matrix of its own.
+
+  Exactly one of ``num`` and ``dim`` is given.
+
+  * ``num``: the axis holds this many heads; ``dim``: heads of this size;
+  * ``axis``: the axis holding them (one of the matrix axes): a ``(d, H*hd)`` query
+    kernel's -1, a ``(H*hd, d)`` output kernel's -2;
+  * ``interleaved``: head k holds indices k, k + H, ... instead of a contiguous block
+    (the gate and up halves of gpt-oss's fused expert kernel are
+    ``Heads(num=2, axis=-1, interleaved=True)``).
+
+  Example:
+    >>> Heads(num=4)
+    Heads(num=4, dim=None, axis=-1, interleaved=False)
+  """
+
+  num: int | None = None
+  dim: int | None = None
+  axis: int = -1
+  interleaved: bool = False
+
+
 def _sides(dims: MuonDimensionNumbers, units: Side):
   """``(units side, other side)`` of ``dims``."""
   if units not in ("reduction", "output"):

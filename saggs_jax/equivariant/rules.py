@@ -35,6 +35,7 @@ from optax.contrib import MuonDimensionNumbers
 from saggs_jax.equivariant import _gather, _linalg
 from saggs_jax.equivariant.dimension_numbers import (
   Axes,
+  Heads,
   UnitDimensionNumbers,
   muon_axes,
   partition,
@@ -118,15 +119,15 @@ def _unit_planner(dims: UnitDimensionNumbers):
   return plan
 
 
-def _polar_planner(
-  reduction_axes, output_axes, batch_axes, num_heads, head_dim, head_axis, interleaved
-):
-  """Rows: reduction axes; columns: output axes; ``head_axis`` optionally split into heads.
+def _polar_planner(reduction_axes, output_axes, batch_axes, heads: Heads | None):
+  """Rows: reduction axes; columns: output axes; ``heads.axis`` optionally split into heads.
 
   ``reduction_axes`` may be a ``MuonDimensionNumbers``: then every other axis
   is batched, whatever the rank."""
-  if num_heads is not None and head_dim is not None:
-    raise ValueError("Give num_heads or head_dim, not both.")
+  if heads is not None and not isinstance(heads, Heads):
+    raise TypeError(f"heads must be a saggs_jax.equivariant.Heads, got {heads!r}.")
+  if heads is not None and (heads.num is None) == (heads.dim is None):
+    raise ValueError(f"{heads}: give Heads(num=...) or Heads(dim=...), exactly one of them.")
   if isinstance(reduction_axes, MuonDimensionNumbers):
     if (output_axes, batch_axes) != (-1, ()):
       raise ValueError(
@@ -147,17 +148,17 @@ def _polar_planner(
 
   def plan(shape):
     rows, cols, batch = axes_of(len(shape))
-    if num_heads is None and head_dim is None:
+    if heads is None:
       return _make_plan(shape, batch, rows, cols)
-    (h,) = _normalize(head_axis, len(shape))
-    heads = num_heads or shape[h] // head_dim
-    if h in batch or heads < 1 or shape[h] % heads:
+    (h,) = _normalize(heads.axis, len(shape))
+    count = heads.num or shape[h] // heads.dim
+    if h in batch or count < 1 or shape[h] % count:
       raise ValueError(
         f"axis {h} of size {shape[h]} does not split into "
-        f"{f'{num_heads} heads' if num_heads else f'heads of size {head_dim}'}"
+        f"{f'{heads.num} heads' if heads.num else f'heads of size {heads.dim}'}"
       )
     # The head index joins the batch axes.
-    split, piece, move = _split(shape, h, heads, interleaved)
+    split, piece, move = _split(shape, h, count, heads.interleaved)
     return _make_plan(split, move(batch) + (piece,), move(rows), move(cols))
 
   return plan
@@ -309,10 +310,7 @@ def scale_by_polar(
   output_axes: Axes = -1,
   batch_axes: Axes = (),
   *,
-  num_heads: int | None = None,
-  head_dim: int | None = None,
-  head_axis: int = -1,
-  interleaved: bool = False,
+  heads: Heads | None = None,
   beta: float = 0.95,
   nesterov: bool = True,
   ema: bool = True,
@@ -329,15 +327,13 @@ def scale_by_polar(
   under ``X ↦ A X B`` for orthogonal ``A``, ``B``. The matrix is (reduction
   axes) x (output axes); the parameter's rank must be the number of
   reduction, output and batch axes.
-  With ``num_heads`` or ``head_dim``, ``head_axis`` (one of the reduction or
-  output axes) is split into contiguous heads, each orthogonalised on its own:
-  a ``(d, H*hd)`` query kernel takes ``num_heads=H`` (``head_axis=-1``), a
-  ``(H*hd, d)`` output kernel ``head_axis=-2``; a ``(d, H, hd)`` DenseGeneral
-  kernel takes ``reduction_axes=0, output_axes=2, batch_axes=1`` instead.
-  With ``interleaved`` head k holds indices k, k + H, ...: the gate and up
-  halves of a gpt-oss fused ``(E, d, 2F)`` expert kernel are
-  ``num_heads=2, interleaved=True`` (``reduction_axes=2, output_axes=1,
-  batch_axes=0`` for Lau & Su's shape factor).
+  With ``heads`` (a :class:`Heads`), its axis (one of the reduction or output axes) is
+  split into heads, each orthogonalised on its own: a ``(d, H*hd)`` query kernel takes
+  ``heads=Heads(num=H)``, a ``(H*hd, d)`` output kernel ``Heads(num=H, axis=-2)``; a
+  ``(d, H, hd)`` DenseGeneral kernel takes ``reduction_axes=0, output_axes=2,
+  batch_axes=1`` instead. The gate and up halves of a gpt-oss fused ``(E, d, 2F)``
+  expert kernel are ``Heads(num=2, interleaved=True)`` (``reduction_axes=2,
+  output_axes=1, batch_axes=0`` for Lau & Su's shape factor).
 
   ``reduction_axes`` may instead be an ``optax.contrib.MuonDimensionNumbers``
   (see :mod:`saggs_jax.equivariant.dimension_numbers`): its reduction and
@@ -351,10 +347,7 @@ def scale_by_polar(
       ``batch_axes``).
     output_axes: output axes.
     batch_axes: axes holding independent matrices (layers, experts).
-    num_heads: split ``head_axis`` into this many heads.
-    head_dim: split ``head_axis`` into heads of this size.
-    head_axis: the axis holding the heads.
-    interleaved: heads interleave along ``head_axis`` instead of being contiguous.
+    heads: split one axis into heads (:class:`Heads`); default one matrix.
     beta: momentum decay.
     nesterov: use the Nesterov look-ahead ``beta M + (1 - beta) G``.
     ema: ``False`` accumulates ``M <- beta M + G`` (look-ahead ``beta M +
@@ -368,7 +361,7 @@ def scale_by_polar(
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> tx = scale_by_polar(num_heads=2)  # a (d, H*hd) query kernel, per head
+    >>> tx = scale_by_polar(heads=Heads(num=2))  # a (d, H*hd) query kernel, per head
     >>> g = {"q": jax.random.normal(jax.random.key(0), (8, 2 * 4))}
     >>> u, _ = tx.update(g, tx.init(g))
     >>> u["q"].shape
@@ -391,9 +384,7 @@ def scale_by_polar(
     Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
     Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
   """
-  planner = _polar_planner(
-    reduction_axes, output_axes, batch_axes, num_heads, head_dim, head_axis, interleaved
-  )
+  planner = _polar_planner(reduction_axes, output_axes, batch_axes, heads)
 
   def direction(x):
     width = math.sqrt(max(1.0, x.shape[-1] / x.shape[-2]))
@@ -754,11 +745,11 @@ def scale_by_hybrid(
 # Lau & Su's reference code (timlautk/equivariant_optimizers): the keyword
 # arguments that make each rule compute what its class computes. Add the
 # block's layout; for its torch (out, in) tensors:
-#   MuonHeadsPolarExpress: scale_by_polar(1, 0), per head num_heads=H with
-#     head_axis=0 (q/k/v) or 1 (o);
+#   MuonHeadsPolarExpress: scale_by_polar(1, 0), per head Heads(num=H, axis=0)
+#     (q/k/v) or Heads(num=H, axis=1) (o);
 #   BatchedExpertMuonPolarExpress (E, a, b): scale_by_polar(2, 1, 0), "col"
-#     scale_by_polar(1, 2, 0), gpt-oss pairs num_heads=2, head_axis=2,
-#     interleaved=True, OLMoE pairs num_heads=2, head_axis=1;
+#     scale_by_polar(1, 2, 0), gpt-oss pairs Heads(num=2, axis=2, interleaved=True),
+#     OLMoE pairs Heads(num=2, axis=1);
 #   RowNormM / HybridPolarGradM: unit_axis=0 ("row") or 1 ("col"),
 #     center=center_rows, and the hybrid's order, alpha, gram="left" when left;
 #   BatchedExpert{RowNormM,HybridPolarGradM}: UnitDimensionNumbers with

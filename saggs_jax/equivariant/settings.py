@@ -9,7 +9,7 @@ Example:
   >>> from saggs_jax import equivariant as eqv
   >>> eqv.NewtonSchulz(steps=10, dtype=jnp.float32)
   NewtonSchulz(coeffs='polar_express', steps=10, dtype=<class 'jax.numpy.float32'>, gram=False)
-  >>> tx = eqv.scale_by_polar(num_heads=2, newton_schulz=eqv.NewtonSchulz(coeffs="quintic"))
+  >>> tx = eqv.scale_by_polar(heads=eqv.Heads(num=2), newton_schulz=eqv.NewtonSchulz(coeffs="quintic"))
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from saggs_jax.equivariant.dimension_numbers import (
+  Heads,
   Patterns,
   UnitDimensionNumbers,
 )
@@ -420,8 +421,8 @@ def _stack(
 
   def heads(n, axis):
     if c.head_dim is not None:
-      return polar(batch_axes=layer, head_dim=c.head_dim, head_axis=axis)
-    return polar(batch_axes=layer, num_heads=n, head_axis=axis)
+      return polar(batch_axes=layer, heads=Heads(dim=c.head_dim, axis=axis))
+    return polar(batch_axes=layer, heads=None if n is None else Heads(num=n, axis=axis))
 
   if c.rules.mlp == "polar":
     gate_up = down_rule = polar(batch_axes=layer)
