@@ -97,9 +97,7 @@ def rule(opt, name, ns_dtype, settings=eqv.REFERENCE, shared_nuclear_norm=True):
     order=kw["order"],
     alpha=kw["alpha"],
     nuclear_norm_axes=0 if expert and shared_nuclear_norm else (),
-    **with_gram(
-      with_ns_dtype(settings["scale_by_hybrid"], ns_dtype), "left" if kw["left"] else "right"
-    ),
+    **with_polar(settings["scale_by_hybrid"], ns_dtype, "left" if kw["left"] else "right"),
   )
 
 
@@ -111,12 +109,13 @@ def with_ns_dtype(settings, dtype):
   }
 
 
-def with_gram(settings, gram):
-  """``settings`` with the inverse square root of Gram matrix ``gram``."""
-  return {
-    **settings,
-    "inverse_sqrt": settings.get("inverse_sqrt", eqv.InverseSqrt())._replace(gram=gram),
-  }
+def with_polar(settings, dtype, gram):
+  """The hybrid's ``settings`` with its polar factor's Newton-Schulz iterations in ``dtype``,
+  or its inverse square root of Gram matrix ``gram``."""
+  polar = settings.get("polar", eqv.NewtonSchulz())
+  if isinstance(polar, eqv.InverseSqrt):
+    return {**settings, "polar": polar._replace(gram=gram)}
+  return {**settings, "polar": polar._replace(dtype=dtype)}
 
 
 def optimizer(case, ns_dtype, **kw):

@@ -225,7 +225,6 @@ def _rule(
   *,
   beta,
   nesterov,
-  mu_dtype,
   joint=(),
   batched=False,
   ema=True,
@@ -266,7 +265,7 @@ def _rule(
 
   def init_fn(params):
     plan_tree(params)
-    return MomentumState(mu=optax.tree.zeros_like(params, dtype=mu_dtype))
+    return MomentumState(mu=optax.tree.zeros_like(params))
 
   def update_fn(updates, state, params=None):
     del params
@@ -317,7 +316,6 @@ def scale_by_polar(
   newton_schulz: NewtonSchulz = NewtonSchulz(),
   eps: float = 1e-7,
   eps_form: _linalg.EpsForm = "floor",
-  mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   """Muon: the polar factor of the Nesterov momentum, per matrix (and per head).
 
@@ -357,7 +355,6 @@ def scale_by_polar(
       (:class:`NewtonSchulz`).
     eps: floor of the Frobenius normaliser.
     eps_form: ``"floor"`` (``max(h ||X||, eps)``) or ``"add"`` (``h ||X|| + eps``).
-    mu_dtype: momentum dtype (default: the parameter's).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -397,7 +394,6 @@ def scale_by_polar(
     direction,
     beta=beta,
     nesterov=nesterov,
-    mu_dtype=mu_dtype,
     batched=True,
     ema=ema,
     whole=True,
@@ -412,7 +408,6 @@ def scale_by_row_norm(
   beta: float = 0.95,
   eps: float = 1e-8,
   eps_form: _linalg.EpsForm = "floor",
-  mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   """Row-norm: every unit vector of the momentum scaled to unit length.
 
@@ -437,7 +432,6 @@ def scale_by_row_norm(
     beta: momentum decay.
     eps: floor of the row norms.
     eps_form: ``"floor"`` (``max(||x||, eps)``) or ``"add"`` (``||x|| + eps``).
-    mu_dtype: momentum dtype (default: the parameter's).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -463,7 +457,6 @@ def scale_by_row_norm(
     lambda x: p(_linalg.row_normalize(p(x), eps, eps_form)),
     beta=beta,
     nesterov=False,
-    mu_dtype=mu_dtype,
     joint=joint,
   )
 
@@ -481,17 +474,15 @@ def _spectral_rule(
   joint,
   beta,
   eps,
-  relative_eps,
   alpha,
   inverse_sqrt,
-  mu_dtype,
 ):
   """Both spectral rules, which differ only in their name and ``center``'s default."""
   p = _maybe_center(center)
-  floor = 0.0 if relative_eps else eps
+  floor = 0.0 if inverse_sqrt.relative_eps else eps
 
   def direction(m):
-    u, nu = _linalg.spectral(p(m), eps, relative=relative_eps, **inverse_sqrt._asdict())
+    u, nu = _inverse_sqrt_polar(p(m), eps, inverse_sqrt)
     return p(_nuclear_scale(nu, alpha, floor) * u)
 
   return _rule(
@@ -500,10 +491,19 @@ def _spectral_rule(
     direction,
     beta=beta,
     nesterov=False,
-    mu_dtype=mu_dtype,
     joint=joint,
     batched=True,
     whole=True,
+  )
+
+
+def _inverse_sqrt_polar(x, eps, inverse_sqrt: InverseSqrt):
+  """``(X (Xᵀ X + ε' I)^(-1/2), ν)`` by :class:`InverseSqrt`'s method."""
+  if not isinstance(inverse_sqrt, InverseSqrt):
+    raise TypeError(f"expected a saggs_jax.equivariant.InverseSqrt, got {inverse_sqrt!r}.")
+  i = inverse_sqrt
+  return _linalg.spectral(
+    x, eps, relative=i.relative_eps, method=i.method, steps=i.steps, gram=i.gram
   )
 
 
@@ -514,10 +514,8 @@ def scale_by_right_spectral(
   joint: Sequence[str] = (),
   beta: float = 0.95,
   eps: float = 1e-6,
-  relative_eps: bool = True,
   alpha: float = 1.0,
   inverse_sqrt: InverseSqrt = InverseSqrt(),
-  mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   """Right (one-sided) spectral update.
 
@@ -525,7 +523,7 @@ def scale_by_right_spectral(
 
   with ``X = M`` (rows: units) or ``P(M)`` with ``center`` (then the update is
   re-centred), and ``ε' = ε ||X||_F²`` so the rule is scale-equivariant
-  (``relative_eps=False``: ``ε' = ε``). By default computed with ``eigh`` in
+  (``InverseSqrt(relative_eps=False)``: ``ε' = ε``). By default computed with ``eigh`` in
   float32 on the smaller Gram matrix. Equivariant under unit permutations and
   orthogonal maps of the features. Zero units stay zero (without ``center``).
 
@@ -534,13 +532,11 @@ def scale_by_right_spectral(
     center: use ``P(M)`` (shared-shift invariant).
     joint: units shared by several parameters (see :func:`scale_by_row_norm`).
     beta: momentum decay.
-    eps: eigenvalue floor (relative to ``||X||_F²`` with ``relative_eps``).
-    relative_eps: scale the floor with ``||X||_F²``.
+    eps: eigenvalue floor (relative to ``||X||_F²`` with ``inverse_sqrt.relative_eps``).
     alpha: power of the nuclear-norm factor (0: none; ``ν`` is clamped
       below at ``eps`` when the floor is absolute).
-    inverse_sqrt: the method, steps and Gram matrix of the inverse square root
+    inverse_sqrt: the method, steps, Gram matrix and floor of the inverse square root
       (:class:`InverseSqrt`).
-    mu_dtype: momentum dtype (default: the parameter's).
 
   Example:
     >>> import jax.numpy as jnp
@@ -561,10 +557,8 @@ def scale_by_right_spectral(
     joint,
     beta,
     eps,
-    relative_eps,
     alpha,
     inverse_sqrt,
-    mu_dtype,
   )
 
 
@@ -575,10 +569,8 @@ def scale_by_left_spectral(
   joint: Sequence[str] = (),
   beta: float = 0.95,
   eps: float = 1e-6,
-  relative_eps: bool = True,
   alpha: float = 1.0,
   inverse_sqrt: InverseSqrt = InverseSqrt(),
-  mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   """Left spectral update, for MoE routers (units = experts).
 
@@ -610,10 +602,8 @@ def scale_by_left_spectral(
     joint,
     beta,
     eps,
-    relative_eps,
     alpha,
     inverse_sqrt,
-    mu_dtype,
   )
 
 
@@ -628,11 +618,7 @@ def scale_by_hybrid(
   eps_form: _linalg.EpsForm = "floor",
   alpha: float = 1.0,
   nuclear_norm_axes: Axes = (),
-  polar: Literal["newton_schulz", "gram"] = "newton_schulz",
-  newton_schulz: NewtonSchulz = NewtonSchulz(),
-  relative_eps: bool = True,
-  inverse_sqrt: InverseSqrt = InverseSqrt(),
-  mu_dtype: jnp.dtype | None = None,
+  polar: NewtonSchulz | InverseSqrt = NewtonSchulz(),
 ) -> optax.GradientTransformation:
   """Hybrid row-norm / spectral update.
 
@@ -646,10 +632,9 @@ def scale_by_hybrid(
   permutations and orthogonal maps of the features (and shared shifts with
   ``center``).
 
-  The polar factor is :func:`newton_schulz` of X (``polar="newton_schulz"``)
-  or ``X (Xᵀ X + ε' I)^(-1/2)`` (``polar="gram"``, the spectral map of
-  :func:`scale_by_right_spectral` with its ``relative_eps`` and
-  ``inverse_sqrt``).
+  The polar factor is :func:`newton_schulz` of X (``polar`` a :class:`NewtonSchulz`,
+  the default) or ``X (Xᵀ X + ε' I)^(-1/2)`` (``polar`` an :class:`InverseSqrt`, the
+  spectral map of :func:`scale_by_right_spectral`).
 
   Args:
     unit_axis: the axis of units, or a :class:`UnitDimensionNumbers`.
@@ -658,7 +643,7 @@ def scale_by_hybrid(
     joint: units shared by several parameters (see :func:`scale_by_row_norm`).
     beta: momentum decay.
     eps: floor of the row norms and of the Frobenius normaliser, the damping
-      of ``polar="gram"``, and the floor of ``ν``.
+      of an :class:`InverseSqrt` polar factor, and the floor of ``ν``.
     eps_form: ``"floor"`` (``max(||x||, eps)``) or ``"add"`` (``||x|| + eps``)
       for the row norms and the Newton-Schulz normaliser.
     alpha: power of the nuclear-norm factor.
@@ -666,12 +651,9 @@ def scale_by_hybrid(
       their matrices share one factor (Lau & Su's batched-expert hybrid sums
       over the experts of a tensor); default one factor per matrix. Needs
       the layout's ``batch_axis`` named, and no ``feature_axis``.
-    polar: how the polar factor is computed, see above.
-    newton_schulz: the Newton-Schulz iterations of ``polar="newton_schulz"``
-      (:class:`NewtonSchulz`).
-    relative_eps, inverse_sqrt: the Gram inverse square root of ``polar="gram"``,
-      see :func:`scale_by_right_spectral`.
-    mu_dtype: momentum dtype (default: the parameter's).
+    polar: how the polar factor is computed: the Newton-Schulz iterations
+      (:class:`NewtonSchulz`) or the Gram inverse square root (:class:`InverseSqrt`,
+      see :func:`scale_by_right_spectral`).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -696,8 +678,11 @@ def scale_by_hybrid(
   """
   if order not in ("row_then_polar", "polar_then_row"):
     raise ValueError(f"order must be 'row_then_polar' or 'polar_then_row', got {order!r}.")
-  if polar not in ("newton_schulz", "gram"):
-    raise ValueError(f"polar must be 'newton_schulz' or 'gram', got {polar!r}.")
+  if not isinstance(polar, (NewtonSchulz, InverseSqrt)):
+    raise TypeError(
+      "polar must be a saggs_jax.equivariant.NewtonSchulz or InverseSqrt (the Gram inverse"
+      f" square root), got {polar!r}."
+    )
   dims = unit_dimension_numbers(unit_axis)
   batch_axes = () if dims.batch_axis is None else dims.batch_axis
   if nuclear_norm_axes != () and (
@@ -712,10 +697,10 @@ def scale_by_hybrid(
   row = lambda x: _linalg.row_normalize(x, eps, eps_form)
 
   def polar_and_scale(x):
-    if polar == "gram":
-      o, nu = _linalg.spectral(x, eps, relative=relative_eps, **inverse_sqrt._asdict())
+    if isinstance(polar, InverseSqrt):
+      o, nu = _inverse_sqrt_polar(x, eps, polar)
     else:
-      ns = newton_schulz
+      ns = polar
       o = _linalg.newton_schulz(x, ns.coeffs, ns.steps, ns.dtype, eps, eps_form, ns.gram)
       nu = jnp.sum(o * x, axis=(-2, -1), keepdims=True)
     if nuclear_norm_axes != ():
@@ -735,7 +720,6 @@ def scale_by_hybrid(
     direction,
     beta=beta,
     nesterov=False,
-    mu_dtype=mu_dtype,
     joint=joint,
     batched=nuclear_norm_axes == (),
     whole=True,
@@ -768,12 +752,12 @@ REFERENCE: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     # RightPolarGradM, LeftPolarGradM (backend="polar_express", num_steps=5).
     "scale_by_right_spectral": MappingProxyType(
       dict(
-        eps=1e-8, relative_eps=False, inverse_sqrt=InverseSqrt("polar_express_1.05", gram="right")
+        eps=1e-8, inverse_sqrt=InverseSqrt("polar_express_1.05", gram="right", relative_eps=False)
       )
     ),
     "scale_by_left_spectral": MappingProxyType(
       dict(
-        eps=1e-8, relative_eps=False, inverse_sqrt=InverseSqrt("polar_express_1.05", gram="left")
+        eps=1e-8, inverse_sqrt=InverseSqrt("polar_express_1.05", gram="left", relative_eps=False)
       )
     ),
     # HybridPolarGradM, BatchedExpertHybridPolarGradM.
@@ -781,9 +765,7 @@ REFERENCE: Mapping[str, Mapping[str, Any]] = MappingProxyType(
       dict(
         eps=1e-8,
         eps_form="add",
-        polar="gram",
-        relative_eps=False,
-        inverse_sqrt=InverseSqrt("polar_express_1.05", gram="right"),
+        polar=InverseSqrt("polar_express_1.05", gram="right", relative_eps=False),
       )
     ),
   }

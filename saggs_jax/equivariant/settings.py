@@ -2,7 +2,7 @@
 
 :class:`NewtonSchulz` configures the polar factor of :func:`scale_by_polar` and of
 :func:`scale_by_hybrid`; :class:`InverseSqrt` the Gram inverse square root of the spectral
-rules and of ``scale_by_hybrid(polar="gram")``.
+rules and of ``scale_by_hybrid(polar=InverseSqrt(...))``.
 
 Example:
   >>> import jax.numpy as jnp
@@ -48,8 +48,11 @@ class InverseSqrt(NamedTuple):
     steps: iterations of the iterative inverse square root.
     gram: ``"smaller"``, ``"right"`` (``Xᵀ X``) or ``"left"`` (``X Xᵀ``): the Gram matrix
       whose inverse square root is taken.
+    relative_eps: the floor ``ε'`` is the rule's ``eps`` times ``||X||_F²`` (the map is
+      then scale-equivariant); False: ``eps`` itself.
   """
 
   method: str | _linalg.Coeffs = "eigh"
   steps: int = 5
   gram: _linalg.Gram = "smaller"
+  relative_eps: bool = True

@@ -23,7 +23,7 @@ from saggs_jax.equivariant.rules import (
   scale_by_polar,
   scale_by_row_norm,
 )
-from saggs_jax.equivariant.settings import NewtonSchulz
+from saggs_jax.equivariant.settings import InverseSqrt, NewtonSchulz
 from saggs_jax.paths import match, path_str
 
 Rules = (
@@ -412,7 +412,10 @@ def _stack(
     if kind == "row_norm":
       return scale_by_row_norm(dims, center=center, joint=joint, **settings("scale_by_row_norm"))
     if kind == "hybrid":
-      return scale_by_hybrid(dims, center=center, joint=joint, **settings("scale_by_hybrid", **ns))
+      kw = settings("scale_by_hybrid")
+      if not isinstance(kw.get("polar"), InverseSqrt):  # Newton-Schulz: the stack's iterations
+        kw["polar"] = c.newton_schulz
+      return scale_by_hybrid(dims, center=center, joint=joint, **kw)
     if kind == "left_spectral":
       return scale_by_left_spectral(
         dims, center=center, joint=joint, **settings("scale_by_left_spectral")
