@@ -684,7 +684,7 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]], dtypes: dict[s
         f"{pair._spelled}: pattern {spec!r} matches the bias {bias!r} by its wildcard, which"
         " would give the bias a factor of its own: no symmetry. A bias moves with its kernel"
         " or gain: name their leaf in the pattern and declare the bias a follower"
-        " (follow_a=/follow_b=; presets.llama: qk_norm_bias='bias')."
+        " (follow_a=/follow_b=; presets.llama: names=LlamaNames(qk_norm_bias='bias'))."
       )
   matched = [(side, found) for side in (0, 1) for _, _, found in sides[side]]
   everywhere = set.intersection(*(set(found) for _, found in matched))

@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from saggs_jax.pairs import Block, Pair
 
@@ -71,6 +71,36 @@ linen_mha = flax_mha
 nnx_mha = flax_mha
 
 
+class LlamaNames(NamedTuple):
+  """The module and leaf names :func:`llama` reads, LLaMA's (Hugging Face Flax) by default.
+
+  Attributes:
+    q, k, v, o, up, down: the projections' module names (MaxText's ``query``, ``key``,
+      ``value``, ``out``; Mistral's ``wq``, ``wo``, ...).
+    q_norm, k_norm: the QK norms' module names (Persimmon's ``q_layernorm``).
+    qk_norm_gain: the leaf name of the QK norms' gain; default any one leaf (``*``), or
+      ``"scale"`` (Flax's ``LayerNorm``) with ``qk_norm_bias``, which a wildcard would
+      also match.
+    qk_norm_bias: the leaf name of the QK norms' bias (``"bias"``), which then moves with
+      the gain; None: the norms have no bias.
+
+  Example:
+    >>> LlamaNames(q="wq", o="wo").q
+    'wq'
+  """
+
+  q: str = "q_proj"
+  k: str = "k_proj"
+  v: str = "v_proj"
+  o: str = "o_proj"
+  up: str = "up_proj"
+  down: str = "down_proj"
+  q_norm: str = "q_norm"
+  k_norm: str = "k_norm"
+  qk_norm_gain: str | None = None
+  qk_norm_bias: str | None = None
+
+
 def llama(
   num_kv_heads: int,
   *,
@@ -78,19 +108,10 @@ def llama(
   bias: bool = False,
   stacked: int | tuple[int, ...] = 0,
   prefix: str | None = None,
-  q: str = "q_proj",
-  k: str = "k_proj",
-  v: str = "v_proj",
-  o: str = "o_proj",
-  up: str = "up_proj",
-  down: str = "down_proj",
+  names: LlamaNames = LlamaNames(),
   qk_norm: Literal["head", "all"] | None = None,
   experts: str | None = None,
   expert_leaf: str | None = "kernel",
-  qk_norm_bias: str | None = None,
-  qk_norm_gain: str | None = None,
-  q_norm: str = "q_norm",
-  k_norm: str = "k_norm",
 ) -> list[Pair]:
   """Q/K and V/O per KV head (GQA) and SwiGLU up/down per channel, LLaMA naming; QK-norm
   (Qwen3, Gemma 3, OLMoE) and stacked MoE experts (OLMoE, Qwen3-MoE) too.
@@ -108,8 +129,8 @@ def llama(
   with RoPE; ``qk_norm="all"`` (OLMoE: one norm over the H*hd query, gain (H*hd,))
   gives one factor per KV head, for the query heads that read it. A QK LayerNorm with a
   bias (Persimmon, StableLM: ``q = γ n(x) + β``) scales ``q`` only if its bias moves with
-  its gain by the same factor: name the bias leaf, ``qk_norm_bias="bias"``, and it follows
-  the gain. Without it the default gain pattern (any leaf of each norm) also matches the
+  its gain by the same factor: name the bias leaf, ``names=LlamaNames(qk_norm_bias="bias")``,
+  and it follows the gain. Without it the default gain pattern (any leaf of each norm) also matches the
   bias, which a factor of its own would move off the symmetry: the pairs refuse it, naming
   the bias, where they first meet the parameters.
 
@@ -127,14 +148,8 @@ def llama(
     bias: the q/k/v projections have biases that move with their kernels.
     stacked: the copy axes of scanned layers (see :class:`~saggs_jax.Pair`).
     prefix: restricts the patterns to part of the tree.
-    q, k, v, o, up, down: module names.
+    names: the module names, and the QK norms' leaf names (:class:`LlamaNames`).
     qk_norm: ``"head"`` or ``"all"``, the QK-norm's extent (above); None: no QK-norm.
-    qk_norm_bias: the leaf name of the QK norms' bias (``"bias"``), which then moves with
-      the gain (above); None: the norms have no bias.
-    qk_norm_gain: the leaf name of the QK norms' gain; default any one leaf (``*``), or
-      ``"scale"`` (Flax's ``LayerNorm``) with ``qk_norm_bias``, which a wildcard would
-      also match.
-    q_norm, k_norm: the QK norms' module names (Persimmon's ``q_layernorm``).
     experts: the module holding the stacked experts, e.g. ``"mlp/experts"``.
     expert_leaf: the leaf name of the experts' kernels, or None for bare leaves.
 
@@ -152,13 +167,17 @@ def llama(
   def biases(*modules):
     return tuple(p(m, "bias") for m in modules) if bias else ()
 
+  if not isinstance(names, LlamaNames):
+    raise TypeError(f"llama: names must be a saggs_jax.presets.LlamaNames, got {names!r}.")
+  q, k, v, o, up, down, q_norm, k_norm, qk_norm_gain, qk_norm_bias = names
   if qk_norm not in (None, "head", "all"):
     raise ValueError(f"llama: qk_norm must be None, 'head' or 'all', got {qk_norm!r}.")
   gain = qk_norm_gain or ("*" if qk_norm_bias is None else "scale")
   if qk_norm_bias is not None and "*" in gain:
     raise ValueError(
       f"llama: qk_norm_gain={gain!r} would also match the bias {qk_norm_bias!r}, pairing it"
-      " apart from its gain; name the gain's leaf (qk_norm_gain='scale' or 'weight')."
+      " apart from its gain; name the gain's leaf (LlamaNames(qk_norm_gain='scale' or"
+      " 'weight'))."
     )
   vo = Pair(
     p(v),
@@ -328,10 +347,6 @@ def maxtext(
   scan_layers: bool | None = None,
   param_scan_axis: int | None = None,
   num_experts: int | None = None,
-  qk_nope_head_dim: int | None = None,
-  qk_rope_head_dim: int | None = None,
-  v_head_dim: int | None = None,
-  q_lora_rank: int | None = None,
   prefix: str | None = None,
 ) -> list[Pair]:
   """The exact pairs of a MaxText decoder block, per layer on its scanned layer axis.
@@ -374,14 +389,14 @@ def maxtext(
 
   Args:
     config: MaxText's config (``pyconfig.initialize(...)``) or a mapping with its keys;
-      the keywords below override it.
+      the keywords below override it. MLA's (deepseek) ``qk_nope_head_dim``,
+      ``qk_rope_head_dim``, ``v_head_dim`` and ``q_lora_rank`` are read from it.
     num_kv_heads: KV heads.
     decoder_block: one of ``llama2``, ``mistral``, ``mixtral``, ``gemma``, ``gemma2``,
       ``gemma3``, ``qwen3``, ``deepseek``; default ``llama2``.
     scan_layers: whether the layers are scanned (default True).
     param_scan_axis: the layer axis of scanned parameters (default 1).
     num_experts: experts per MoE layer (default 1: a dense MLP).
-    qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank: MLA's (deepseek).
     prefix: restricts the patterns to part of the tree.
 
   Example:
@@ -409,16 +424,8 @@ def maxtext(
     return _join(prefix, f"{module}/{leaf}")
 
   if block == "deepseek":
-    return _maxtext_mla(
-      config,
-      p,
-      "self_attention",
-      layer,
-      qk_nope_head_dim,
-      qk_rope_head_dim,
-      v_head_dim,
-      q_lora_rank,
-    ) + _maxtext_deepseek_mlps(config, p, layer, expert, experts, prefix)
+    mla = _maxtext_mla(config, p, "self_attention", layer)
+    return mla + _maxtext_deepseek_mlps(config, p, layer, expert, experts, prefix)
   kv = int(_setting(config, "num_kv_heads", num_kv_heads, 0))
   if kv < 1:
     raise ValueError("presets.maxtext: pass num_kv_heads (or a config with it).")
@@ -504,17 +511,17 @@ def _maxtext_deepseek_mlps(config, p, layer, expert, experts, prefix) -> list[Pa
   return pairs
 
 
-def _maxtext_mla(config, p, attn, layer, nope, rope, v, q_lora) -> list[Pair]:
+def _maxtext_mla(config, p, attn, layer) -> list[Pair]:
   """MLA's Q/K (non-rotary parts) and V/O per head (see :func:`maxtext`)."""
-  nope = int(_setting(config, "qk_nope_head_dim", nope, 0))
-  rope = int(_setting(config, "qk_rope_head_dim", rope, 0))
-  v = int(_setting(config, "v_head_dim", v, 0))
+  nope = int(_setting(config, "qk_nope_head_dim", None, 0))
+  rope = int(_setting(config, "qk_rope_head_dim", None, 0))
+  v = int(_setting(config, "v_head_dim", None, 0))
   if min(nope, rope, v) < 1:
     raise ValueError(
       "presets.maxtext: deepseek (MLA) needs qk_nope_head_dim, qk_rope_head_dim and"
-      " v_head_dim (or a config with them)."
+      " v_head_dim in its config (MaxText's, or a mapping with them)."
     )
-  query = "wq_b" if int(_setting(config, "q_lora_rank", q_lora, 0)) > 0 else "query"
+  query = "wq_b" if int(_setting(config, "q_lora_rank", None, 0)) > 0 else "query"
   kv_parts = ("k_nope", "v")
   return [
     Pair(

@@ -24,7 +24,7 @@ def test_llama_declares_qk_vo_and_the_mlp_per_kv_head_with_its_options():
     Pair("model/v_proj/kernel", "model/o_proj/kernel", (1, 0), 2, 1, name="attention V/O"),
     Pair("model/up_proj/kernel", "model/down_proj/kernel", (1, 0), None, 1, name="SwiGLU up/down"),
   ]
-  qk, vo = presets.llama(4, mlp=False, bias=True, q="wq", o="wo")
+  qk, vo = presets.llama(4, mlp=False, bias=True, names=presets.LlamaNames(q="wq", o="wo"))
   assert (qk.a, qk.follow_a, qk.follow_b, qk.groups) == (
     "wq/kernel",
     ("wq/bias",),

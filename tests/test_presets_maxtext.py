@@ -74,7 +74,9 @@ def test_a_layout_the_preset_does_not_describe_is_an_error_naming_the_path():
   """The issue's case: llama(mlp=False) with MaxText's names grouped Q/K along the layer axis
   (2 layers taken for 2 KV heads) and check_symmetry accepted it."""
   params = maxtext_params()
-  llama = saggs.presets.llama(KV, mlp=False, q="query", k="key", v="value", o="out")
+  llama = saggs.presets.llama(
+    KV, mlp=False, names=saggs.presets.LlamaNames(q="query", k="key", v="value", o="out")
+  )
   unchecked = [dataclasses.replace(p, ndim=None) for p in llama]  # equal, without the check
   assert unchecked == llama and saggs.pairs.resolve(unchecked, params).instances
   with pytest.raises(
