@@ -240,11 +240,10 @@ def flat(tree):
   }
 
 
-def stack_update(grads, params, **kw):
+def stack_update(grads, params, tie_embeddings=False, **kw):
   tx = eqv.symmetry_compatible(
     preset="reference",
-    num_heads=H,
-    num_kv_heads=KV,
+    decoder=eqv.Decoder(num_heads=H, num_kv_heads=KV, tie_embeddings=tie_embeddings),
     newton_schulz=eqv.NewtonSchulz("polar_express", steps=10, dtype=jnp.float32),
     **kw,
   )  # polar ~ exact

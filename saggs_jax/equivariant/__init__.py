@@ -57,6 +57,7 @@ from saggs_jax.equivariant.stack import (
   PRESETS,
   REFERENCE_LEARNING_RATES,
   REFERENCE_WEIGHT_DECAYS,
+  Decoder,
   RoleRules,
   layerwise,
   optimizer,
@@ -65,6 +66,7 @@ from saggs_jax.equivariant.stack import (
 
 __all__ = [
   "CoefficientSet",
+  "Decoder",
   "Heads",
   "InverseSqrt",
   "MomentumState",
