@@ -41,11 +41,14 @@ from saggs_jax import equivariant as eqv
 
 
 def variants(config: lm.ModelConfig, extra: bool) -> dict[str, optax.GradientTransformation]:
-  heads = dict(
-    num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim
-  )
+  decoder = eqv.Decoder(config.num_heads, config.num_kv_heads, config.head_dim)
   stack = lambda **kw: eqv.symmetry_compatible(  # noqa: E731
-    0.02, adamw_learning_rate=3e-3, weight_decay=0.1, adamw_weight_decay=0.1, **heads, **kw
+    0.02,
+    weight_decay=0.1,
+    learning_rates={"adamw": 3e-3},
+    weight_decays={"adamw": 0.1},
+    decoder=decoder,
+    **kw,
   )
   txs = {
     "adamw": optax.adamw(3e-3, weight_decay=0.1),

@@ -145,7 +145,9 @@ def init_stages(size, scanned):
     "soft": lambda: saggs.chain(adamw(), saggs.soft(pairs, strength=0.5)),
     "qk_clip": lambda: saggs.chain(adamw(), saggs.qk_clip(pairs[:1], tau=100.0)),
     "stack": lambda: saggs.equivariant.symmetry_compatible(
-      1e-3, preset="reference", num_kv_heads=kv, head_dim=128, stacked=scanned
+      1e-3,
+      preset="reference",
+      decoder=saggs.equivariant.Decoder(num_kv_heads=kv, head_dim=128, stacked=scanned),
     ),
   }
 

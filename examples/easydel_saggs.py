@@ -218,7 +218,11 @@ def stack(roles: Mapping[str, Any], head_dim: int, weight_decay: float = 0.0, **
   """``base`` for :func:`optimizer`: the symmetry-compatible stack routed by ``roles``, on
   EasyDeL's learning-rate schedule."""
   return lambda scheduler: saggs.equivariant.symmetry_compatible(
-    scheduler, patterns=roles, head_dim=head_dim, weight_decay=weight_decay, **options
+    scheduler,
+    patterns=roles,
+    decoder=saggs.equivariant.Decoder(head_dim=head_dim),
+    weight_decay=weight_decay,
+    **options,
   )
 
 

@@ -79,11 +79,9 @@ def optimizers(args, config: lm.ModelConfig) -> dict[str, optax.GradientTransfor
     "AdamW": optax.adamw(args.adamw_lr, weight_decay=args.weight_decay),
     "Muon stack": eqv.symmetry_compatible(
       args.stack_lr,
-      adamw_learning_rate=args.adamw_lr,
       weight_decay=args.weight_decay,
-      num_heads=config.num_heads,
-      num_kv_heads=config.num_kv_heads,
-      head_dim=config.head_dim,
+      learning_rates={"adamw": args.adamw_lr},
+      decoder=saggs.equivariant.Decoder(config.num_heads, config.num_kv_heads, config.head_dim),
     ),
   }
 

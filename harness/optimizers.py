@@ -98,9 +98,7 @@ def make_optimizer(
       muon_weight_dimension_numbers=dims,
     )
   heads: dict[str, Any] = {
-    "num_heads": config.num_heads,
-    "num_kv_heads": config.num_kv_heads,
-    "head_dim": config.head_dim,
+    "decoder": eqv.Decoder(config.num_heads, config.num_kv_heads, config.head_dim),
     "patterns": roles,
   }
   if name == "reference":
@@ -114,5 +112,9 @@ def make_optimizer(
       weight_decays={role: wd for role in eqv.REFERENCE_WEIGHT_DECAYS},
     )
   return eqv.symmetry_compatible(
-    schedule(lr, args), adamw_learning_rate=aux, weight_decay=wd, adamw_weight_decay=wd, **heads
+    schedule(lr, args),
+    weight_decay=wd,
+    learning_rates={"adamw": aux},
+    weight_decays={"adamw": wd},
+    **heads,
   )

@@ -2,8 +2,8 @@
 
 Patterns are anchored at the end of a path and pair up within one module, so
 they apply to every layer of a model at once; ``prefix`` restricts them to
-part of the tree (e.g. ``"decoder/**"``). :func:`muon_dimension_numbers`
-declares the same layouts' matrices for ``optax.contrib.muon``.
+part of the tree (e.g. ``"decoder/**"``). :func:`saggs_jax.muon_dimension_numbers`
+declares the same layouts' matrices for ``optax.contrib.muon`` (``layouts="llama"``, ...).
 
 Example:
   >>> import saggs_jax as saggs
@@ -14,16 +14,9 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
-import jax
-from optax.contrib import MuonDimensionNumbers
-
-from saggs_jax._src.equivariant.dimension_numbers import (
-  muon_dimension_numbers as _from_patterns,
-)
 from saggs_jax._src.pairs import Block, Pair
-from saggs_jax._src.paths import is_array, match, path_str
 
 
 def _join(prefix: str | None, name: str) -> str:
@@ -78,6 +71,36 @@ linen_mha = flax_mha
 nnx_mha = flax_mha
 
 
+class LlamaNames(NamedTuple):
+  """The module and leaf names :func:`llama` reads, LLaMA's (Hugging Face Flax) by default.
+
+  Attributes:
+    q, k, v, o, up, down: the projections' module names (MaxText's ``query``, ``key``,
+      ``value``, ``out``; Mistral's ``wq``, ``wo``, ...).
+    q_norm, k_norm: the QK norms' module names (Persimmon's ``q_layernorm``).
+    qk_norm_gain: the leaf name of the QK norms' gain; default any one leaf (``*``), or
+      ``"scale"`` (Flax's ``LayerNorm``) with ``qk_norm_bias``, which a wildcard would
+      also match.
+    qk_norm_bias: the leaf name of the QK norms' bias (``"bias"``), which then moves with
+      the gain; None: the norms have no bias.
+
+  Example:
+    >>> LlamaNames(q="wq", o="wo").q
+    'wq'
+  """
+
+  q: str = "q_proj"
+  k: str = "k_proj"
+  v: str = "v_proj"
+  o: str = "o_proj"
+  up: str = "up_proj"
+  down: str = "down_proj"
+  q_norm: str = "q_norm"
+  k_norm: str = "k_norm"
+  qk_norm_gain: str | None = None
+  qk_norm_bias: str | None = None
+
+
 def llama(
   num_kv_heads: int,
   *,
@@ -85,19 +108,10 @@ def llama(
   bias: bool = False,
   stacked: int | tuple[int, ...] = 0,
   prefix: str | None = None,
-  q: str = "q_proj",
-  k: str = "k_proj",
-  v: str = "v_proj",
-  o: str = "o_proj",
-  up: str = "up_proj",
-  down: str = "down_proj",
+  names: LlamaNames = LlamaNames(),
   qk_norm: Literal["head", "all"] | None = None,
   experts: str | None = None,
   expert_leaf: str | None = "kernel",
-  qk_norm_bias: str | None = None,
-  qk_norm_gain: str | None = None,
-  q_norm: str = "q_norm",
-  k_norm: str = "k_norm",
 ) -> list[Pair]:
   """Q/K and V/O per KV head (GQA) and SwiGLU up/down per channel, LLaMA naming; QK-norm
   (Qwen3, Gemma 3, OLMoE) and stacked MoE experts (OLMoE, Qwen3-MoE) too.
@@ -115,8 +129,8 @@ def llama(
   with RoPE; ``qk_norm="all"`` (OLMoE: one norm over the H*hd query, gain (H*hd,))
   gives one factor per KV head, for the query heads that read it. A QK LayerNorm with a
   bias (Persimmon, StableLM: ``q = γ n(x) + β``) scales ``q`` only if its bias moves with
-  its gain by the same factor: name the bias leaf, ``qk_norm_bias="bias"``, and it follows
-  the gain. Without it the default gain pattern (any leaf of each norm) also matches the
+  its gain by the same factor: name the bias leaf, ``names=LlamaNames(qk_norm_bias="bias")``,
+  and it follows the gain. Without it the default gain pattern (any leaf of each norm) also matches the
   bias, which a factor of its own would move off the symmetry: the pairs refuse it, naming
   the bias, where they first meet the parameters.
 
@@ -134,14 +148,8 @@ def llama(
     bias: the q/k/v projections have biases that move with their kernels.
     stacked: the copy axes of scanned layers (see :class:`~saggs_jax.Pair`).
     prefix: restricts the patterns to part of the tree.
-    q, k, v, o, up, down: module names.
+    names: the module names, and the QK norms' leaf names (:class:`LlamaNames`).
     qk_norm: ``"head"`` or ``"all"``, the QK-norm's extent (above); None: no QK-norm.
-    qk_norm_bias: the leaf name of the QK norms' bias (``"bias"``), which then moves with
-      the gain (above); None: the norms have no bias.
-    qk_norm_gain: the leaf name of the QK norms' gain; default any one leaf (``*``), or
-      ``"scale"`` (Flax's ``LayerNorm``) with ``qk_norm_bias``, which a wildcard would
-      also match.
-    q_norm, k_norm: the QK norms' module names (Persimmon's ``q_layernorm``).
     experts: the module holding the stacked experts, e.g. ``"mlp/experts"``.
     expert_leaf: the leaf name of the experts' kernels, or None for bare leaves.
 
@@ -159,13 +167,17 @@ def llama(
   def biases(*modules):
     return tuple(p(m, "bias") for m in modules) if bias else ()
 
+  if not isinstance(names, LlamaNames):
+    raise TypeError(f"llama: names must be a saggs_jax.presets.LlamaNames, got {names!r}.")
+  q, k, v, o, up, down, q_norm, k_norm, qk_norm_gain, qk_norm_bias = names
   if qk_norm not in (None, "head", "all"):
     raise ValueError(f"llama: qk_norm must be None, 'head' or 'all', got {qk_norm!r}.")
   gain = qk_norm_gain or ("*" if qk_norm_bias is None else "scale")
   if qk_norm_bias is not None and "*" in gain:
     raise ValueError(
       f"llama: qk_norm_gain={gain!r} would also match the bias {qk_norm_bias!r}, pairing it"
-      " apart from its gain; name the gain's leaf (qk_norm_gain='scale' or 'weight')."
+      " apart from its gain; name the gain's leaf (LlamaNames(qk_norm_gain='scale' or"
+      " 'weight'))."
     )
   vo = Pair(
     p(v),
@@ -335,10 +347,6 @@ def maxtext(
   scan_layers: bool | None = None,
   param_scan_axis: int | None = None,
   num_experts: int | None = None,
-  qk_nope_head_dim: int | None = None,
-  qk_rope_head_dim: int | None = None,
-  v_head_dim: int | None = None,
-  q_lora_rank: int | None = None,
   prefix: str | None = None,
 ) -> list[Pair]:
   """The exact pairs of a MaxText decoder block, per layer on its scanned layer axis.
@@ -381,14 +389,14 @@ def maxtext(
 
   Args:
     config: MaxText's config (``pyconfig.initialize(...)``) or a mapping with its keys;
-      the keywords below override it.
+      the keywords below override it. MLA's (deepseek) ``qk_nope_head_dim``,
+      ``qk_rope_head_dim``, ``v_head_dim`` and ``q_lora_rank`` are read from it.
     num_kv_heads: KV heads.
     decoder_block: one of ``llama2``, ``mistral``, ``mixtral``, ``gemma``, ``gemma2``,
       ``gemma3``, ``qwen3``, ``deepseek``; default ``llama2``.
     scan_layers: whether the layers are scanned (default True).
     param_scan_axis: the layer axis of scanned parameters (default 1).
     num_experts: experts per MoE layer (default 1: a dense MLP).
-    qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank: MLA's (deepseek).
     prefix: restricts the patterns to part of the tree.
 
   Example:
@@ -416,16 +424,8 @@ def maxtext(
     return _join(prefix, f"{module}/{leaf}")
 
   if block == "deepseek":
-    return _maxtext_mla(
-      config,
-      p,
-      "self_attention",
-      layer,
-      qk_nope_head_dim,
-      qk_rope_head_dim,
-      v_head_dim,
-      q_lora_rank,
-    ) + _maxtext_deepseek_mlps(config, p, layer, expert, experts, prefix)
+    mla = _maxtext_mla(config, p, "self_attention", layer)
+    return mla + _maxtext_deepseek_mlps(config, p, layer, expert, experts, prefix)
   kv = int(_setting(config, "num_kv_heads", num_kv_heads, 0))
   if kv < 1:
     raise ValueError("presets.maxtext: pass num_kv_heads (or a config with it).")
@@ -511,17 +511,17 @@ def _maxtext_deepseek_mlps(config, p, layer, expert, experts, prefix) -> list[Pa
   return pairs
 
 
-def _maxtext_mla(config, p, attn, layer, nope, rope, v, q_lora) -> list[Pair]:
+def _maxtext_mla(config, p, attn, layer) -> list[Pair]:
   """MLA's Q/K (non-rotary parts) and V/O per head (see :func:`maxtext`)."""
-  nope = int(_setting(config, "qk_nope_head_dim", nope, 0))
-  rope = int(_setting(config, "qk_rope_head_dim", rope, 0))
-  v = int(_setting(config, "v_head_dim", v, 0))
+  nope = int(_setting(config, "qk_nope_head_dim", None, 0))
+  rope = int(_setting(config, "qk_rope_head_dim", None, 0))
+  v = int(_setting(config, "v_head_dim", None, 0))
   if min(nope, rope, v) < 1:
     raise ValueError(
       "presets.maxtext: deepseek (MLA) needs qk_nope_head_dim, qk_rope_head_dim and"
-      " v_head_dim (or a config with them)."
+      " v_head_dim in its config (MaxText's, or a mapping with them)."
     )
-  query = "wq_b" if int(_setting(config, "q_lora_rank", q_lora, 0)) > 0 else "query"
+  query = "wq_b" if int(_setting(config, "q_lora_rank", None, 0)) > 0 else "query"
   kv_parts = ("k_nope", "v")
   return [
     Pair(
@@ -541,135 +541,3 @@ def _maxtext_mla(config, p, attn, layer, nope, rope, v, q_lora) -> list[Pair]:
       ndim=(3, 3),
     ),
   ]
-
-
-# The hidden matrices of each layout for Muon; negative axes, so that the
-# leading axes of scanned layers are batched too.
-_MUON_LAYOUTS: dict[str, dict[tuple[str, ...], MuonDimensionNumbers]] = {
-  # Dense (in, out) kernels.
-  "llama": {
-    (
-      "q_proj/kernel",
-      "k_proj/kernel",
-      "v_proj/kernel",
-      "o_proj/kernel",
-      "gate_proj/kernel",
-      "up_proj/kernel",
-      "down_proj/kernel",
-    ): MuonDimensionNumbers(-2, -1)
-  },
-  # (d, H, hd) query/key/value and (H, hd, d) output kernels: one matrix per head.
-  "flax_mha": {
-    ("query/kernel", "key/kernel", "value/kernel"): MuonDimensionNumbers(-3, -1),
-    ("out/kernel",): MuonDimensionNumbers(-2, -1),
-  },
-  # FlaxConv1D (out, in) kernels; c_attn's q, k and v blocks form one matrix.
-  "gpt2": {
-    (
-      "attn/c_attn/kernel",
-      "attn/c_proj/kernel",
-      "mlp/c_fc/kernel",
-      "mlp/c_proj/kernel",
-    ): MuonDimensionNumbers(-1, -2)
-  },
-}
-
-
-# MaxText's matrices, per layer: (per-layer rank, reduction axes, output axes), first match
-# wins; the layer axis is then inserted at param_scan_axis (see _maxtext_muon).
-_MAXTEXT_EXCLUDED = frozenset({"scale", "bias", "embedding", "logits_dense"})
-_MAXTEXT_MATRICES: tuple[tuple[str, tuple[int, tuple[int, ...], tuple[int, ...]]], ...] = (
-  ("MoeBlock_0/wi_*", (3, (1,), (2,))),  # (experts, in, out): per expert, bare leaves
-  ("MoeBlock_0/wo", (3, (1,), (2,))),
-  ("self_attention*/out/kernel", (3, (0, 1), (2,))),  # (heads, head_dim, emb): one matrix
-  *(
-    (f"self_attention*/{name}/kernel", (3, (0,), (1, 2)))  # (in, heads, head_dim)
-    for name in ("query", "key", "value", "wq_b", "wkv_b")
-  ),
-)
-
-
-def _maxtext_muon(params: Any, prefix: str | None, scan_axis: int | None) -> Any:
-  """MaxText's ``muon_weight_dimension_numbers`` (see :func:`muon_dimension_numbers`)."""
-  if scan_axis not in (0, 1, None):
-    raise ValueError(f"param_scan_axis must be 0, 1 or None (unscanned), got {scan_axis!r}.")
-  scanned = scan_axis is not None
-  # Per-layer axes before the layer axis count from the start, the others from the end:
-  # MaxText's own numbers for the layer axis at 1 (or none); at 0 all count from the end.
-  split = 1 if scan_axis is None else scan_axis
-
-  def leaf(key_path, x):
-    path = path_str(key_path)
-    if not is_array(x) or _MAXTEXT_EXCLUDED & set(path.split("/")):
-      return None
-    if prefix is not None and match(_join(prefix, "**"), path) is None:
-      return None
-    rule = next((r for pat, r in _MAXTEXT_MATRICES if match(pat, path) is not None), None)
-    n = len(x.shape) - (scanned and "layers_remainder" not in path)  # gemma3's, unscanned
-    if rule is None:  # a Dense kernel (in, out), or no matrix
-      if n < 2:
-        return None
-      rule = (n, (0,), (n - 1,))
-    rank, reduction, output = rule
-    if n != rank:
-      raise ValueError(
-        f"presets.muon_dimension_numbers(..., 'maxtext'): {path!r} has shape"
-        f" {tuple(x.shape)}, {n} axes per layer; MaxText's layout has {rank}"
-        f" (param_scan_axis={scan_axis}; None for scan_layers=False)."
-      )
-
-    def at(axes):  # before the layer axis from the start, after it from the end
-      return tuple(a if a < split else a - n for a in axes)
-
-    return MuonDimensionNumbers(at(reduction), at(output))
-
-  return jax.tree_util.tree_map_with_path(leaf, params)
-
-
-def muon_dimension_numbers(
-  params: Any,
-  layout: Literal["llama", "flax_mha", "gpt2", "maxtext"],
-  *,
-  prefix: str | None = None,
-  param_scan_axis: int | None = 1,
-) -> Any:
-  """The ``muon_weight_dimension_numbers`` tree of ``optax.contrib.muon`` for a preset layout.
-
-  The hidden matrices of :func:`llama` (q/k/v/o and the SwiGLU kernels),
-  :func:`flax_mha` (one matrix per head: the heads axis is batched) or
-  :func:`gpt2` get their ``MuonDimensionNumbers``; every other leaf (norms,
-  biases, embeddings, the LM head) ``None``, which Muon leaves to AdamW. The
-  same declarations serve :func:`saggs_jax.equivariant.scale_by_polar`.
-
-  ``"maxtext"`` gives MaxText's trees (see :func:`maxtext`) what MaxText's own
-  ``muon_utils`` gives them where that is right: attention q/k/v (and MLA's ``wq_b``,
-  ``wkv_b``) reduced over their input and producing (heads, head_dim), ``out`` reduced over
-  (heads, head_dim), MoE experts one matrix per expert, every other kernel (in, out), and
-  ``None`` for norm scales, biases, the embedding and ``logits_dense``. The layer axis at
-  ``param_scan_axis`` (1, MaxText's default; 0; or ``None`` for ``scan_layers=False``) is
-  always a batch axis (gemma3's unscanned ``layers_remainder`` has none). With
-  ``param_scan_axis=0`` MaxText's own tree reduces the MLP, the router and the attention
-  kernels over the layer axis (``docs/dimension_numbers.md``); this one does not. On gemma2
-  MaxText's misses the attention (``self_attention_local``, ``_global``); this one does not.
-
-  Example:
-    >>> import jax.numpy as jnp, optax
-    >>> import saggs_jax as saggs
-    >>> params = {"attn": {"query": {"kernel": jnp.ones((8, 2, 4))}, "out": {"kernel": jnp.ones((2, 4, 8))}},
-    ...           "ln": {"scale": jnp.ones(8)}}
-    >>> dims = saggs.presets.muon_dimension_numbers(params, "flax_mha")
-    >>> dims["attn"]["query"]["kernel"], dims["ln"]["scale"]
-    (MuonDimensionNumbers(reduction_axis=-3, output_axis=-1), None)
-    >>> tx = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
-    >>> updates, _ = tx.update(params, tx.init(params), params)
-  """
-  if layout == "maxtext":
-    return _maxtext_muon(params, prefix, param_scan_axis)
-  if layout not in _MUON_LAYOUTS:
-    raise ValueError(
-      f"Unknown layout {layout!r}; expected one of {sorted(_MUON_LAYOUTS) + ['maxtext']}."
-    )
-  return _from_patterns(
-    params,
-    {tuple(_join(prefix, p) for p in pats): dims for pats, dims in _MUON_LAYOUTS[layout].items()},
-  )

@@ -472,7 +472,9 @@ ONE_LAYER = dataclasses.replace(models.CONFIG, num_layers=1)
 
 
 def stack(**heads):
-  return lambda: eqv.symmetry_compatible(1e-2, newton_schulz=eqv.NewtonSchulz(steps=3), **heads)
+  return lambda: eqv.symmetry_compatible(
+    1e-2, newton_schulz=eqv.NewtonSchulz(steps=3), decoder=eqv.Decoder(**heads)
+  )
 
 
 LLAMA_CHAINS = {  # model config, optimizer, the Q/K pair (None: per KV head)
@@ -531,7 +533,9 @@ def test_an_optimizer_that_runs_on_no_proxy_is_refused_naming_no_proxy_shape():
   them to 2 entries. The refusal says so and names no shape, since the only shapes at hand
   would be the proxy's (issue 48)."""
   params = models.llama_init(0, WIDE_HEADS)
-  opt = eqv.symmetry_compatible(1e-2, head_dim=8, newton_schulz=eqv.NewtonSchulz(steps=3))
+  opt = eqv.symmetry_compatible(
+    1e-2, decoder=eqv.Decoder(head_dim=8), newton_schulz=eqv.NewtonSchulz(steps=3)
+  )
   tx = saggs.chain(opt, saggs.saggs(models.llama_pairs(WIDE_HEADS)[2:]))
   with pytest.raises(TypeError, match="runs on the parameters' shapes but not on a small") as e:
     jax.eval_shape(tx.update, params, tx.init(params), params)

@@ -255,7 +255,9 @@ def init_stages(scanned=False):
     "soft": lambda: saggs.chain(optax.adamw(1e-3), saggs.soft(pairs, strength=0.5)),
     "qk_clip": lambda: saggs.chain(optax.adamw(1e-3), saggs.qk_clip(pairs[:1])),
     "stack": lambda: saggs.equivariant.symmetry_compatible(
-      1e-3, preset="reference", num_kv_heads=2, head_dim=8, stacked=scanned
+      1e-3,
+      preset="reference",
+      decoder=saggs.equivariant.Decoder(num_kv_heads=2, head_dim=8, stacked=scanned),
     ),
   }
 

@@ -54,8 +54,8 @@ def test_polar_takes_muon_dimension_numbers_like_its_axes_and_a_numpy_oracle():
 
 def test_polar_dimension_numbers_batch_every_other_axis_heads_included():
   g = {"q": gaussian((2, 8, 12), 1)}  # (layers, d, H*hd)
-  dims = one_step(eqv.scale_by_polar(MDN(-2, -1), num_heads=3, beta=0.0, **EXACT_NS), g)
-  axes = one_step(eqv.scale_by_polar(batch_axes=0, num_heads=3, beta=0.0, **EXACT_NS), g)
+  dims = one_step(eqv.scale_by_polar(MDN(-2, -1), heads=eqv.Heads(num=3), beta=0.0, **EXACT_NS), g)
+  axes = one_step(eqv.scale_by_polar(batch_axes=0, heads=eqv.Heads(num=3), beta=0.0, **EXACT_NS), g)
   np.testing.assert_array_equal(dims["q"], axes["q"])
   head = np.asarray(g["q"][1, :, 4:8], np.float64)
   np.testing.assert_allclose(dims["q"][1, :, 4:8], polar(head), atol=2e-3)
@@ -70,8 +70,10 @@ def test_unit_rules_take_unit_dimension_numbers_like_their_axes():
   x = np.asarray(g["gate"])
   np.testing.assert_allclose(a, x / np.linalg.norm(x, axis=1, keepdims=True), rtol=1e-6)
   np.testing.assert_array_equal(a, b)
-  h1 = one_step(eqv.scale_by_hybrid(muon_style, beta=0.0, **EXACT_NS), g)["gate"]
-  h2 = one_step(eqv.scale_by_hybrid(explicit, beta=0.0, **EXACT_NS), g)["gate"]
+  h1 = one_step(eqv.scale_by_hybrid(muon_style, beta=0.0, polar=EXACT_NS["newton_schulz"]), g)[
+    "gate"
+  ]
+  h2 = one_step(eqv.scale_by_hybrid(explicit, beta=0.0, polar=EXACT_NS["newton_schulz"]), g)["gate"]
   np.testing.assert_array_equal(h1, h2)
   assert muon_style.to_muon(units="output") == MDN(-2, -1)
 
@@ -121,6 +123,18 @@ def test_muon_dimension_numbers_tree_and_its_errors():
     saggs.muon_dimension_numbers(params, {"a/kernel": MDN(0, 1), "a/*": MDN(1, 0)})
   with pytest.raises(ValueError, match="No parameter matches"):
     saggs.muon_dimension_numbers(params, {"q_proj/kernel": MDN(0, 1)})
+  # prefix restricts a mapping's patterns as it does a preset's layout.
+  nested = {"enc": params, "dec": params}
+  tree = saggs.muon_dimension_numbers(nested, {"*/kernel": MDN(0, -1)}, prefix="dec")
+  assert tree["dec"]["a"]["kernel"] == MDN(0, -1) and tree["enc"]["a"]["kernel"] is None
+  with pytest.raises(ValueError, match="Unknown layout 'gpt3'.*or a mapping"):
+    saggs.muon_dimension_numbers(params, "gpt3")
+
+
+def test_one_muon_dimension_numbers():
+  """One function per concept (issue 45): the presets' layouts are names it takes."""
+  assert saggs.muon_dimension_numbers is saggs.equivariant.muon_dimension_numbers
+  assert not hasattr(saggs.presets, "muon_dimension_numbers")
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +169,7 @@ def test_discovery_and_llama_preset_emit_the_hidden_matrices(scanned_lm):
   want = {f"layers/{m}/kernel": MDN(-2, -1) for m in HIDDEN}
   assert {p: d for p, d in tree.items() if d is not None} == want
   assert set(tree) == set(by_path(params))  # embedding, LM head, norms: None
-  assert by_path(saggs.presets.muon_dimension_numbers(params, "llama")) == tree
+  assert by_path(saggs.muon_dimension_numbers(params, "llama")) == tree
 
 
 def test_optax_muon_with_the_discovered_tree_equals_the_polar_rule(scanned_lm):
@@ -220,7 +234,7 @@ def test_flax_mha_preset_orthogonalises_each_head_in_optax_and_the_library():
     },
     "ln": {"scale": gaussian((2, 8), 5)},
   }
-  tree = saggs.presets.muon_dimension_numbers(g, "flax_mha")
+  tree = saggs.muon_dimension_numbers(g, "flax_mha")
   assert tree["ln"]["scale"] is None
   muon = optax.contrib.muon(
     1.0, ns_coeffs=eqv.QUINTIC[0], beta=0.0, nesterov=False, muon_weight_dimension_numbers=tree

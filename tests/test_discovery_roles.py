@@ -84,9 +84,7 @@ META_ROLES = {
 }
 
 
-STACK = dict(
-  adamw_learning_rate=3e-3, num_heads=HEADS, num_kv_heads=KV, head_dim=HEAD_DIM, beta=0.0
-)
+STACK = dict(decoder=eqv.Decoder(HEADS, KV, HEAD_DIM), learning_rates={"adamw": 3e-3}, beta=0.0)
 
 
 def per_rule(tx, params):

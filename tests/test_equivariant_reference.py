@@ -42,8 +42,8 @@ def meta(case):
 EXPERT_MUON = {
   "row": (1, 2, {}),  # factor sqrt(max(1, a/b))
   "col": (2, 1, {}),  # factor sqrt(max(1, b/a))
-  "gpt_oss_gate_up_pair": (1, 2, dict(num_heads=2, head_axis=2, interleaved=True)),
-  "olmoe_gate_up_pair": (1, 2, dict(num_heads=2, head_axis=1)),
+  "gpt_oss_gate_up_pair": (1, 2, dict(heads=eqv.Heads(num=2, axis=2, interleaved=True))),
+  "olmoe_gate_up_pair": (1, 2, dict(heads=eqv.Heads(num=2, axis=1))),
 }
 # Unit layouts of RowNormM / HybridPolarGradM (2-D orientation, 3-D expert layout).
 UNITS_2D = {"row": dict(unit_axis=0), "col": dict(unit_axis=1)}
@@ -69,7 +69,7 @@ def rule(opt, name, ns_dtype, settings=eqv.REFERENCE, shared_nuclear_norm=True):
     heads = (
       {}
       if cfg is None
-      else dict(num_heads=cfg["num_heads"], head_axis=0 if cfg["layout"] == "qkv" else 1)
+      else dict(heads=eqv.Heads(num=cfg["num_heads"], axis=0 if cfg["layout"] == "qkv" else 1))
     )
   if cls == "BatchedExpertMuonPolarExpress":
     out, red, heads = EXPERT_MUON[kw["expert_layout"]]
@@ -97,9 +97,7 @@ def rule(opt, name, ns_dtype, settings=eqv.REFERENCE, shared_nuclear_norm=True):
     order=kw["order"],
     alpha=kw["alpha"],
     nuclear_norm_axes=0 if expert and shared_nuclear_norm else (),
-    **with_gram(
-      with_ns_dtype(settings["scale_by_hybrid"], ns_dtype), "left" if kw["left"] else "right"
-    ),
+    **with_polar(settings["scale_by_hybrid"], ns_dtype, "left" if kw["left"] else "right"),
   )
 
 
@@ -111,12 +109,13 @@ def with_ns_dtype(settings, dtype):
   }
 
 
-def with_gram(settings, gram):
-  """``settings`` with the inverse square root of Gram matrix ``gram``."""
-  return {
-    **settings,
-    "inverse_sqrt": settings.get("inverse_sqrt", eqv.InverseSqrt())._replace(gram=gram),
-  }
+def with_polar(settings, dtype, gram):
+  """The hybrid's ``settings`` with its polar factor's Newton-Schulz iterations in ``dtype``,
+  or its inverse square root of Gram matrix ``gram``."""
+  polar = settings.get("polar", eqv.NewtonSchulz())
+  if isinstance(polar, eqv.InverseSqrt):
+    return {**settings, "polar": polar._replace(gram=gram)}
+  return {**settings, "polar": polar._replace(dtype=dtype)}
 
 
 def optimizer(case, ns_dtype, **kw):
@@ -241,11 +240,10 @@ def flat(tree):
   }
 
 
-def stack_update(grads, params, **kw):
+def stack_update(grads, params, tie_embeddings=False, **kw):
   tx = eqv.symmetry_compatible(
     preset="reference",
-    num_heads=H,
-    num_kv_heads=KV,
+    decoder=eqv.Decoder(num_heads=H, num_kv_heads=KV, tie_embeddings=tie_embeddings),
     newton_schulz=eqv.NewtonSchulz("polar_express", steps=10, dtype=jnp.float32),
     **kw,
   )  # polar ~ exact

@@ -44,7 +44,7 @@ CODE = textwrap.dedent("""
     mesh = Mesh(np.array(jax.devices()), ("x",))
     shardings = tree(lambda s: NamedSharding(mesh, s[1]))
 
-    tx = eqv.symmetry_compatible(0.1, num_heads=4, weight_decay=0.1,
+    tx = eqv.symmetry_compatible(0.1, decoder=eqv.Decoder(num_heads=4), weight_decay=0.1,
                                  rules=eqv.RoleRules(router="left_spectral"),
                                  newton_schulz=eqv.NewtonSchulz(dtype=jnp.float32))
     def two_steps(g, p):

@@ -159,7 +159,7 @@ def test_nnx_optimizer_update_under_nnx_jit():
   del pure0
   # The optimizer state inside nnx.Optimizer was transported as well.
   adam_state, saggs_state = nnx.as_pure(optimizer.opt_state)
-  assert int(saggs_state.count) == 1
+  assert int(saggs_state.step) == 1
   mu = leaf_dict(adam_state[0].mu)
   g, a, b = leaf_dict(grads), leaf_dict(p0), leaf_dict(p1)
   for path in g:
@@ -171,7 +171,7 @@ def test_nnx_optimizer_update_under_nnx_jit():
   # A second step reuses the compiled function and keeps the model balanced.
   train_step(model, optimizer, x)
   assert_balanced(mha_head_norms(nnx.to_pure_dict(nnx.state(model, nnx.Param))["attn"]))
-  assert int(nnx.as_pure(optimizer.opt_state)[1].count) == 2
+  assert int(nnx.as_pure(optimizer.opt_state)[1].step) == 2
 
 
 def test_nnx_optimizer_every_2_balances_on_updates_1_and_3():

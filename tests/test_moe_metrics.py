@@ -130,7 +130,8 @@ def test_discover_routes_every_matrix_of_the_model():
     "experts": ("down_proj", "gate_proj", "up_proj"),
   }
   _, params = moe.init_model(config)
-  tx = saggs.equivariant.symmetry_compatible(0.01, num_heads=4, num_kv_heads=2, patterns=roles)
+  decoder = saggs.equivariant.Decoder(num_heads=4, num_kv_heads=2)
+  tx = saggs.equivariant.symmetry_compatible(0.01, decoder=decoder, patterns=roles)
   tx.init(params)
 
 

@@ -1,7 +1,7 @@
 """Symmetry stages under optax's wrappers and utilities, against a hand-written oracle.
 
 Every symmetry stage (``saggs.saggs``, ``saggs.soft``, ``saggs.qk_clip``) is spelled in each
-form users write (``saggs.chain``, the wrapper ``stage(inner, pairs)``, a ``_replace``d or
+form users write (``saggs.chain``, the wrapper ``saggs.wrap(inner, stage)``, a ``_replace``d or
 copied stage) and put inside ``optax.named_chain``, ``optax.chain``, ``optax.MultiSteps``,
 ``optax.apply_if_finite``, ``optax.inject_hyperparams`` and ``flax.nnx.Optimizer``. The
 oracle is the equivalent history, written here in NumPy: before each Adam step SAGGS moves
@@ -13,7 +13,6 @@ same wrapper does.
 """
 
 import copy
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -40,20 +39,16 @@ def _tree(seed, scale_q=1.0, scale_k=1.0):
 
 PARAMS = _tree(0, 3.0, 0.5)  # far from balanced
 GRADS = [_tree(s) for s in range(1, 5)]
-STAGES = {
-  "saggs": (saggs.saggs, lambda: saggs.saggs(PAIRS), 1.0),
-  "soft": (functools.partial(saggs.soft, strength=0.5), lambda: saggs.soft(PAIRS, 0.5), 0.5),
-  "qk_clip": (
-    functools.partial(saggs.qk_clip, tau=TAU),
-    lambda: saggs.qk_clip(PAIRS, TAU),
-    None,
-  ),
+STAGES = {  # the stage, and the strength of its balancing (None: qk_clip's)
+  "saggs": (lambda: saggs.saggs(PAIRS), 1.0),
+  "soft": (lambda: saggs.soft(PAIRS, 0.5), 0.5),
+  "qk_clip": (lambda: saggs.qk_clip(PAIRS, TAU), None),
 }
 
 
 def oracle(stage, grads):
   """``(params, adam_state)`` after ``grads``, in NumPy float64 with optax's Adam."""
-  strength = STAGES[stage][2]
+  strength = STAGES[stage][1]
   adam = optax.adam(LR)
   p = {n: np.asarray(x, np.float64) for n, x in PARAMS.items()}
   state = adam.init(p)
@@ -115,17 +110,17 @@ def count_of(state):
 
 
 def chained(stage):
-  return saggs.chain(optax.adam(LR), STAGES[stage][1]())
+  return saggs.chain(optax.adam(LR), STAGES[stage][0]())
 
 
 FORMS = {
   "chain": chained,
-  "wrapper": lambda stage: STAGES[stage][0](optax.adam(LR), PAIRS),
+  "wrapper": lambda stage: saggs.wrap(optax.adam(LR), STAGES[stage][0]()),
   "replaced": lambda stage: saggs.chain(
-    optax.adam(LR), (s := STAGES[stage][1]())._replace(init=s.init)
+    optax.adam(LR), (s := STAGES[stage][0]())._replace(init=s.init)
   ),
-  "copied": lambda stage: saggs.chain(optax.adam(LR), copy.copy(STAGES[stage][1]())),
-  "deepcopied": lambda stage: saggs.chain(optax.adam(LR), copy.deepcopy(STAGES[stage][1]())),
+  "copied": lambda stage: saggs.chain(optax.adam(LR), copy.copy(STAGES[stage][0]())),
+  "deepcopied": lambda stage: saggs.chain(optax.adam(LR), copy.deepcopy(STAGES[stage][0]())),
 }
 
 
@@ -167,7 +162,7 @@ def test_inject_hyperparams_around_the_whole_chain(stage):
   """Under jit its rate is a tracer of init's and update's traces: the degree probe binds it
   to a stand-in, and measures without a warning."""
   tx = optax.inject_hyperparams(
-    lambda learning_rate: saggs.chain(optax.adam(learning_rate), STAGES[stage][1]())
+    lambda learning_rate: saggs.chain(optax.adam(learning_rate), STAGES[stage][0]())
   )(learning_rate=LR)
   params, state = run(tx, GRADS)
   assert_matches(params, state, oracle(stage, GRADS))
@@ -215,7 +210,7 @@ def test_canonicalize_takes_the_chain_with_its_own_state(form):
   tx = (
     saggs.chain(optax.adamax(LR), saggs.saggs(PAIRS))
     if form == "chain"
-    else saggs.saggs(optax.adamax(LR), PAIRS)
+    else saggs.wrap(optax.adamax(LR), saggs.saggs(PAIRS))
   )
   state = tx.init(PARAMS)
   for g in GRADS[:2]:
@@ -249,7 +244,7 @@ def test_lookahead_inside_the_chain_is_refused_recommending_no_inexact_form():
 
 LOOKAHEAD_FORMS = {
   "chain": lambda: optax.lookahead(saggs.chain(optax.adam(LR), saggs.saggs(PAIRS)), 3, 0.5),
-  "wrapper": lambda: optax.lookahead(saggs.saggs(optax.adam(LR), PAIRS), 3, 0.5),
+  "wrapper": lambda: optax.lookahead(saggs.wrap(optax.adam(LR), saggs.saggs(PAIRS)), 3, 0.5),
   "nested": lambda: optax.lookahead(
     optax.chain(optax.scale(1.0), saggs.chain(optax.adam(LR), saggs.soft(PAIRS, 0.5))), 3, 0.5
   ),
@@ -310,7 +305,7 @@ def test_checkpoint_restore_canonicalizes_a_wrapper_state(tmp_path):
   as canonicalize moves them."""
   import orbax.checkpoint as ocp
 
-  tx = saggs.saggs(optax.adamax(LR), PAIRS)
+  tx = saggs.wrap(optax.adamax(LR), saggs.saggs(PAIRS))
   state = tx.init(PARAMS)
   _, state = tx.update(GRADS[0], state, PARAMS)
   manager = ocp.CheckpointManager(tmp_path)

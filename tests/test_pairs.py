@@ -93,7 +93,7 @@ def test_stacked_factors_have_shape_layers_by_groups():
     "layers/attn/v_proj/kernel|layers/attn/o_proj/kernel": (C.num_layers, C.num_kv_heads),
     "layers/mlp/up_proj/kernel|layers/mlp/down_proj/kernel": (C.num_layers, C.mlp_hidden),
   }
-  np.testing.assert_array_equal(state.count, 0)
+  np.testing.assert_array_equal(state.step, 0)
   for v in state.factors.values():
     np.testing.assert_array_equal(v, np.ones(v.shape))
   # Layer l of the stack gets its own factors.

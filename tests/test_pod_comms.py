@@ -72,7 +72,7 @@ SCRIPT = textwrap.dedent(r"""
 
     def stack(steps):
       return eqv.symmetry_compatible(
-        0.1, num_heads=2, num_kv_heads=1, stacked=True, weight_decay=0.1,
+        0.1, decoder=eqv.Decoder(num_heads=2, num_kv_heads=1, stacked=True), weight_decay=0.1,
         rules=eqv.RoleRules(mlp="hybrid", embedding="hybrid", router="left_spectral"),
         newton_schulz=eqv.NewtonSchulz(steps=steps, dtype=jnp.float32))
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from optax.contrib import MuonDimensionNumbers as MDN
 
-from saggs_jax import Block, Pair, presets
+from saggs_jax import Block, Pair, muon_dimension_numbers, presets
 
 
 def by_path(tree):
@@ -24,7 +24,7 @@ def test_llama_declares_qk_vo_and_the_mlp_per_kv_head_with_its_options():
     Pair("model/v_proj/kernel", "model/o_proj/kernel", (1, 0), 2, 1, name="attention V/O"),
     Pair("model/up_proj/kernel", "model/down_proj/kernel", (1, 0), None, 1, name="SwiGLU up/down"),
   ]
-  qk, vo = presets.llama(4, mlp=False, bias=True, q="wq", o="wo")
+  qk, vo = presets.llama(4, mlp=False, bias=True, names=presets.LlamaNames(q="wq", o="wo"))
   assert (qk.a, qk.follow_a, qk.follow_b, qk.groups) == (
     "wq/kernel",
     ("wq/bias",),
@@ -67,10 +67,10 @@ def test_gpt2_preset_reads_conv1d_kernels_as_out_by_in_and_honours_prefix():
     "ln_1": {"scale": jnp.ones(d)},
   }
   params = {"h": {"0": block, "1": block}, "wte": {"embedding": jnp.ones((16, d))}}
-  tree = by_path(presets.muon_dimension_numbers(params, "gpt2", prefix="h/1"))
+  tree = by_path(muon_dimension_numbers(params, "gpt2", prefix="h/1"))
   kernels = ("attn/c_attn", "attn/c_proj", "mlp/c_fc", "mlp/c_proj")
   assert {p: v for p, v in tree.items() if v is not None} == {
     f"h/1/{k}/kernel": MDN(reduction_axis=-1, output_axis=-2) for k in kernels
   }
   with pytest.raises(ValueError, match="Unknown layout 'gpt3'"):
-    presets.muon_dimension_numbers(params, "gpt3")
+    muon_dimension_numbers(params, "gpt3")

@@ -169,15 +169,20 @@ def test_llama_qk_norm_per_channel_gains_are_not_exact():
 def test_llama_qk_layernorm_with_a_bias_moves_the_bias_with_its_gain():
   """Persimmon/StableLM (issue 43, finding 11): q = γ n(x) + β. 'q_norm/*' also matched the
   bias as a pair of its own (two factors per layer: no symmetry), and is now refused;
-  qk_norm_bias="bias" makes it follow the gain. Oracle: one hard balancing keeps the logits, and moves gain and bias of
-  each norm by the one scalar c = sqrt(||γ_k|| / ||γ_q||) computed here."""
+  LlamaNames(qk_norm_bias="bias") makes it follow the gain. Oracle: one hard balancing keeps
+  the logits, and moves gain and bias of each norm by the one scalar
+  c = sqrt(||γ_k|| / ||γ_q||) computed here."""
   import optax
 
   params, logits = _model("head", norm_bias=True)
   for layer in params["layers"].values():  # k's norm 3x q's: something to balance
     layer["self_attn"]["k_norm"]["scale"] = 3.0 * layer["self_attn"]["k_norm"]["scale"]
   pairs = saggs.presets.llama(
-    KV, qk_norm="head", qk_norm_bias="bias", mlp=False, experts="mlp/experts"
+    KV,
+    qk_norm="head",
+    names=saggs.presets.LlamaNames(qk_norm_bias="bias"),
+    mlp=False,
+    experts="mlp/experts",
   )
   tx = saggs.chain(optax.sgd(0.0), saggs.saggs(pairs))
   grads = jax.tree.map(jnp.zeros_like, params)
@@ -205,7 +210,9 @@ def test_llama_qk_layernorm_with_a_bias_moves_the_bias_with_its_gain():
     with pytest.raises(ValueError, match=r"q_norm/\*'.*matches the bias 'layers/0/.*qk_norm_bias"):
       meet()
   with pytest.raises(ValueError, match="would also match the bias"):
-    saggs.presets.llama(KV, qk_norm="head", qk_norm_bias="bias", qk_norm_gain="*")
+    saggs.presets.llama(
+      KV, qk_norm="head", names=saggs.presets.LlamaNames(qk_norm_bias="bias", qk_norm_gain="*")
+    )
 
 
 def test_llama_experts_of_scanned_layers():

@@ -53,25 +53,27 @@ RULES = {
     False,
   ),
   "hybrid_row_then_polar": (
-    eqv.scale_by_hybrid(0, beta=0.0, **EXACT_NS),
+    eqv.scale_by_hybrid(0, beta=0.0, polar=EXACT_NS["newton_schulz"]),
     lambda x: nuclear(row_norm(x)) * polar(row_norm(x)),
     False,
     True,
   ),
   "hybrid_row_then_polar_centered": (  # re-centred between R and the polar step
-    eqv.scale_by_hybrid(0, center=True, beta=0.0, **EXACT_NS),
+    eqv.scale_by_hybrid(0, center=True, beta=0.0, polar=EXACT_NS["newton_schulz"]),
     lambda x: center(nuclear(center(row_norm(center(x)))) * polar(center(row_norm(center(x))))),
     True,
     False,
   ),
   "hybrid_polar_then_row": (
-    eqv.scale_by_hybrid(0, order="polar_then_row", beta=0.0, **EXACT_NS),
+    eqv.scale_by_hybrid(0, order="polar_then_row", beta=0.0, polar=EXACT_NS["newton_schulz"]),
     lambda x: row_norm(polar(x)),
     False,
     True,
   ),
   "hybrid_polar_then_row_centered": (
-    eqv.scale_by_hybrid(0, order="polar_then_row", center=True, beta=0.0, **EXACT_NS),
+    eqv.scale_by_hybrid(
+      0, order="polar_then_row", center=True, beta=0.0, polar=EXACT_NS["newton_schulz"]
+    ),
     lambda x: center(row_norm(polar(center(x)))),
     True,
     False,
@@ -161,8 +163,8 @@ def test_polar_per_head_layouts():
   g = rand(11, (d, heads * hd), np.float32)
   per_head = np.concatenate([polar(g[:, h * hd : (h + 1) * hd]) for h in range(heads)], axis=1)
   for tx in (
-    eqv.scale_by_polar(num_heads=heads, beta=0.0, **EXACT_NS),
-    eqv.scale_by_polar(head_dim=hd, beta=0.0, **EXACT_NS),
+    eqv.scale_by_polar(heads=eqv.Heads(num=heads), beta=0.0, **EXACT_NS),
+    eqv.scale_by_polar(heads=eqv.Heads(dim=hd), beta=0.0, **EXACT_NS),
   ):
     close(tx.update(g, tx.init(g))[0], per_head, rtol=1e-3)
   # The same kernel as a (d, H, hd) DenseGeneral: heads as a batch axis.
@@ -170,10 +172,20 @@ def test_polar_per_head_layouts():
   g3 = g.reshape(d, heads, hd)
   close(tx.update(g3, tx.init(g3))[0], per_head.reshape(d, heads, hd), rtol=1e-3)
   # An output kernel (H*hd, d): heads split the rows; scale sqrt(d / hd).
-  tx = eqv.scale_by_polar(num_heads=heads, head_axis=-2, beta=0.0, **EXACT_NS)
+  tx = eqv.scale_by_polar(heads=eqv.Heads(num=heads, axis=-2), beta=0.0, **EXACT_NS)
   go = g.T
   expected = np.concatenate([polar(go[h * hd : (h + 1) * hd]) for h in range(heads)], axis=0)
   close(tx.update(go, tx.init(go))[0], np.sqrt(d / hd) * expected, rtol=1e-3)
+
+
+def test_heads_name_their_count_or_their_size_exactly_once():
+  """A Heads record gives num or dim, not both or neither; a bare int in its place (the
+  former num_heads=) is a TypeError naming the record."""
+  for bad in (eqv.Heads(), eqv.Heads(num=2, dim=4)):
+    with pytest.raises(ValueError, match=r"Heads\(num=...\) or Heads\(dim=...\)"):
+      eqv.scale_by_polar(heads=bad)
+  with pytest.raises(TypeError, match="saggs_jax.equivariant.Heads"):
+    eqv.scale_by_polar(heads=2)  # type: ignore[arg-type]
 
 
 def test_batch_axes_are_independent_copies():
@@ -194,8 +206,8 @@ def test_batch_axes_are_independent_copies():
 @pytest.mark.parametrize(
   "tx",
   [
-    eqv.scale_by_polar(num_heads=2, beta=0.0, **EXACT_NS),
-    eqv.scale_by_hybrid(1, beta=0.0, **EXACT_NS),
+    eqv.scale_by_polar(heads=eqv.Heads(num=2), beta=0.0, **EXACT_NS),
+    eqv.scale_by_hybrid(1, beta=0.0, polar=EXACT_NS["newton_schulz"]),
     eqv.scale_by_right_spectral(1, beta=0.0),
   ],
 )
@@ -265,7 +277,7 @@ def test_joint_errors_name_the_path():
     ("scale_by_left_spectral", dict(unit_axis=0), (2, 3, 4)),
     ("scale_by_hybrid", dict(unit_axis=1), (2, 3, 4)),
     ("scale_by_polar", {}, (2, 3, 4)),
-    ("scale_by_polar", dict(num_heads=3), (4, 8)),
+    ("scale_by_polar", dict(heads=eqv.Heads(num=3)), (4, 8)),
   ],
 )
 def test_wrong_rank_or_layout_names_the_rule_and_path(name, kwargs, shape):
@@ -287,7 +299,7 @@ def test_polar_rule_with_gram_newton_schulz():
   g = rand(31, (8, 3 * 16), np.float32)  # three (8, 16) heads
   tx, gram_tx = (
     eqv.scale_by_polar(
-      num_heads=3, beta=0.0, newton_schulz=EXACT_NS["newton_schulz"]._replace(gram=flag)
+      heads=eqv.Heads(num=3), beta=0.0, newton_schulz=EXACT_NS["newton_schulz"]._replace(gram=flag)
     )
     for flag in (False, True)
   )

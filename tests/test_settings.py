@@ -28,8 +28,8 @@ def test_newton_schulz_defaults():
 
 
 def test_inverse_sqrt_defaults():
-  assert eqv.InverseSqrt() == ("eigh", 5, "smaller")
-  spelled = eqv.InverseSqrt(method="eigh", steps=5, gram="smaller")
+  assert eqv.InverseSqrt() == ("eigh", 5, "smaller", True)
+  spelled = eqv.InverseSqrt(method="eigh", steps=5, gram="smaller", relative_eps=True)
   np.testing.assert_array_equal(
     one_step(eqv.scale_by_right_spectral(0)),
     one_step(eqv.scale_by_right_spectral(0, inverse_sqrt=spelled)),
@@ -38,4 +38,9 @@ def test_inverse_sqrt_defaults():
   assert not np.array_equal(
     one_step(eqv.scale_by_right_spectral(0, inverse_sqrt=iterative)),
     one_step(eqv.scale_by_right_spectral(0)),
+  )
+  absolute = eqv.InverseSqrt(relative_eps=False)  # eps=0.1 itself, not 0.1 ||X||_F^2
+  assert not np.array_equal(
+    one_step(eqv.scale_by_right_spectral(0, eps=0.1, inverse_sqrt=absolute)),
+    one_step(eqv.scale_by_right_spectral(0, eps=0.1)),
   )

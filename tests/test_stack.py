@@ -68,7 +68,7 @@ def update(tx):
 def test_none_fields_take_the_presets_rules():
   """``RoleRules()`` under a preset is that preset's rules spelled out, bit for bit."""
   for preset, spelled in eqv.PRESETS.items():
-    kw = dict(preset=preset, num_heads=2, newton_schulz=NS, learning_rate=0.1)
+    kw = dict(preset=preset, decoder=eqv.Decoder(num_heads=2), newton_schulz=NS, learning_rate=0.1)
     implicit = update(eqv.symmetry_compatible(**kw))
     explicit = update(eqv.symmetry_compatible(**kw, rules=spelled.rules))
     jax.tree.map(np.testing.assert_array_equal, implicit, explicit)
@@ -86,12 +86,14 @@ def test_a_given_rule_overrides_the_preset():
 
 
 def test_reference_preset_needs_no_learning_rate_and_uses_its_tables():
-  tx = eqv.symmetry_compatible(preset="reference", num_heads=2, newton_schulz=NS)
+  tx = eqv.symmetry_compatible(
+    preset="reference", decoder=eqv.Decoder(num_heads=2), newton_schulz=NS
+  )
   base = update(tx)
   scaled = update(
     eqv.symmetry_compatible(
       preset="reference",
-      num_heads=2,
+      decoder=eqv.Decoder(num_heads=2),
       newton_schulz=NS,
       learning_rates={r: 2 * v for r, v in eqv.REFERENCE_LEARNING_RATES.items()},
     )
@@ -108,6 +110,8 @@ def test_builder_errors_name_the_argument():
     eqv.symmetry_compatible()
   with pytest.raises(TypeError, match="rules must be a RoleRules"):
     eqv.symmetry_compatible(0.1, rules={"mlp": "polar"})  # pyright: ignore[reportArgumentType]
+  with pytest.raises(TypeError, match="decoder must be a saggs_jax.equivariant.Decoder"):
+    eqv.symmetry_compatible(0.1, decoder={"num_heads": 2})  # pyright: ignore[reportArgumentType]
 
 
 def test_presets_and_tables_are_read_only():
@@ -141,7 +145,7 @@ def nnx_state():
 ROUTED = eqv.layerwise(
   {
     "embed/embedding": eqv.scale_by_row_norm(0, beta=0.0),
-    ("q_proj/kernel",): eqv.scale_by_polar(num_heads=2, beta=0.0, **EXACT_NS),
+    ("q_proj/kernel",): eqv.scale_by_polar(heads=eqv.Heads(num=2), beta=0.0, **EXACT_NS),
   },
   default=optax.sgd(1.0),
 )
@@ -245,13 +249,10 @@ ADAMW_PATHS = ("norm/scale", "layers/attn_norm/scale")
 def stack_step(stacked, **variants):
   tx = eqv.symmetry_compatible(
     LR,
-    adamw_learning_rate=ADAMW_LR,
     weight_decay=WD,
-    adamw_weight_decay=ADAMW_WD,
-    learning_rates={"output": OUTPUT_LR},
-    num_heads=H,
-    num_kv_heads=KV,
-    stacked=stacked,
+    learning_rates={"output": OUTPUT_LR, "adamw": ADAMW_LR},
+    weight_decays={"adamw": ADAMW_WD},
+    decoder=eqv.Decoder(num_heads=H, num_kv_heads=KV, stacked=stacked, **decoder_of(variants)),
     beta=0.0,
     **EXACT_NS,
     **rules_and_rest(variants),
@@ -260,10 +261,16 @@ def stack_step(stacked, **variants):
 
 
 def rules_and_rest(variants):
-  """``symmetry_compatible``'s keywords for ``variants``: the role rules as a RoleRules."""
+  """``symmetry_compatible``'s keywords for ``variants``: the role rules as a RoleRules (the
+  Decoder's fields are :func:`decoder_of`'s)."""
   rules = {k: v for k, v in variants.items() if k in eqv.RoleRules._fields}
-  rest = {k: v for k, v in variants.items() if k not in eqv.RoleRules._fields}
+  known = eqv.RoleRules._fields + eqv.Decoder._fields
+  rest = {k: v for k, v in variants.items() if k not in known}
   return dict(rules=eqv.RoleRules(**rules), **rest)
+
+
+def decoder_of(variants):
+  return {k: v for k, v in variants.items() if k in eqv.Decoder._fields}
 
 
 def flat_paths(tree):
@@ -330,7 +337,7 @@ def test_symmetry_compatible_variants(variants):
 
 
 def test_symmetry_compatible_tied_and_errors():
-  tied = eqv.symmetry_compatible(1.0, tie_embeddings=True, beta=0.0)
+  tied = eqv.symmetry_compatible(1.0, decoder=eqv.Decoder(tie_embeddings=True), beta=0.0)
   g = {"embed": {"embedding": rand(300, (V, D), np.float32)}}
   out = tied.update(g, tied.init(g), g)[0]["embed"]["embedding"]
   close(-out, center(row_norm(center(g["embed"]["embedding"]))))
@@ -351,7 +358,8 @@ def test_stack_defaults_on_zero_gradients(variants):
   """The default Newton-Schulz (bfloat16 Polar Express, 5 steps): zero
   gradients give a zero update, never a NaN, from a fresh state and after
   steps with gradients whose squares underflow float32."""
-  tx = eqv.symmetry_compatible(0.1, num_heads=H, num_kv_heads=KV, **rules_and_rest(variants))
+  decoder = eqv.Decoder(num_heads=H, num_kv_heads=KV)
+  tx = eqv.symmetry_compatible(0.1, decoder=decoder, **rules_and_rest(variants))
   zeros = jax.tree.map(np.zeros_like, llama_grads(500))
   tiny = jax.tree.map(lambda x: 1e-30 * x, llama_grads(500))
   step = jax.jit(lambda g, state: tx.update(g, state, zeros))
@@ -370,7 +378,11 @@ def test_partial_routing_keeps_the_named_matrices_on_adamw_on_purpose():
   (sign(g)) on "0", both against NumPy; without the "adamw" entry, "0" is named and refused."""
   g = {"0": rand(31, (D, D), np.float32), "1": rand(32, (D, D), np.float32)}
   tx = eqv.symmetry_compatible(
-    0.1, adamw_learning_rate=0.01, beta=0.0, **EXACT_NS, patterns={"query": "1", "adamw": "0"}
+    0.1,
+    learning_rates={"adamw": 0.01},
+    beta=0.0,
+    **EXACT_NS,
+    patterns={"query": "1", "adamw": "0"},
   )
   out = tx.update(g, tx.init(g), g)[0]
   close(-np.asarray(out["1"]) / 0.1, polar(np.float64(g["1"])), rtol=1e-4)
@@ -390,11 +402,13 @@ def test_a_matrix_that_matches_no_role_is_named_and_biases_stay_on_adamw():
     "layer": {**PARAMS["layer"], **attention, "qkv_proj": {"kernel": jnp.ones((8, 24))}},
   }
   with pytest.raises(ValueError, match=r"the matrices \['layer/qkv_proj/kernel'\] match no role"):
-    eqv.symmetry_compatible(0.1, num_heads=2).init(params)
-  tx = eqv.symmetry_compatible(0.1, num_heads=2, patterns={"adamw": "layer/qkv_proj/kernel"})
+    eqv.symmetry_compatible(0.1, decoder=eqv.Decoder(num_heads=2)).init(params)
+  tx = eqv.symmetry_compatible(
+    0.1, decoder=eqv.Decoder(num_heads=2), patterns={"adamw": "layer/qkv_proj/kernel"}
+  )
   tx.init(params)
   biased = {**PARAMS, "experts": {"gate_up_proj_bias": jnp.ones((4, 16)), "bias": jnp.ones((4, 8))}}
-  eqv.symmetry_compatible(0.1, num_heads=2).init(biased)
+  eqv.symmetry_compatible(0.1, decoder=eqv.Decoder(num_heads=2)).init(biased)
 
 
 def test_the_stack_inside_nnx_optimizer_through_orbax(tmp_path):
@@ -417,7 +431,9 @@ def test_the_stack_inside_nnx_optimizer_through_orbax(tmp_path):
       return self.lm_head(self.norm(h + self.q_proj(h)))
 
   def tx():
-    return eqv.symmetry_compatible(0.02, adamw_learning_rate=1e-2, num_heads=2)
+    return eqv.symmetry_compatible(
+      0.02, learning_rates={"adamw": 1e-2}, decoder=eqv.Decoder(num_heads=2)
+    )
 
   @nnx.jit
   def step(model, optimizer, tokens):

@@ -361,9 +361,9 @@ def _builders() -> dict[str, tuple[str, ...]]:
 
 
 # Keywords that stay flat in every builder that takes them, as optax's own hyperparameters
-# (optax.adam and optax.adamw both take b1, b2, eps, mu_dtype): each is one number or dtype,
+# (optax.adam and optax.adamw both take b1, b2, eps): each is one number or string,
 # and a tuple of them would only lengthen every call. They break a run.
-FLAT = {"beta", "eps", "eps_form", "relative_eps", "alpha", "mu_dtype"}
+FLAT = {"beta", "eps", "eps_form", "alpha"}
 # Builders that share a signature by design, with why.
 TWINS = {
   frozenset({"scale_by_left_spectral", "scale_by_right_spectral"}): "the left rule is the "
@@ -408,3 +408,77 @@ def test_the_keyword_check_finds_a_repeated_run():
     ("num_heads", "num_kv_heads", "head_dim")
   }
   assert not _runs(("center", "joint", "beta", "eps")) and not _runs(LAYOUT)
+
+
+# ---- at most ten parameters (issue 45) -------------------------------------------------------
+
+MAX_PARAMETERS = 10
+# Where users call the library: the package and the modules docs/api.md documents.
+CALLED = (
+  saggs_jax,
+  saggs_jax.equivariant,
+  saggs_jax.checkpoint,
+  saggs_jax.presets,
+  saggs_jax.discovery,
+)
+
+
+def _parameters(fn) -> int | None:
+  """How many parameters ``fn`` takes (``self``/``cls`` aside; ``*args`` and ``**kwargs``
+  count one each); None where Python cannot read its signature (a builtin)."""
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return None
+  return sum(1 for n in params if n not in ("self", "cls"))
+
+
+def _callables() -> dict[str, object]:
+  """Every public callable of :data:`CALLED`: its functions and classes (a class called as
+  its constructor), and the public methods a class of the library defines itself."""
+  found = {}
+  for module in CALLED:
+    for name, value in _public(module).items():
+      if inspect.ismodule(value) or not callable(value):
+        continue
+      found[f"{module.__name__}.{name}"] = value
+      if inspect.isclass(value) and value.__module__.startswith("saggs_jax"):
+        for attr, member in vars(value).items():
+          if not attr.startswith("_") and inspect.isfunction(inspect.unwrap(member)):
+            found[f"{module.__name__}.{name}.{attr}"] = member
+  return found
+
+
+def _too_long(callables: dict[str, object]) -> dict[str, int]:
+  counts = {name: _parameters(fn) for name, fn in callables.items()}
+  return {name: n for name, n in counts.items() if n is not None and n > MAX_PARAMETERS}
+
+
+def test_no_public_callable_takes_more_than_ten_parameters():
+  """A signature past ten parameters hides settings that belong together: group them in a
+  record (Heads, Decoder, LlamaNames, NewtonSchulz) or leave rarely used knobs out."""
+  callables = _callables()
+  # the probe reaches every module and the builders most likely to grow
+  assert {
+    "saggs_jax.saggs",
+    "saggs_jax.equivariant.scale_by_polar",
+    "saggs_jax.equivariant.scale_by_hybrid",
+    "saggs_jax.equivariant.symmetry_compatible",
+    "saggs_jax.presets.llama",
+    "saggs_jax.presets.maxtext",
+    "saggs_jax.checkpoint.restore",
+    "saggs_jax.discovery.discover",
+    "saggs_jax.Pair",
+  } <= set(callables)
+  too_long = _too_long(callables)
+  assert not too_long, "more than ten parameters: " + ", ".join(
+    f"{name} ({n})" for name, n in sorted(too_long.items())
+  )
+
+
+def test_the_parameter_check_counts_what_a_caller_passes():
+  def eleven(a, b, c, d, e, f, g, h, i, j, *, k=None): ...
+
+  def ten(self, a, *args, b=1, c=2, d=3, e=4, f=5, g=6, h=7, **kw): ...
+
+  assert _too_long({"eleven": eleven, "ten": ten, "len": len}) == {"eleven": 11}

@@ -265,7 +265,7 @@ def test_moments_transported(case):
   )
   p_chain, u_chain, (s_chain, s_saggs) = step(tx, params, (s0, tx.init(params)[1]), grads)
 
-  assert int(s_saggs.count) == 1
+  assert int(s_saggs.step) == 1
   np.testing.assert_allclose(
     s_saggs.factors["layers/1/q|layers/1/k"], mult["layers/1/q"][::4], rtol=1e-5
   )
@@ -350,7 +350,7 @@ def test_every_k_balances_only_on_updates_1_k_plus_1():
     params, updates, state = models.jit_step(EVERY3, params, state, zeros)
     after = imbalance(params, SMALL_PAIRS)
     sstate = state[1]
-    assert int(sstate.count) == n
+    assert int(sstate.step) == n
     assert set(sstate.factors) == set(before)
     if balances(n, 3):
       for k in after:
@@ -422,7 +422,7 @@ def test_init_from_joins_a_running_adam_with_its_moments_transported(wrapped):
   for _ in range(3):
     p, _, s = models.jit_step(adam, p, s, SMALL_GRAD(p))
   stage = saggs.saggs(SMALL_PAIRS, every=2)
-  tx = saggs.saggs(adam, SMALL_PAIRS, every=2) if wrapped else saggs.chain(adam, stage)
+  tx = saggs.wrap(adam, stage) if wrapped else saggs.chain(adam, stage)
   joined = tx.init_from(p, s)
   assert int(joined[0][0].count) == 3 and int(joined[1].step) == 0
   p_want, s_want = p, s
@@ -884,7 +884,7 @@ def test_no_pairs_is_a_no_op_stage(every, pairs):
   inner = optax.adam(1e-2)
   expected, inner_state = jax.jit(inner.update)(grads, inner.init(params), params)
   chex.assert_trees_all_equal((updates, state[0]), (expected, inner_state))
-  assert state[1].factors == {} and int(state[1].count) == 1
+  assert state[1].factors == {} and int(state[1].step) == 1
   assert saggs.imbalance(params, []) == {}
   same, _ = saggs.canonicalize(params, None, [])
   chex.assert_trees_all_equal(same, params)
@@ -913,7 +913,7 @@ def test_two_symmetry_stages_in_one_chain():
   np.testing.assert_allclose(
     imbalance(new, first)["up|down"], imbalance(params, first)["up|down"] / 2, rtol=1e-5
   )
-  assert [int(s.count) for s in state[1:]] == [1, 1]
+  assert [int(s.step) for s in state[1:]] == [1, 1]
 
 
 def test_optax_map_params_maps_the_moments_not_the_factors():
@@ -944,7 +944,7 @@ def test_plain_optax_chain_refuses_at_init_with_the_fix():
       optax.chain(optax.adam(1e-2), build(SMALL_PAIRS)).init(params)
     with pytest.raises(ValueError, match="outside saggs_jax.chain"):
       build(SMALL_PAIRS).update(grads, None, params)  # no init is needed to refuse
-  wrapped = saggs.saggs(optax.adam(1e-2), SMALL_PAIRS)
+  wrapped = saggs.wrap(optax.adam(1e-2), saggs.saggs(SMALL_PAIRS))
   chained = saggs.chain(optax.adam(1e-2), saggs.saggs(SMALL_PAIRS))
   new_w, _, state_w = step(wrapped, params, wrapped.init(params), grads)
   new_c, _, state_c = step(chained, params, chained.init(params), grads)
@@ -1039,3 +1039,22 @@ def test_a_stage_after_the_step_corrects_it_and_moves_the_gauge():
       p[n] = (p[n] + step) * d[n]
       mu[n], nu[n] = mu[n] / gauge[n], nu[n] / gauge[n] ** 2
   _check_adam(got, state, p, mu, nu)
+
+
+@pytest.mark.parametrize(
+  "build, name",
+  [
+    (saggs.saggs, "saggs"),
+    (saggs.soft, "soft"),
+    (saggs.scale_by_saggs, "scale_by_saggs"),
+    (saggs.qk_clip, "qk_clip"),
+  ],
+)
+def test_the_former_wrapper_call_is_a_type_error_naming_wrap(build, name):
+  """A stage builder takes its pairs first: the former overload ``saggs(inner, pairs)``, an
+  optimizer where the pairs go, is a TypeError whose message is the call that wraps it."""
+  with pytest.raises(TypeError) as e:
+    build(optax.adam(1e-3), SMALL_PAIRS)
+  assert f"saggs_jax.wrap(inner, saggs_jax.{name}(pairs))" in str(e.value)
+  tx = saggs.wrap(optax.sgd(0.0), build(SMALL_PAIRS))  # the form it names
+  assert isinstance(tx.init(small_imbalanced(13)), saggs.SymmetryState)

@@ -145,7 +145,7 @@ def reparameterize(
       moves by ``c**-2``: float32 holds no ``1e30**2``) are a ValueError naming the leaf,
       where the values are concrete.
     tx: the optimizer that made ``opt_state``: a :func:`saggs_jax.chain` (or a
-      wrapper such as ``saggs_jax.saggs(inner, pairs)``) with its own state, whose
+      :func:`saggs_jax.wrap`) with its own state, whose
       symmetry stages' states stay as they are, or any optax transformation.
       A state type does not always fix its degrees (``optax.adamax`` keeps
       degree 1 in Adam's ``nu``): given ``tx``, each leaf moves by the degree

@@ -35,13 +35,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from saggs_jax._src.pairs import Pair, Plan, as_pairs
+from saggs_jax._src.pairs import Pair, Plan
 from saggs_jax._src.transform import (
   Correction,
   Stage,
   SymmetryTransformation,
+  stage_pairs,
   symmetry_stage,
-  wrappable,
 )
 from saggs_jax._src.validation import check_number
 
@@ -215,7 +215,6 @@ def _clip_factors(plan: Plan, logits: dict[str, jax.Array], tau: float, alpha: f
   return clip, gauge
 
 
-@wrappable
 def qk_clip(
   pairs: Sequence[Pair], tau: float = 100.0, alpha: float = 0.5, num_heads: int | None = None
 ) -> SymmetryTransformation:
@@ -254,12 +253,10 @@ def qk_clip(
   inner optimizer. The clip itself runs on every update. In a plain
   ``optax.chain`` it clips ``p + u`` the same way, which is exact for α = 1/2
   (no moment moves); for α ≠ 1/2 it could not transport the gauge's moments and
-  ``init`` refuses it there, naming ``saggs_jax.chain`` and the wrapper form
-  ``qk_clip(inner, pairs, ...)``.
+  ``init`` refuses it there, naming ``saggs_jax.chain`` and the wrapper
+  ``saggs_jax.wrap(inner, qk_clip(pairs, ...))``.
 
   Args:
-    inner: optional, before ``pairs``: the optimizer to wrap
-      (:func:`saggs_jax._src.transform.wrap`).
     pairs: the Q/K :class:`~saggs_jax.Pair` declarations (a group axis whose
       groups are KV heads: ``presets.llama(...)[0]``, ``presets.flax_mha()[0]``,
       ``presets.gpt2(...)[0]`` or ``discover``'s Q/K pairs); every instance
@@ -288,7 +285,7 @@ def qk_clip(
     >>> optax.apply_updates(params, updates)["q"][0]  # γ^½ on head 0's Q, head 1 untouched
     Array([0.5, 1. ], dtype=float32)
   """
-  pairs = as_pairs(pairs)
+  pairs = stage_pairs(pairs, "saggs_jax.qk_clip")
   check_number("tau", tau, lambda t: 0 < t < math.inf, "in (0, inf)", integer=False)
   check_number("alpha", alpha, lambda a: 0 <= a <= 1, "in [0, 1]", integer=False)
   if num_heads is not None:

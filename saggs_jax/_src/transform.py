@@ -11,8 +11,8 @@ Every transformation here is an ordinary optax NamedTuple of ``init`` and
 ``update``: a stage's ``update`` is a :class:`Stage` (what :func:`chain` runs
 around the stages before it), a chain's a :class:`ChainUpdate` (which names its
 optimizer), so ``_replace``, ``copy`` and optax's wrappers keep them. The
-wrapper form ``saggs(inner, pairs, ...)`` (:func:`wrap`) is ``chain(inner,
-stage)`` with its state as ``SymmetryState(inner_state, stage_state)``. Each
+wrapper :func:`wrap` ``(inner, stage)`` is ``chain(inner, stage)`` with its state as
+``SymmetryState(inner_state, stage_state)``. Each
 update resolves a stage's pairs once and passes the plan down; nothing is kept
 between calls: the shapes ``init`` saw outside ``shard_map``, against which a
 ``shard_map`` update checks its shards, travel in the state (:class:`GlobalShapes`).
@@ -92,11 +92,6 @@ class SaggsState(NamedTuple):
   residual: jax.Array
   global_shapes: GlobalShapes | jax.Array = GlobalShapes()
 
-  @property
-  def count(self) -> jax.Array:
-    """``step``, by its former name."""
-    return self.step
-
 
 # An earlier symmetry stage's factors record what it applied; they are not moments.
 register_transport(SaggsState, {})
@@ -167,8 +162,21 @@ def _outside_chain(name: str) -> str:
     f"{name}(pairs) outside saggs_jax.chain cannot transport the moments of the optimizer"
     " before it, so training would quietly leave the orbit. Write"
     f" saggs_jax.chain(optax.adamw(...), {name}(pairs)), or wrap the optimizer:"
-    f" {name}(optax.adamw(...), pairs)."
+    f" saggs_jax.wrap(optax.adamw(...), {name}(pairs))."
   )
+
+
+def stage_pairs(pairs: Any, name: str) -> tuple[Pair, ...]:
+  """``pairs`` as a tuple (:func:`~saggs_jax._src.pairs.as_pairs`); an optimizer in their place,
+  the wrapper call of an earlier API, is a TypeError naming the form that wraps it."""
+  if isinstance(pairs, optax.GradientTransformation):
+    raise TypeError(
+      f"{name} takes the pairs first and builds a stage on its own, got an optimizer"
+      f" ({type(pairs).__name__}) in their place. Wrap the optimizer with"
+      f" saggs_jax.wrap(inner, {name}(pairs)), or chain it:"
+      f" saggs_jax.chain(inner, {name}(pairs))."
+    )
+  return as_pairs(pairs)
 
 
 class SymmetryTransformation(optax.GradientTransformationExtraArgs):
@@ -375,7 +383,7 @@ def scale_by_saggs(
   Inside a plain ``optax.chain`` the stage could not reach the optimizer before
   it, whose moments would stay untransported: its ``init`` refuses it there and
   names the two exact forms, ``saggs_jax.chain(inner, stage)`` and the wrapper
-  ``scale_by_saggs(inner, pairs, ...)``, whose state is ``SymmetryState(inner_state,
+  ``saggs_jax.wrap(inner, stage)``, whose state is ``SymmetryState(inner_state,
   stage_state)`` as optax's wrappers hold theirs.
 
   Norms are scale-safe and a factor never overflows a leaf's dtype (see
@@ -384,7 +392,6 @@ def scale_by_saggs(
   the function; a larger imbalance is balanced over several updates.
 
   Args:
-    inner: optional, before ``pairs``: the optimizer to wrap (see :func:`wrap`).
     pairs: the :class:`~saggs_jax.Pair` declarations; none (a
       :func:`saggs_jax.discover` that found nothing) gives a stage that
       changes nothing.
@@ -397,8 +404,7 @@ def scale_by_saggs(
 
   Returns:
     A :class:`SymmetryTransformation`: chain it last, after the inner optimizer,
-    with :func:`saggs_jax.chain`. Given ``inner``, that chain as one
-    transformation (:func:`wrap`).
+    with :func:`saggs_jax.chain`, or wrap the optimizer with :func:`wrap`.
 
   References:
     Bum Jun Kim, `Same Function, Different Trajectory: No Standard Optimizer Is
@@ -417,7 +423,7 @@ def scale_by_saggs(
     >>> float(state[1].factors["q|k"])  # c = sqrt(2 / 8)
     0.5
   """
-  pairs = as_pairs(pairs)
+  pairs = stage_pairs(pairs, "saggs_jax.scale_by_saggs")
   _check_axis_name(axis_name)
   check_number("strength", strength, lambda s: 0 < s <= 1, "in (0, 1]", integer=False)
   check_number("every", every, lambda k: k >= 1, ">= 1", integer=True)
@@ -476,8 +482,7 @@ def saggs(
 ) -> SymmetryTransformation:
   """Hard SAGGS: equalise the norms inside each pair on updates 1, every + 1, ...
 
-  Alias of :func:`scale_by_saggs` with ``strength=1``; ``saggs(inner, pairs, ...)``
-  wraps ``inner`` (:func:`wrap`).
+  Alias of :func:`scale_by_saggs` with ``strength=1``.
 
   References:
     Bum Jun Kim, `Same Function, Different Trajectory: No Standard Optimizer Is
@@ -487,8 +492,9 @@ def saggs(
     >>> import optax, saggs_jax as saggs
     >>> pairs = [saggs.Pair("attn/q_proj/kernel", "attn/k_proj/kernel", axes=(1, 1), groups=4)]
     >>> tx = saggs.chain(optax.adamw(3e-4), saggs.saggs(pairs, every=100))
-    >>> wrapped = saggs.saggs(optax.adamw(3e-4), pairs, every=100)  # the same, as one wrapper
+    >>> wrapped = saggs.wrap(optax.adamw(3e-4), saggs.saggs(pairs, every=100))  # as one wrapper
   """
+  pairs = stage_pairs(pairs, "saggs_jax.saggs")
   return scale_by_saggs(pairs, strength=1.0, every=every, axis_name=axis_name)
 
 
@@ -498,8 +504,7 @@ def soft(
   """Soft SAGGS: move ``strength`` of the way (in log-norm) towards balance.
 
   Alias of :func:`scale_by_saggs`. Each application multiplies the
-  log-imbalance ``log(||A_g||/||B_g||)`` by ``1 - strength``; ``soft(inner, pairs,
-  ...)`` wraps ``inner`` (:func:`wrap`).
+  log-imbalance ``log(||A_g||/||B_g||)`` by ``1 - strength``.
 
   References:
     Bum Jun Kim, `Same Function, Different Trajectory: No Standard Optimizer Is
@@ -511,6 +516,7 @@ def soft(
     >>> pairs = [saggs.Pair("mlp/up_proj/kernel", "mlp/down_proj/kernel", axes=(1, 0))]
     >>> tx = saggs.chain(optax.adamw(3e-4, weight_decay=0.1), saggs.soft(pairs, strength=0.5))
   """
+  pairs = stage_pairs(pairs, "saggs_jax.soft")
   return scale_by_saggs(pairs, strength=strength, every=every, axis_name=axis_name)
 
 
@@ -769,9 +775,9 @@ def wrap(inner: optax.GradientTransformation, stage: SymmetryTransformation) -> 
   """``inner`` wrapped by a symmetry stage, as optax's wrappers hold theirs.
 
   The same updates as ``chain(inner, stage)``; the state is a
-  :class:`SymmetryState` ``(inner_state, stage_state)``. ``saggs(inner, pairs, ...)``,
-  ``soft(inner, pairs, ...)``, ``scale_by_saggs(inner, pairs, ...)`` and
-  ``qk_clip(inner, pairs, ...)`` build it. A wrapper is one transformation: it goes
+  :class:`SymmetryState` ``(inner_state, stage_state)``, as ``optax.apply_if_finite(inner,
+  ...)`` holds its inner state. ``stage`` is built on its own, as in a chain:
+  ``wrap(optax.adamw(...), saggs(pairs))``. A wrapper is one transformation: it goes
   inside ``optax.chain``, ``optax.named_chain``, ``optax.MultiSteps``,
   ``optax.apply_if_finite`` and ``flax.nnx.Optimizer`` like any optimizer. To wrap
   several stages, chain them: ``chain(inner, stage_1, stage_2)``.
@@ -779,7 +785,7 @@ def wrap(inner: optax.GradientTransformation, stage: SymmetryTransformation) -> 
   Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> params = {"q": jnp.full((2, 2), 4.0), "k": jnp.ones((2, 2))}
-    >>> tx = saggs.saggs(optax.sgd(0.0), [saggs.Pair("q", "k")])
+    >>> tx = saggs.wrap(optax.sgd(0.0), saggs.saggs([saggs.Pair("q", "k")]))
     >>> updates, state = tx.update(params, tx.init(params), params)
     >>> type(state).__name__, float(state.stage_state.factors["q|k"])  # c = sqrt(2 / 8)
     ('SymmetryState', 0.5)
@@ -805,21 +811,3 @@ def wrap(inner: optax.GradientTransformation, stage: SymmetryTransformation) -> 
 
   made = cast(ChainUpdate, chained.update)
   return Chain(init, ChainUpdate(made.optimizer, made.stages, update, wrapped=True))
-
-
-def wrappable(build: Callable[..., SymmetryTransformation]) -> Callable[..., Any]:
-  """``build(pairs, ...)``, a stage, also as ``build(inner, pairs, ...)``: ``wrap(inner,
-  build(pairs, ...))``."""
-
-  @functools.wraps(build)
-  def either(*args, **kwargs):
-    if args and isinstance(args[0], optax.GradientTransformation):
-      return wrap(args[0], build(*args[1:], **kwargs))
-    return build(*args, **kwargs)
-
-  return either
-
-
-scale_by_saggs = wrappable(scale_by_saggs)
-saggs = wrappable(saggs)
-soft = wrappable(soft)

@@ -16,7 +16,7 @@ Example:
   >>> from saggs_jax import equivariant as eqv
   >>> tx = eqv.layerwise(
   ...     {"embed/embedding": eqv.optimizer(eqv.scale_by_row_norm(unit_axis=0), 0.01),
-  ...      ("q_proj/kernel", "k_proj/kernel"): eqv.optimizer(eqv.scale_by_polar(num_heads=2), 0.02)},
+  ...      ("q_proj/kernel", "k_proj/kernel"): eqv.optimizer(eqv.scale_by_polar(heads=eqv.Heads(num=2)), 0.02)},
   ...     default=optax.adamw(3e-4))
   >>> params = {"embed": {"embedding": jnp.ones((16, 8))},
   ...           "q_proj": {"kernel": jnp.ones((8, 8))}, "k_proj": {"kernel": jnp.ones((8, 8))},
@@ -27,6 +27,7 @@ Example:
 from optax.contrib import MuonDimensionNumbers
 
 from saggs_jax._src.equivariant.dimension_numbers import (
+  Heads,
   UnitDimensionNumbers,
   muon_dimension_numbers,
 )
@@ -56,6 +57,7 @@ from saggs_jax._src.equivariant.stack import (
   PRESETS,
   REFERENCE_LEARNING_RATES,
   REFERENCE_WEIGHT_DECAYS,
+  Decoder,
   RoleRules,
   layerwise,
   optimizer,
@@ -64,6 +66,8 @@ from saggs_jax._src.equivariant.stack import (
 
 __all__ = [
   "CoefficientSet",
+  "Decoder",
+  "Heads",
   "InverseSqrt",
   "MomentumState",
   "MuonDimensionNumbers",

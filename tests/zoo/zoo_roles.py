@@ -98,7 +98,7 @@ def check_stack_rules(zoo: Zoo, roles: dict, head_dim: int):
   tx = saggs.equivariant.symmetry_compatible(
     1.0,
     patterns=found(zoo).roles,
-    head_dim=head_dim,
+    decoder=saggs.equivariant.Decoder(head_dim=head_dim),
     newton_schulz=saggs.equivariant.NewtonSchulz(dtype=jnp.float32),
   )
   grads = jax.tree_util.tree_map_with_path(

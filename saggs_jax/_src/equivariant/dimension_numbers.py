@@ -12,7 +12,7 @@ serves a layer and a scanned stack of them.
   :class:`UnitDimensionNumbers` names it, the axis that carries each unit's
   features, and fused branches; it converts from and to ``MuonDimensionNumbers``.
 * :func:`muon_dimension_numbers` builds the tree ``optax.contrib.muon`` takes
-  as ``muon_weight_dimension_numbers`` from path patterns, and
+  as ``muon_weight_dimension_numbers`` from path patterns or a preset's layout, and
   :func:`role_dimension_numbers` from the roles of
   :func:`~saggs_jax.equivariant.symmetry_compatible` (or of
   ``saggs_jax.discover(...).roles``), so optax's Muon and this library's
@@ -134,6 +134,29 @@ class UnitDimensionNumbers(NamedTuple):
     return unit, features, batch
 
 
+class Heads(NamedTuple):
+  """How one axis of a weight splits into heads, each a matrix of its own.
+
+  Exactly one of ``num`` and ``dim`` is given.
+
+  * ``num``: the axis holds this many heads; ``dim``: heads of this size;
+  * ``axis``: the axis holding them (one of the matrix axes): a ``(d, H*hd)`` query
+    kernel's -1, a ``(H*hd, d)`` output kernel's -2;
+  * ``interleaved``: head k holds indices k, k + H, ... instead of a contiguous block
+    (the gate and up halves of gpt-oss's fused expert kernel are
+    ``Heads(num=2, axis=-1, interleaved=True)``).
+
+  Example:
+    >>> Heads(num=4)
+    Heads(num=4, dim=None, axis=-1, interleaved=False)
+  """
+
+  num: int | None = None
+  dim: int | None = None
+  axis: int = -1
+  interleaved: bool = False
+
+
 def _sides(dims: MuonDimensionNumbers, units: Side):
   """``(units side, other side)`` of ``dims``."""
   if units not in ("reduction", "output"):
@@ -194,18 +217,139 @@ Dims = MuonDimensionNumbers | None
 Layout = Dims | Callable[[str, tuple[int, ...]], Dims]
 
 
-def muon_dimension_numbers(params: Any, layouts: Mapping[Patterns, Layout]) -> Any:
-  """The tree of ``MuonDimensionNumbers`` that ``optax.contrib.muon`` takes, from path patterns.
+def _join(prefix: str | None, pattern: str) -> str:
+  return f"{prefix}/{pattern}" if prefix else pattern
 
-  Each array leaf whose path matches a pattern of ``layouts`` (see
-  :mod:`saggs_jax._src.paths`) gets that pattern's ``MuonDimensionNumbers``, or what
-  ``fn(path, shape)`` gives for it where the pattern maps to a function;
-  every other leaf gets ``None``, which ``optax.contrib.muon`` hands to AdamW.
-  The tree has the structure of ``params`` (an ``nnx.State`` included).
+
+# The hidden matrices of each layout for Muon; negative axes, so that the
+# leading axes of scanned layers are batched too.
+_MUON_LAYOUTS: dict[str, dict[tuple[str, ...], MuonDimensionNumbers]] = {
+  # Dense (in, out) kernels.
+  "llama": {
+    (
+      "q_proj/kernel",
+      "k_proj/kernel",
+      "v_proj/kernel",
+      "o_proj/kernel",
+      "gate_proj/kernel",
+      "up_proj/kernel",
+      "down_proj/kernel",
+    ): MuonDimensionNumbers(-2, -1)
+  },
+  # (d, H, hd) query/key/value and (H, hd, d) output kernels: one matrix per head.
+  "flax_mha": {
+    ("query/kernel", "key/kernel", "value/kernel"): MuonDimensionNumbers(-3, -1),
+    ("out/kernel",): MuonDimensionNumbers(-2, -1),
+  },
+  # FlaxConv1D (out, in) kernels; c_attn's q, k and v blocks form one matrix.
+  "gpt2": {
+    (
+      "attn/c_attn/kernel",
+      "attn/c_proj/kernel",
+      "mlp/c_fc/kernel",
+      "mlp/c_proj/kernel",
+    ): MuonDimensionNumbers(-1, -2)
+  },
+}
+
+
+# MaxText's matrices, per layer: (per-layer rank, reduction axes, output axes), first match
+# wins; the layer axis is then inserted at param_scan_axis (see _maxtext_muon).
+_MAXTEXT_EXCLUDED = frozenset({"scale", "bias", "embedding", "logits_dense"})
+_MAXTEXT_MATRICES: tuple[tuple[str, tuple[int, tuple[int, ...], tuple[int, ...]]], ...] = (
+  ("MoeBlock_0/wi_*", (3, (1,), (2,))),  # (experts, in, out): per expert, bare leaves
+  ("MoeBlock_0/wo", (3, (1,), (2,))),
+  ("self_attention*/out/kernel", (3, (0, 1), (2,))),  # (heads, head_dim, emb): one matrix
+  *(
+    (f"self_attention*/{name}/kernel", (3, (0,), (1, 2)))  # (in, heads, head_dim)
+    for name in ("query", "key", "value", "wq_b", "wkv_b")
+  ),
+)
+
+
+def _maxtext_muon(params: Any, prefix: str | None, scan_axis: int | None) -> Any:
+  """MaxText's ``muon_weight_dimension_numbers`` (see :func:`muon_dimension_numbers`)."""
+  if scan_axis not in (0, 1, None):
+    raise ValueError(f"param_scan_axis must be 0, 1 or None (unscanned), got {scan_axis!r}.")
+  scanned = scan_axis is not None
+  # Per-layer axes before the layer axis count from the start, the others from the end:
+  # MaxText's own numbers for the layer axis at 1 (or none); at 0 all count from the end.
+  split = 1 if scan_axis is None else scan_axis
+
+  def leaf(key_path, x):
+    path = path_str(key_path)
+    if not is_array(x) or _MAXTEXT_EXCLUDED & set(path.split("/")):
+      return None
+    if prefix is not None and match(_join(prefix, "**"), path) is None:
+      return None
+    rule = next((r for pat, r in _MAXTEXT_MATRICES if match(pat, path) is not None), None)
+    n = len(x.shape) - (scanned and "layers_remainder" not in path)  # gemma3's, unscanned
+    if rule is None:  # a Dense kernel (in, out), or no matrix
+      if n < 2:
+        return None
+      rule = (n, (0,), (n - 1,))
+    rank, reduction, output = rule
+    if n != rank:
+      raise ValueError(
+        f"muon_dimension_numbers(..., 'maxtext'): {path!r} has shape"
+        f" {tuple(x.shape)}, {n} axes per layer; MaxText's layout has {rank}"
+        f" (param_scan_axis={scan_axis}; None for scan_layers=False)."
+      )
+
+    def at(axes):  # before the layer axis from the start, after it from the end
+      return tuple(a if a < split else a - n for a in axes)
+
+    return MuonDimensionNumbers(at(reduction), at(output))
+
+  return jax.tree_util.tree_map_with_path(leaf, params)
+
+
+def muon_dimension_numbers(
+  params: Any,
+  layouts: Mapping[Patterns, Layout] | Literal["llama", "flax_mha", "gpt2", "maxtext"],
+  *,
+  prefix: str | None = None,
+  param_scan_axis: int | None = 1,
+) -> Any:
+  """The tree of ``MuonDimensionNumbers`` that ``optax.contrib.muon`` takes, from path patterns
+  or a preset's layout.
+
+  ``layouts`` maps path patterns (see :mod:`saggs_jax._src.paths`) to dimension numbers: each
+  array leaf whose path matches a pattern gets that pattern's ``MuonDimensionNumbers``, or
+  what ``fn(path, shape)`` gives for it where the pattern maps to a function; every other
+  leaf gets ``None``, which ``optax.contrib.muon`` hands to AdamW. The tree has the
+  structure of ``params`` (an ``nnx.State`` included).
+
+  ``layouts`` may instead name the layout of a :mod:`saggs_jax.presets` declaration:
+
+  * ``"llama"``, ``"flax_mha"``, ``"gpt2"``: the hidden matrices of
+    :func:`~saggs_jax.presets.llama` (q/k/v/o and the SwiGLU kernels),
+    :func:`~saggs_jax.presets.flax_mha` (one matrix per head: the heads axis is batched)
+    or :func:`~saggs_jax.presets.gpt2`; norms, biases, embeddings and the LM head get
+    ``None``. The same declarations serve :func:`saggs_jax.equivariant.scale_by_polar`.
+  * ``"maxtext"``: what MaxText's own ``muon_utils`` gives its trees (see
+    :func:`~saggs_jax.presets.maxtext`) where that is right: attention q/k/v (and MLA's
+    ``wq_b``, ``wkv_b``) reduced over their input and producing (heads, head_dim), ``out``
+    reduced over (heads, head_dim), MoE experts one matrix per expert, every other kernel
+    (in, out), and ``None`` for norm scales, biases, the embedding and ``logits_dense``. The
+    layer axis at ``param_scan_axis`` (1, MaxText's default; 0; or ``None`` for
+    ``scan_layers=False``) is always a batch axis (gemma3's unscanned ``layers_remainder``
+    has none). With ``param_scan_axis=0`` MaxText's own tree reduces the MLP, the router and
+    the attention kernels over the layer axis (``docs/dimension_numbers.md``); this one does
+    not. On gemma2 MaxText's misses the attention (``self_attention_local``, ``_global``);
+    this one does not.
+
+  Args:
+    params: the parameters (arrays or ``jax.ShapeDtypeStruct`` leaves).
+    layouts: ``{patterns: MuonDimensionNumbers or fn(path, shape)}``, or a preset's
+      layout name.
+    prefix: restricts the patterns to this part of the tree (``"decoder/**"``).
+    param_scan_axis: ``"maxtext"`` only: where its scanned layer axis is.
 
   Raises:
     ValueError: naming the path, when two patterns match one leaf or a leaf
-      does not have the axes its dimension numbers name.
+      does not have the axes its dimension numbers name; naming the layout when it is
+      unknown.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -216,9 +360,23 @@ def muon_dimension_numbers(params: Any, layouts: Mapping[Patterns, Layout]) -> A
     {'attn': {'kernel': MuonDimensionNumbers(reduction_axis=0, output_axis=2)}, 'norm': None}
     >>> tx = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
     >>> updates, _ = tx.update(params, tx.init(params), params)
+    >>> params = {"attn": {"query": {"kernel": jnp.ones((8, 2, 4))}}, "ln": {"scale": jnp.ones(8)}}
+    >>> dims = muon_dimension_numbers(params, "flax_mha")
+    >>> dims["attn"]["query"]["kernel"], dims["ln"]["scale"]
+    (MuonDimensionNumbers(reduction_axis=-3, output_axis=-1), None)
   """
+  if isinstance(layouts, str):
+    if layouts == "maxtext":
+      return _maxtext_muon(params, prefix, param_scan_axis)
+    if layouts not in _MUON_LAYOUTS:
+      raise ValueError(
+        f"Unknown layout {layouts!r}; expected one of {sorted(_MUON_LAYOUTS) + ['maxtext']}"
+        " or a mapping of path patterns to MuonDimensionNumbers."
+      )
+  table: Mapping[Any, Layout] = _MUON_LAYOUTS[layouts] if isinstance(layouts, str) else layouts
   entries = [
-    ((pats,) if isinstance(pats, str) else tuple(pats), dims) for pats, dims in layouts.items()
+    (tuple(_join(prefix, p) for p in ((pats,) if isinstance(pats, str) else pats)), dims)
+    for pats, dims in table.items()
   ]
 
   def leaf(key_path, x):

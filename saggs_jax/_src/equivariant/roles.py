@@ -78,7 +78,7 @@ def role_dimension_numbers(
   :data:`ROLE_DIMENSION_NUMBERS`: Dense (in, out) kernels, any leading axes
   batched. Query, key/value and output kernels are orthogonalised whole:
   ``MuonDimensionNumbers`` cannot split one axis into heads
-  (``scale_by_polar(num_heads=...)`` can).
+  (``scale_by_polar(heads=Heads(num=...))`` can).
 
   With ``copy_axes`` (the copy axes of every leaf: a number of leading axes, their
   positions, or ``{path: positions}`` as :func:`saggs_jax.copy_axes` reads them) the

@@ -35,6 +35,7 @@ from optax.contrib import MuonDimensionNumbers
 from saggs_jax._src.equivariant import gather, linalg
 from saggs_jax._src.equivariant.dimension_numbers import (
   Axes,
+  Heads,
   UnitDimensionNumbers,
   muon_axes,
   partition,
@@ -118,15 +119,15 @@ def _unit_planner(dims: UnitDimensionNumbers):
   return plan
 
 
-def _polar_planner(
-  reduction_axes, output_axes, batch_axes, num_heads, head_dim, head_axis, interleaved
-):
-  """Rows: reduction axes; columns: output axes; ``head_axis`` optionally split into heads.
+def _polar_planner(reduction_axes, output_axes, batch_axes, heads: Heads | None):
+  """Rows: reduction axes; columns: output axes; ``heads.axis`` optionally split into heads.
 
   ``reduction_axes`` may be a ``MuonDimensionNumbers``: then every other axis
   is batched, whatever the rank."""
-  if num_heads is not None and head_dim is not None:
-    raise ValueError("Give num_heads or head_dim, not both.")
+  if heads is not None and not isinstance(heads, Heads):
+    raise TypeError(f"heads must be a saggs_jax.equivariant.Heads, got {heads!r}.")
+  if heads is not None and (heads.num is None) == (heads.dim is None):
+    raise ValueError(f"{heads}: give Heads(num=...) or Heads(dim=...), exactly one of them.")
   if isinstance(reduction_axes, MuonDimensionNumbers):
     if (output_axes, batch_axes) != (-1, ()):
       raise ValueError(
@@ -147,17 +148,17 @@ def _polar_planner(
 
   def plan(shape):
     rows, cols, batch = axes_of(len(shape))
-    if num_heads is None and head_dim is None:
+    if heads is None:
       return _make_plan(shape, batch, rows, cols)
-    (h,) = _normalize(head_axis, len(shape))
-    heads = num_heads or shape[h] // head_dim
-    if h in batch or heads < 1 or shape[h] % heads:
+    (h,) = _normalize(heads.axis, len(shape))
+    count = heads.num or shape[h] // heads.dim
+    if h in batch or count < 1 or shape[h] % count:
       raise ValueError(
         f"axis {h} of size {shape[h]} does not split into "
-        f"{f'{num_heads} heads' if num_heads else f'heads of size {head_dim}'}"
+        f"{f'{heads.num} heads' if heads.num else f'heads of size {heads.dim}'}"
       )
     # The head index joins the batch axes.
-    split, piece, move = _split(shape, h, heads, interleaved)
+    split, piece, move = _split(shape, h, count, heads.interleaved)
     return _make_plan(split, move(batch) + (piece,), move(rows), move(cols))
 
   return plan
@@ -224,7 +225,6 @@ def _rule(
   *,
   beta,
   nesterov,
-  mu_dtype,
   joint=(),
   batched=False,
   ema=True,
@@ -265,7 +265,7 @@ def _rule(
 
   def init_fn(params):
     plan_tree(params)
-    return MomentumState(mu=optax.tree.zeros_like(params, dtype=mu_dtype))
+    return MomentumState(mu=optax.tree.zeros_like(params))
 
   def update_fn(updates, state, params=None):
     del params
@@ -309,17 +309,13 @@ def scale_by_polar(
   output_axes: Axes = -1,
   batch_axes: Axes = (),
   *,
-  num_heads: int | None = None,
-  head_dim: int | None = None,
-  head_axis: int = -1,
-  interleaved: bool = False,
+  heads: Heads | None = None,
   beta: float = 0.95,
   nesterov: bool = True,
   ema: bool = True,
   newton_schulz: NewtonSchulz = NewtonSchulz(),
   eps: float = 1e-7,
   eps_form: linalg.EpsForm = "floor",
-  mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   """Muon: the polar factor of the Nesterov momentum, per matrix (and per head).
 
@@ -329,15 +325,13 @@ def scale_by_polar(
   under ``X ↦ A X B`` for orthogonal ``A``, ``B``. The matrix is (reduction
   axes) x (output axes); the parameter's rank must be the number of
   reduction, output and batch axes.
-  With ``num_heads`` or ``head_dim``, ``head_axis`` (one of the reduction or
-  output axes) is split into contiguous heads, each orthogonalised on its own:
-  a ``(d, H*hd)`` query kernel takes ``num_heads=H`` (``head_axis=-1``), a
-  ``(H*hd, d)`` output kernel ``head_axis=-2``; a ``(d, H, hd)`` DenseGeneral
-  kernel takes ``reduction_axes=0, output_axes=2, batch_axes=1`` instead.
-  With ``interleaved`` head k holds indices k, k + H, ...: the gate and up
-  halves of a gpt-oss fused ``(E, d, 2F)`` expert kernel are
-  ``num_heads=2, interleaved=True`` (``reduction_axes=2, output_axes=1,
-  batch_axes=0`` for Lau & Su's shape factor).
+  With ``heads`` (a :class:`Heads`), its axis (one of the reduction or output axes) is
+  split into heads, each orthogonalised on its own: a ``(d, H*hd)`` query kernel takes
+  ``heads=Heads(num=H)``, a ``(H*hd, d)`` output kernel ``Heads(num=H, axis=-2)``; a
+  ``(d, H, hd)`` DenseGeneral kernel takes ``reduction_axes=0, output_axes=2,
+  batch_axes=1`` instead. The gate and up halves of a gpt-oss fused ``(E, d, 2F)``
+  expert kernel are ``Heads(num=2, interleaved=True)`` (``reduction_axes=2,
+  output_axes=1, batch_axes=0`` for Lau & Su's shape factor).
 
   ``reduction_axes`` may instead be an ``optax.contrib.MuonDimensionNumbers``
   (see :mod:`saggs_jax._src.equivariant.dimension_numbers`): its reduction and
@@ -351,10 +345,7 @@ def scale_by_polar(
       ``batch_axes``).
     output_axes: output axes.
     batch_axes: axes holding independent matrices (layers, experts).
-    num_heads: split ``head_axis`` into this many heads.
-    head_dim: split ``head_axis`` into heads of this size.
-    head_axis: the axis holding the heads.
-    interleaved: heads interleave along ``head_axis`` instead of being contiguous.
+    heads: split one axis into heads (:class:`Heads`); default one matrix.
     beta: momentum decay.
     nesterov: use the Nesterov look-ahead ``beta M + (1 - beta) G``.
     ema: ``False`` accumulates ``M <- beta M + G`` (look-ahead ``beta M +
@@ -364,11 +355,10 @@ def scale_by_polar(
       (:class:`NewtonSchulz`).
     eps: floor of the Frobenius normaliser.
     eps_form: ``"floor"`` (``max(h ||X||, eps)``) or ``"add"`` (``h ||X|| + eps``).
-    mu_dtype: momentum dtype (default: the parameter's).
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> tx = scale_by_polar(num_heads=2)  # a (d, H*hd) query kernel, per head
+    >>> tx = scale_by_polar(heads=Heads(num=2))  # a (d, H*hd) query kernel, per head
     >>> g = {"q": jax.random.normal(jax.random.key(0), (8, 2 * 4))}
     >>> u, _ = tx.update(g, tx.init(g))
     >>> u["q"].shape
@@ -391,9 +381,7 @@ def scale_by_polar(
     Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
     Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
   """
-  planner = _polar_planner(
-    reduction_axes, output_axes, batch_axes, num_heads, head_dim, head_axis, interleaved
-  )
+  planner = _polar_planner(reduction_axes, output_axes, batch_axes, heads)
 
   def direction(x):
     width = math.sqrt(max(1.0, x.shape[-1] / x.shape[-2]))
@@ -406,7 +394,6 @@ def scale_by_polar(
     direction,
     beta=beta,
     nesterov=nesterov,
-    mu_dtype=mu_dtype,
     batched=True,
     ema=ema,
     whole=True,
@@ -421,7 +408,6 @@ def scale_by_row_norm(
   beta: float = 0.95,
   eps: float = 1e-8,
   eps_form: linalg.EpsForm = "floor",
-  mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   """Row-norm: every unit vector of the momentum scaled to unit length.
 
@@ -446,7 +432,6 @@ def scale_by_row_norm(
     beta: momentum decay.
     eps: floor of the row norms.
     eps_form: ``"floor"`` (``max(||x||, eps)``) or ``"add"`` (``||x|| + eps``).
-    mu_dtype: momentum dtype (default: the parameter's).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -472,7 +457,6 @@ def scale_by_row_norm(
     lambda x: p(linalg.row_normalize(p(x), eps, eps_form)),
     beta=beta,
     nesterov=False,
-    mu_dtype=mu_dtype,
     joint=joint,
   )
 
@@ -490,17 +474,15 @@ def _spectral_rule(
   joint,
   beta,
   eps,
-  relative_eps,
   alpha,
   inverse_sqrt,
-  mu_dtype,
 ):
   """Both spectral rules, which differ only in their name and ``center``'s default."""
   p = _maybe_center(center)
-  floor = 0.0 if relative_eps else eps
+  floor = 0.0 if inverse_sqrt.relative_eps else eps
 
   def direction(m):
-    u, nu = linalg.spectral(p(m), eps, relative=relative_eps, **inverse_sqrt._asdict())
+    u, nu = _inverse_sqrt_polar(p(m), eps, inverse_sqrt)
     return p(_nuclear_scale(nu, alpha, floor) * u)
 
   return _rule(
@@ -509,10 +491,19 @@ def _spectral_rule(
     direction,
     beta=beta,
     nesterov=False,
-    mu_dtype=mu_dtype,
     joint=joint,
     batched=True,
     whole=True,
+  )
+
+
+def _inverse_sqrt_polar(x, eps, inverse_sqrt: InverseSqrt):
+  """``(X (Xᵀ X + ε' I)^(-1/2), ν)`` by :class:`InverseSqrt`'s method."""
+  if not isinstance(inverse_sqrt, InverseSqrt):
+    raise TypeError(f"expected a saggs_jax.equivariant.InverseSqrt, got {inverse_sqrt!r}.")
+  i = inverse_sqrt
+  return linalg.spectral(
+    x, eps, relative=i.relative_eps, method=i.method, steps=i.steps, gram=i.gram
   )
 
 
@@ -523,10 +514,8 @@ def scale_by_right_spectral(
   joint: Sequence[str] = (),
   beta: float = 0.95,
   eps: float = 1e-6,
-  relative_eps: bool = True,
   alpha: float = 1.0,
   inverse_sqrt: InverseSqrt = InverseSqrt(),
-  mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   """Right (one-sided) spectral update.
 
@@ -534,7 +523,7 @@ def scale_by_right_spectral(
 
   with ``X = M`` (rows: units) or ``P(M)`` with ``center`` (then the update is
   re-centred), and ``ε' = ε ||X||_F²`` so the rule is scale-equivariant
-  (``relative_eps=False``: ``ε' = ε``). By default computed with ``eigh`` in
+  (``InverseSqrt(relative_eps=False)``: ``ε' = ε``). By default computed with ``eigh`` in
   float32 on the smaller Gram matrix. Equivariant under unit permutations and
   orthogonal maps of the features. Zero units stay zero (without ``center``).
 
@@ -543,13 +532,11 @@ def scale_by_right_spectral(
     center: use ``P(M)`` (shared-shift invariant).
     joint: units shared by several parameters (see :func:`scale_by_row_norm`).
     beta: momentum decay.
-    eps: eigenvalue floor (relative to ``||X||_F²`` with ``relative_eps``).
-    relative_eps: scale the floor with ``||X||_F²``.
+    eps: eigenvalue floor (relative to ``||X||_F²`` with ``inverse_sqrt.relative_eps``).
     alpha: power of the nuclear-norm factor (0: none; ``ν`` is clamped
       below at ``eps`` when the floor is absolute).
-    inverse_sqrt: the method, steps and Gram matrix of the inverse square root
+    inverse_sqrt: the method, steps, Gram matrix and floor of the inverse square root
       (:class:`InverseSqrt`).
-    mu_dtype: momentum dtype (default: the parameter's).
 
   Example:
     >>> import jax.numpy as jnp
@@ -570,10 +557,8 @@ def scale_by_right_spectral(
     joint,
     beta,
     eps,
-    relative_eps,
     alpha,
     inverse_sqrt,
-    mu_dtype,
   )
 
 
@@ -584,10 +569,8 @@ def scale_by_left_spectral(
   joint: Sequence[str] = (),
   beta: float = 0.95,
   eps: float = 1e-6,
-  relative_eps: bool = True,
   alpha: float = 1.0,
   inverse_sqrt: InverseSqrt = InverseSqrt(),
-  mu_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
   """Left spectral update, for MoE routers (units = experts).
 
@@ -619,10 +602,8 @@ def scale_by_left_spectral(
     joint,
     beta,
     eps,
-    relative_eps,
     alpha,
     inverse_sqrt,
-    mu_dtype,
   )
 
 
@@ -637,11 +618,7 @@ def scale_by_hybrid(
   eps_form: linalg.EpsForm = "floor",
   alpha: float = 1.0,
   nuclear_norm_axes: Axes = (),
-  polar: Literal["newton_schulz", "gram"] = "newton_schulz",
-  newton_schulz: NewtonSchulz = NewtonSchulz(),
-  relative_eps: bool = True,
-  inverse_sqrt: InverseSqrt = InverseSqrt(),
-  mu_dtype: jnp.dtype | None = None,
+  polar: NewtonSchulz | InverseSqrt = NewtonSchulz(),
 ) -> optax.GradientTransformation:
   """Hybrid row-norm / spectral update.
 
@@ -655,10 +632,9 @@ def scale_by_hybrid(
   permutations and orthogonal maps of the features (and shared shifts with
   ``center``).
 
-  The polar factor is :func:`newton_schulz` of X (``polar="newton_schulz"``)
-  or ``X (Xᵀ X + ε' I)^(-1/2)`` (``polar="gram"``, the spectral map of
-  :func:`scale_by_right_spectral` with its ``relative_eps`` and
-  ``inverse_sqrt``).
+  The polar factor is :func:`newton_schulz` of X (``polar`` a :class:`NewtonSchulz`,
+  the default) or ``X (Xᵀ X + ε' I)^(-1/2)`` (``polar`` an :class:`InverseSqrt`, the
+  spectral map of :func:`scale_by_right_spectral`).
 
   Args:
     unit_axis: the axis of units, or a :class:`UnitDimensionNumbers`.
@@ -667,7 +643,7 @@ def scale_by_hybrid(
     joint: units shared by several parameters (see :func:`scale_by_row_norm`).
     beta: momentum decay.
     eps: floor of the row norms and of the Frobenius normaliser, the damping
-      of ``polar="gram"``, and the floor of ``ν``.
+      of an :class:`InverseSqrt` polar factor, and the floor of ``ν``.
     eps_form: ``"floor"`` (``max(||x||, eps)``) or ``"add"`` (``||x|| + eps``)
       for the row norms and the Newton-Schulz normaliser.
     alpha: power of the nuclear-norm factor.
@@ -675,12 +651,9 @@ def scale_by_hybrid(
       their matrices share one factor (Lau & Su's batched-expert hybrid sums
       over the experts of a tensor); default one factor per matrix. Needs
       the layout's ``batch_axis`` named, and no ``feature_axis``.
-    polar: how the polar factor is computed, see above.
-    newton_schulz: the Newton-Schulz iterations of ``polar="newton_schulz"``
-      (:class:`NewtonSchulz`).
-    relative_eps, inverse_sqrt: the Gram inverse square root of ``polar="gram"``,
-      see :func:`scale_by_right_spectral`.
-    mu_dtype: momentum dtype (default: the parameter's).
+    polar: how the polar factor is computed: the Newton-Schulz iterations
+      (:class:`NewtonSchulz`) or the Gram inverse square root (:class:`InverseSqrt`,
+      see :func:`scale_by_right_spectral`).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -705,8 +678,11 @@ def scale_by_hybrid(
   """
   if order not in ("row_then_polar", "polar_then_row"):
     raise ValueError(f"order must be 'row_then_polar' or 'polar_then_row', got {order!r}.")
-  if polar not in ("newton_schulz", "gram"):
-    raise ValueError(f"polar must be 'newton_schulz' or 'gram', got {polar!r}.")
+  if not isinstance(polar, (NewtonSchulz, InverseSqrt)):
+    raise TypeError(
+      "polar must be a saggs_jax.equivariant.NewtonSchulz or InverseSqrt (the Gram inverse"
+      f" square root), got {polar!r}."
+    )
   dims = unit_dimension_numbers(unit_axis)
   batch_axes = () if dims.batch_axis is None else dims.batch_axis
   if nuclear_norm_axes != () and (
@@ -721,10 +697,10 @@ def scale_by_hybrid(
   row = lambda x: linalg.row_normalize(x, eps, eps_form)
 
   def polar_and_scale(x):
-    if polar == "gram":
-      o, nu = linalg.spectral(x, eps, relative=relative_eps, **inverse_sqrt._asdict())
+    if isinstance(polar, InverseSqrt):
+      o, nu = _inverse_sqrt_polar(x, eps, polar)
     else:
-      ns = newton_schulz
+      ns = polar
       o = linalg.newton_schulz(x, ns.coeffs, ns.steps, ns.dtype, eps, eps_form, ns.gram)
       nu = jnp.sum(o * x, axis=(-2, -1), keepdims=True)
     if nuclear_norm_axes != ():
@@ -744,7 +720,6 @@ def scale_by_hybrid(
     direction,
     beta=beta,
     nesterov=False,
-    mu_dtype=mu_dtype,
     joint=joint,
     batched=nuclear_norm_axes == (),
     whole=True,
@@ -754,11 +729,11 @@ def scale_by_hybrid(
 # Lau & Su's reference code (timlautk/equivariant_optimizers): the keyword
 # arguments that make each rule compute what its class computes. Add the
 # block's layout; for its torch (out, in) tensors:
-#   MuonHeadsPolarExpress: scale_by_polar(1, 0), per head num_heads=H with
-#     head_axis=0 (q/k/v) or 1 (o);
+#   MuonHeadsPolarExpress: scale_by_polar(1, 0), per head Heads(num=H, axis=0)
+#     (q/k/v) or Heads(num=H, axis=1) (o);
 #   BatchedExpertMuonPolarExpress (E, a, b): scale_by_polar(2, 1, 0), "col"
-#     scale_by_polar(1, 2, 0), gpt-oss pairs num_heads=2, head_axis=2,
-#     interleaved=True, OLMoE pairs num_heads=2, head_axis=1;
+#     scale_by_polar(1, 2, 0), gpt-oss pairs Heads(num=2, axis=2, interleaved=True),
+#     OLMoE pairs Heads(num=2, axis=1);
 #   RowNormM / HybridPolarGradM: unit_axis=0 ("row") or 1 ("col"),
 #     center=center_rows, and the hybrid's order, alpha, gram="left" when left;
 #   BatchedExpert{RowNormM,HybridPolarGradM}: UnitDimensionNumbers with
@@ -777,12 +752,12 @@ REFERENCE: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     # RightPolarGradM, LeftPolarGradM (backend="polar_express", num_steps=5).
     "scale_by_right_spectral": MappingProxyType(
       dict(
-        eps=1e-8, relative_eps=False, inverse_sqrt=InverseSqrt("polar_express_1.05", gram="right")
+        eps=1e-8, inverse_sqrt=InverseSqrt("polar_express_1.05", gram="right", relative_eps=False)
       )
     ),
     "scale_by_left_spectral": MappingProxyType(
       dict(
-        eps=1e-8, relative_eps=False, inverse_sqrt=InverseSqrt("polar_express_1.05", gram="left")
+        eps=1e-8, inverse_sqrt=InverseSqrt("polar_express_1.05", gram="left", relative_eps=False)
       )
     ),
     # HybridPolarGradM, BatchedExpertHybridPolarGradM.
@@ -790,9 +765,7 @@ REFERENCE: Mapping[str, Mapping[str, Any]] = MappingProxyType(
       dict(
         eps=1e-8,
         eps_form="add",
-        polar="gram",
-        relative_eps=False,
-        inverse_sqrt=InverseSqrt("polar_express_1.05", gram="right"),
+        polar=InverseSqrt("polar_express_1.05", gram="right", relative_eps=False),
       )
     ),
   }

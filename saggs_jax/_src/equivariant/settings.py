@@ -2,14 +2,14 @@
 
 :class:`NewtonSchulz` configures the polar factor of :func:`scale_by_polar` and of
 :func:`scale_by_hybrid`; :class:`InverseSqrt` the Gram inverse square root of the spectral
-rules and of ``scale_by_hybrid(polar="gram")``.
+rules and of ``scale_by_hybrid(polar=InverseSqrt(...))``.
 
 Example:
   >>> import jax.numpy as jnp
   >>> from saggs_jax import equivariant as eqv
   >>> eqv.NewtonSchulz(steps=10, dtype=jnp.float32)
   NewtonSchulz(coeffs='polar_express', steps=10, dtype=<class 'jax.numpy.float32'>, gram=False)
-  >>> tx = eqv.scale_by_polar(num_heads=2, newton_schulz=eqv.NewtonSchulz(coeffs="quintic"))
+  >>> tx = eqv.scale_by_polar(heads=eqv.Heads(num=2), newton_schulz=eqv.NewtonSchulz(coeffs="quintic"))
 """
 
 from __future__ import annotations
@@ -48,8 +48,11 @@ class InverseSqrt(NamedTuple):
     steps: iterations of the iterative inverse square root.
     gram: ``"smaller"``, ``"right"`` (``Xᵀ X``) or ``"left"`` (``X Xᵀ``): the Gram matrix
       whose inverse square root is taken.
+    relative_eps: the floor ``ε'`` is the rule's ``eps`` times ``||X||_F²`` (the map is
+      then scale-equivariant); False: ``eps`` itself.
   """
 
   method: str | linalg.Coeffs = "eigh"
   steps: int = 5
   gram: linalg.Gram = "smaller"
+  relative_eps: bool = True

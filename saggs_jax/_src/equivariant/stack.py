@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from saggs_jax._src.equivariant.dimension_numbers import (
+  Heads,
   Patterns,
   UnitDimensionNumbers,
 )
@@ -22,7 +23,7 @@ from saggs_jax._src.equivariant.rules import (
   scale_by_polar,
   scale_by_row_norm,
 )
-from saggs_jax._src.equivariant.settings import NewtonSchulz
+from saggs_jax._src.equivariant.settings import InverseSqrt, NewtonSchulz
 from saggs_jax._src.paths import match, path_str
 
 Rules = (
@@ -171,6 +172,30 @@ class RoleRules(NamedTuple):
   router: Literal["row_norm", "left_spectral"] | None = None
 
 
+class Decoder(NamedTuple):
+  """What :func:`symmetry_compatible` must know of the decoder LM that its parameters'
+  names and shapes do not say.
+
+  Attributes:
+    num_heads: query / output heads; None (and no ``head_dim``): attention kernels are
+      orthogonalised whole.
+    num_kv_heads: key / value heads (GQA); default ``num_heads``.
+    head_dim: head size; splits every attention kernel, GQA included.
+    tie_embeddings: the embedding is also the LM head.
+    stacked: hidden-layer parameters carry a leading layer axis (scan).
+
+  Example:
+    >>> Decoder(num_heads=12, num_kv_heads=4)
+    Decoder(num_heads=12, num_kv_heads=4, head_dim=None, tie_embeddings=False, stacked=False)
+  """
+
+  num_heads: int | None = None
+  num_kv_heads: int | None = None
+  head_dim: int | None = None
+  tie_embeddings: bool = False
+  stacked: bool = False
+
+
 class _Preset(NamedTuple):
   """What a preset of :func:`symmetry_compatible` sets: the keyword arguments of each rule by
   name (as :data:`REFERENCE`), its role rules and Newton-Schulz iterations, the experts'
@@ -208,17 +233,11 @@ def symmetry_compatible(
   learning_rate: optax.ScalarOrSchedule | None = None,
   *,
   preset: Literal["default", "reference"] = "default",
-  adamw_learning_rate: optax.ScalarOrSchedule | None = None,
   weight_decay: optax.ScalarOrSchedule | None = None,
-  adamw_weight_decay: optax.ScalarOrSchedule | None = None,
   learning_rates: Mapping[str, optax.ScalarOrSchedule] | None = None,
   weight_decays: Mapping[str, optax.ScalarOrSchedule] | None = None,
-  num_heads: int | None = None,
-  num_kv_heads: int | None = None,
-  head_dim: int | None = None,
-  tie_embeddings: bool = False,
+  decoder: Decoder = Decoder(),
   rules: RoleRules = RoleRules(),
-  stacked: bool = False,
   patterns: Mapping[str, Patterns] | None = None,
   beta: float = 0.95,
   newton_schulz: NewtonSchulz | None = None,
@@ -228,11 +247,11 @@ def symmetry_compatible(
   ===========  ==========================================================
   role         update
   ===========  ==========================================================
-  query,       polar per head (``num_heads`` / ``num_kv_heads`` heads,
+  query,       polar per head (``decoder.num_heads`` / ``num_kv_heads`` heads,
   key_value,   or heads of ``head_dim``); whole matrix when neither given
   output
   embedding    row-norm over vocabulary rows (``embedding="hybrid"``:
-               row-then-polar); with ``tie_embeddings`` the LM-head rule
+               row-then-polar); with ``decoder.tie_embeddings`` the LM-head rule
   lm_head      centred row-norm over vocabulary columns (or centred hybrid)
   gate_up      row-aware: units = hidden neurons, a neuron's vector is its
                gate column followed by its up column (``mlp`` picks
@@ -245,8 +264,8 @@ def symmetry_compatible(
   ===========  ==========================================================
 
   Every rule runs under :func:`optimizer` with its role's learning rate and
-  weight decay; AdamW uses ``adamw_learning_rate`` (default
-  ``learning_rate``) and ``adamw_weight_decay``.
+  weight decay; AdamW uses ``learning_rates["adamw"]`` (default ``learning_rate``) and
+  ``weight_decays["adamw"]``.
 
   ``preset="reference"`` builds the same stack as Lau & Su's training scripts
   set it up. It differs from ``"default"`` in:
@@ -260,10 +279,9 @@ def symmetry_compatible(
   * AdamW with ``b2=0.95``;
   * the rates and weight decays of :data:`REFERENCE_LEARNING_RATES` and
     :data:`REFERENCE_WEIGHT_DECAYS`: ``learning_rate`` and ``weight_decay``,
-    when given, replace those of the matrix roles, ``adamw_learning_rate``
-    and ``adamw_weight_decay`` AdamW's, ``learning_rates`` and
-    ``weight_decays`` any role's; a tied embedding takes the LM head's, as
-    the scripts route it.
+    when given, replace those of the matrix roles, ``learning_rates`` and
+    ``weight_decays`` any role's (``"adamw"`` AdamW's); a tied embedding takes the LM
+    head's, as the scripts route it.
 
   Roles are routed by path pattern (:data:`ROLE_PATTERNS`, LLaMA-style Hugging
   Face names, or ``patterns``). ``init`` raises a ValueError naming the role
@@ -280,21 +298,17 @@ def symmetry_compatible(
     learning_rate: learning rate (or schedule) of the matrix rules; required by
       ``preset="default"``.
     preset: ``"default"`` or ``"reference"`` (Lau & Su's scripts, above).
-    adamw_learning_rate: learning rate of AdamW for the remaining parameters.
     weight_decay: decoupled weight decay of the matrix rules.
-    adamw_weight_decay: weight decay of AdamW.
-    num_heads: query / output heads.
-    num_kv_heads: key / value heads (GQA); default ``num_heads``.
-    head_dim: head size; splits every attention kernel, GQA included.
-    tie_embeddings: the embedding is also the LM head.
+    decoder: the heads, tied embeddings and scanned layers of the model (:class:`Decoder`).
     rules: the rule of each role that has a choice (:class:`RoleRules`).
-    stacked: hidden-layer parameters carry a leading layer axis (scan).
     patterns: per-role overrides of :data:`ROLE_PATTERNS`, e.g. ``discovery.roles``
       of :func:`saggs_jax.discover`, which reads them from the model. A parameter that
       a role given here matches goes to that role, whatever default patterns match it too.
       ``"adamw"`` names matrices that stay on AdamW on purpose.
-    learning_rates: per-role overrides of the learning rates.
-    weight_decays: per-role overrides of the weight decays.
+    learning_rates: per-role overrides of the learning rates; ``"adamw"``: AdamW's, for
+      the remaining parameters (default ``learning_rate``).
+    weight_decays: per-role overrides of the weight decays; ``"adamw"``: AdamW's
+      (default 0 with ``preset="default"``).
     beta: momentum decay of every rule.
     newton_schulz: the Newton-Schulz iterations of the polar and hybrid rules
       (:class:`NewtonSchulz`); default the preset's (``"polar_express"``
@@ -306,9 +320,10 @@ def symmetry_compatible(
     ...           "layers_0": {"q_proj": {"kernel": jnp.ones((8, 8))},
     ...                        "norm": {"scale": jnp.ones(8)}},
     ...           "lm_head": {"kernel": jnp.ones((8, 32))}}
-    >>> tx = symmetry_compatible(0.02, adamw_learning_rate=3e-4, num_heads=2)
+    >>> tx = symmetry_compatible(0.02, learning_rates={"adamw": 3e-4}, decoder=Decoder(num_heads=2))
     >>> updates, state = tx.update(params, tx.init(params), params)
-    >>> ref = symmetry_compatible(preset="reference", num_heads=2, learning_rates={"lm_head": 1e-2})
+    >>> ref = symmetry_compatible(
+    ...     preset="reference", decoder=Decoder(num_heads=2), learning_rates={"lm_head": 1e-2})
     >>> updates, state = ref.update(params, ref.init(params), params)
 
   References:
@@ -323,40 +338,40 @@ def symmetry_compatible(
     raise TypeError(f"symmetry_compatible(preset={preset!r}) needs a learning_rate.")
   if not isinstance(rules, RoleRules):
     raise TypeError(f"rules must be a RoleRules, got {rules!r}.")
+  if not isinstance(decoder, Decoder):
+    raise TypeError(f"decoder must be a saggs_jax.equivariant.Decoder, got {decoder!r}.")
   given = rules._asdict()
   choices = _Choices(
-    num_heads,
-    num_kv_heads,
-    head_dim,
-    tie_embeddings,
+    decoder.num_heads,
+    decoder.num_kv_heads,
+    decoder.head_dim,
+    decoder.tie_embeddings,
     RoleRules(**{k: given[k] or v for k, v in chosen.rules._asdict().items()}),
-    stacked,
+    decoder.stacked,
     patterns,
     beta,
     chosen.newton_schulz if newton_schulz is None else newton_schulz,
   )
   if chosen.weight_decays is None:  # the default preset: no weight decay unless given
     weight_decay = 0.0 if weight_decay is None else weight_decay
-    adamw_weight_decay = 0.0 if adamw_weight_decay is None else adamw_weight_decay
-  tied = tie_embeddings
-  lrs = _rates(chosen.learning_rates, learning_rate, adamw_learning_rate, learning_rates, tied)
-  wds = _rates(chosen.weight_decays, weight_decay, adamw_weight_decay, weight_decays, tied)
+    weight_decays = {"adamw": 0.0, **(weight_decays or {})}
+  tied = decoder.tie_embeddings
+  lrs = _rates(chosen.learning_rates, learning_rate, learning_rates, tied)
+  wds = _rates(chosen.weight_decays, weight_decay, weight_decays, tied)
   return _stack(chosen, choices, lrs, wds)
 
 
-def _rates(table, value, adamw, overrides, tied) -> dict[str, optax.ScalarOrSchedule]:
+def _rates(table, value, overrides, tied) -> dict[str, optax.ScalarOrSchedule]:
   """A learning rate (or weight decay) per role. Without a preset ``table``: ``value`` for
-  every role, ``adamw`` (default ``value``) for AdamW. With one: the table's, ``value`` for
-  the matrix roles and ``adamw`` for AdamW where given, and a ``tied`` embedding the LM
-  head's, as Lau & Su's scripts route it. Then ``overrides``."""
+  every role, AdamW's included. With one: the table's, ``value`` for the matrix roles where
+  given, and a ``tied`` embedding the LM head's, as Lau & Su's scripts route it. Then
+  ``overrides`` (``"adamw"``: AdamW's)."""
   if table is None:
-    rates = {**dict.fromkeys(ROLE_PATTERNS, value), "adamw": value if adamw is None else adamw}
+    rates = {**dict.fromkeys(ROLE_PATTERNS, value), "adamw": value}
     return {**rates, **(overrides or {})}
   rates = dict(table)
   if value is not None:
     rates.update(dict.fromkeys(_MATRICES, value))
-  if adamw is not None:
-    rates["adamw"] = adamw
   rates.update(overrides or {})
   if tied and "embedding" not in (overrides or {}):
     rates["embedding"] = rates["lm_head"]
@@ -411,7 +426,10 @@ def _stack(
     if kind == "row_norm":
       return scale_by_row_norm(dims, center=center, joint=joint, **settings("scale_by_row_norm"))
     if kind == "hybrid":
-      return scale_by_hybrid(dims, center=center, joint=joint, **settings("scale_by_hybrid", **ns))
+      kw = settings("scale_by_hybrid")
+      if not isinstance(kw.get("polar"), InverseSqrt):  # Newton-Schulz: the stack's iterations
+        kw["polar"] = c.newton_schulz
+      return scale_by_hybrid(dims, center=center, joint=joint, **kw)
     if kind == "left_spectral":
       return scale_by_left_spectral(
         dims, center=center, joint=joint, **settings("scale_by_left_spectral")
@@ -420,8 +438,8 @@ def _stack(
 
   def heads(n, axis):
     if c.head_dim is not None:
-      return polar(batch_axes=layer, head_dim=c.head_dim, head_axis=axis)
-    return polar(batch_axes=layer, num_heads=n, head_axis=axis)
+      return polar(batch_axes=layer, heads=Heads(dim=c.head_dim, axis=axis))
+    return polar(batch_axes=layer, heads=None if n is None else Heads(num=n, axis=axis))
 
   if c.rules.mlp == "polar":
     gate_up = down_rule = polar(batch_axes=layer)
