@@ -662,9 +662,8 @@ def _resolve_pair(pair: Pair, shapes: dict[str, tuple[int, ...]], dtypes: dict[s
     bias = next((q for q in found.values() if wild and q.rsplit("/", 1)[-1] == "bias"), None)
     if bias is not None:  # a wildcard caught it: a bias alone never carries a factor
       raise ValueError(
-        f"{pair._spelled}: pattern {spec!r} matches the bias {bias!r} by its wildcard, giving it"
-        " a factor of its own. Name the kernel's leaf in the pattern and the bias in"
-        " follow_a= (presets.llama: LlamaNames(qk_norm_bias='bias'))."
+        f"{pair._spelled}: pattern {spec!r} matches the bias {bias!r} by its wildcard. Name"
+        " the kernel's leaf in the pattern, the bias in follow_a= (LlamaNames(qk_norm_bias=))."
       )
   matched = [(side, found) for side in (0, 1) for _, _, found in sides[side]]
   everywhere = set.intersection(*(set(found) for _, found in matched))

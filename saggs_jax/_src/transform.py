@@ -171,10 +171,8 @@ def stage_pairs(pairs: Any, name: str) -> tuple[Pair, ...]:
   the wrapper call of an earlier API, is a TypeError naming the form that wraps it."""
   if isinstance(pairs, optax.GradientTransformation):
     raise TypeError(
-      f"{name} takes the pairs first and builds a stage on its own, got an optimizer"
-      f" ({type(pairs).__name__}) in their place. Wrap the optimizer with"
-      f" saggs_jax.wrap(inner, {name}(pairs)), or chain it:"
-      f" saggs_jax.chain(inner, {name}(pairs))."
+      f"{name} got an optimizer ({type(pairs).__name__}) where its pairs go. Wrap it with"
+      f" saggs_jax.wrap(inner, {name}(pairs)), or chain saggs_jax.chain(inner, {name}(pairs))."
     )
   return as_pairs(pairs)
 
