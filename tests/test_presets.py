@@ -35,7 +35,6 @@ def test_llama_declares_qk_vo_and_the_mlp_per_kv_head_with_its_options():
 
 
 def test_flax_attention_presets_are_one_layout():
-  assert presets.linen_mha() == presets.nnx_mha() == presets.flax_mha()
   qk, vo = presets.flax_mha(bias=False, stacked=(1,))
   assert (qk.a, qk.b, qk.axes, qk.groups, qk.stacked) == (
     "query/kernel",
