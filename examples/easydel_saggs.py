@@ -202,7 +202,7 @@ class SaggsTrainer(ed.Trainer):
     )
 
 
-def discover(model, tokens: jax.Array) -> saggs.Discovery:
+def discover(model, tokens: jax.Array) -> saggs.discovery.Discovery:
   """``saggs.discover`` on an EasyDeL model's parameters (``nnx.state(model, nnx.Param)``):
   its ``roles`` route ``equivariant.symmetry_compatible``, its pairs feed ``saggs.saggs``."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import optax
 
 from saggs_jax import equivariant as eqv
+from saggs_jax._src.equivariant import stack
 
 OPTIMIZERS = ("adamw", "muon", "stack", "reference")
 # Peak learning rates swept by default: for muon and stack the rate of the
@@ -102,14 +103,14 @@ def make_optimizer(
     "patterns": roles,
   }
   if name == "reference":
-    scale = lr / eqv.REFERENCE_LEARNING_RATES["query"]
+    scale = lr / stack.REFERENCE_LEARNING_RATES["query"]
     return eqv.symmetry_compatible(
       preset="reference",
       **heads,
       learning_rates={
-        r: schedule(v * scale, args) for r, v in eqv.REFERENCE_LEARNING_RATES.items()
+        r: schedule(v * scale, args) for r, v in stack.REFERENCE_LEARNING_RATES.items()
       },
-      weight_decays={role: wd for role in eqv.REFERENCE_WEIGHT_DECAYS},
+      weight_decays={role: wd for role in stack.REFERENCE_WEIGHT_DECAYS},
     )
   return eqv.symmetry_compatible(
     schedule(lr, args),

@@ -11,7 +11,7 @@
 * :mod:`saggs_jax.equivariant` holds symmetry-compatible update rules.
 """
 
-from saggs_jax import checkpoint, equivariant, presets
+from saggs_jax import checkpoint, discovery, equivariant, presets
 from saggs_jax._src.canonical import canonicalize, reparameterize
 from saggs_jax._src.diagnostics import MootPairWarning, check_symmetry, imbalance
 from saggs_jax._src.pairs import Block, Pair, describe
@@ -28,21 +28,16 @@ from saggs_jax._src.transform import (
   wrap,
 )
 from saggs_jax._src.transport import NESTED, register_transport
-from saggs_jax.discovery import Discovery, Rejected, discover
-from saggs_jax.equivariant import MuonDimensionNumbers, UnitDimensionNumbers, muon_dimension_numbers
+from saggs_jax.discovery import discover
 
 __all__ = [
   "NESTED",
   "MootPairWarning",
   "Block",
-  "Discovery",
-  "MuonDimensionNumbers",
   "Pair",
-  "Rejected",
   "SaggsState",
   "SymmetryState",
   "SymmetryTransformation",
-  "UnitDimensionNumbers",
   "canonicalize",
   "chain",
   "checkpoint",
@@ -50,10 +45,10 @@ __all__ = [
   "copy_axes",
   "describe",
   "discover",
+  "discovery",
   "equivariant",
   "imbalance",
   "max_logits",
-  "muon_dimension_numbers",
   "presets",
   "qk_clip",
   "register_transport",

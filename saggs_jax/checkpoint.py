@@ -26,11 +26,9 @@ Example:
 
 from saggs_jax._src.checkpoint import (
   check_layout,
-  checksums,
-  moved_without_tx,
   restore,
   save,
 )
 from saggs_jax._src.paths import layout
 
-__all__ = ["check_layout", "checksums", "layout", "moved_without_tx", "restore", "save"]
+__all__ = ["check_layout", "layout", "restore", "save"]

@@ -2,7 +2,7 @@
 
 Patterns are anchored at the end of a path and pair up within one module, so
 they apply to every layer of a model at once; ``prefix`` restricts them to
-part of the tree (e.g. ``"decoder/**"``). :func:`saggs_jax.muon_dimension_numbers`
+part of the tree (e.g. ``"decoder/**"``). :func:`saggs_jax.equivariant.muon_dimension_numbers`
 declares the same layouts' matrices for ``optax.contrib.muon`` (``layouts="llama"``, ...).
 
 Example:

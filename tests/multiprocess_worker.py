@@ -194,7 +194,7 @@ def main(role: str, process_id: int, num_processes: int, port: int, directory: s
     params = jax.tree.map(global_array, models.llama_init(0))
     params, state = train(params, init(params), 0, BEFORE)
     # The checksums of sharded arrays are those of their gathered values.
-    assert saggs.checkpoint.checksums((params, state)) == saggs.checkpoint.checksums(
+    assert saggs._src.checkpoint.checksums((params, state)) == saggs._src.checkpoint.checksums(
       host((params, state))
     )
     moved = jax.jit(lambda p, s: saggs.reparameterize(p, s, pairs, rescale))(params, state)

@@ -826,7 +826,9 @@ def hash_inputs():
 
 def test_checksums_match_a_numpy_oracle():
   inputs = hash_inputs()
-  assert saggs.checkpoint.checksums(inputs) == {k: numpy_checksum(v) for k, v in inputs.items()}
+  assert saggs._src.checkpoint.checksums(inputs) == {
+    k: numpy_checksum(v) for k, v in inputs.items()
+  }
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -840,7 +842,7 @@ def test_checksum_sees_every_bit_flip_and_swap(dtype):
       flipped = unsigned.copy()
       flipped[i] ^= np.array(1 << b).astype(unsigned.dtype)
       variants.append(flipped.view(x.dtype))
-  sums = [saggs.checkpoint.checksums({"x": jnp.asarray(v)})["x"] for v in [x] + variants]
+  sums = [saggs._src.checkpoint.checksums({"x": jnp.asarray(v)})["x"] for v in [x] + variants]
   assert len({tuple(s) for s in sums}) == len(sums)
 
 

@@ -15,6 +15,7 @@ from optax.contrib import MuonDimensionNumbers as MDN
 import discover_models as dm
 import saggs_jax as saggs
 from saggs_jax import equivariant as eqv
+from saggs_jax._src.equivariant import linalg
 
 EXACT_NS = {"newton_schulz": eqv.NewtonSchulz("polar_express", steps=10, dtype=jnp.float32)}
 
@@ -115,25 +116,27 @@ def test_muon_dimension_numbers_tree_and_its_errors():
     "b": {"kernel": jnp.ones((2, 3, 4))},
     "norm": jnp.ones(3),
   }
-  tree = saggs.muon_dimension_numbers(params, {"a/kernel": MDN(0, 1), "b/kernel": MDN(-2, -1)})
+  tree = saggs.equivariant.muon_dimension_numbers(
+    params, {"a/kernel": MDN(0, 1), "b/kernel": MDN(-2, -1)}
+  )
   assert tree == {"a": {"kernel": MDN(0, 1)}, "b": {"kernel": MDN(-2, -1)}, "norm": None}
   with pytest.raises(ValueError, match="'norm' of shape \\(3,\\)"):
-    saggs.muon_dimension_numbers(params, {"norm": MDN(0, 1)})
+    saggs.equivariant.muon_dimension_numbers(params, {"norm": MDN(0, 1)})
   with pytest.raises(ValueError, match="'a/kernel' matches patterns with different"):
-    saggs.muon_dimension_numbers(params, {"a/kernel": MDN(0, 1), "a/*": MDN(1, 0)})
+    saggs.equivariant.muon_dimension_numbers(params, {"a/kernel": MDN(0, 1), "a/*": MDN(1, 0)})
   with pytest.raises(ValueError, match="No parameter matches"):
-    saggs.muon_dimension_numbers(params, {"q_proj/kernel": MDN(0, 1)})
+    saggs.equivariant.muon_dimension_numbers(params, {"q_proj/kernel": MDN(0, 1)})
   # prefix restricts a mapping's patterns as it does a preset's layout.
   nested = {"enc": params, "dec": params}
-  tree = saggs.muon_dimension_numbers(nested, {"*/kernel": MDN(0, -1)}, prefix="dec")
+  tree = saggs.equivariant.muon_dimension_numbers(nested, {"*/kernel": MDN(0, -1)}, prefix="dec")
   assert tree["dec"]["a"]["kernel"] == MDN(0, -1) and tree["enc"]["a"]["kernel"] is None
   with pytest.raises(ValueError, match="Unknown layout 'gpt3'.*or a mapping"):
-    saggs.muon_dimension_numbers(params, "gpt3")
+    saggs.equivariant.muon_dimension_numbers(params, "gpt3")
 
 
 def test_one_muon_dimension_numbers():
   """One function per concept (issue 45): the presets' layouts are names it takes."""
-  assert saggs.muon_dimension_numbers is saggs.equivariant.muon_dimension_numbers
+  assert saggs.equivariant.muon_dimension_numbers is saggs.equivariant.muon_dimension_numbers
   assert not hasattr(saggs.presets, "muon_dimension_numbers")
 
 
@@ -169,7 +172,7 @@ def test_discovery_and_llama_preset_emit_the_hidden_matrices(scanned_lm):
   want = {f"layers/{m}/kernel": MDN(-2, -1) for m in HIDDEN}
   assert {p: d for p, d in tree.items() if d is not None} == want
   assert set(tree) == set(by_path(params))  # embedding, LM head, norms: None
-  assert by_path(saggs.muon_dimension_numbers(params, "llama")) == tree
+  assert by_path(saggs.equivariant.muon_dimension_numbers(params, "llama")) == tree
 
 
 def test_optax_muon_with_the_discovered_tree_equals_the_polar_rule(scanned_lm):
@@ -182,7 +185,7 @@ def test_optax_muon_with_the_discovered_tree_equals_the_polar_rule(scanned_lm):
   lr, wd, beta, eps = 0.01, 0.1, 0.9, 1e-8
   muon = optax.contrib.muon(
     lr,
-    ns_coeffs=eqv.QUINTIC[0],
+    ns_coeffs=linalg.QUINTIC[0],
     ns_steps=5,
     beta=beta,
     eps=eps,
@@ -195,7 +198,9 @@ def test_optax_muon_with_the_discovered_tree_equals_the_polar_rule(scanned_lm):
     MDN(-2, -1),
     beta=beta,
     nesterov=False,
-    newton_schulz=eqv.NewtonSchulz(eqv.CoefficientSet(eqv.QUINTIC, headroom=1.0), 5, jnp.float32),
+    newton_schulz=eqv.NewtonSchulz(
+      eqv.CoefficientSet(linalg.QUINTIC, headroom=1.0), 5, jnp.float32
+    ),
     eps=eps,
     eps_form="add",
   )
@@ -234,10 +239,10 @@ def test_flax_mha_preset_orthogonalises_each_head_in_optax_and_the_library():
     },
     "ln": {"scale": gaussian((2, 8), 5)},
   }
-  tree = saggs.muon_dimension_numbers(g, "flax_mha")
+  tree = saggs.equivariant.muon_dimension_numbers(g, "flax_mha")
   assert tree["ln"]["scale"] is None
   muon = optax.contrib.muon(
-    1.0, ns_coeffs=eqv.QUINTIC[0], beta=0.0, nesterov=False, muon_weight_dimension_numbers=tree
+    1.0, ns_coeffs=linalg.QUINTIC[0], beta=0.0, nesterov=False, muon_weight_dimension_numbers=tree
   )
   got = one_step(muon, g)
   for leaf in ("query", "out"):
@@ -245,7 +250,7 @@ def test_flax_mha_preset_orthogonalises_each_head_in_optax_and_the_library():
     rule = eqv.scale_by_polar(
       dims,
       beta=0.0,
-      newton_schulz=eqv.NewtonSchulz(eqv.CoefficientSet(eqv.QUINTIC, 1.0), dtype=jnp.float32),
+      newton_schulz=eqv.NewtonSchulz(eqv.CoefficientSet(linalg.QUINTIC, 1.0), dtype=jnp.float32),
       eps=1e-8,
       eps_form="add",
     )
@@ -260,7 +265,7 @@ def test_flax_mha_preset_orthogonalises_each_head_in_optax_and_the_library():
     u, s, vt = np.linalg.svd(x, full_matrices=False)
     s = s / np.linalg.norm(x)
     for _ in range(5):
-      s = sum(c * s**k for c, k in zip(eqv.QUINTIC[0], (1, 3, 5)))
+      s = sum(c * s**k for c, k in zip(linalg.QUINTIC[0], (1, 3, 5)))
     np.testing.assert_allclose(
       -got["attn"][leaf]["kernel"][index], factor * (u * s) @ vt, atol=1e-5
     )

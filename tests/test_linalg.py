@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from equivariant_oracles import orthogonal, polar, rand
-from saggs_jax import equivariant as eqv
 from saggs_jax._src.equivariant import linalg
 
 # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): the
@@ -54,11 +53,11 @@ def ill_conditioned(m, n, cond=1e3):
   return ((a * np.logspace(0, -np.log10(cond), k)) @ b.T).astype(np.float32)
 
 
-NS_BF16 = jax.jit(eqv.newton_schulz, static_argnames=("coeffs", "steps"))
+NS_BF16 = jax.jit(linalg.newton_schulz, static_argnames=("coeffs", "steps"))
 
 
 NS_F32 = jax.jit(
-  functools.partial(eqv.newton_schulz, dtype=jnp.float32), static_argnames=("steps",)
+  functools.partial(linalg.newton_schulz, dtype=jnp.float32), static_argnames=("steps",)
 )
 
 
@@ -69,7 +68,7 @@ def singular_values(x):
 def test_polar_express_constants_are_the_published_ones():
   *early, last = PUBLISHED_POLAR_EXPRESS
   expected = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in early] + [last]
-  np.testing.assert_allclose(np.array(eqv.POLAR_EXPRESS), np.array(expected), rtol=1e-13)
+  np.testing.assert_allclose(np.array(linalg.POLAR_EXPRESS), np.array(expected), rtol=1e-13)
 
 
 @pytest.mark.parametrize("steps", range(1, 9))
@@ -158,22 +157,24 @@ def test_quintic_settles_in_its_band(shape):
 def test_newton_schulz_default_zero_and_tiny_inputs():
   """Default settings (bfloat16 Polar Express): a zero matrix maps to zero, not
   NaN, and one whose squares underflow float32 stays finite."""
-  assert np.all(np.asarray(eqv.newton_schulz(jnp.zeros((3, 16, 32)))) == 0.0)
-  assert np.all(np.isfinite(np.asarray(eqv.newton_schulz(jnp.full((16, 32), 1e-30)))))
+  assert np.all(np.asarray(linalg.newton_schulz(jnp.zeros((3, 16, 32)))) == 0.0)
+  assert np.all(np.isfinite(np.asarray(linalg.newton_schulz(jnp.full((16, 32), 1e-30)))))
 
 
 def test_newton_schulz_coefficient_forms():
   x = jnp.asarray(rand(20, (6, 9), np.float32))
-  quintic = eqv.newton_schulz(x, "quintic")
-  chex.assert_trees_all_close(eqv.newton_schulz(x, (3.4445, -4.7750, 2.0315)), quintic)
-  chex.assert_trees_all_close(eqv.newton_schulz(x, [eqv.QUINTIC[0]] * 5), quintic)
-  chex.assert_trees_all_close(eqv.newton_schulz(x), eqv.newton_schulz(x, eqv.POLAR_EXPRESS))
+  quintic = linalg.newton_schulz(x, "quintic")
+  chex.assert_trees_all_close(linalg.newton_schulz(x, (3.4445, -4.7750, 2.0315)), quintic)
+  chex.assert_trees_all_close(linalg.newton_schulz(x, [linalg.QUINTIC[0]] * 5), quintic)
+  chex.assert_trees_all_close(
+    linalg.newton_schulz(x), linalg.newton_schulz(x, linalg.POLAR_EXPRESS)
+  )
   with pytest.raises(ValueError, match="nope"):
-    eqv.newton_schulz(x, "nope")
+    linalg.newton_schulz(x, "nope")
 
 
 NS_GRAM = jax.jit(
-  functools.partial(eqv.newton_schulz, gram=True), static_argnames=("coeffs", "steps", "dtype")
+  functools.partial(linalg.newton_schulz, gram=True), static_argnames=("coeffs", "steps", "dtype")
 )
 
 

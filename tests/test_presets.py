@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import pytest
 from optax.contrib import MuonDimensionNumbers as MDN
 
-from saggs_jax import Block, Pair, muon_dimension_numbers, presets
+from saggs_jax import Block, Pair, presets
+from saggs_jax.equivariant import muon_dimension_numbers
 
 
 def by_path(tree):

@@ -80,11 +80,11 @@ def test_a_layout_the_preset_does_not_describe_is_an_error_naming_the_path():
   unchecked = [dataclasses.replace(p, ndim=None) for p in llama]  # equal, without the check
   assert unchecked == llama and saggs._src.pairs.resolve(unchecked, params).instances
   with pytest.raises(
-    ValueError, match=r"query/kernel' \(side a\) has shape \(8, 2, 4, 3\), 4 axes"
+    ValueError, match=r"query/kernel' \(8, 2, 4, 3\) has 4 axes besides the copy axes"
   ):
     saggs._src.pairs.resolve(llama, params)  # not the cached plan of the equal pairs
   with pytest.raises(
-    ValueError, match=r"query/kernel' \(side a\) has shape .* 4 axes .* describes 3"
+    ValueError, match=r"query/kernel' \(.*\) has 4 axes besides the copy axes, the declaration 3"
   ):
     saggs.check_symmetry(lambda p: forward(p, batch()), params, saggs.presets.flax_mha(bias=False))
   with pytest.raises(ValueError, match="decoder_block 'llama9' is not covered"):
@@ -391,7 +391,7 @@ def absolute(dims, ndim):
 @pytest.mark.parametrize("scan_axis, moe", [(1, False), (1, True), (None, False), (None, True)])
 def test_muon_dimension_numbers_equal_maxtext_where_it_is_right(scan_axis, moe):
   params = maxtext_shapes(scan_axis, moe)
-  got = flat(saggs.muon_dimension_numbers(params, "maxtext", param_scan_axis=scan_axis))
+  got = flat(saggs.equivariant.muon_dimension_numbers(params, "maxtext", param_scan_axis=scan_axis))
   assert set(got) == set(flat(params))
   for path, dims in got.items():
     assert dims == maxtext_expected(path), path
@@ -402,8 +402,8 @@ def test_muon_dimension_numbers_with_the_layer_axis_at_0_never_reduce_over_it(mo
   """The same matrices as with the layer axis at 1, per layer; MaxText's own numbers on this
   tree reduce the MLP, the router and the attention kernels over the layer axis."""
   at0, at1 = maxtext_shapes(0, moe), maxtext_shapes(1, moe)
-  got0 = flat(saggs.muon_dimension_numbers(at0, "maxtext", param_scan_axis=0))
-  got1 = flat(saggs.muon_dimension_numbers(at1, "maxtext", param_scan_axis=1))
+  got0 = flat(saggs.equivariant.muon_dimension_numbers(at0, "maxtext", param_scan_axis=0))
+  got1 = flat(saggs.equivariant.muon_dimension_numbers(at1, "maxtext", param_scan_axis=1))
   shapes0, shapes1 = ({p: x.shape for p, x in flat(t).items()} for t in (at0, at1))
   wrong = set()
   for path, dims in got0.items():
@@ -428,7 +428,7 @@ def test_muon_dimension_numbers_with_the_layer_axis_at_0_never_reduce_over_it(mo
 
 def test_maxtext_muon_dimension_numbers_drive_optax_muon():
   params = maxtext_params()  # test_copy_axes's concrete llama2 tree, layer axis at 1
-  dims = saggs.muon_dimension_numbers(params, "maxtext")
+  dims = saggs.equivariant.muon_dimension_numbers(params, "maxtext")
   tx = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
   updates, _ = tx.update(params, tx.init(params), params)
   q = params["decoder"]["layers"]["self_attention"]["query"]["kernel"]
@@ -441,7 +441,7 @@ def test_maxtext_muon_dimension_numbers_drive_optax_muon():
   with pytest.raises(
     ValueError, match=r"layers_0/self_attention/key/kernel' has shape \(8, 2, 3\), 2 axes"
   ):
-    saggs.muon_dimension_numbers(unscanned(params), "maxtext")  # scanned by default
+    saggs.equivariant.muon_dimension_numbers(unscanned(params), "maxtext")  # scanned by default
 
 
 MAXTEXT_ROLES = {
@@ -463,7 +463,9 @@ def test_role_dimension_numbers_with_copy_axes_take_maxtexts_kernels(scan_axis):
   got = flat(
     saggs.equivariant.role_dimension_numbers(params, MAXTEXT_ROLES, copy_axes=(scan_axis,))
   )
-  want = flat(saggs.muon_dimension_numbers(params, "maxtext", param_scan_axis=scan_axis))
+  want = flat(
+    saggs.equivariant.muon_dimension_numbers(params, "maxtext", param_scan_axis=scan_axis)
+  )
   for path, dims in got.items():
     if dims is None:
       assert "token_embedder" in path or want[path] is None, path

@@ -36,6 +36,7 @@ from equivariant_oracles import (
   row_norm,
 )
 from saggs_jax import equivariant as eqv
+from saggs_jax._src.equivariant import stack
 from saggs_jax._src.paths import path_str
 
 WIDTH, HIDDEN, VOCAB = 8, 16, 32
@@ -67,13 +68,13 @@ def update(tx):
 
 def test_none_fields_take_the_presets_rules():
   """``RoleRules()`` under a preset is that preset's rules spelled out, bit for bit."""
-  for preset, spelled in eqv.PRESETS.items():
+  for preset, spelled in stack.PRESETS.items():
     kw = dict(preset=preset, decoder=eqv.Decoder(num_heads=2), newton_schulz=NS, learning_rate=0.1)
     implicit = update(eqv.symmetry_compatible(**kw))
     explicit = update(eqv.symmetry_compatible(**kw, rules=spelled.rules))
     jax.tree.map(np.testing.assert_array_equal, implicit, explicit)
-  assert eqv.PRESETS["reference"].rules.mlp == "polar"
-  assert eqv.PRESETS["default"].rules == eqv.RoleRules(*["row_norm"] * 3, "column", "row_norm")
+  assert stack.PRESETS["reference"].rules.mlp == "polar"
+  assert stack.PRESETS["default"].rules == eqv.RoleRules(*["row_norm"] * 3, "column", "row_norm")
 
 
 def test_a_given_rule_overrides_the_preset():
@@ -95,7 +96,7 @@ def test_reference_preset_needs_no_learning_rate_and_uses_its_tables():
       preset="reference",
       decoder=eqv.Decoder(num_heads=2),
       newton_schulz=NS,
-      learning_rates={r: 2 * v for r, v in eqv.REFERENCE_LEARNING_RATES.items()},
+      learning_rates={r: 2 * v for r, v in stack.REFERENCE_LEARNING_RATES.items()},
     )
   )
   # weight decay is applied after the rate (optax.add_decayed_weights then scale): all of
@@ -115,7 +116,7 @@ def test_builder_errors_name_the_argument():
 
 
 def test_presets_and_tables_are_read_only():
-  for table in (eqv.PRESETS, eqv.REFERENCE, eqv.REFERENCE["scale_by_polar"], eqv.ROLE_PATTERNS):
+  for table in (stack.PRESETS, eqv.REFERENCE, eqv.REFERENCE["scale_by_polar"], eqv.ROLE_PATTERNS):
     with pytest.raises(TypeError):
       table["query"] = ()  # pyright: ignore[reportIndexIssue]
 

@@ -873,7 +873,7 @@ def test_bad_pairs_and_axis_names_fail_at_construction(make):
   make(SMALL_PAIRS, axis_name=("data", "fsdp"))
 
 
-@pytest.mark.parametrize("every, pairs", [(1, []), (3, saggs.Discovery())])
+@pytest.mark.parametrize("every, pairs", [(1, []), (3, saggs.discovery.Discovery())])
 def test_no_pairs_is_a_no_op_stage(every, pairs):
   """An empty declaration (a discover result that found nothing) changes nothing: the
   chain's updates and inner state are the inner optimizer's, bit for bit, under jit."""

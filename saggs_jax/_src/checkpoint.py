@@ -151,7 +151,7 @@ def checksums(tree: Any) -> Checksums:
   Example:
     >>> import jax.numpy as jnp, saggs_jax as saggs
     >>> x = jnp.arange(4.0)
-    >>> sums = saggs.checkpoint.checksums
+    >>> sums = saggs._src.checkpoint.checksums
     >>> sums({"x": x}) == sums({"x": x[::-1]}), sums({"x": x}) == sums({"x": x + 0})
     (False, True)
   """
@@ -405,7 +405,7 @@ def moved_without_tx(params: Any, opt_state: Any, pairs: Sequence[Pair]) -> list
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> params = {"q": jnp.ones((2, 2)), "k": jnp.ones((2, 2)), "b": jnp.ones(2)}
     >>> state = optax.chain(optax.scale_by_rms(), optax.scale_by_lion()).init(params)
-    >>> saggs.checkpoint.moved_without_tx(params, state, [saggs.Pair("q", "k")])
+    >>> saggs._src.checkpoint.moved_without_tx(params, state, [saggs.Pair("q", "k")])
     ['0/nu/k', '0/nu/q', '1/mu/k', '1/mu/q']
   """
   plan = resolve(pairs, params)

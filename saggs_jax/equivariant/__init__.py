@@ -31,18 +31,8 @@ from saggs_jax._src.equivariant.dimension_numbers import (
   UnitDimensionNumbers,
   muon_dimension_numbers,
 )
-from saggs_jax._src.equivariant.linalg import (
-  NS_COEFFS,
-  POLAR_EXPRESS,
-  QUINTIC,
-  CoefficientSet,
-  newton_schulz,
-)
-from saggs_jax._src.equivariant.roles import (
-  ROLE_DIMENSION_NUMBERS,
-  ROLE_PATTERNS,
-  role_dimension_numbers,
-)
+from saggs_jax._src.equivariant.linalg import CoefficientSet
+from saggs_jax._src.equivariant.roles import ROLE_PATTERNS, role_dimension_numbers
 from saggs_jax._src.equivariant.rules import (
   REFERENCE,
   MomentumState,
@@ -54,9 +44,6 @@ from saggs_jax._src.equivariant.rules import (
 )
 from saggs_jax._src.equivariant.settings import InverseSqrt, NewtonSchulz
 from saggs_jax._src.equivariant.stack import (
-  PRESETS,
-  REFERENCE_LEARNING_RATES,
-  REFERENCE_WEIGHT_DECAYS,
   Decoder,
   RoleRules,
   layerwise,
@@ -72,20 +59,12 @@ __all__ = [
   "MomentumState",
   "MuonDimensionNumbers",
   "NewtonSchulz",
-  "PRESETS",
-  "NS_COEFFS",
-  "POLAR_EXPRESS",
-  "QUINTIC",
   "REFERENCE",
-  "REFERENCE_LEARNING_RATES",
-  "REFERENCE_WEIGHT_DECAYS",
-  "ROLE_DIMENSION_NUMBERS",
   "ROLE_PATTERNS",
   "RoleRules",
   "UnitDimensionNumbers",
   "layerwise",
   "muon_dimension_numbers",
-  "newton_schulz",
   "optimizer",
   "role_dimension_numbers",
   "scale_by_hybrid",

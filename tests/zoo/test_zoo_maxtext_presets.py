@@ -1,4 +1,4 @@
-"""``saggs.presets.maxtext`` and ``saggs.muon_dimension_numbers(..., "maxtext")`` on MaxText
+"""``saggs.presets.maxtext`` and ``saggs.equivariant.muon_dimension_numbers(..., "maxtext")`` on MaxText
 0.2.5's own deepseek (MLA, dense layers, shared and routed experts) and gemma, gemma2, gemma3
 decoders (``zoo_maxtext``, random weights): every pair instance exact on the logits, the
 non-symmetries next to them not, and the Muon numbers against MaxText's ``muon_utils``.
@@ -78,7 +78,7 @@ def test_maxtext_preset_is_exact_pair_by_pair(name):
 
 
 def differences(name):
-  """Leaves where saggs.muon_dimension_numbers(..., "maxtext") and MaxText's
+  """Leaves where saggs.equivariant.muon_dimension_numbers(..., "maxtext") and MaxText's
   ``muon_utils.transform_logic`` differ, as the same axes made non-negative."""
   from maxtext.utils import muon_utils
 
@@ -87,7 +87,7 @@ def differences(name):
     return dims and tuple(tuple(sorted(a % ndim for a in as_tuple(axes))) for axes in dims)
 
   _, params, _ = model(name)
-  ours = saggs.muon_dimension_numbers(params, "maxtext")
+  ours = saggs.equivariant.muon_dimension_numbers(params, "maxtext")
   is_dn = lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)  # noqa: E731
   flat = jax.tree_util.tree_flatten_with_path(ours, is_leaf=is_dn)[0]
   ours = {paths.path_str(k): v for k, v in flat}
