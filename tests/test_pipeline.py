@@ -34,7 +34,7 @@ def test_discover_takes_a_prng_key_as_check_symmetry_does():
   default = saggs.discover(mlp, params, x).pairs
   for key in (jax.random.key(7), jax.random.PRNGKey(7)):
     assert saggs.discover(mlp, params, x, key=key).pairs == default
-  seed = saggs.discovery.pipeline._seed  # the NumPy seed the factors are drawn with
+  seed = saggs._src.discovery.pipeline._seed  # the NumPy seed the factors are drawn with
   np.testing.assert_array_equal(seed(jax.random.key(7)), seed(jax.random.PRNGKey(7)))
   assert not np.array_equal(seed(jax.random.key(7)), seed(jax.random.key(8)))
   with pytest.raises(TypeError, match=r"key=jax.random.key\(seed\)"):
