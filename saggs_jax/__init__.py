@@ -17,16 +17,9 @@ from saggs_jax._src.diagnostics import MootPairWarning, check_symmetry, imbalanc
 from saggs_jax._src.pairs import Block, Pair, describe
 from saggs_jax._src.qk_clip import max_logits, qk_clip
 from saggs_jax._src.scan_axes import copy_axes
-from saggs_jax._src.transform import (
-  SaggsState,
-  SymmetryState,
-  SymmetryTransformation,
-  chain,
-  saggs,
-  scale_by_saggs,
-  soft,
-  wrap,
-)
+from saggs_jax._src.chain import SymmetryState, chain, wrap
+from saggs_jax._src.stage import SymmetryTransformation
+from saggs_jax._src.transform import SaggsState, saggs, scale_by_saggs, soft
 from saggs_jax._src.transport import NESTED, register_transport
 from saggs_jax.discovery import discover
 

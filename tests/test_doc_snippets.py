@@ -17,8 +17,6 @@ import sys
 
 import pytest
 
-import saggs_jax as saggs
-from saggs_jax import equivariant
 from xla_env import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -363,7 +363,7 @@ import optax  # noqa: E402
 import pytest  # noqa: E402
 
 import saggs_jax as saggs  # noqa: E402
-from saggs_jax._src import pairs, transform, transport  # noqa: E402
+from saggs_jax._src import pairs, shard_map_groups, transport  # noqa: E402
 
 
 def test_too_few_copy_axes_is_the_constant():
@@ -409,7 +409,7 @@ END = r"(\n|$)"  # jax appends a note on its filtered frames to an error raised 
 
 def test_saggs_inside_shard_map_without_axis_name_is_the_constant():
   tx = saggs.chain(optax.sgd(0.0), saggs.saggs([saggs.Pair("q", "k", axes=(1, 1))]))
-  _, tail = transform.SHARD_MAP_AXIS_MSG.split("{manual}")
+  _, tail = shard_map_groups.SHARD_MAP_AXIS_MSG.split("{manual}")
   with pytest.raises(ValueError, match=re.escape(tail) + END):
     _shard_mapped(tx, SHARDED, init_inside=False)
 
@@ -417,7 +417,7 @@ def test_saggs_inside_shard_map_without_axis_name_is_the_constant():
 def test_groups_inside_shard_map_without_global_shapes_is_the_constant():
   pair = saggs.Pair("q", "k", axes=(1, 1), groups=2)
   tx = saggs.chain(optax.sgd(0.0), saggs.saggs([pair], axis_name="x"))
-  want = transform.SHARD_MAP_SHAPES_MSG.format(
+  want = shard_map_groups.SHARD_MAP_SHAPES_MSG.format(
     pair=pair.label, groups=2, axis=1, path="q", axis_name="x"
   )
   with pytest.raises(ValueError, match=re.escape(want) + END):

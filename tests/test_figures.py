@@ -10,7 +10,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 UPDATE_PATH = [
-  f"saggs_jax/_src/{name}.py" for name in ("norms", "balance", "transport", "scaling", "transform")
+  f"saggs_jax/_src/{name}.py"
+  for name in ("norms", "balance", "transport", "scaling", "transform", "stage", "chain")
 ]
 # The sentence that names the commit, beside the update-time figures of each document.
 MARKER = re.compile(r"bench/bench_saggs\.py --part update[^`]*` at commit `([0-9a-f]{7,40})`")

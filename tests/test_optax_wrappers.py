@@ -341,7 +341,7 @@ def test_update_needs_no_init_of_its_own_and_traces_do_not_depend_on_each_other(
 
 
 def test_each_stage_resolves_its_pairs_once_per_trace(monkeypatch):
-  import saggs_jax._src.transform as transform
+  import saggs_jax._src.stage as transform
 
   calls = []
   resolve = transform.resolve

@@ -40,7 +40,7 @@ def test_abstract_1b_update_temporaries_and_traffic_as_adamw(monkeypatch):
   """Scanned 1B LLaMA (1.14B float32 parameters, nothing allocated), every=100 as compiled
   (the balancing branch): temporaries within 1% of the parameters' bytes of AdamW's, bytes
   accessed within 1.15x."""
-  monkeypatch.setattr(saggs._src.transform, "measure", lambda *args: None)  # registered degrees
+  monkeypatch.setattr(saggs._src.chain, "measure", lambda *args: None)  # registered degrees
   params = shapes.llama(**shapes.SIZES["1b"], scanned=True)
   pairs = saggs.presets.llama(num_kv_heads=shapes.SIZES["1b"]["num_kv_heads"], stacked=1)
   adamw = optax.adamw(1e-3)
@@ -137,7 +137,7 @@ FSDP_SCRIPT = textwrap.dedent(r"""
       mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(axis_type,))
       params = shapes.fsdp(shapes.llama(**size, vocab=8000, scanned=True), mesh, "fsdp")
       shard = shapes.num_bytes(params) / 8
-      with mock.patch("saggs_jax._src.transform.measure", lambda *a: None):
+      with mock.patch("saggs_jax._src.chain.measure", lambda *a: None):
         with jax.set_mesh(mesh) if in_context else contextlib.nullcontext():
           adamw = optax.adamw(1e-3)
           temp_a, bytes_a = compiled_update(adamw, params)

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(r"""
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import NamedSharding, PartitionSpec as P
     import saggs_jax as saggs
-    from saggs_jax._src.transform import SHARD_MAP_SHAPES_MSG, SHARD_MAP_SPLITS_MSG
+    from saggs_jax._src.shard_map_groups import SHARD_MAP_SHAPES_MSG, SHARD_MAP_SPLITS_MSG
 
     assert jax.device_count() == 8, jax.devices()
     mesh = jax.make_mesh((8,), ("m",), axis_types=(jax.sharding.AxisType.Auto,))

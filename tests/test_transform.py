@@ -8,7 +8,6 @@ the balancing has real work to do. Real model layouts are in test_models.py.
 import re
 
 import chex
-import equinox as eqx
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -17,7 +16,6 @@ import numpy as np
 import optax
 import pytest
 
-import equinox_mlp
 import models
 import saggs_jax as saggs
 from models import assert_balanced, assert_imbalanced, leaf_dict, norms, random_like
@@ -411,64 +409,6 @@ def test_update_is_the_plain_step_from_the_balanced_state(every):
   )
 
 
-@pytest.mark.parametrize("wrapped", [False, True])
-def test_init_from_joins_a_running_adam_with_its_moments_transported(wrapped):
-  """SAGGS joining at a restart: Adam runs alone for 3 updates, then ``init_from`` builds the
-  chain's state around Adam's. Oracle: the joined updates are the plain Adam steps from the
-  hand-balanced point with the hand-transported moments (NumPy), Adam's count continuing."""
-  adam = optax.adam(1e-2)
-  p = small_imbalanced(22)
-  s = adam.init(p)
-  for _ in range(3):
-    p, _, s = models.jit_step(adam, p, s, SMALL_GRAD(p))
-  stage = saggs.saggs(SMALL_PAIRS, every=2)
-  tx = saggs.wrap(adam, stage) if wrapped else saggs.chain(adam, stage)
-  joined = tx.init_from(p, s)
-  assert int(joined[0][0].count) == 3 and int(joined[1].step) == 0
-  p_want, s_want = p, s
-  for n in range(1, 4):
-    p, _, joined = models.jit_step(tx, p, joined, SMALL_GRAD(p))
-    if balances(n, 2):
-      mult = small_multipliers(p_want)
-      p_want, s_want = hand_transport(p_want, mult, -1), hand_transport(s_want, mult)
-    p_want, _, s_want = models.jit_step(adam, p_want, s_want, SMALL_GRAD(p_want))
-    chex.assert_trees_all_close(p, p_want, rtol=2e-5, atol=1e-6)
-    chex.assert_trees_all_close(joined[0], s_want, rtol=2e-5, atol=1e-7)
-
-
-def test_init_from_a_restored_state_compiles_the_train_step_once():
-  """A restored state is committed to its device: the stage's fresh state joins it there,
-  else the step's committed outputs would make the second call compile again."""
-  adam = optax.adam(1e-2)
-  params = jax.device_put(small_params(0), jax.devices()[0])
-  tx = saggs.chain(adam, saggs.saggs(SMALL_PAIRS))
-  state = tx.init_from(params, jax.device_put(adam.init(params), jax.devices()[0]))
-
-  @jax.jit
-  def train_step(params, state):
-    updates, state = tx.update(SMALL_GRAD(params), state, params)
-    return optax.apply_updates(params, updates), state
-
-  for _ in range(2):
-    params, state = train_step(params, state)
-  assert train_step._cache_size() == 1
-
-
-def test_init_from_refuses_a_state_the_optimizer_does_not_make():
-  params = small_params(0)
-  adam = optax.adam(1e-2)
-  tx = saggs.chain(adam, saggs.saggs(SMALL_PAIRS))
-  with pytest.raises(ValueError, match=r"one state per transformation .* 1 here, got 2"):
-    tx.init_from(params, adam.init(params), adam.init(params))
-  other = small_params(0, jnp.bfloat16)
-  with pytest.raises(ValueError, match=r"at '0/mu/layers/0/down' it holds bfloat16\[6, 4\]"):
-    tx.init_from(params, adam.init(other))
-  with pytest.raises(ValueError, match=r"at '0/count' it holds nothing, not int32\[\]"):
-    tx.init_from(params, optax.sgd(1e-2, momentum=0.9).init(params))
-  with pytest.raises(ValueError, match="no symmetry stage"):
-    saggs.chain(adam).init_from(params, adam.init(params))
-
-
 # A loss whose gradient stays bounded on the toy's large outputs, so that every optimizer
 # below trains stably for 20 steps.
 BOUNDED_GRAD = jax.jit(jax.grad(lambda p: jnp.mean(jnp.log1p(_small_apply(p, SMALL_X) ** 2))))
@@ -513,48 +453,6 @@ def test_equivalent_states_follow_one_trajectory(name):
     saggs.canonicalize(run(inner, p, s), None, SMALL_PAIRS)[0] for p, s in ((p0, s0), (p1, s1))
   ]
   assert rel(*ends) > 1e-3
-
-
-def test_chain_trains_an_equinox_module_as_it_trains_a_dict():
-  """The Equinox idiom: the optimizer sees ``eqx.filter(model, eqx.is_inexact_array)`` and
-  ``eqx.filter_grad``'s gradients (None for the function, flags and ints), the step runs
-  under ``eqx.filter_jit``. The trajectory is that of the same arrays held in a dict."""
-
-  def tx(pairs):
-    return saggs.chain(optax.adam(1e-2), saggs.soft(pairs, strength=0.5, every=2))
-
-  def as_dict(m):
-    return {"up": m.up.weight, "down": m.down.weight, "bias": m.down.bias}
-
-  def dict_loss(p):
-    h = jax.nn.relu(equinox_mlp.X @ p["up"].T)
-    return jnp.mean((h @ p["down"].T + p["bias"] - 1.0) ** 2)
-
-  module_tx, dict_tx = tx(equinox_mlp.PAIRS), tx([saggs.Pair("up", "down", axes=(0, 1))])
-
-  @eqx.filter_jit
-  def module_step(model, state):
-    grads = eqx.filter_grad(lambda m: dict_loss(as_dict(m)))(model)
-    updates, state = module_tx.update(grads, state, eqx.filter(model, eqx.is_inexact_array))
-    return eqx.apply_updates(model, updates), state
-
-  @jax.jit
-  def dict_step(p, state):
-    updates, state = dict_tx.update(jax.grad(dict_loss)(p), state, p)
-    return optax.apply_updates(p, updates), state
-
-  model = equinox_mlp.imbalanced()
-  p = as_dict(model)
-  module_state = module_tx.init(eqx.filter(model, eqx.is_inexact_array))
-  dict_state = dict_tx.init(p)
-  for _ in range(3):  # balances on updates 1 and 3
-    model, module_state = module_step(model, module_state)
-    p, dict_state = dict_step(p, dict_state)
-  chex.assert_trees_all_close(as_dict(model), p, rtol=1e-6)
-  np.testing.assert_allclose(
-    module_state[1].factors["up/weight|down/weight"], dict_state[1].factors["up|down"], rtol=1e-6
-  )
-  assert model.activation is jax.nn.relu and model.dropout.inference and model.hidden == 4
 
 
 def test_jit_equals_eager_and_traces_once():
@@ -890,32 +788,6 @@ def test_no_pairs_is_a_no_op_stage(every, pairs):
   chex.assert_trees_all_equal(same, params)
 
 
-def test_a_symmetry_stage_must_follow_its_optimizer():
-  with pytest.raises(ValueError, match=r"position 0 must come after the optimizer"):
-    saggs.chain(saggs.soft(SMALL_PAIRS), optax.adamw(1e-3))
-  with pytest.raises(ValueError, match=r"only symmetry stages may follow"):
-    saggs.chain(optax.adam(1e-3), saggs.saggs(SMALL_PAIRS), optax.scale(0.5))
-
-
-def test_two_symmetry_stages_in_one_chain():
-  """The earlier stage's factors are not moments (one has the shape of the later pair's
-  follower); each stage balances its own pairs, the later one moving the earlier one's inputs."""
-  rng = np.random.default_rng(3)
-  mk = lambda *s: jnp.asarray(
-    rng.standard_normal(s) * np.exp(rng.uniform(-2, 2, s[-1])), jnp.float32
-  )
-  params = {"up": mk(3, 6), "down": mk(6, 3), "up2": mk(3, 6), "down2": mk(6, 3), "b2": mk(6)}
-  first = [saggs.Pair("up", "down", axes=(1, 0))]
-  second = [saggs.Pair("up2", "down2", axes=(1, 0), follow_a="b2")]
-  tx = saggs.chain(optax.adam(0.0), saggs.soft(first), saggs.saggs(second))
-  new, _, state = step(tx, params, tx.init(params), jax.tree.map(jnp.zeros_like, params))
-  np.testing.assert_allclose(imbalance(new, second)["up2|down2"], 0.0, atol=1e-5)
-  np.testing.assert_allclose(
-    imbalance(new, first)["up|down"], imbalance(params, first)["up|down"] / 2, rtol=1e-5
-  )
-  assert [int(s.step) for s in state[1:]] == [1, 1]
-
-
 def test_optax_map_params_maps_the_moments_not_the_factors():
   """optax.tree.map_params (used to build state shardings from param shardings) reaches
   every params-shaped tree of a SAGGS chain's state, and leaves the factors to
@@ -934,127 +806,5 @@ def test_optax_map_params_maps_the_moments_not_the_factors():
 # --- inside a plain optax.chain ------------------------------------------------------
 
 
-def test_plain_optax_chain_refuses_at_init_with_the_fix():
-  """A SAGGS stage in optax.chain could not transport the moments before it: init refuses it
-  and names both exact forms; the wrapper form it names is exact (the chain's updates)."""
-  params = small_imbalanced(13)
-  grads = random_like(params, 14)
-  for build in (saggs.saggs, saggs.soft, saggs.scale_by_saggs):
-    with pytest.raises(ValueError, match=r"saggs_jax.chain\(optax.adamw\(...\), saggs_jax."):
-      optax.chain(optax.adam(1e-2), build(SMALL_PAIRS)).init(params)
-    with pytest.raises(ValueError, match="outside saggs_jax.chain"):
-      build(SMALL_PAIRS).update(grads, None, params)  # no init is needed to refuse
-  wrapped = saggs.wrap(optax.adam(1e-2), saggs.saggs(SMALL_PAIRS))
-  chained = saggs.chain(optax.adam(1e-2), saggs.saggs(SMALL_PAIRS))
-  new_w, _, state_w = step(wrapped, params, wrapped.init(params), grads)
-  new_c, _, state_c = step(chained, params, chained.init(params), grads)
-  chex.assert_trees_all_equal(new_w, new_c)
-  chex.assert_trees_all_equal(tuple(state_w), state_c)
-
-
 # The stage protocol: a stage gives factors (before the step) or a correction (after it);
 # the chain scales, transports and lands. Two toy stages against Adam written in NumPy.
-
-
-def _adam(g, mu, nu, t, lr=0.1, b1=0.9, b2=0.999, eps=1e-8):
-  mu, nu = b1 * mu + (1 - b1) * g, b2 * nu + (1 - b2) * g**2
-  step = -lr * (mu / (1 - b1**t)) / (np.sqrt(nu / (1 - b2**t)) + eps)
-  return step, mu, nu
-
-
-def _toy(before=None, after=None):
-  """Adam chained with a toy stage on Pair("q", "k") whose state counts its updates."""
-  from saggs_jax._src import transform
-
-  init = lambda params: jnp.zeros([], jnp.int32)  # noqa: E731
-  stage = transform.Stage("toy", (saggs.Pair("q", "k"),), init, before, after)
-  return saggs.chain(optax.adam(0.1), transform.symmetry_stage(stage))
-
-
-def _two_steps(tx, params, grads):
-  state = tx.init(params)
-  for g in grads:
-    updates, state = tx.update(g, state, params)
-    params = optax.apply_updates(params, updates)
-  return params, state
-
-
-def _toy_problem():
-  rng = np.random.default_rng(0)
-  params = {n: rng.normal(size=(2, 3)).astype(np.float32) for n in ("q", "k")}
-  grads = [{n: rng.normal(size=(2, 3)).astype(np.float32) for n in ("q", "k")} for _ in range(2)]
-  return params, grads
-
-
-def _check_adam(got, state, p, mu, nu):
-  adam = state[0][0]
-  for n in p:
-    np.testing.assert_allclose(np.asarray(got[n]), p[n], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(adam.mu[n]), mu[n], rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(np.asarray(adam.nu[n]), nu[n], rtol=1e-5, atol=1e-9)
-
-
-def test_a_stage_before_the_step_gets_its_factors_applied_by_the_chain():
-  """Factors 2, then 3, on the pair before each step: the parameters move (q*c, k/c), the
-  gradients inversely, Adam's moments by their degrees (mu/c, nu/c**2 on q; the inverse on
-  k), and the step lands on the moved parameters. (A constant factor would hide unscaled
-  gradients: Adam's step does not see a gradient scale its moments share.)"""
-
-  def before(state, params, plan, **extra):
-    return {i.key: jnp.full(i.factor_shape, 2.0 + state) for i in plan.instances}, state + 1
-
-  params, grads = _toy_problem()
-  got, state = _two_steps(_toy(before=before), params, grads)
-  p = {n: params[n].astype(np.float64) for n in params}
-  mu = {n: np.zeros((2, 3)) for n in p}
-  nu = {n: np.zeros((2, 3)) for n in p}
-  for t, (g, c_q) in enumerate(zip(grads, (2.0, 3.0)), 1):
-    for n, c in (("q", c_q), ("k", 1 / c_q)):
-      p[n], mu[n], nu[n] = p[n] * c, mu[n] / c, nu[n] / c**2
-      step, mu[n], nu[n] = _adam(g[n] / c, mu[n], nu[n], t)
-      p[n] = p[n] + step
-  _check_adam(got, state, p, mu, nu)
-  assert int(state[1]) == 2  # the stage's own state is the hook's
-
-
-def test_a_stage_after_the_step_corrects_it_and_moves_the_gauge():
-  """A correction of 3 on the stepped pair (q*3, k/3) with gauge 2: the parameters land
-  on the corrected step, and Adam's moments move by the gauge's degrees after the step."""
-  from saggs_jax._src import transform
-
-  def after(state, params, updates, plan, **extra):
-    threes = {i.key: jnp.full(i.factor_shape, 3.0) for i in plan.instances}
-    gauge = {i.key: jnp.full(i.factor_shape, 2.0) for i in plan.instances}
-    return transform.Correction(plan, threes, gauge), state
-
-  params, grads = _toy_problem()
-  got, state = _two_steps(_toy(after=after), params, grads)
-  d, gauge = {"q": 3.0, "k": 1 / 3}, {"q": 2.0, "k": 0.5}
-  p = {n: params[n].astype(np.float64) for n in params}
-  mu = {n: np.zeros((2, 3)) for n in p}
-  nu = {n: np.zeros((2, 3)) for n in p}
-  for t, g in enumerate(grads, 1):
-    for n in p:
-      step, mu[n], nu[n] = _adam(g[n], mu[n], nu[n], t)
-      p[n] = (p[n] + step) * d[n]
-      mu[n], nu[n] = mu[n] / gauge[n], nu[n] / gauge[n] ** 2
-  _check_adam(got, state, p, mu, nu)
-
-
-@pytest.mark.parametrize(
-  "build, name",
-  [
-    (saggs.saggs, "saggs"),
-    (saggs.soft, "soft"),
-    (saggs.scale_by_saggs, "scale_by_saggs"),
-    (saggs.qk_clip, "qk_clip"),
-  ],
-)
-def test_the_former_wrapper_call_is_a_type_error_naming_wrap(build, name):
-  """A stage builder takes its pairs first: the former overload ``saggs(inner, pairs)``, an
-  optimizer where the pairs go, is a TypeError whose message is the call that wraps it."""
-  with pytest.raises(TypeError) as e:
-    build(optax.adam(1e-3), SMALL_PAIRS)
-  assert f"saggs_jax.wrap(inner, saggs_jax.{name}(pairs))" in str(e.value)
-  tx = saggs.wrap(optax.sgd(0.0), build(SMALL_PAIRS))  # the form it names
-  assert isinstance(tx.init(small_imbalanced(13)), saggs.SymmetryState)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from saggs_jax._src.pairs import Pair, Plan
-from saggs_jax._src.transform import (
+from saggs_jax._src.stage import (
   Correction,
   Stage,
   SymmetryTransformation,
