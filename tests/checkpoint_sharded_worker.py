@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import models
 import saggs_jax as saggs
-from saggs_jax._src import checkpoint, paths
+from saggs_jax._src import checkpoint, checksums, paths
 from saggs_jax._src.pairs import as_pairs
 
 PAIRS = models.llama_pairs()
@@ -75,7 +75,7 @@ def check(axis_type):
 
     # Neither the checksums nor the canonicalisation gather an array onto one device.
     leaves = dict(paths.arrays_with_paths(target))
-    sums = checkpoint._checksum_all.lower(leaves).compile()
+    sums = checksums.checksum_all.lower(leaves).compile()
     assert not collectives(sums), collectives(sums)
     specs, treedef = jax.tree.flatten(jax.tree.map(checkpoint._spec, target))
     optimizer, n, made = checkpoint._made_by(TX, *target)

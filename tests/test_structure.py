@@ -146,7 +146,7 @@ LAYERS = {
     "equivariant.stack",
   ),
   "chain": ("chain",),
-  "states": ("canonical", "diagnostics", "checkpoint"),
+  "states": ("canonical", "diagnostics", "checksums", "checkpoint"),
   "discovery": (
     "discovery.tags",
     "discovery.primitives",
