@@ -131,30 +131,20 @@ def reparameterize(
   Args:
     params: the parameter tree.
     opt_state: any optax state built for ``params`` (chain, partition, masked,
-      inject_hyperparams, MultiSteps, the ``opt_state`` of ``nnx.Optimizer``);
-      ``None`` to transform the parameters alone.
+      inject_hyperparams, MultiSteps, ``nnx.Optimizer``'s); ``None`` for params alone.
     pairs: the :class:`~saggs_jax.Pair` declarations.
     factor: a positive float for every group, or ``fn(path_a, shape) -> array``
-      giving the factors of one pair instance, ``path_a`` being the path of its
-      first tensor on side a (followed by ``[part]`` for a :class:`~saggs_jax.Block`)
-      and ``shape`` being ``stacked_shape + (groups,)``. A factor that is not
-      positive and finite is a ValueError; under ``jax.jit``, where factors are
-      traced and checking them would wait on the device, it leaves its group
-      unchanged (factor 1), as balancing does for a zero or non-finite norm. Factors
-      that move a finite nonzero value of the parameters or the state to inf or 0 (``nu``
-      moves by ``c**-2``: float32 holds no ``1e30**2``) are a ValueError naming the leaf,
-      where the values are concrete.
-    tx: the optimizer that made ``opt_state``: a :func:`saggs_jax.chain` (or a
-      :func:`saggs_jax.wrap`) with its own state, whose
-      symmetry stages' states stay as they are, or any optax transformation.
-      A state type does not always fix its degrees (``optax.adamax`` keeps
-      degree 1 in Adam's ``nu``): given ``tx``, each leaf moves by the degree
-      measured at its place (:func:`saggs_jax._src.degrees.measure`), and a leaf no
-      degree moves is a TypeError naming its state and path. Without it, the
-      degrees registered for the state types are used.
+      of one pair instance's factors (``shape`` is ``stacked_shape + (groups,)``).
+    tx: the optimizer that made ``opt_state``, whose degrees are then measured
+      at each leaf; default ``None``: the degrees registered for the state types.
 
   Returns:
     ``(params, opt_state)`` transformed.
+
+  Raises:
+    ValueError: a factor that is not positive and finite, or one that moves a
+      finite nonzero value of the params or state to inf or 0 (where concrete).
+    TypeError: given ``tx``, a leaf whose degree no transport moves.
 
   Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs

@@ -98,45 +98,34 @@ def llama(
   experts: str | None = None,
   expert_leaf: str | None = "kernel",
 ) -> list[Pair]:
-  """Q/K and V/O per KV head (GQA) and SwiGLU up/down per channel, LLaMA naming; QK-norm
-  (Qwen3, Gemma 3, OLMoE) and stacked MoE experts (OLMoE, Qwen3-MoE) too.
+  """Q/K and V/O per KV head (GQA) and SwiGLU up/down per channel, LLaMA naming.
 
-  Kernels are Flax Dense (in, out): q (d, H*hd), k and v (d, KVH*hd),
-  o (H*hd, d), up (d, F), down (F, d). Query head h reads KV head
-  ``h // (H // KVH)``, so each KV head's query heads form one contiguous block
-  and one factor serves Q/K and V/O of the whole block. Exact with RoPE.
-
-  Under a QK-norm the Q/K kernel pair is left out: a per-head norm makes it moot
-  (each side is scale-invariant), one norm over all heads makes it inexact. The
-  norms' gains pair instead, ``q_norm`` against ``k_norm`` (their one leaf each):
-  ``qk_norm="head"`` (Qwen3, Gemma 3: each head normalised over ``hd``, one gain
-  (hd,) shared by the heads) gives one factor per layer, a scalar, which commutes
-  with RoPE; ``qk_norm="all"`` (OLMoE: one norm over the H*hd query, gain (H*hd,))
-  gives one factor per KV head, for the query heads that read it. A QK LayerNorm with a
-  bias (Persimmon, StableLM: ``q = γ n(x) + β``) scales ``q`` only if its bias moves with
-  its gain by the same factor: name the bias leaf, ``names=LlamaNames(qk_norm_bias="bias")``,
-  and it follows the gain. Without it the default gain pattern (any leaf of each norm) also matches the
-  bias, which a factor of its own would move off the symmetry: the pairs refuse it, naming
-  the bias, where they first meet the parameters.
-
-  ``experts`` names the module of stacked experts, ``<experts>/<up>`` (E, d, F) and
-  ``<experts>/<down>`` (E, F, d) (each ``/<expert_leaf>``, or bare leaves when it is
-  None): up/down per channel of each expert. The expert axis is the first axis that
-  is not a layer copy axis of ``stacked``. The gated activation must be
-  ``act(gate) * up`` (gpt-oss's clamped ``(up + 1)`` is not homogeneous in ``up``).
+  Flax Dense kernels (in, out): ``q·c`` with ``k/c`` and ``v·c`` with ``o/c`` per block of
+  query heads sharing a KV head, ``up·c`` with ``down/c`` per hidden channel; exact with
+  RoPE. QK-norm models pair the norms' gains instead; stacked MoE experts pair up/down per
+  expert (the layouts and caveats: ``docs/declaring.md``).
 
   Args:
     num_kv_heads: number of KV heads (= heads without GQA).
-    mlp: include the dense SwiGLU up/down pair (False for a model whose MLPs are all
-      experts: the dense pattern would also match the experts' kernels, and refuse
-      their rank).
-    bias: the q/k/v projections have biases that move with their kernels.
-    stacked: the copy axes of scanned layers (see :class:`~saggs_jax.Pair`).
-    prefix: restricts the patterns to part of the tree.
+    mlp: include the dense SwiGLU up/down pair (default True; False when every MLP is
+      experts, whose kernels the dense pattern would match and refuse).
+    bias: the q/k/v projections have biases that move with their kernels (default False).
+    stacked: the copy axes of scanned layers (see :class:`~saggs_jax.Pair`); default 0.
+    prefix: restricts the patterns to part of the tree; default the whole tree.
     names: the module names, and the QK norms' leaf names (:class:`LlamaNames`).
-    qk_norm: ``"head"`` or ``"all"``, the QK-norm's extent (above); None: no QK-norm.
-    experts: the module holding the stacked experts, e.g. ``"mlp/experts"``.
-    expert_leaf: the leaf name of the experts' kernels, or None for bare leaves.
+    qk_norm: ``"head"`` (Qwen3, Gemma 3) or ``"all"`` (OLMoE), the QK-norm's extent;
+      default None: no QK-norm.
+    experts: the module holding the stacked experts, e.g. ``"mlp/experts"``; default None.
+    expert_leaf: the leaf name of the experts' kernels (default ``"kernel"``), or None
+      for bare leaves.
+
+  Returns:
+    The list of :class:`~saggs_jax.Pair`.
+
+  Raises:
+    TypeError: ``names`` is not a :class:`LlamaNames`.
+    ValueError: an unknown ``qk_norm``; where the pairs meet the parameters, a leaf of
+      the wrong rank or a QK-norm bias paired on its own, naming the path.
 
   Example:
     >>> import saggs_jax as saggs
@@ -336,41 +325,10 @@ def maxtext(
 ) -> list[Pair]:
   """The exact pairs of a MaxText decoder block, per layer on its scanned layer axis.
 
-  MaxText (``maxtext``) keeps DenseGeneral kernels with their heads axes apart:
-  ``self_attention/query/kernel`` (emb, heads, head_dim), ``key`` and ``value``
-  (emb, kv_heads, head_dim), ``out`` (heads, head_dim, emb), ``mlp/wi_0`` (the gate)
-  and ``wi_1`` (emb, mlp), ``wo`` (mlp, emb), MoE experts ``MoeBlock_0/wi_0|wi_1``
-  (experts, emb, mlp) and ``wo`` (experts, mlp, emb). With ``scan_layers`` (the
-  default) every one of them has a layer axis inserted at ``param_scan_axis`` (1 by
-  default, 0 optionally; the experts' is at 1 either way), which the pairs take as their
-  copy axis, so that every layer (and expert) has factors of its own. Unscanned trees
-  (``decoder/layers_0/...``) match as well.
-
-  * Q/K per KV head group (``groups=num_kv_heads``): exact with RoPE, each query head
-    reading KV head ``h // (heads // kv_heads)``. Left out for ``qwen3`` and
-    ``gemma3``, whose per-head QK-norm makes Q and K each scale-invariant (the pair is
-    exact but moot).
-  * V/O per KV head.
-  * ``wi_1``/``wo`` per channel: in ``act(x wi_0) * (x wi_1) wo`` only the linear
-    ``wi_1`` pairs with ``wo`` (scaling the gate ``wi_0`` goes through the activation);
-    per expert and layer in a MoE block (``num_experts > 1``, which replaces the dense
-    MLP).
-  * ``deepseek`` (MLA): its ``wkv_b`` (kv_lora, heads, qk_nope + v) holds each head's
-    non-rotary key and its value; Q/K pairs the non-rotary part of the query
-    (``query``, or ``wq_b`` with ``q_lora_rank > 0``; (…, heads, qk_nope + qk_rope))
-    with the key's, per head (the rotary part is shared by all heads through
-    ``wkv_a``, so it cannot move), and V/O the value part with ``out``; ``wi_1``/``wo`` of
-    its ``first_num_dense_layers`` dense MLPs and, in its MoE layers
-    (``num_experts > 1``), of ``shared_experts`` and of the routed experts.
-  * ``gemma2``: ``self_attention_local``/``_global`` and ``mlp_local``/``_global`` each.
-    ``gemma3``: scanned in blocks of its 6-layer attention pattern
-    (``layers/layers_<j>``), the remaining layers unscanned (``layers_remainder``), from
-    ``num_decoder_layers``. Their post-norms make V/O and the MLP moot for one factor
-    common to all heads (channels), not for factors that differ per head (channel).
-
-  Norm gains and the router are not declared. Each pair checks the rank of its
-  leaves, so that another layout is an error naming the path rather than a
-  declaration along the wrong axes.
+  Q/K and V/O per KV head, MLP ``wi_1``/``wo`` per channel (per expert and layer in a MoE
+  block), MLA's non-rotary Q/K and V/O per head for ``deepseek``; each scanned leaf's layer
+  axis is a copy axis, so every layer has factors of its own. Norm gains and the router are
+  not declared. The layouts and each block's pairs: ``docs/maxtext.md``.
 
   Args:
     config: MaxText's config (``pyconfig.initialize(...)``) or a mapping with its keys;
@@ -382,7 +340,14 @@ def maxtext(
     scan_layers: whether the layers are scanned (default True).
     param_scan_axis: the layer axis of scanned parameters (default 1).
     num_experts: experts per MoE layer (default 1: a dense MLP).
-    prefix: restricts the patterns to part of the tree.
+    prefix: restricts the patterns to part of the tree; default the whole tree.
+
+  Returns:
+    The list of :class:`~saggs_jax.Pair`.
+
+  Raises:
+    ValueError: a ``decoder_block`` not covered, a ``param_scan_axis`` other than 0 or 1,
+      no ``num_kv_heads``; where the pairs meet the parameters, a leaf of another rank.
 
   Example:
     >>> import saggs_jax as saggs

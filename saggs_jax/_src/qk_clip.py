@@ -220,56 +220,29 @@ def qk_clip(
 ) -> SymmetryTransformation:
   """QK-clip (MuonClip) per query head, its gauge transported like a Q/K symmetry.
 
-  ``update(updates, state, params, max_logits=...)`` takes, as an extra
-  argument, the largest logit ``S_h`` of every query head measured in the
-  forward pass that gave this step's gradient (on ``params``, see
-  :func:`max_logits`): a dict keyed by the query side of each Q/K pair
-  instance (its path, ``path[q]`` for a :class:`~saggs_jax.Block`), each of
-  shape ``stacked_shape + (heads,)`` (scanned layers first). With
-  ``γ_h = τ / S_h`` for the heads with ``S_h > τ`` (1 for the others and for a
-  non-finite ``S_h``) and ``Γ`` the geometric mean of ``γ_h`` over a KV head's
-  query heads,
+  With ``γ_h = τ / S_h`` for the heads whose measured max logit ``S_h`` exceeds ``τ`` (else
+  1) and ``Γ`` the geometric mean of ``γ_h`` over a KV head's query heads, ``p + u`` becomes
 
     W_q^h ← W_q^h·γ_h·Γ^(α−1),   W_k^g ← W_k^g·Γ^(1−α)   (biases with their kernels),
 
-  which scales the logits of head h by exactly ``γ_h`` (MHA: ``γ^α`` and
-  ``γ^(1−α)``, K2's clip). Semantics, as K2: the γ computed from ``params``
-  (where ``S_h`` was measured) multiply the parameters *after* the inner step,
-  ``p + u``; the inner step itself, its gradient and the α = 1/2 part leave
-  every moment untouched. The remaining factor ``Γ^(α−½)`` on Q and its inverse
-  on K is a Q/K symmetry: inside :func:`saggs_jax.chain` the moments of every
-  stage before this one are transported by it (``mu·Γ^(½−α)`` on Q, ...), so
-  a clip with any α is the α = 1/2 clip moved along the orbit. With lr 0 the
-  clipped heads' max logit on the measuring batch lands on ``τ`` and heads
-  whose KV group is all under ``τ`` keep their parameters bit for bit.
-
-  Composition: chain it *last*, ``saggs.chain(inner, saggs.saggs(pairs),
-  qk_clip(qk_pairs))``. SAGGS balances at the start of the next update (its
-  ``every`` schedule), before the inner step, so it chooses the gauge the clip
-  left open: with hard SAGGS and ``every=1`` the states of runs with different
-  α are equivalent after every update and identical after every balancing (the
-  trajectory of the model function does not depend on α); with ``every=k`` or
-  soft SAGGS they differ between balancings as much as the gauge steers the
-  inner optimizer. The clip itself runs on every update. In a plain
-  ``optax.chain`` it clips ``p + u`` the same way, which is exact for α = 1/2
-  (no moment moves); for α ≠ 1/2 it could not transport the gauge's moments and
-  ``init`` refuses it there, naming ``saggs_jax.chain`` and the wrapper
-  ``saggs_jax.wrap(inner, qk_clip(pairs, ...))``.
+  scaling head h's logits by ``γ_h``; the ``Γ^(α−½)`` part transports earlier stages' moments
+  as a Q/K symmetry. Chain it last; ``update`` takes ``max_logits={query path: (..., heads)}``
+  measured on ``params`` (:func:`max_logits`). Semantics, composition: ``docs/qk_clip.md``.
 
   Args:
-    pairs: the Q/K :class:`~saggs_jax.Pair` declarations (a group axis whose
-      groups are KV heads: ``presets.llama(...)[0]``, ``presets.flax_mha()[0]``,
-      ``presets.gpt2(...)[0]`` or ``discover``'s Q/K pairs); every instance
-      needs its entry in ``max_logits``.
-    tau: the logit bound τ > 0 (K2: 100).
-    alpha: the split, in [0, 1]; the product clipped does not depend on it.
-    num_heads: the query heads, for a pair with one group per entry (``groups=None``, as
-      ``discover`` returns for a model without RoPE), which declares none; a multi-head
-      attention's, the key axis as wide as the query axis. Pairs that declare their KV
-      heads as groups ignore it.
+    pairs: the Q/K :class:`~saggs_jax.Pair` declarations, grouped by KV head
+      (``presets.llama(...)[0]``, ``discover``'s Q/K pairs, ...).
+    tau: the logit bound τ > 0 (default 100, K2's).
+    alpha: the split, in [0, 1] (default 0.5); the product clipped does not depend on it.
+    num_heads: the query heads, for a pair with one group per channel (``groups=None``);
+      default None: read from the declared KV groups.
 
   Returns:
     A :class:`~saggs_jax.SymmetryTransformation`.
+
+  Raises:
+    ValueError: ``tau``, ``alpha`` or ``num_heads`` out of range; α ≠ 1/2 outside
+      :func:`saggs_jax.chain` (at ``init``); ``max_logits`` missing or misshapen (at ``update``).
 
   References:
     Kimi Team, *Kimi K2: Open Agentic Intelligence*, arXiv:2507.20534 (2025), MuonClip.

@@ -311,40 +311,24 @@ def muon_dimension_numbers(
   prefix: str | None = None,
   param_scan_axis: int | None = 1,
 ) -> Any:
-  """The tree of ``MuonDimensionNumbers`` that ``optax.contrib.muon`` takes, from path patterns
-  or a preset's layout.
+  """The tree of ``MuonDimensionNumbers`` that ``optax.contrib.muon`` takes.
 
-  ``layouts`` maps path patterns (see :mod:`saggs_jax._src.paths`) to dimension numbers: each
-  array leaf whose path matches a pattern gets that pattern's ``MuonDimensionNumbers``, or
-  what ``fn(path, shape)`` gives for it where the pattern maps to a function; every other
-  leaf gets ``None``, which ``optax.contrib.muon`` hands to AdamW. The tree has the
-  structure of ``params`` (an ``nnx.State`` included).
-
-  ``layouts`` may instead name the layout of a :mod:`saggs_jax.presets` declaration:
-
-  * ``"llama"``, ``"flax_mha"``, ``"gpt2"``: the hidden matrices of
-    :func:`~saggs_jax.presets.llama` (q/k/v/o and the SwiGLU kernels),
-    :func:`~saggs_jax.presets.flax_mha` (one matrix per head: the heads axis is batched)
-    or :func:`~saggs_jax.presets.gpt2`; norms, biases, embeddings and the LM head get
-    ``None``. The same declarations serve :func:`saggs_jax.equivariant.scale_by_polar`.
-  * ``"maxtext"``: what MaxText's own ``muon_utils`` gives its trees (see
-    :func:`~saggs_jax.presets.maxtext`) where that is right: attention q/k/v (and MLA's
-    ``wq_b``, ``wkv_b``) reduced over their input and producing (heads, head_dim), ``out``
-    reduced over (heads, head_dim), MoE experts one matrix per expert, every other kernel
-    (in, out), and ``None`` for norm scales, biases, the embedding and ``logits_dense``. The
-    layer axis at ``param_scan_axis`` (1, MaxText's default; 0; or ``None`` for
-    ``scan_layers=False``) is always a batch axis (gemma3's unscanned ``layers_remainder``
-    has none). With ``param_scan_axis=0`` MaxText's own tree reduces the MLP, the router and
-    the attention kernels over the layer axis (``docs/dimension_numbers.md``); this one does
-    not. On gemma2 MaxText's misses the attention (``self_attention_local``, ``_global``);
-    this one does not.
+  Each array leaf whose path matches a pattern of ``layouts`` gets that pattern's
+  ``MuonDimensionNumbers`` (or ``fn(path, shape)``'s); every other leaf gets ``None``, which
+  ``optax.contrib.muon`` hands to AdamW. A preset's name gives the hidden matrices of its
+  layout; ``"maxtext"`` gives what MaxText's ``muon_utils`` gives, with the layer axis
+  always batched (``docs/dimension_numbers.md``).
 
   Args:
     params: the parameters (arrays or ``jax.ShapeDtypeStruct`` leaves).
-    layouts: ``{patterns: MuonDimensionNumbers or fn(path, shape)}``, or a preset's
-      layout name.
-    prefix: restricts the patterns to this part of the tree (``"decoder/**"``).
-    param_scan_axis: ``"maxtext"`` only: where its scanned layer axis is.
+    layouts: ``{patterns: MuonDimensionNumbers or fn(path, shape)}`` (patterns of
+      :mod:`saggs_jax._src.paths`), or ``"llama"``, ``"flax_mha"``, ``"gpt2"``, ``"maxtext"``.
+    prefix: restricts the patterns to this part of the tree (``"decoder/**"``); default all.
+    param_scan_axis: ``"maxtext"`` only: its scanned layer axis (default 1, MaxText's;
+      0; or ``None`` for ``scan_layers=False``).
+
+  Returns:
+    A tree with the structure of ``params`` (an ``nnx.State`` included).
 
   Raises:
     ValueError: naming the path, when two patterns match one leaf or a leaf
