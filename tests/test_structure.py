@@ -132,6 +132,7 @@ LAYERS = {
     "leaf_classes",
     "discovery.program",
     "equivariant.settings",
+    "equivariant.matrices",
     "equivariant.dimension_numbers",
     "equivariant.roles",
   ),

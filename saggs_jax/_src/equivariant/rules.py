@@ -20,7 +20,6 @@ least float32; updates keep the dtype of the gradients.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
@@ -37,14 +36,20 @@ from saggs_jax._src.equivariant.dimension_numbers import (
   Axes,
   Heads,
   UnitDimensionNumbers,
-  muon_axes,
-  partition,
   unit_dimension_numbers,
 )
 from saggs_jax._src.equivariant.dimension_numbers import as_tuple as _as_tuple
 from saggs_jax._src.equivariant.dimension_numbers import normalize as _normalize
+from saggs_jax._src.equivariant.matrices import (
+  from_matrix,
+  joint_blocks,
+  polar_planner,
+  stacked_map,
+  to_matrix,
+  unit_planner,
+)
 from saggs_jax._src.equivariant.settings import InverseSqrt, NewtonSchulz
-from saggs_jax._src.paths import match, path_str
+from saggs_jax._src.paths import path_str
 from saggs_jax._src.transport import register_transport
 
 
@@ -56,159 +61,6 @@ class MomentumState(NamedTuple):
 
 # SAGGS chained after these rules transports their momentum like Adam's mu.
 register_transport(MomentumState, {"mu": 1})
-
-
-class _Plan(NamedTuple):
-  """How one parameter is viewed as ``(batch..., rows, cols)`` matrices."""
-
-  split_shape: tuple[int, ...]  # the shape after splitting heads out of one axis
-  perm: tuple[int, ...]  # transpose of the split array to batch + rows + cols
-  matrix_shape: tuple[int, ...]
-
-
-def _to_matrix(x: jax.Array, plan: _Plan) -> jax.Array:
-  return x.reshape(plan.split_shape).transpose(plan.perm).reshape(plan.matrix_shape)
-
-
-def _from_matrix(y: jax.Array, plan: _Plan, shape: tuple[int, ...]) -> jax.Array:
-  permuted = tuple(plan.split_shape[a] for a in plan.perm)
-  return y.reshape(permuted).transpose(np.argsort(plan.perm)).reshape(shape)
-
-
-def _make_plan(shape, batch, rows, cols) -> _Plan:
-  if sorted(batch + rows + cols) != list(range(len(shape))):
-    raise ValueError(
-      f"batch axes {batch}, row axes {rows} and column axes {cols} must partition the axes"
-    )
-  perm = tuple(sorted(batch)) + rows + cols
-  matrix_shape = tuple(shape[a] for a in sorted(batch)) + (
-    math.prod(shape[a] for a in rows),
-    math.prod(shape[a] for a in cols),
-  )
-  return _Plan(tuple(shape), perm, matrix_shape)
-
-
-def _split(shape, axis: int, count: int, interleaved: bool):
-  """Splits ``axis`` into ``count`` pieces, contiguous or interleaved (piece k
-  holds indices k, k + count, ...). Returns the split shape, the axis that
-  indexes the pieces, and a map from the other axes to their new positions
-  (``axis`` itself goes to the axis within a piece)."""
-  n = shape[axis]
-  split = (
-    shape[:axis] + ((n // count, count) if interleaved else (count, n // count)) + shape[axis + 1 :]
-  )
-  piece, within = (axis + 1, axis) if interleaved else (axis, axis + 1)
-  return split, piece, lambda axes: tuple(within if a == axis else a + (a > axis) for a in axes)
-
-
-def _unit_planner(dims: UnitDimensionNumbers):
-  """Rows: the unit axis (holding ``fused`` branches per unit); columns: the
-  feature axes, then the branch index."""
-
-  def plan(shape):
-    unit, features, batch = dims.axes(len(shape))
-    if dims.fused == 1:
-      return _make_plan(shape, batch, (unit,), features)
-    if dims.fused < 1 or shape[unit] % dims.fused:
-      raise ValueError(
-        f"unit axis {unit} of size {shape[unit]} does not hold {dims.fused} fused branches"
-      )
-    split, piece, move = _split(shape, unit, dims.fused, dims.interleaved)
-    return _make_plan(split, move(batch), move((unit,)), move(features) + (piece,))
-
-  return plan
-
-
-def _polar_planner(reduction_axes, output_axes, batch_axes, heads: Heads | None):
-  """Rows: reduction axes; columns: output axes; ``heads.axis`` optionally split into heads.
-
-  ``reduction_axes`` may be a ``MuonDimensionNumbers``: then every other axis
-  is batched, whatever the rank."""
-  if heads is not None and not isinstance(heads, Heads):
-    raise TypeError(f"heads must be a saggs_jax.equivariant.Heads, got {heads!r}.")
-  if heads is not None and (heads.num is None) == (heads.dim is None):
-    raise ValueError(f"{heads}: give Heads(num=...) or Heads(dim=...), exactly one of them.")
-  if isinstance(reduction_axes, MuonDimensionNumbers):
-    if (output_axes, batch_axes) != (-1, ()):
-      raise ValueError(
-        f"{reduction_axes} names the matrix axes (the others are batched): "
-        f"give neither output_axes nor batch_axes with it."
-      )
-    axes_of = functools.partial(muon_axes, reduction_axes)
-  else:
-    rank = sum(len(_as_tuple(a)) for a in (reduction_axes, output_axes, batch_axes))
-
-    def axes_of(ndim):
-      if ndim != rank:
-        raise ValueError(
-          f"expected rank {rank} (reduction axes {reduction_axes}, "
-          f"output axes {output_axes}, batch axes {batch_axes})"
-        )
-      return partition(rank, [reduction_axes, output_axes], batch_axes)
-
-  def plan(shape):
-    rows, cols, batch = axes_of(len(shape))
-    if heads is None:
-      return _make_plan(shape, batch, rows, cols)
-    (h,) = _normalize(heads.axis, len(shape))
-    count = heads.num or shape[h] // heads.dim
-    if h in batch or count < 1 or shape[h] % count:
-      raise ValueError(
-        f"axis {h} of size {shape[h]} does not split into "
-        f"{f'{heads.num} heads' if heads.num else f'heads of size {heads.dim}'}"
-      )
-    # The head index joins the batch axes.
-    split, piece, move = _split(shape, h, count, heads.interleaved)
-    return _make_plan(split, move(batch) + (piece,), move(rows), move(cols))
-
-  return plan
-
-
-def _blocks(paths: Sequence[str], joint: Sequence[str]) -> list[tuple[int, ...]]:
-  """Leaf indices per block: each group that ``joint`` pairs up, then every other leaf alone."""
-  groups: dict[tuple[str, ...], dict[int, int]] = {}
-  singles = []
-  for i, path in enumerate(paths):
-    hits = [(k, caps) for k, p in enumerate(joint) if (caps := match(p, path)) is not None]
-    if len(hits) > 1:
-      raise ValueError(
-        f"Parameter {path!r} matches several joint patterns {[joint[k] for k, _ in hits]}."
-      )
-    if hits:
-      groups.setdefault(hits[0][1], {})[hits[0][0]] = i
-    else:
-      singles.append((i,))
-  for slot in groups.values():
-    if len(slot) < len(joint):
-      missing = [p for k, p in enumerate(joint) if k not in slot]
-      raise ValueError(
-        f"Parameter {paths[next(iter(slot.values()))]!r} has no partner "
-        f"matching {missing} among the joint patterns {list(joint)}."
-      )
-  return singles + [tuple(slot[k] for k in range(len(joint))) for slot in groups.values()]
-
-
-def _batched(direction, xs: list[jax.Array]) -> list[jax.Array]:
-  """``direction`` on every matrix stack of ``xs``, one call per distinct
-  ``(rows, cols, dtype)``: same-sized matrices of different leaves (the layers
-  of a model, each with its heads) are stacked along one batch axis.
-
-  One batched Newton-Schulz (or ``eigh``) instead of one per leaf: on an
-  accelerator, a few large kernels rather than many tiny ones.
-  """
-  groups: dict[tuple, list[int]] = {}
-  for k, x in enumerate(xs):
-    groups.setdefault((x.shape[-2:], x.dtype), []).append(k)
-  out: list = [None] * len(xs)
-  for ks in groups.values():
-    if len(ks) == 1:
-      out[ks[0]] = direction(xs[ks[0]])
-      continue
-    flat = [xs[k].reshape((-1,) + xs[k].shape[-2:]) for k in ks]
-    result = direction(jnp.concatenate(flat, axis=0))
-    for k, piece in zip(ks, jnp.split(result, np.cumsum([f.shape[0] for f in flat])[:-1])):
-      out[k] = piece.reshape(xs[k].shape)
-  return out
 
 
 def _accumulate(g, mu, beta: float, ema: bool):
@@ -235,7 +87,7 @@ def _rule(
   Leaves of one ``joint`` group are concatenated along the columns, so a unit's
   vector is the concatenation of its vectors in each member. ``direction``
   must act on each matrix of the leading axes independently; with ``batched``
-  the blocks of equal matrix size share one call (see :func:`_batched`), which
+  the blocks of equal matrix size share one call (``matrices.stacked_map``), which
   is worth its copies for directions built on matmuls, not for elementwise ones.
   With ``whole`` (iterations of matmuls on each matrix) every device computes
   on whole matrices under a mesh, moved once in and once out (see
@@ -254,7 +106,7 @@ def _rule(
         raise ValueError(
           f"{name}: parameter {path or '<root>'!r} of shape {tuple(x.shape)}: {e}."
         ) from None
-    blocks = _blocks(paths, joint)
+    blocks = joint_blocks(paths, joint)
     for block in blocks:
       if len({plans[i].matrix_shape[:-1] for i in block}) > 1:
         raise ValueError(
@@ -280,14 +132,14 @@ def _rule(
     def matrices(leaves):
       xs = []
       for block in blocks:
-        x = jnp.concatenate([_to_matrix(leaves[i], plans[i]) for i in block], axis=-1)
+        x = jnp.concatenate([to_matrix(leaves[i], plans[i]) for i in block], axis=-1)
         xs.append(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
-      results = _batched(local, xs) if batched else [local(x) for x in xs]
+      results = stacked_map(local, xs) if batched else [local(x) for x in xs]
       out: list[jax.Array | None] = [None] * len(leaves)
       for block, result in zip(blocks, results):
         cols = np.cumsum([plans[i].matrix_shape[-1] for i in block])[:-1]
         for i, piece in zip(block, jnp.split(result, cols, axis=-1)):
-          out[i] = _from_matrix(piece, plans[i], leaves[i].shape).astype(dtypes[i])
+          out[i] = from_matrix(piece, plans[i], leaves[i].shape).astype(dtypes[i])
       return out
 
     with gather.on_mesh(leaves):  # the mesh of the context, else of the leaves' types
@@ -321,38 +173,22 @@ def scale_by_polar(
 
     M <- β M + (1 - β) G,   u = √max(1, n_out / n_in) · polar(β M + (1 - β) G)
 
-  with ``polar(X) = U Vᵀ`` approximated by :func:`newton_schulz`. Equivariant
-  under ``X ↦ A X B`` for orthogonal ``A``, ``B``. The matrix is (reduction
-  axes) x (output axes); the parameter's rank must be the number of
-  reduction, output and batch axes.
-  With ``heads`` (a :class:`Heads`), its axis (one of the reduction or output axes) is
-  split into heads, each orthogonalised on its own: a ``(d, H*hd)`` query kernel takes
-  ``heads=Heads(num=H)``, a ``(H*hd, d)`` output kernel ``Heads(num=H, axis=-2)``; a
-  ``(d, H, hd)`` DenseGeneral kernel takes ``reduction_axes=0, output_axes=2,
-  batch_axes=1`` instead. The gate and up halves of a gpt-oss fused ``(E, d, 2F)``
-  expert kernel are ``Heads(num=2, interleaved=True)`` (``reduction_axes=2,
-  output_axes=1, batch_axes=0`` for Lau & Su's shape factor).
-
-  ``reduction_axes`` may instead be an ``optax.contrib.MuonDimensionNumbers``
-  (see :mod:`saggs_jax._src.equivariant.dimension_numbers`): its reduction and
-  output axes make the matrix and every other axis is batched, whatever the
-  rank, as in ``optax.contrib.muon``; ``MuonDimensionNumbers(-2, -1)`` serves
-  a ``(d, F)`` kernel and a ``(layers, d, F)`` stack of them.
+  ``polar(X) = U Vᵀ`` by Newton-Schulz; equivariant under ``X ↦ A X B`` for orthogonal
+  ``A``, ``B``. The matrix is (reduction axes) x (output axes); docs/dimension_numbers.md
+  shows the layouts (DenseGeneral kernels, gpt-oss fused experts, ``Heads`` per kernel).
 
   Args:
-    reduction_axes: input axes (rows of the Flax ``(in, out)`` layout), or a
-      ``MuonDimensionNumbers`` (then give neither ``output_axes`` nor
-      ``batch_axes``).
+    reduction_axes: input axes (rows of Flax's ``(in, out)``), or an
+      ``optax.contrib.MuonDimensionNumbers``: its axes make the matrix and every other
+      axis is batched, whatever the rank (then give neither of the next two).
     output_axes: output axes.
     batch_axes: axes holding independent matrices (layers, experts).
-    heads: split one axis into heads (:class:`Heads`); default one matrix.
+    heads: split one reduction or output axis into heads (:class:`Heads`), each
+      orthogonalised on its own; default one matrix.
     beta: momentum decay.
-    nesterov: use the Nesterov look-ahead ``beta M + (1 - beta) G``.
-    ema: ``False`` accumulates ``M <- beta M + G`` (look-ahead ``beta M +
-      G``) like torch's SGD momentum; the polar factor is the same up to the
-      normaliser's eps.
-    newton_schulz: the iterations' coefficients, steps, dtype and Gram form
-      (:class:`NewtonSchulz`).
+    nesterov: use the look-ahead ``beta M + (1 - beta) G``.
+    ema: ``False`` accumulates ``M <- beta M + G`` like torch's SGD momentum.
+    newton_schulz: coefficients, steps, dtype and Gram form (:class:`NewtonSchulz`).
     eps: floor of the Frobenius normaliser.
     eps_form: ``"floor"`` (``max(h ||X||, eps)``) or ``"add"`` (``h ||X|| + eps``).
 
@@ -361,27 +197,16 @@ def scale_by_polar(
     >>> tx = scale_by_polar(heads=Heads(num=2))  # a (d, H*hd) query kernel, per head
     >>> g = {"q": jax.random.normal(jax.random.key(0), (8, 2 * 4))}
     >>> u, _ = tx.update(g, tx.init(g))
-    >>> u["q"].shape
-    (8, 8)
-    >>> from optax.contrib import MuonDimensionNumbers
-    >>> tx = scale_by_polar(MuonDimensionNumbers(0, 2))  # (d, H, hd): per head
-    >>> g = {"q": jax.random.normal(jax.random.key(0), (8, 2, 4))}
-    >>> u, _ = tx.update(g, tx.init(g))
-    >>> u["q"].shape
-    (8, 2, 4)
+    >>> o = u["q"][:, :4]  # head 0's 8 x 4 block: orthonormal columns (5 steps: roughly)
+    >>> bool(jnp.allclose(o.T @ o, jnp.eye(4), atol=0.2))
+    True
 
   References:
-    Jordan et al., `Muon: An optimizer for hidden layers in neural networks
-    <https://kellerjordan.github.io/posts/muon/>`_, 2024
-
-    Amsel, Persson, Musco, Gower, `The Polar Express: Optimal Matrix Sign
-    Methods and Their Application to the Muon Algorithm
-    <https://arxiv.org/abs/2505.16932>`_, 2025
-
-    Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
-    Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
+    Jordan et al., `Muon <https://kellerjordan.github.io/posts/muon/>`_, 2024; Amsel et
+    al., `The Polar Express <https://arxiv.org/abs/2505.16932>`_, 2025; Lau and Su,
+    `Symmetry-Compatible Principle for Optimizer Design`, 2026.
   """
-  planner = _polar_planner(reduction_axes, output_axes, batch_axes, heads)
+  planner = polar_planner(reduction_axes, output_axes, batch_axes, heads)
 
   def direction(x):
     width = math.sqrt(max(1.0, x.shape[-1] / x.shape[-2]))
@@ -453,7 +278,7 @@ def scale_by_row_norm(
   p = _maybe_center(center)
   return _rule(
     "scale_by_row_norm",
-    _unit_planner(unit_dimension_numbers(unit_axis)),
+    unit_planner(unit_dimension_numbers(unit_axis)),
     lambda x: p(linalg.row_normalize(p(x), eps, eps_form)),
     beta=beta,
     nesterov=False,
@@ -487,7 +312,7 @@ def _spectral_rule(
 
   return _rule(
     name,
-    _unit_planner(unit_dimension_numbers(unit_axis)),
+    unit_planner(unit_dimension_numbers(unit_axis)),
     direction,
     beta=beta,
     nesterov=False,
@@ -622,38 +447,26 @@ def scale_by_hybrid(
 ) -> optax.GradientTransformation:
   """Hybrid row-norm / spectral update.
 
-  ``"row_then_polar"``: ``u = ν(X)^α · polar(X)`` with ``X = R(M)`` and
-  ``ν(X) = <polar(X), X>``, the nuclear norm of X (exactly so when the polar
-  factor is exact). ``"polar_then_row"``: ``u = R(ν(M)^α · polar(M))``, in
-  which the factor cancels (but for eps). With ``center``, ``P`` is applied
-  first and last, and in ``"row_then_polar"`` again between ``R`` and the
-  polar step (the row scaling moves the units' mean off zero):
-  ``u = P(ν^α · polar(X))``, ``X = P(R(P(M)))``. Equivariant under unit
-  permutations and orthogonal maps of the features (and shared shifts with
-  ``center``).
-
-  The polar factor is :func:`newton_schulz` of X (``polar`` a :class:`NewtonSchulz`,
-  the default) or ``X (Xᵀ X + ε' I)^(-1/2)`` (``polar`` an :class:`InverseSqrt`, the
-  spectral map of :func:`scale_by_right_spectral`).
+  ``"row_then_polar"``: ``u = ν(X)^α · polar(X)`` with ``X = R(M)`` and ``ν(X) =
+  <polar(X), X>``, the nuclear norm of X. ``"polar_then_row"``: ``u = R(ν(M)^α ·
+  polar(M))``. With ``center``, ``P`` is applied first, last and (row_then_polar)
+  between ``R`` and the polar step. Equivariant under unit permutations and orthogonal
+  maps of the features (and shared shifts with ``center``); docs/equivariant.md.
 
   Args:
     unit_axis: the axis of units, or a :class:`UnitDimensionNumbers`.
     order: which map comes first.
-    center: apply ``P`` first and last (and between, see above).
+    center: apply ``P`` first and last (and between).
     joint: units shared by several parameters (see :func:`scale_by_row_norm`).
     beta: momentum decay.
-    eps: floor of the row norms and of the Frobenius normaliser, the damping
-      of an :class:`InverseSqrt` polar factor, and the floor of ``ν``.
-    eps_form: ``"floor"`` (``max(||x||, eps)``) or ``"add"`` (``||x|| + eps``)
-      for the row norms and the Newton-Schulz normaliser.
+    eps: floor of the row norms, of the Frobenius normaliser and of ``ν``; the damping
+      of an :class:`InverseSqrt` polar factor.
+    eps_form: ``"floor"`` (``max(||x||, eps)``) or ``"add"`` (``||x|| + eps``).
     alpha: power of the nuclear-norm factor.
-    nuclear_norm_axes: batch axes over which ``ν`` is summed, so that
-      their matrices share one factor (Lau & Su's batched-expert hybrid sums
-      over the experts of a tensor); default one factor per matrix. Needs
-      the layout's ``batch_axis`` named, and no ``feature_axis``.
-    polar: how the polar factor is computed: the Newton-Schulz iterations
-      (:class:`NewtonSchulz`) or the Gram inverse square root (:class:`InverseSqrt`,
-      see :func:`scale_by_right_spectral`).
+    nuclear_norm_axes: batch axes over which ``ν`` is summed, so their matrices share
+      one factor (Lau & Su's batched experts); default one per matrix.
+    polar: Newton-Schulz (:class:`NewtonSchulz`, the default) or the Gram inverse
+      square root (:class:`InverseSqrt`, as :func:`scale_by_right_spectral`).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -662,19 +475,10 @@ def scale_by_hybrid(
     >>> u = tx.update(g, tx.init(g))[0]["embed"]
     >>> bool(jnp.allclose(u.mean(axis=0), 0.0, atol=1e-5))
     True
-    >>> experts = UnitDimensionNumbers(unit_axis=1, batch_axis=0)  # (E, F, d) experts, F units
-    >>> tx = scale_by_hybrid(experts, nuclear_norm_axes=0)  # one factor per tensor
-    >>> g = {"w": jax.random.normal(jax.random.key(1), (3, 4, 6))}
-    >>> tx.update(g, tx.init(g))[0]["w"].shape
-    (3, 4, 6)
 
   References:
-    Lau and Su, `Symmetry-Compatible Principle for Optimizer Design:
-    Embeddings, LM Heads, SwiGLU MLPs, and MoE Routers`, 2026
-
-    Amsel, Persson, Musco, Gower, `The Polar Express: Optimal Matrix Sign
-    Methods and Their Application to the Muon Algorithm
-    <https://arxiv.org/abs/2505.16932>`_, 2025
+    Lau and Su, `Symmetry-Compatible Principle for Optimizer Design`, 2026; Amsel et
+    al., `The Polar Express <https://arxiv.org/abs/2505.16932>`_, 2025.
   """
   if order not in ("row_then_polar", "polar_then_row"):
     raise ValueError(f"order must be 'row_then_polar' or 'polar_then_row', got {order!r}.")
@@ -716,7 +520,7 @@ def scale_by_hybrid(
 
   return _rule(
     "scale_by_hybrid",
-    _unit_planner(dims),
+    unit_planner(dims),
     direction,
     beta=beta,
     nesterov=False,
