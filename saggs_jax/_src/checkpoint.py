@@ -460,12 +460,11 @@ def restore(
     params, opt_state: the target, with the saved tree structure, shapes and dtypes; its
       shardings are kept and it is not modified. ``opt_state`` may be a whole train
       state: with ``tx``, its one subtree laid out as ``tx.init(params)`` is canonicalised.
-    pairs: the :class:`~saggs_jax.Pair` declarations (for a checkpoint equivalent to the
-      run's; without them the run that saved it continues bit for bit).
+    pairs: the :class:`~saggs_jax.Pair` declarations (none: the saved run continues).
     step: the step to restore (an int); default the latest.
     canonicalize: canonicalize when ``pairs`` is given.
-    tx: the optimizer that made ``opt_state`` (the :func:`saggs_jax.chain` it trains
-      with, or any transformation whose ``init(params)`` has its layout).
+    tx: the optimizer that made ``opt_state`` (a :func:`saggs_jax.chain`, or any
+      transformation whose ``init(params)`` has its layout).
 
   Returns:
     ``(params, opt_state, step)``.
@@ -474,9 +473,8 @@ def restore(
     TypeError: ``step`` is not an int, the target is an nnx object, a moment needs
       ``tx``, or no degree transports a leaf.
     FileNotFoundError: the manager holds no checkpoint ``step``.
-    ValueError: the checkpoint was not written by :func:`save`, its layout or recorded
-      degrees differ from the target's (naming the first path), ``pairs`` do not
-      resolve, or an array fails its checksum.
+    ValueError: not written by :func:`save`, its layout or degrees differ from the
+      target's (naming the first path), or an array fails its checksum.
 
   Example:
     >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, saggs_jax as saggs

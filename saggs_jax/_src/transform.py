@@ -139,71 +139,44 @@ def scale_by_saggs(
 ) -> SymmetryTransformation:
   """Balances the Frobenius norms inside every declared symmetry pair.
 
-  On updates ``1, every + 1, 2 * every + 1, ...`` (the first update is number
-  1) the stage balances *before* the inner optimizer steps. For each pair
-  instance and group g, with ``A_g``, ``B_g`` the group slices of the current
-  parameters,
+  On updates ``1, every + 1, 2 * every + 1, ...`` the stage balances *before* the inner
+  optimizer steps. For each pair instance and group g, with ``A_g``, ``B_g`` the group
+  slices of the current parameters,
 
     c_g = (||B_g|| / ||A_g||) ** (strength / 2),   A_g <- c_g A_g,   B_g <- B_g / c_g,
 
-  the incoming gradient is transported with them (``g_A / c``, ``g_B * c``:
-  the gradient at the balanced point) and, through :func:`saggs_jax.chain`,
-  so are the moments of every stage before it. The inner optimizer then steps
-  from the balanced state: the update returned lands on ``T_c(p) + u``.
-
-  ``strength=1`` equalises the two norms (the canonical representative of the
-  symmetry orbit); a smaller strength shrinks ``log(||A_g||/||B_g||)`` by the
-  factor ``1 - strength``. The function computed by the model is unchanged by
-  the balancing. With hard SAGGS and ``every=1`` the whole optimizer is a
-  function of the orbit: equivalent states (same function, transported
-  moments, same count) follow one trajectory. On updates that do not balance
-  the factors are ones from a ``lax.cond`` that computes no norms and
-  communicates nothing (on XLA:CPU across processes the norms run on every update
-  and are discarded: no collective may sit in a ``lax.cond`` there, see
-  :func:`~saggs_jax._src.numerics.ordered_control_flow`).
-
-  Inside a plain ``optax.chain`` the stage could not reach the optimizer before
-  it, whose moments would stay untransported: its ``init`` refuses it there and
-  names the two exact forms, ``saggs_jax.chain(inner, stage)`` and the wrapper
-  ``saggs_jax.wrap(inner, stage)``, whose state is ``SymmetryState(inner_state,
-  stage_state)`` as optax's wrappers hold theirs.
-
-  Norms are scale-safe and a factor never overflows a leaf's dtype (see
-  :mod:`saggs_jax._src.balance`). One update rescales a weight by at most
-  :func:`step_limits` (``2**±10`` in float32), so that adding the update keeps
-  the function; a larger imbalance is balanced over several updates.
+  and :func:`saggs_jax.chain` moves the gradient (``g_A / c``, ``g_B * c``) and the moments
+  of every stage before it with them; the update lands on ``T_c(p) + u``. ``strength=1``
+  equalises the norms (the orbit's canonical member), so equivalent states follow one
+  trajectory at ``every=1``; a smaller strength shrinks ``log(||A_g||/||B_g||)`` by
+  ``1 - strength``. Norms are scale-safe, and one update moves a weight by at most
+  ``2**±10`` in float32 (docs/how_it_works.md).
 
   Args:
-    pairs: the :class:`~saggs_jax.Pair` declarations; none (a
-      :func:`saggs_jax.discover` that found nothing) gives a stage that
-      changes nothing.
+    pairs: the :class:`~saggs_jax.Pair` declarations; none gives a stage that changes
+      nothing.
     strength: in (0, 1]; 1 is hard SAGGS.
     every: balance on updates 1, every + 1, 2 * every + 1, ...
-    axis_name: inside ``shard_map`` only: the mesh axes over which each
-      group's entries are split (FSDP or data axes), whose partial norms are
-      summed; ``()`` when every shard holds whole groups. Outside
-      ``shard_map`` leave it None: jit sees global arrays.
+    axis_name: inside ``shard_map`` only: the mesh axes splitting each group's entries,
+      whose partial norms are summed (``()`` when shards hold whole groups;
+      docs/multi_host.md). Outside ``shard_map`` leave it None.
 
   Returns:
-    A :class:`SymmetryTransformation`: chain it last, after the inner optimizer,
-    with :func:`saggs_jax.chain`, or wrap the optimizer with :func:`wrap`.
+    A :class:`SymmetryTransformation`: chain it after the inner optimizer with
+    :func:`saggs_jax.chain`, or wrap the optimizer with :func:`saggs_jax.wrap`.
 
   References:
     Bum Jun Kim, `Same Function, Different Trajectory: No Standard Optimizer Is
-    Equivariant to Transformer Reparameterization`, preprint, 2026 (SAGGS
-    and its damped variant, Soft SAGGS).
+    Equivariant to Transformer Reparameterization`, preprint, 2026.
 
   Example:
     >>> import jax.numpy as jnp, optax, saggs_jax as saggs
     >>> params = {"q": jnp.full((2, 2), 4.0), "k": jnp.ones((2, 2))}  # norms 8 and 2
     >>> tx = saggs.chain(optax.sgd(0.0), saggs.scale_by_saggs([saggs.Pair("q", "k")]))
-    >>> state = tx.init(params)
-    >>> updates, state = tx.update(params, state, params)
+    >>> updates, state = tx.update(params, tx.init(params), params)
     >>> new = optax.apply_updates(params, updates)
-    >>> float(jnp.linalg.norm(new["q"])), float(jnp.linalg.norm(new["k"]))
-    (4.0, 4.0)
-    >>> float(state[1].factors["q|k"])  # c = sqrt(2 / 8)
-    0.5
+    >>> float(jnp.linalg.norm(new["q"])), float(jnp.linalg.norm(new["k"])), float(state[1].factors["q|k"])
+    (4.0, 4.0, 0.5)
   """
   pairs = stage_pairs(pairs, "saggs_jax.scale_by_saggs")
   check_axis_name(axis_name)
