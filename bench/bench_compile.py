@@ -49,7 +49,7 @@ import common  # also puts the repository root on sys.path, for harness
 import saggs_jax as saggs
 from harness import lm
 from saggs_jax._src import balance, norms, paths
-from saggs_jax._src.pairs import resolve
+from saggs_jax._src.plan import resolve
 
 CONFIG = dict(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_hidden=86)
 BATCH = (4, 17)  # a window of 16 tokens and its next ones

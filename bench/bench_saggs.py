@@ -34,7 +34,7 @@ import common
 import saggs_jax as saggs
 from harness import lm
 from saggs_jax._src import paths
-from saggs_jax._src.pairs import resolve
+from saggs_jax._src.plan import resolve
 
 
 def adamw():

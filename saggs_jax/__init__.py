@@ -15,7 +15,8 @@ from saggs_jax import checkpoint, discovery, equivariant, presets
 from saggs_jax._src.canonical import canonicalize, reparameterize
 from saggs_jax._src.chain import SymmetryState, chain, wrap
 from saggs_jax._src.diagnostics import MootPairWarning, check_symmetry, imbalance
-from saggs_jax._src.pairs import Block, Pair, describe
+from saggs_jax._src.pairs import Block, Pair
+from saggs_jax._src.plan import describe
 from saggs_jax._src.qk_clip import max_logits, qk_clip
 from saggs_jax._src.scan_axes import copy_axes
 from saggs_jax._src.stage import SymmetryTransformation

@@ -358,7 +358,7 @@ def inverse(fn):
 def orbit_factors(params, pairs, seed: int = 0, low: float = 0.1, high: float = 10.0):
   """``random_factors`` of every pair instance, keyed by A path."""
   fn = random_factors(seed, low, high)
-  return {i.a: fn(i.a, i.factor_shape) for i in saggs._src.pairs.resolve(pairs, params).instances}
+  return {i.a: fn(i.a, i.factor_shape) for i in saggs._src.plan.resolve(pairs, params).instances}
 
 
 def reparam(params, opt_state, pairs, factors):

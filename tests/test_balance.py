@@ -279,7 +279,7 @@ def _side_norms_numpy(params, pairs):
   """log(||A_g|| / ||B_g||) per instance, from NumPy norms over every tensor of each side."""
   flat = dict(saggs._src.paths.leaves_with_paths(params))
   out = {}
-  for inst in saggs._src.pairs.resolve(pairs, params).instances:
+  for inst in saggs._src.plan.resolve(pairs, params).instances:
     stacked = inst.pair.stacked
     sq = []
     for side, members in enumerate((inst.members_a, inst.members_b)):
@@ -313,7 +313,7 @@ def test_llama_with_norm_gains_is_balanced_minimal_and_orbit_invariant():
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(c, a, rtol=1e-4, atol=1e-6)
   # A minimum: any small move along the orbit only adds squared norm.
-  plan = saggs._src.pairs.resolve(PAIRS, params)
+  plan = saggs._src.plan.resolve(PAIRS, params)
 
   def total(p):
     return sum(

@@ -351,7 +351,7 @@ def test_checkpoint_round_trip_and_the_layout_names_blocks(manager):
 
 def test_gpt2_preset_is_exact_on_flax_gpt2_names():
   params = gpt2_init(2)
-  plan = saggs._src.pairs.resolve(GPT2_PAIRS, params)
+  plan = saggs._src.plan.resolve(GPT2_PAIRS, params)
   assert [i.pair.name for i in plan.instances] == (
     ["attention Q/K"] * LAYERS
     + ["attention V/O"] * LAYERS
@@ -479,7 +479,7 @@ def test_block_repr_is_python_and_unequal_sizes_resolve():
   params = {"attn": {"qkv": {"kernel": jnp.ones((6, 16))}, "o": {"kernel": jnp.ones((4, 6))}}}
   v = saggs.Block("attn/qkv/kernel", axis=-1, parts=("q", "k", "v"), part="v", sizes=(8, 4, 4))
   pair = saggs.Pair(v, "attn/o/kernel", axes=(1, 0), groups=2)
-  plan = saggs._src.pairs.resolve([pair], params)
+  plan = saggs._src.plan.resolve([pair], params)
   assert plan.slot("attn/qkv/kernel[v]", plan.instances[0].key).block == (1, 12, 16)
 
 
@@ -537,7 +537,7 @@ def _block(part, **kw):
 def test_bad_blocks_name_pattern_path_and_shape(pairs, msg):
   params = {"c_attn": {"kernel": jnp.ones((8, 24))}, "w": jnp.ones((8, 8))}
   with pytest.raises(ValueError, match=msg):
-    saggs._src.pairs.resolve(pairs, params)
+    saggs._src.plan.resolve(pairs, params)
 
 
 def test_adafactor_refuses_a_block_edge_along_a_factored_axis():

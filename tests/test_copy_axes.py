@@ -178,7 +178,7 @@ def test_hard_balance_equals_the_numpy_oracle(layout):
   want_a, want_b, c = np_balance(a, b, stacked, axes, groups or size)
   np.testing.assert_allclose(got["a"], want_a, rtol=2e-6)
   np.testing.assert_allclose(got["b"], want_b, rtol=2e-6)
-  (inst,) = saggs._src.pairs.resolve([pair], params).instances
+  (inst,) = saggs._src.plan.resolve([pair], params).instances
   assert inst.factor_shape == c.shape  # the copy axes' sizes in order, then the groups
   tx = saggs.chain(optax.sgd(0.0), saggs.saggs([pair]))
   _, state = tx.update(params, tx.init(params), params)
@@ -253,7 +253,7 @@ def test_adam_moments_transport_like_the_equivalent_history():
   state = tx.init(params)
   for g in grads:
     _, state = tx.update(g, state, params)
-  plan = saggs._src.pairs.resolve(pairs, params)
+  plan = saggs._src.plan.resolve(pairs, params)
   factors = {i.a: np.exp(rng.uniform(-1.5, 1.5, i.factor_shape)) for i in plan.instances}
   _, moved = saggs.reparameterize(params, state, pairs, lambda path, shape: factors[path])
 
@@ -395,17 +395,17 @@ def test_bad_copy_axes_are_named():
   path = next(p for p, _ in paths.arrays_with_paths(params) if p.endswith("norm/scale"))
   want = COPY_AXES_MSG.format(where=few.label, path=path, shape=(8, 2), copy=(2,))
   with pytest.raises(ValueError, match=re.escape(want)):
-    saggs._src.pairs.resolve([few], params)
+    saggs._src.plan.resolve([few], params)
   with pytest.raises(
     ValueError,
     match=r"group axis 3 is out of range for .*query/kernel' with shape \(8, 2, 4, 3\) \(3 axes besides",
   ):
-    saggs._src.pairs.resolve(
+    saggs._src.plan.resolve(
       [saggs.Pair(f"{ATTN}/query/kernel", f"{ATTN}/key/kernel", (3, 1), stacked=(1,))], params
     )
   with pytest.raises(ValueError, match="stacked axes differ"):
     bad = {"a": jnp.ones((4, 2, 3)), "b": jnp.ones((3, 5, 4))}
-    saggs._src.pairs.resolve([saggs.Pair("a", "b", axes=(1, 0), stacked=(1,))], bad)
+    saggs._src.plan.resolve([saggs.Pair("a", "b", axes=(1, 0), stacked=(1,))], bad)
 
 
 SHARDED = textwrap.dedent(r"""

@@ -546,7 +546,7 @@ def test_an_optimizer_that_runs_on_no_proxy_is_refused_naming_no_proxy_shape():
 def test_every_proxy_keeps_a_pair_per_tensor_one_factor(whole, most):
   """A pair with one group per tensor (axes=None) has factors of shape stacked_shape at every
   proxy the measure may fall back to."""
-  plan = saggs._src.pairs.resolve(PER_TENSOR, PARAMS)
+  plan = saggs._src.plan.resolve(PER_TENSOR, PARAMS)
   small = saggs._src.degrees.proxy(plan, whole, most)
   assert small.instances[0].factor_shape == ()
   assert all(s.groups == 1 for found in small.slots.values() for s in found)
@@ -653,7 +653,7 @@ def _sign_dependent_accumulator():
 
 def test_the_probe_sees_both_signs_of_the_gradient():
   # Probe values of one sign would fit degree 1 here and transport the moment wrongly.
-  plan = saggs._src.pairs.resolve(GROUPED, PARAMS)
+  plan = saggs._src.plan.resolve(GROUPED, PARAMS)
   with pytest.raises(
     TypeError, match=r"Cannot transport _SignedState at .*not the transported one"
   ):

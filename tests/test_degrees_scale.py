@@ -22,7 +22,7 @@ import saggs_jax as saggs
 from harness import shapes
 from saggs_jax._src import degrees, transform
 from saggs_jax._src.balance import compute_factors
-from saggs_jax._src.pairs import resolve
+from saggs_jax._src.plan import resolve
 from xla_env import cpu_env
 
 

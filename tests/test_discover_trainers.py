@@ -288,7 +288,7 @@ def _copy_axes_supported() -> bool:
   """Whether ``Pair(stacked=positions)`` resolves (the copy-axes work of issue 31)."""
   leaves = {"a": jnp.ones((2, 3, 4)), "b": jnp.ones((2, 3, 4))}
   try:
-    saggs._src.pairs.resolve([saggs.Pair("a", "b", axes=(1, 1), stacked=(1,))], leaves)
+    saggs._src.plan.resolve([saggs.Pair("a", "b", axes=(1, 1), stacked=(1,))], leaves)
   except (TypeError, ValueError):
     return False
   return True

@@ -364,6 +364,7 @@ import pytest  # noqa: E402
 
 import saggs_jax as saggs  # noqa: E402
 from saggs_jax._src import pairs, shard_map_groups, transport  # noqa: E402
+from saggs_jax._src.plan import resolve  # noqa: E402
 
 
 def test_too_few_copy_axes_is_the_constant():
@@ -371,7 +372,7 @@ def test_too_few_copy_axes_is_the_constant():
   params = {"q": jnp.ones((4, 4)), "k": jnp.ones((4, 4))}
   want = pairs.COPY_AXES_MSG.format(where=pair.label, path="q", shape=(4, 4), copy=(0, 1, 2))
   with pytest.raises(ValueError, match=re.escape(want) + "$"):
-    pairs.resolve([pair], params)
+    resolve([pair], params)
 
 
 def test_an_unregistered_state_holding_a_parameter_image_is_the_constant():
@@ -381,7 +382,7 @@ def test_an_unregistered_state_holding_a_parameter_image_is_the_constant():
     nu: typing.Any
 
   params = {"q": jnp.ones((2, 4)), "k": jnp.ones((3, 4))}
-  plan = pairs.resolve([saggs.Pair("q", "k", axes=(1, 1))], params)
+  plan = resolve([saggs.Pair("q", "k", axes=(1, 1))], params)
   fix = "Register its degrees: saggs_jax.register_transport(Moments, ...)."
   want = transport.UNREGISTERED_MSG.format(name="Moments", where="opt_state", hit="nu/k", fix=fix)
   with pytest.raises(TypeError, match=re.escape(want) + "$"):

@@ -12,7 +12,7 @@ import optax
 import saggs_jax as saggs
 from harness import shapes
 from saggs_jax._src import degrees, leaf_classes, paths
-from saggs_jax._src.pairs import resolve
+from saggs_jax._src.plan import resolve
 
 SPEC = [jax.ShapeDtypeStruct((2, 3), jnp.float32)] * 3
 SAME = [("f32", (2, 3))] * 3  # the three parameter leaves' layouts: all alike

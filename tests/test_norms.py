@@ -9,7 +9,7 @@ import pytest
 import saggs_jax as saggs
 from saggs_jax._src import norms
 from saggs_jax._src.numerics import log_dtype_max
-from saggs_jax._src.pairs import Slot, resolve
+from saggs_jax._src.plan import Slot, resolve
 
 # Groups of q (4 KV groups of 4 columns) and of up (one per column): ordinary, squares that
 # overflow (1e25) or underflow (1e-25, 1e-37) float32, 1e20 beside 1e-20 in one group, a

@@ -9,7 +9,7 @@ from flax import nnx
 import models
 import saggs_jax as saggs
 from saggs_jax._src import paths
-from saggs_jax._src.pairs import resolve
+from saggs_jax._src.plan import resolve
 
 # --- match -----------------------------------------------------------------
 

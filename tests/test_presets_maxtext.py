@@ -59,7 +59,7 @@ def test_llama2_pairs_are_exact_per_layer(layout):
     fn, config = (lambda p, x: forward(p, x, scan_axis=axis)), {"param_scan_axis": axis}
   pairs = saggs.presets.maxtext({"num_kv_heads": KV, "decoder_block": "llama2", **config})
   assert [p.name for p in pairs] == ["attention Q/K", "attention V/O", "MLP wi_1/wo"]
-  plan = saggs._src.pairs.resolve(pairs, params)
+  plan = saggs._src.plan.resolve(pairs, params)
   per_layer = (L,) if layout != "unscanned" else ()
   assert sorted(i.factor_shape for i in plan.instances) == sorted(
     [per_layer + (KV,)] * (2 * (len(per_layer) or L)) + [per_layer + (M,)] * (len(per_layer) or L)
@@ -78,11 +78,11 @@ def test_a_layout_the_preset_does_not_describe_is_an_error_naming_the_path():
     KV, mlp=False, names=saggs.presets.LlamaNames(q="query", k="key", v="value", o="out")
   )
   unchecked = [dataclasses.replace(p, ndim=None) for p in llama]  # equal, without the check
-  assert unchecked == llama and saggs._src.pairs.resolve(unchecked, params).instances
+  assert unchecked == llama and saggs._src.plan.resolve(unchecked, params).instances
   with pytest.raises(
     ValueError, match=r"query/kernel' \(8, 2, 4, 3\) has 4 axes besides the copy axes"
   ):
-    saggs._src.pairs.resolve(llama, params)  # not the cached plan of the equal pairs
+    saggs._src.plan.resolve(llama, params)  # not the cached plan of the equal pairs
   with pytest.raises(
     ValueError, match=r"query/kernel' \(.*\) has 4 axes besides the copy axes, the declaration 3"
   ):
@@ -268,8 +268,7 @@ def test_deepseek_mla_pairs_the_non_rotary_keys_and_the_values_per_head():
   pairs = saggs.presets.maxtext(config)
   params = mla_params()
   assert (
-    sorted(i.factor_shape for i in saggs._src.pairs.resolve(pairs, params).instances)
-    == [(L, H)] * 2
+    sorted(i.factor_shape for i in saggs._src.plan.resolve(pairs, params).instances) == [(L, H)] * 2
   )
   assert_exact(mla_forward, params, pairs, batch())
   with pytest.raises(ValueError, match="qk_nope_head_dim"):
@@ -288,7 +287,7 @@ def test_deepseek_pairs_its_dense_mlps_shared_and_routed_experts_per_layer():
     "MoE wi_1/wo",
   ]
   params = deepseek_params()
-  shapes = sorted(i.factor_shape for i in saggs._src.pairs.resolve(pairs, params).instances)
+  shapes = sorted(i.factor_shape for i in saggs._src.plan.resolve(pairs, params).instances)
   assert shapes == sorted([(L, H)] * 4 + [(L, M)] * 2 + [(X, L, M)])
   assert_exact(deepseek_forward, params, pairs, batch())
   # No dense layers, or only dense layers: those pairs are left out, not unmatched.

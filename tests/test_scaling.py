@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import saggs_jax as saggs
-from saggs_jax._src.pairs import resolve
+from saggs_jax._src.plan import resolve
 from saggs_jax._src.scaling import land_on, scale_tree
 
 PARAMS = {

@@ -46,7 +46,7 @@ def test_copy_axes_read_from_linen_scan_metadata():
   assert axes == {"params/wi_1/kernel": (1,), "params/wo/kernel": (1,)}
   params = nn.unbox(boxed)
   pair = saggs.Pair("wi_1/kernel", "wo/kernel", axes=(1, 0), stacked=axes["params/wi_1/kernel"])
-  assert saggs._src.pairs.resolve([pair], params).instances[0].factor_shape == (L, M)
+  assert saggs._src.plan.resolve([pair], params).instances[0].factor_shape == (L, M)
 
 
 def test_copy_axes_read_from_nnx_scan_metadata():

@@ -127,6 +127,7 @@ LAYERS = {
   ),
   "declarations": (
     "pairs",
+    "plan",
     "scan_axes",
     "gates",
     "leaf_classes",

@@ -181,7 +181,7 @@ def test_soft_factor_property(log_a, log_b, strength):
   b = rng.standard_normal((3, 4)) * np.exp(log_b)[:, None]
   params = {"a": jnp.asarray(a, jnp.float32), "b": jnp.asarray(b, jnp.float32)}
   pairs = [saggs.Pair("a", "b", axes=(1, 0))]
-  c = saggs._src.balance.compute_factors(saggs._src.pairs.resolve(pairs, params), params, strength)[
+  c = saggs._src.balance.compute_factors(saggs._src.plan.resolve(pairs, params), params, strength)[
     0
   ]["a|b"]
   new, _ = saggs.reparameterize(params, None, pairs, lambda p, s: c)

@@ -24,7 +24,7 @@ import pytest
 import models
 import saggs_jax as saggs
 from saggs_jax import equivariant
-from saggs_jax._src.pairs import resolve
+from saggs_jax._src.plan import resolve
 from saggs_jax._src.transport import _LAYOUT_FIX, _RULES, UNREGISTERED_MSG, transport
 
 rng = np.random.default_rng(0)

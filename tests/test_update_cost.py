@@ -74,8 +74,8 @@ def test_joint_solve_is_one_program_whatever_the_number_of_pairs(overlapping):
   bench_compile, models = overlapping
   params, pairs, plain = models[2]
   two = bench_compile.solve_eqns(pairs, params)
-  assert saggs._src.pairs.resolve(pairs, params).overlapping
-  assert not saggs._src.pairs.resolve(plain, params).overlapping
+  assert saggs._src.plan.resolve(pairs, params).overlapping
+  assert not saggs._src.plan.resolve(plain, params).overlapping
   assert two <= SOLVE_VS_CLOSED_FORM * bench_compile.solve_eqns(plain, params), two
   params4, pairs4, _ = models[4]
   four = bench_compile.solve_eqns(pairs4, params4)

@@ -37,7 +37,7 @@ import numpy as np
 from saggs_jax._src import paths
 from saggs_jax._src.norms import Stats, leaf_stats, stacked_axes
 from saggs_jax._src.numerics import AxisName, Factors, log_dtype_max
-from saggs_jax._src.pairs import Instance, Plan
+from saggs_jax._src.plan import Instance, Plan
 
 __all__ = ["TOLERANCE", "compute_factors", "log_norms", "solve"]
 

@@ -16,7 +16,8 @@ from saggs_jax._src.balance import TOLERANCE, compute_factors
 from saggs_jax._src.chain import ChainUpdate
 from saggs_jax._src.degrees import measure
 from saggs_jax._src.numerics import Factors
-from saggs_jax._src.pairs import Pair, Plan, resolve
+from saggs_jax._src.pairs import Pair
+from saggs_jax._src.plan import Plan, resolve
 from saggs_jax._src.scaling import scale_tree
 from saggs_jax._src.transport import transport
 

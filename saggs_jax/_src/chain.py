@@ -17,7 +17,7 @@ import optax
 
 from saggs_jax._src import paths
 from saggs_jax._src.degrees import measure
-from saggs_jax._src.pairs import Plan
+from saggs_jax._src.plan import Plan
 from saggs_jax._src.scaling import Shared, land_on, scale_tree
 from saggs_jax._src.stage import (
   Stage,

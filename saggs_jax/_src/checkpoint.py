@@ -25,8 +25,9 @@ from saggs_jax._src.checksums import (
   is_key,
   verify,
 )
-from saggs_jax._src.pairs import Pair, as_pairs, resolve
+from saggs_jax._src.pairs import Pair, as_pairs
 from saggs_jax._src.paths import Layout, first_difference, is_empty, layout
+from saggs_jax._src.plan import resolve
 from saggs_jax._src.transform import SaggsState
 from saggs_jax._src.transport import registered_types, transport
 

@@ -37,7 +37,7 @@ import optax
 
 from saggs_jax._src import gates, leaf_classes, paths
 from saggs_jax._src.numerics import Factors
-from saggs_jax._src.pairs import Plan, Slot
+from saggs_jax._src.plan import Plan, Slot
 from saggs_jax._src.scaling import scale_tree
 from saggs_jax._src.transport import AS_REGISTERED, transport
 
@@ -110,7 +110,7 @@ def probe_factors(plan: Plan) -> Factors:
 
   Example:
     >>> import jax, jax.numpy as jnp, saggs_jax as saggs
-    >>> from saggs_jax._src.pairs import resolve
+    >>> from saggs_jax._src.plan import resolve
     >>> params = {"q": jax.ShapeDtypeStruct((4, 8), jnp.float32),
     ...           "k": jax.ShapeDtypeStruct((4, 8), jnp.float32)}
     >>> c = probe_factors(resolve(saggs.Pair("q", "k", axes=(1, 1), groups=2), params))
@@ -179,7 +179,7 @@ def proxy(plan: Plan, whole: bool = False, most: int | None = GROUPS) -> Plan:
 
   Example:
     >>> import jax, jax.numpy as jnp, saggs_jax as saggs
-    >>> from saggs_jax._src.pairs import resolve
+    >>> from saggs_jax._src.plan import resolve
     >>> params = {"q": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
     ...           "k": jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
     >>> small = proxy(resolve(saggs.Pair("q", "k", axes=(1, 1), groups=8), params))
@@ -696,7 +696,7 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan, state: An
   Example:
     >>> import jax, jax.numpy as jnp, optax, saggs_jax as saggs
     >>> from saggs_jax._src.degrees import measure
-    >>> from saggs_jax._src.pairs import resolve
+    >>> from saggs_jax._src.plan import resolve
     >>> params = {"q": jax.ShapeDtypeStruct((4096, 512), jnp.float32),
     ...           "k": jax.ShapeDtypeStruct((1024, 512), jnp.float32)}
     >>> state_degrees = measure(optax.adamax(1e-3), params, resolve(saggs.Pair("q", "k"), params))

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from saggs_jax._src.balance import log_norms
-from saggs_jax._src.pairs import Block, Instance, Pair, Plan, per_copy_axis, resolve
+from saggs_jax._src.pairs import Block, Pair, per_copy_axis
+from saggs_jax._src.plan import Instance, Plan, resolve
 from saggs_jax._src.scaling import scale_tree
 
 

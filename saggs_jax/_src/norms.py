@@ -33,7 +33,7 @@ A zero norm is reported as ``-inf``, a group with a non-finite entry as
 ``+inf``, and a non-finite entry only affects its own group.
 
 A leaf with blocks (see :class:`saggs_jax.Block`) is cut at their boundaries
-into pieces (:attr:`saggs_jax._src.pairs.Plan.pieces`) whose entries move by the
+into pieces (:attr:`saggs_jax._src.plan.Plan.pieces`) whose entries move by the
 same slots; its statistics are taken per piece through a mask along the block
 axis, so a sharded block axis stays sharded.
 """
@@ -59,7 +59,7 @@ from saggs_jax._src.numerics import (
   ordered_control_flow,
   replicated,
 )
-from saggs_jax._src.pairs import Piece, Plan, Slot, Span
+from saggs_jax._src.plan import Piece, Plan, Slot, Span
 
 # A float32 sum of squares this small may have lost digits to underflow: such
 # norms (and overflowing or non-finite ones) are recomputed on the safe path.
@@ -495,7 +495,7 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
     >>> import jax.numpy as jnp, saggs_jax as saggs
     >>> from saggs_jax._src.norms import leaf_stats
     >>> params = {"q": jnp.full((2, 4), 1e30), "k": jnp.ones((2, 4))}  # squares overflow
-    >>> plan = saggs._src.pairs.resolve([saggs.Pair("q", "k", axes=(1, 1), groups=2)], params)
+    >>> plan = saggs._src.plan.resolve([saggs.Pair("q", "k", axes=(1, 1), groups=2)], params)
     >>> log_sq, _ = leaf_stats(plan, params)["q", None]
     >>> [round(float(v) / 2.302585, 3) for v in log_sq]  # log10 ||q_g||**2 = log10 4e60
     [60.602, 60.602]

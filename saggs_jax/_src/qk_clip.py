@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from saggs_jax._src.pairs import Pair, Plan
+from saggs_jax._src.pairs import Pair
+from saggs_jax._src.plan import Plan
 from saggs_jax._src.stage import (
   Correction,
   Stage,

@@ -18,7 +18,7 @@ from jax.typing import DTypeLike
 
 from saggs_jax._src import paths
 from saggs_jax._src.numerics import Factors, compute_dtype, is_explicit, replicated
-from saggs_jax._src.pairs import Plan, Slot
+from saggs_jax._src.plan import Plan, Slot
 
 
 class Shared(dict):

@@ -16,7 +16,8 @@ from typing import Any, NamedTuple, cast
 import optax
 
 from saggs_jax._src.numerics import Factors
-from saggs_jax._src.pairs import Pair, Plan, as_pairs, resolve
+from saggs_jax._src.pairs import Pair, as_pairs
+from saggs_jax._src.plan import Plan, resolve
 from saggs_jax._src.scaling import land_on, scale_tree
 
 

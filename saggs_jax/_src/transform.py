@@ -20,7 +20,8 @@ import optax
 from saggs_jax._src import paths
 from saggs_jax._src.balance import compute_factors
 from saggs_jax._src.numerics import AxisName, Factors, is_explicit, ordered_control_flow, replicated
-from saggs_jax._src.pairs import Pair, Plan, resolve
+from saggs_jax._src.pairs import Pair
+from saggs_jax._src.plan import Plan, resolve
 from saggs_jax._src.shard_map_groups import (
   GlobalShapes,
   check_axis_name,

@@ -48,7 +48,7 @@ import optax.contrib
 
 from saggs_jax._src import paths
 from saggs_jax._src.numerics import Factors
-from saggs_jax._src.pairs import Plan
+from saggs_jax._src.plan import Plan
 from saggs_jax._src.scaling import scale_leaf
 
 NESTED = "nested"

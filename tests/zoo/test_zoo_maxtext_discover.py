@@ -19,7 +19,7 @@ pytest.importorskip("maxtext", reason="MaxText is not installed: see .ci/zoo max
 
 import saggs_jax as saggs  # noqa: E402
 import zoo_maxtext  # noqa: E402
-from saggs_jax import pairs as saggs_pairs  # noqa: E402
+from saggs_jax._src.plan import resolve  # noqa: E402
 from zoo_models import tokens  # noqa: E402
 
 MODELS = {
@@ -39,7 +39,7 @@ def found(name):
 def instances(pairs, params) -> list[tuple]:
   """Each resolved instance as ``(sides, groups, copy axes, name)``: a side is the set of its
   members' ``(path, block, group axis)``, so that a pair and its mirror image compare equal."""
-  plan = saggs_pairs.resolve(pairs, params)
+  plan = resolve(pairs, params)
   out = []
   for inst in plan.instances:
     sides = frozenset(

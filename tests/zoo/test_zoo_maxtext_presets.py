@@ -20,8 +20,8 @@ pytest.importorskip("maxtext", reason="MaxText is not installed: see .ci/zoo max
 
 import saggs_jax as saggs  # noqa: E402
 import zoo_maxtext  # noqa: E402
-from saggs_jax import pairs as saggs_pairs  # noqa: E402
 from saggs_jax import paths  # noqa: E402
+from saggs_jax._src.plan import resolve  # noqa: E402
 from zoo_models import tokens  # noqa: E402
 
 # gemma3 with 7 layers: one scanned block of its 6-layer pattern and one unscanned remainder
@@ -71,7 +71,7 @@ def test_maxtext_preset_is_exact_pair_by_pair(name):
   # post_ffw_norm): one factor common to every head (channel) is invisible on either side, but
   # factors that differ per head (channel) are not, so no pair is moot.
   assert [str(w.message) for w in moot] == []
-  assert len(deviations) == len(saggs_pairs.resolve(pairs, params).instances)
+  assert len(deviations) == len(resolve(pairs, params).instances)
   for bad in not_symmetries(name):
     with pytest.raises(ValueError, match="is not a symmetry of the model"):
       saggs.check_symmetry(apply, params, [bad], x)

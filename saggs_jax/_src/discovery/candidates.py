@@ -30,7 +30,7 @@ from saggs_jax._src.discovery.tags import (
   inexact,
   tag,
 )
-from saggs_jax._src.pairs import follower_axis
+from saggs_jax._src.plan import follower_axis
 
 Stacked = int | tuple[int, ...]  # copy axes as Pair(stacked=...) takes them
 
