@@ -20,7 +20,7 @@ pytest.importorskip("maxtext", reason="MaxText is not installed: see .ci/zoo max
 
 import saggs_jax as saggs  # noqa: E402
 import zoo_maxtext  # noqa: E402
-from saggs_jax import paths  # noqa: E402
+from saggs_jax._src import paths  # noqa: E402
 from saggs_jax._src.plan import resolve  # noqa: E402
 from zoo_models import tokens  # noqa: E402
 
