@@ -136,7 +136,7 @@ LAYERS = {
     "equivariant.roles",
   ),
   "statistics": ("norms", "balance", "scaling"),
-  "moments": ("transport", "degrees"),
+  "moments": ("transport", "proxy", "degrees"),
   "stages": (
     "stage",
     "shard_map_groups",
