@@ -272,13 +272,3 @@ def test_explicit_init_factors_have_the_norms_type_without_tracing_them(monkeypa
       state = jax.eval_shape(saggs.chain(optax.adamw(1e-3), build()).init, params)[-1]
       got = jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), state.factors)
       assert got == jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), wanted)
-
-
-def test_the_probe_compiles_without_the_options_this_jaxlib_does_not_know(monkeypatch):
-  """An option of FAST_COMPILE_IF_KNOWN that the CPU compiler lacks (jaxlib 0.11+ has no
-  xla_cpu_use_fusion_emitters) is dropped, and the probe still reads adamax's nu degree."""
-  monkeypatch.setattr(degrees, "FAST_COMPILE_IF_KNOWN", {"xla_cpu_no_such_option": True})
-  monkeypatch.setattr(degrees, "_OPTIONS", {})
-  params = {n: jax.ShapeDtypeStruct((3, 8), jnp.float32) for n in ("q", "k")}
-  found = degrees.measure(optax.adamax(1e-3), params, resolve(saggs.Pair("q", "k"), params))
-  assert found[0].nu["q"] == 1 and dict(degrees._OPTIONS) == dict(degrees.FAST_COMPILE)

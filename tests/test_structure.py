@@ -136,7 +136,7 @@ LAYERS = {
     "equivariant.roles",
   ),
   "statistics": ("norms", "balance", "scaling"),
-  "moments": ("transport", "proxy", "degrees"),
+  "moments": ("transport", "proxy", "probe", "degrees"),
   "stages": (
     "stage",
     "shard_map_groups",
