@@ -542,16 +542,6 @@ def test_an_optimizer_that_runs_on_no_proxy_is_refused_naming_no_proxy_shape():
   assert not re.search(r"\(\d+(, \d+)*\)", str(e.value)), str(e.value)
 
 
-@pytest.mark.parametrize("whole, most", saggs._src.degrees.PROXIES)
-def test_every_proxy_keeps_a_pair_per_tensor_one_factor(whole, most):
-  """A pair with one group per tensor (axes=None) has factors of shape stacked_shape at every
-  proxy the measure may fall back to."""
-  plan = saggs._src.plan.resolve(PER_TENSOR, PARAMS)
-  small = saggs._src.degrees.proxy(plan, whole, most)
-  assert small.instances[0].factor_shape == ()
-  assert all(s.groups == 1 for found in small.slots.values() for s in found)
-
-
 # Where a two-step probe saw a leaf still at zero and took the registered degree: a
 # MultiSteps that has not stepped, a learning rate that is 0 for the first three updates.
 WARMUP = optax.join_schedules([optax.constant_schedule(0.0), optax.constant_schedule(1e-2)], [3])

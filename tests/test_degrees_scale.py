@@ -42,42 +42,6 @@ def llama_block(d, heads, kv_heads, head_dim, hidden, layers=None, dtype=jnp.flo
   }
 
 
-def test_the_proxy_is_a_few_entries_per_group_whatever_the_width():
-  params = llama_block(8192, 64, 8, 128, 28672, layers=80)
-  plan = resolve(saggs.presets.llama(num_kv_heads=8, stacked=1), params)
-  small = degrees.proxy(plan)
-  assert set(small.shapes) == set(plan.shapes)
-  for path, shape in small.shapes.items():
-    assert len(shape) == len(plan.shapes[path])
-    assert max(shape) <= degrees.KEEP * degrees.GROUPS, (path, shape)
-  for inst in small.instances:  # two layers, three of the KV heads (or MLP channels)
-    assert inst.factor_shape == (degrees.KEEP, degrees.GROUPS)
-  for path, slots in small.slots.items():
-    for cut, whole in zip(slots, plan.slots[path]):
-      assert (cut.key, cut.sign, cut.axis, cut.stacked) == (
-        whole.key,
-        whole.sign,
-        whole.axis,
-        whole.stacked,
-      )
-
-
-def test_a_fused_leaf_keeps_its_blocks_in_the_proxy():
-  """GPT-2's q|k|v rows: each block cut to its first groups, the blocks still disjoint and
-  each group's entries together."""
-  qkv = dict(axis=1, parts=("q", "k", "v"))
-  pair = saggs.Pair(
-    saggs.Block("c_attn", part="q", **qkv),
-    saggs.Block("c_attn", part="k", **qkv),
-    axes=(1, 1),
-    groups=12,
-  )
-  params = {"c_attn": jax.ShapeDtypeStruct((768, 3 * 768), jnp.float32)}
-  small = degrees.proxy(resolve(pair, params))
-  assert small.shapes["c_attn"] == (2, 2 * 3 * 2 + 2)  # q, k: 3 groups of 2; v: 2 entries
-  assert sorted(s.block for s in small.slots["c_attn"]) == [(1, 0, 6), (1, 6, 12)]
-
-
 def test_degrees_of_abstract_wide_params_are_those_of_concrete_narrow_ones():
   wide = measure_adamax(llama_block(4096, 32, 2, 128, 11008))
   narrow = measure_adamax(
@@ -308,13 +272,3 @@ def test_explicit_init_factors_have_the_norms_type_without_tracing_them(monkeypa
       state = jax.eval_shape(saggs.chain(optax.adamw(1e-3), build()).init, params)[-1]
       got = jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), state.factors)
       assert got == jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), wanted)
-
-
-def test_the_probe_compiles_without_the_options_this_jaxlib_does_not_know(monkeypatch):
-  """An option of FAST_COMPILE_IF_KNOWN that the CPU compiler lacks (jaxlib 0.11+ has no
-  xla_cpu_use_fusion_emitters) is dropped, and the probe still reads adamax's nu degree."""
-  monkeypatch.setattr(degrees, "FAST_COMPILE_IF_KNOWN", {"xla_cpu_no_such_option": True})
-  monkeypatch.setattr(degrees, "_OPTIONS", {})
-  params = {n: jax.ShapeDtypeStruct((3, 8), jnp.float32) for n in ("q", "k")}
-  found = degrees.measure(optax.adamax(1e-3), params, resolve(saggs.Pair("q", "k"), params))
-  assert found[0].nu["q"] == 1 and dict(degrees._OPTIONS) == dict(degrees.FAST_COMPILE)

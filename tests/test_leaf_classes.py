@@ -11,7 +11,7 @@ import optax
 
 import saggs_jax as saggs
 from harness import shapes
-from saggs_jax._src import degrees, leaf_classes, paths
+from saggs_jax._src import degrees, leaf_classes, paths, probe
 from saggs_jax._src.plan import resolve
 
 SPEC = [jax.ShapeDtypeStruct((2, 3), jnp.float32)] * 3
@@ -107,7 +107,7 @@ def probed(opt, params, pairs):
   small, spec, init, _, update = degrees._fitting_proxy(
     opt, params, resolve(pairs, params), None, {}
   )
-  return degrees._trace(spec, init.out_info, small, init.jaxpr, update)
+  return probe.trace(spec, init.out_info, small, init.jaxpr, update)
 
 
 class PathTrace(NamedTuple):

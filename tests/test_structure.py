@@ -138,7 +138,7 @@ LAYERS = {
     "equivariant.roles",
   ),
   "statistics": ("norms", "balance", "scaling"),
-  "moments": ("transport", "degrees"),
+  "moments": ("transport", "proxy", "probe", "degrees"),
   "stages": (
     "stage",
     "shard_map_groups",

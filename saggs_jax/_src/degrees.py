@@ -9,260 +9,51 @@ degree is the one it has with every gate open (clips that do not clip, negligibl
 :func:`saggs_jax._src.gates.opened`); a leaf that no degree fits is refused, naming its
 state type and path.
 
-The probe runs on a :func:`proxy` of the parameters (the same tree, dtypes and pairs, every
-axis cut to a few entries per run of constant multiplier), one state leaf per class of
-leaves the optimizer computes alike (:mod:`saggs_jax._src.leaf_classes`), and its results
-are kept per optimizer and proxy layout. docs/moments.md gives the contract and how each
+The probe runs on a :func:`~saggs_jax._src.proxy.proxy` of the parameters (the same tree,
+dtypes and pairs, every axis cut to a few entries per run of constant multiplier), one state
+leaf per class of leaves the optimizer computes alike (:mod:`saggs_jax._src.leaf_classes`);
+its program is :mod:`saggs_jax._src.probe`'s, and this module decides each degree from its
+results and keeps them per optimizer and proxy layout. docs/moments.md gives the contract and how each
 case is decided (zero leaves, schedules, hyperparameters injected as tracers, state layouts
 that depend on the leaves' sizes).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
-import math
 import sys
 import types
 import warnings
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from saggs_jax._src import gates, leaf_classes, paths
-from saggs_jax._src.numerics import Factors
-from saggs_jax._src.plan import Plan, Slot
-from saggs_jax._src.scaling import scale_tree
+from saggs_jax._src import paths
+from saggs_jax._src.plan import Plan
+from saggs_jax._src.probe import (
+  GRADIENT_SCALE,
+  STEPS,
+  Cut,
+  leaf_places,
+  multipliers,
+  runner,
+  trace,
+  traced,
+)
+from saggs_jax._src.proxy import PROXIES, proxy, proxy_params
 from saggs_jax._src.transport import AS_REGISTERED, transport
 
 CANDIDATES = (1, 2, 0, -1, -2, 3, 4)
 """Degrees tried, in order, for a leaf whose registered degree does not fit."""
 
-STEPS = (3, 7, 31, 127)
-"""Lengths of the probe history, tried in turn while some leaf stays zero. Pairwise coprime
-(Mersenne primes): a ``MultiSteps(every_k_schedule=k)`` steps within the longest for every
-``k <= 127``, and its accumulator, zero right after each step, is nonzero after one of any
-two of them. Then the longest once more from :data:`LATE`."""
-
-LATE = 2**20
-"""Where the integer state (step counts) starts in the last probe history, for a leaf still
-zero after the others: every schedule and ``MultiSteps`` past its horizon, as the contract
-has them (a learning rate that is zero for the first 200 updates is not zero there; a
-``MultiSteps`` of any ``every_k_schedule`` steps at once and accumulates again)."""
-
-KEEP = 2
-"""Entries a proxy keeps of each run of indices along which no multiplier changes."""
-
-GROUPS = 3
-"""Groups a proxy keeps of each pair instance (factors alternate above and below 1)."""
-
-PROXIES = ((False, GROUPS), (True, GROUPS), (True, None))
-"""The arguments ``(whole, most)`` of the proxies tried in turn, until the optimizer runs on
-one: a rule that splits a grouped axis into pieces of a fixed size (heads of ``head_dim``)
-fails on :data:`KEEP` entries per group, one that splits it into a fixed number of pieces
-(``num_heads``) may need all the groups."""
-
-HYPERPARAMETER = 0.375
-"""The stand-in for a float value the optimizer closes over from a trace outside the probe (a
-rate, ``b1``, ``b2``, a decay, ``eps``, a weight decay that ``optax.inject_hyperparams`` around
-a whole chain makes tracers): in (0, 1) and away from both, as a decay rate must be for the
-moments it keeps to mix two steps; ints take 1. A degree is a property of the optimizer's
-structure, so any generic value reads it."""
-
-GRADIENT_SCALE = 2.0**16
-"""The size of the probe's gradients next to its parameters (entries in [0.5, 1)): an
-additive constant of the optimizer (an ``eps`` up to :data:`HYPERPARAMETER`, an initial
-accumulator, a weight decay times the parameters added to the gradients) stays below the
-probe's rounding next to them, as the contract's open gates want, while decay rates keep
-their weight. Clips are opened by :func:`saggs_jax._src.gates.opened`, whatever this size."""
-
-FAST_COMPILE = types.MappingProxyType(
-  {
-    "xla_backend_optimization_level": 0,
-    "xla_cpu_parallel_codegen_split_count": 1,
-  }
-)
-"""XLA options of the probe's compile on CPU: its cheapest code generation (options every
-supported jaxlib knows: an unknown one is an error)."""
-
-FAST_COMPILE_IF_KNOWN = types.MappingProxyType({"xla_cpu_use_fusion_emitters": False})
-"""Options added to :data:`FAST_COMPILE` where the CPU compiler knows them: jaxlib 0.10's
-legacy emitters compile the probe about 4x faster than its fusion emitters (0.1 s against
-0.5 s of CPU for a LLaMA's); later jaxlibs have no such option."""
-
-# The options the probe compiles with on CPU, found at its first compile.
-_OPTIONS: dict = {}
-
 # optimizer update function -> {proxy layout: degrees}; weak, so an optimizer's entry goes
 # with it. A value depends only on its key: a hit skips work and changes no result.
 _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def probe_factors(plan: Plan) -> Factors:
-  """Factors ``2**(±0.6 .. ±1)``, alternating in sign from group to group: far from 1
-  and from each other's powers, so that two degrees never give the same multiplier.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, saggs_jax as saggs
-    >>> from saggs_jax._src.plan import resolve
-    >>> params = {"q": jax.ShapeDtypeStruct((4, 8), jnp.float32),
-    ...           "k": jax.ShapeDtypeStruct((4, 8), jnp.float32)}
-    >>> c = probe_factors(resolve(saggs.Pair("q", "k", axes=(1, 1), groups=2), params))
-    >>> [round(float(x), 3) for x in c["q|k"]]  # above 1, then below
-    [1.516, 0.556]
-  """
-  out = {}
-  for inst in plan.instances:
-    n = np.arange(math.prod(inst.factor_shape))
-    e = np.where(n % 2 == 0, 1.0, -1.0) * (0.6 + 0.4 * ((n * 0.618) % 1))
-    out[inst.key] = jnp.asarray(2.0 ** e.reshape(inst.factor_shape), jnp.float32)
-  return out
-
-
-def _group_of(slot: Slot, n: int) -> np.ndarray:
-  """The group of each index of ``slot``'s axis (of length ``n``), -1 outside its tiling."""
-  start, stop = slot.tiled(n)
-  index = np.arange(n)
-  inside = (index >= start) & (index < stop)
-  return np.where(inside, (index - start) // max(1, (stop - start) // slot.groups), -1)
-
-
-def _kept(
-  n: int, axis: int, slots: tuple[Slot, ...], groups: dict[str, int], whole: bool
-) -> np.ndarray:
-  """The indices of ``axis`` (length ``n``) a proxy keeps: of each instance's first
-  ``groups[key]`` groups (and stacked copies), the first :data:`KEEP` of every run of
-  indices that all slots treat alike; with ``whole``, every index of those groups along an
-  axis that a slot groups."""
-  index = np.arange(n)
-  keep = np.ones(n, bool)
-  signature = []
-  for s in slots:
-    if axis in s.stacked:  # every copy has its own factors
-      signature.append(index)
-      keep &= index < KEEP
-    if s.block is not None and s.block[0] == axis:
-      signature.append((index >= s.block[1]) & (index < s.block[2]))
-    if s.axis == axis:
-      group = _group_of(s, n)
-      signature.append(group)
-      keep &= group < groups[s.key]
-  if whole and any(s.axis == axis for s in slots):
-    return np.flatnonzero(keep)
-  if signature:
-    sig = np.stack(signature, axis=1)
-    starts = np.concatenate([[True], np.any(sig[1:] != sig[:-1], axis=1)])
-  else:
-    starts = index == 0
-  run_start = np.maximum.accumulate(np.where(starts, index, 0))
-  return np.flatnonzero(keep & (index - run_start < KEEP))
-
-
-def proxy(plan: Plan, whole: bool = False, most: int | None = GROUPS) -> Plan:
-  """A small plan with the layout of ``plan``: same paths, ranks, pairs and slots, every
-  axis cut by :func:`_kept` (each instance to ``most`` groups, all if None, of at most
-  :data:`KEEP` entries, or of all their entries with ``whole``, stacked axes to :data:`KEEP`
-  copies, other axes to :data:`KEEP` entries); an undeclared leaf's axes as the grouped axes
-  of their length, if any. ``whole`` keeps each split of a group that a rule may make (heads
-  of a fixed size inside a KV head's group), and all groups each split of a grouped axis, for
-  an optimizer that fails on the smaller proxies (:data:`PROXIES`).
-
-  Raises:
-    TypeError: a layout whose cut leaves some slot with unequal groups (a group axis cut
-      inside its groups by another pair's blocks).
-
-  Example:
-    >>> import jax, jax.numpy as jnp, saggs_jax as saggs
-    >>> from saggs_jax._src.plan import resolve
-    >>> params = {"q": jax.ShapeDtypeStruct((4096, 4096), jnp.float32),
-    ...           "k": jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
-    >>> small = proxy(resolve(saggs.Pair("q", "k", axes=(1, 1), groups=8), params))
-    >>> small.shapes, small.instances[0].factor_shape  # 3 of the 8 groups, 2 entries each
-    ({'k': (2, 6), 'q': (2, 6)}, (3,))
-  """
-  groups = {  # factor_shape is stacked_shape + (groups,), or stacked_shape for axes=None
-    i.key: (i.factor_shape[-1] if most is None else min(most, i.factor_shape[-1]))
-    if len(i.factor_shape) > len(i.pair.copy_axes)
-    else 1
-    for i in plan.instances
-  }
-  kept = {
-    path: [_kept(n, a, plan.slots.get(path, ()), groups, whole) for a, n in enumerate(shape)]
-    for path, shape in plan.shapes.items()
-  }
-  # An undeclared leaf is cut along each axis as the grouped axes of its length are (the most
-  # entries any keeps): the inner optimizer may tie it to a declared leaf (a row-aware rule
-  # treats an undeclared gate_proj and a declared up_proj as one neuron's vector).
-  grouped: dict[int, np.ndarray] = {}
-  for path, found in plan.slots.items():
-    for axis in {s.axis for s in found if s.axis is not None}:
-      n, k = plan.shapes[path][axis], kept[path][axis]
-      if len(k) > len(grouped.get(n, ())):
-        grouped[n] = k
-  for path, shape in plan.shapes.items():
-    if not plan.slots.get(path):
-      kept[path] = [grouped.get(n, k) for n, k in zip(shape, kept[path])]
-
-  def span(path, block):
-    if block is None:
-      return None
-    axis, start, stop = block
-    k = kept[path][axis]
-    return axis, int(np.sum(k < start)), int(np.sum(k < stop))
-
-  slots = {}
-  for path, found in plan.slots.items():
-    new = []
-    for s in found:
-      cut = dataclasses.replace(s, groups=groups[s.key], block=span(path, s.block))
-      if s.axis is not None:  # the cut groups must tile as the originals did
-        k = kept[path][s.axis]
-        if not np.array_equal(_group_of(s, plan.shapes[path][s.axis])[k], _group_of(cut, len(k))):
-          raise TypeError(
-            f"Cannot measure transport degrees for {path!r} {plan.shapes[path]}: the groups"
-            f" of {s.key!r} along axis {s.axis} do not survive the small proxy. Split that axis"
-            " by one pair's blocks only."
-          )
-      new.append(cut)
-    slots[path] = tuple(new)
-  instances = tuple(
-    dataclasses.replace(
-      i,
-      factor_shape=tuple(min(d, KEEP) for d in i.factor_shape[: len(i.pair.copy_axes)])
-      + (groups[i.key],) * (len(i.factor_shape) - len(i.pair.copy_axes)),
-    )
-    for i in plan.instances
-  )
-  return Plan(
-    instances,
-    slots,
-    {path: tuple(len(k) for k in kept[path]) for path in plan.shapes},
-    {name: part._replace(block=span(part.path, part.block)) for name, part in plan.parts.items()},
-  )
-
-
-def _probe_dtype(dtype):
-  """16-bit floats probe in float32: their rounding, amplified where two probe gradients
-  cancel in a moment, would hide the degree; a degree does not depend on the precision."""
-  return jnp.float32 if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4 else dtype
-
-
-def _cut(params: Any, small: Plan) -> Any:
-  """``params`` as abstract leaves of the proxy's shapes (other leaves as they are)."""
-
-  def leaf(key_path, x):
-    shape = small.shapes.get(paths.path_str(key_path))
-    if shape is None or not paths.is_array(x):
-      return x
-    return jax.ShapeDtypeStruct(shape, _probe_dtype(jnp.result_type(x)))
-
-  return jax.tree_util.tree_map_with_path(leaf, params)
 
 
 def _abstract(params: Any) -> Any:
@@ -270,22 +61,6 @@ def _abstract(params: Any) -> Any:
     lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) if paths.is_array(x) else x,
     params,
   )
-
-
-def _random(spec: Any, rng: np.random.Generator, *lead: int) -> Any:
-  """Host arrays like ``spec`` (with leading axes ``lead``) of entries of magnitude in
-  [0.5, 1) and either sign (zeros for a non-float leaf): away from zero, so that an epsilon
-  added to a moment stays negligible. Proxy-sized, and made on the host: nothing to compile."""
-
-  def leaf(x):
-    if not isinstance(x, jax.ShapeDtypeStruct):
-      return x
-    shape = lead + x.shape
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-      return np.zeros(shape, x.dtype)
-    return (rng.choice([-1.0, 1.0], shape) * rng.uniform(0.5, 1.0, shape)).astype(x.dtype)
-
-  return jax.tree.map(leaf, spec)
 
 
 def _owner(state, key_path):
@@ -309,88 +84,6 @@ def _where(state, key_path) -> str:
   return f"{type(_owner(state, key_path)).__name__} at opt_state{jax.tree_util.keystr(key_path)}"
 
 
-def _multipliers(plan: Plan, spec: Any, state: Any) -> tuple[list, list, list]:
-  """Per array leaf of ``spec`` (the parameters) what the probe factors multiply it by (None
-  for a leaf that is no parameter); per float leaf of ``state`` what they multiply it by as a
-  moment of degree 1 and of its registered degree. Transport multiplies entry by entry, so
-  these say all it does to a state. One small program, compiled on its own (see
-  :func:`_alone`): nothing of the model's size. Leaves set to None are skipped."""
-
-  def evaluate():
-    factors = probe_factors(plan)
-
-    def ones(tree):
-      return jax.tree.map(
-        lambda x: jnp.ones(x.shape, x.dtype) if paths.is_parameter(x) else x, tree
-      )
-
-    floats = lambda t: [x for x in jax.tree.leaves(t) if paths.is_parameter(x)]  # noqa: E731
-    params = scale_tree(plan, ones(spec), factors, 1.0)
-    degree_1 = transport(plan, ones(state), factors, degrees=jax.tree.map(lambda _: 1, state))
-    registered = transport(plan, ones(state), factors)
-    params = [x if paths.is_parameter(x) else None for x in jax.tree.leaves(params)]
-    return params, floats(degree_1), floats(registered)
-
-  out = _alone(lambda: _compiled(jax.jit(evaluate).lower())())
-  return jax.tree.map(np.asarray, out)
-
-
-def _compiled(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-  """``lowered`` compiled, on CPU with XLA's cheapest code generation (see FAST_COMPILE)."""
-  if jax.default_backend() != "cpu":
-    return lowered.compile()
-  if not _OPTIONS:
-    try:
-      compiled = lowered.compile({**FAST_COMPILE, **FAST_COMPILE_IF_KNOWN})
-    except jax.errors.JaxRuntimeError as e:
-      if "No such compile option" not in str(e):
-        raise
-      _OPTIONS.update(FAST_COMPILE)
-    else:
-      _OPTIONS.update({**FAST_COMPILE, **FAST_COMPILE_IF_KNOWN})
-      return compiled
-  return lowered.compile(dict(_OPTIONS))
-
-
-def _alone(fn: Any) -> Any:
-  """``fn()`` on a thread of its own, where no context of the caller's reaches it: not its
-  trace (so that it runs now, even while an init or an update is traced: a value it closes
-  over from that trace would become one more input), nor its ``jax.set_mesh`` (which would
-  run each small op, and compile the probe, for every device of the mesh). The caller's
-  ``jax.enable_x64`` does reach it: it is thread-local too, and the probe must see the
-  dtypes the caller's arrays have."""
-  x64 = bool(jax.config.jax_enable_x64)
-
-  def run():
-    with jax.enable_x64(x64):
-      return fn()
-
-  with concurrent.futures.ThreadPoolExecutor(1) as thread:
-    return thread.submit(run).result()
-
-
-class _Cut(NamedTuple):
-  """The optimizer's ``init`` and ``update`` on the proxy as jaxprs cut down to the state
-  leaves the probe runs (``kept``: one of each class of :mod:`saggs_jax._src.leaf_classes`, and
-  what their updates read), with the parameter leaves they read (``params``)."""
-
-  init: Any  # ClosedJaxpr: the used inputs of [outer values..., params...] -> kept leaves
-  init_inputs: list[int]
-  update: Any  # ClosedJaxpr: the used inputs of [outer..., grads..., state..., params...]
-  update_inputs: list[int]
-  outer: tuple[int, int]  # the values each closes over from a trace outside (leading inputs)
-  sizes: tuple[int, int]  # parameter leaves, state leaves
-  params: list[int]
-  kept: list[int]
-  representative: list[int]  # of every state leaf, a kept one
-
-
-def _traced(fn, *args):
-  """``jax.jit(fn).trace(*args)`` on its own thread (:func:`_alone`): values the optimizer
-  closes over from a trace outside become the leading inputs of its jaxpr."""
-  return _alone(lambda: jax.jit(fn).trace(*args))
-
-
 def _state_of_update(tx, grads, state, params):
   """The state leaves ``tx.update`` returns on the probe's inputs: gradients laid out like the
   parameters and the extra argument ``value=1`` (the loss polyak_sgd reads: invariant)."""
@@ -399,16 +92,16 @@ def _state_of_update(tx, grads, state, params):
 
 def _fitting_proxy(tx, params, plan: Plan, state, known: dict) -> tuple:
   """``(small, spec, init, layout, update)``: the proxy the degrees are measured on (the
-  smallest of :func:`proxy`'s on which the optimizer runs), its parameters, ``tx.init`` traced
+  smallest of :func:`~saggs_jax._src.proxy.proxy`'s on which the optimizer runs), its parameters, ``tx.init`` traced
   on them, the layout the results are kept by, and ``tx.update``'s jaxpr there (None where
   ``known`` has that layout). An optimizer that fails on every proxy is refused naming the
   parameters' own shapes (:func:`_fails`), never a proxy's."""
   failure = None
   for whole, most in PROXIES:
     small = proxy(plan, whole, most)
-    spec = _cut(params, small)
+    spec = proxy_params(params, small)
     try:
-      init = _traced(tx.init, spec)
+      init = traced(tx.init, spec)
       layout = (
         jax.tree.structure(spec),
         tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(spec)),
@@ -418,7 +111,7 @@ def _fitting_proxy(tx, params, plan: Plan, state, known: dict) -> tuple:
       update = None
       if layout not in known:
         run = functools.partial(_state_of_update, tx)
-        update = _traced(run, spec, init.out_info, spec).jaxpr
+        update = traced(run, spec, init.out_info, spec).jaxpr
     except Exception as e:  # a rule that splits an axis into pieces of a fixed size, say
       failure = e
       continue
@@ -445,64 +138,11 @@ def _fails(tx, params, state) -> TypeError:
   )
 
 
-def _trace(spec, state, small: Plan, init, update) -> _Cut:
-  """Reads the classes of the state leaves from ``init`` (the traced ``tx.init(spec)``,
-  ``state`` its abstract output) and ``update`` (the jaxpr of ``tx.update``) on the proxy
-  ``small``, and cuts both down."""
-  n, m = len(jax.tree.leaves(spec)), len(jax.tree.leaves(state))
-  if len(update.jaxpr.outvars) != m:
-    raise TypeError(
-      f"Cannot transport {type(state).__name__} at opt_state: its update returns a state of"
-      f" {len(update.jaxpr.outvars)} leaves where init makes {m}."
-    )
-  outer = (len(init.jaxpr.invars) - n, len(update.jaxpr.invars) - 2 * n - m)
-  layouts, places = _places(small, spec, state)
-  start, step = leaf_classes.Program(init), leaf_classes.Program(update)
-  representative = leaf_classes.classes(start, step, outer, layouts, places)
-  floats = [j for j, x in enumerate(jax.tree.leaves(state)) if paths.is_parameter(x)]
-  kept = leaf_classes.closure(step, outer[1], n, sorted({representative[j] for j in floats}))
-  init, init_inputs = leaf_classes.reduced(init, kept)
-  update, update_inputs = leaf_classes.reduced(update, kept)
-  used = {k - outer[0] for k in init_inputs if k >= outer[0]}
-  for k in (k - outer[1] for k in update_inputs):
-    if 0 <= k < n or k >= n + m:  # a gradient or a parameter leaf
-      used.add(k if k < n else k - n - m)
-  return _Cut(
-    init, init_inputs, update, update_inputs, outer, (n, m), sorted(used), kept, representative
-  )
-
-
-def _places(plan: Plan, params: Any, state: Any) -> tuple[list, list]:
-  """The layout of each parameter leaf (shape, dtype and slots, each slot's pair instance by
-  its factors' shape, which is all the probe factors depend on, and by which of the leaf's
-  slots share it); and for each state leaf ``(where, i)``: the path of parameter leaf ``i``
-  is the longest tail of its path that is a parameter's (where its moments sit), ``where``
-  the rest; None for a leaf at no parameter's path."""
-  shapes = {i.key: i.factor_shape for i in plan.instances}
-
-  def layout(path, x):
-    if not paths.is_array(x):
-      return ("static", repr(x))
-    slots = plan.slots.get(path, ())
-    keys = list(dict.fromkeys(s.key for s in slots))
-    cut = tuple(dataclasses.replace(s, key=f"{keys.index(s.key)}:{shapes[s.key]}") for s in slots)
-    return tuple(jnp.shape(x)), str(jnp.result_type(x)), cut
-
-  leaves = [(paths.path_str(k), x) for k, x in jax.tree_util.tree_flatten_with_path(params)[0]]
-  where = {path: i for i, (path, _) in enumerate(leaves)}
-  places = []
-  for key_path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
-    names = paths.path_str(key_path).split("/")
-    tail = next((t for t in range(len(names)) if "/".join(names[t:]) in where), None)
-    places.append(None if tail is None else (tuple(names[:tail]), where["/".join(names[tail:])]))
-  return [layout(path, x) for path, x in leaves], places
-
-
 def _one_of_each_kind(plan: Plan, params: Any, state: Any) -> Any:
   """``state`` with None for every leaf whose place, shape and dtype and whose parameter's
-  layout (see :func:`_places`) an earlier leaf shares: the registered rules treat such
+  layout (see :func:`leaf_places`) an earlier leaf shares: the registered rules treat such
   leaves alike, so they refuse the first of them or none."""
-  layouts, places = _places(plan, params, state)
+  layouts, places = leaf_places(plan, params, state)
   leaves, treedef = jax.tree.flatten(state)
   seen, kept = set(), []
   for j, (x, place) in enumerate(zip(leaves, places)):
@@ -510,105 +150,6 @@ def _one_of_each_kind(plan: Plan, params: Any, state: Any) -> Any:
     kept.append(None if key in seen else x)
     seen.add(key)
   return treedef.unflatten(kept)
-
-
-def _probe(program: _Cut, spec: list, param_mult: list, kept: list, outer_scale=GRADIENT_SCALE):
-  """``probe(steps, seeds={})``: runs the history of ``steps`` updates from probe parameters
-  with probe gradients (``outer_scale`` times the parameters' size) and every gate of the
-  update open (:func:`saggs_jax._src.gates.opened`), and the equivalent history (parameters times
-  ``param_mult``, gradients divided by it), and gives each float state leaf of ``kept`` (the abstract leaves
-  ``program.kept``) after both; values the optimizer closes over from a trace outside take
-  stand-ins. ``spec`` and ``param_mult`` are the parameter leaves ``program.params``.
-  ``seeds`` maps float leaves (by their index among them) to the values they start from on
-  either side, in place of ``init``'s. Compiled once per set of seeded leaves."""
-  (o_init, o_update), (n, m) = program.outer, program.sizes
-  leaf = {i: a for a, i in enumerate(program.params)}
-  state = {j: a for a, j in enumerate(program.kept)}
-  floats = [a for a, x in enumerate(kept) if paths.is_parameter(x)]
-
-  def inputs(closed, used, outer, pick):  # each input of a cut jaxpr: a stand-in or a leaf
-    return [
-      ("value", _stand_in(v.aval)) if k < outer else pick(k - outer)
-      for v, k in zip(closed.jaxpr.invars, used)
-    ]
-
-  init_in = inputs(program.init, program.init_inputs, o_init, lambda k: ("p", leaf[k]))
-  update_in = inputs(
-    program.update,
-    program.update_inputs,
-    o_update,
-    lambda k: (
-      ("g", leaf[k]) if k < n else ("s", state[k - n]) if k < n + m else ("p", leaf[k - n - m])
-    ),
-  )
-  run_init = jax.extend.core.jaxpr_as_fun(program.init)
-  run_update = gates.opened(program.update, [kind in ("g", "s") for kind, _ in update_in])
-
-  def call(run, wanted, **trees):
-    return run(*(x if kind == "value" else trees[kind][x] for kind, x in wanted))
-
-  def update(s, p, g):
-    return call(run_update, update_in, s=s, p=p, g=g)
-
-  def probe(steps, late, sides, grads, seeds):  # every array is made in here: none outside
-    def step(t, states):
-      g = [jax.lax.dynamic_index_in_dim(x, t, keepdims=False) for x in grads]
-      new = jax.vmap(update, axis_size=2)(states, sides, g)
-      # The loop's carry keeps its dtypes: jax 0.12's adam turns the moments of an int or
-      # bool parameter float (no degree is read off those).
-      return [x if paths.is_parameter(k) else x.astype(k.dtype) for x, k in zip(new, kept)]
-
-    start = list(jax.vmap(lambda p: call(run_init, init_in, p=p), axis_size=2)(sides))
-    start = [  # counters moved on by `late`: every schedule and MultiSteps past its horizon
-      x + late.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.integer) else x for x in start
-    ]
-    for a, seed in seeds.items():
-      start[floats[a]] = seed
-    states = jax.lax.fori_loop(0, steps, step, start)
-    return [[states[a][i] for a in floats] for i in (0, 1)]
-
-  rng = np.random.default_rng(0)
-  p, history = _random(spec, rng), _random(spec, rng, STEPS[-1])
-
-  def both(x, spec, m, power):  # side A, side B: the new axis just before the parameter's axes
-    if not isinstance(x, np.ndarray):
-      return x
-    b = (x * m**power).astype(x.dtype) if paths.is_parameter(x) else x
-    return np.stack([x, b], axis=x.ndim - len(spec.shape))
-
-  sides = [both(x, a, mult, 1) for x, a, mult in zip(p, spec, param_mult)]
-  grads = [both(x, a, mult, -1) for x, a, mult in zip(history, spec, param_mult)]
-  grads = [(g * outer_scale).astype(g.dtype) if paths.is_parameter(g) else g for g in grads]
-  compiled = {}
-
-  def compile(seeds):
-    """Traced and compiled on its own (:func:`_alone`), for one device, with XLA's cheapest
-    code generation: the program is tiny and runs a few times."""
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    args = scalar, scalar, sides, grads, seeds
-    return _alone(lambda: _compiled(jax.jit(probe).trace(*args).lower()))
-
-  def run(steps, seeds=None, late=False):
-    seeds = seeds or {}
-    key = tuple(sorted(seeds))
-    if key not in compiled:
-      compiled[key] = compile(seeds)
-    return compiled[key](np.int32(steps), np.int32(LATE if late else 0), sides, grads, seeds)
-
-  return run
-
-
-def _stand_in(aval) -> np.ndarray:
-  """The value a hyperparameter traced outside the probe takes in it (see HYPERPARAMETER)."""
-  dtype = np.dtype(aval.dtype)
-  if not (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_):
-    raise TypeError(
-      f"Cannot measure transport degrees: the optimizer closes over a {aval} traced outside"
-      " it, which the probe has no stand-in for. Build the chain outside the trace, or pass"
-      " that value as a number."
-    )
-  value = HYPERPARAMETER if jnp.issubdtype(dtype, jnp.inexact) else 1
-  return np.full(aval.shape, value, dtype)
 
 
 def _fits(state, moved, mult, registered) -> tuple[np.ndarray, bool]:
@@ -672,7 +213,7 @@ def _refuse_inside_lookahead() -> None:
 def measure(tx: optax.GradientTransformation, params: Any, plan: Plan, state: Any = None) -> Any:
   """The degree of every leaf of ``tx.init(params)``, as :func:`transport` takes them.
 
-  Measured on the :func:`proxy` of ``plan`` (see the module doc), once per optimizer and
+  Measured on the :func:`~saggs_jax._src.proxy.proxy` of ``plan`` (see the module doc), once per optimizer and
   proxy layout; the full-size parameters are only read for their shapes and dtypes.
 
   Args:
@@ -736,7 +277,7 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan, state: An
       " size-independent: optax.adafactor(..., factored=False)."
     )
   if layout not in known:
-    program = _trace(spec, small_state, small, traced_init.jaxpr, update)
+    program = trace(spec, small_state, small, traced_init.jaxpr, update)
     found = _decide(program, spec, small_state, small)
     if any(program.outer):
       # Stand-ins small next to the gradients (an eps) read the degrees; whether a value
@@ -757,7 +298,7 @@ def measure(tx: optax.GradientTransformation, params: Any, plan: Plan, state: An
   return known[full]
 
 
-def _decide(program: _Cut, spec, state, small, outer_scale=GRADIENT_SCALE) -> list:
+def _decide(program: Cut, spec, state, small, outer_scale=GRADIENT_SCALE) -> list:
   """The degree of each leaf of the proxy's state ``state`` (abstract), in flatten order (see
   :func:`measure`); values the optimizer closes over from a trace outside take stand-ins,
   the gradients scaled by ``outer_scale``."""
@@ -765,12 +306,12 @@ def _decide(program: _Cut, spec, state, small, outer_scale=GRADIENT_SCALE) -> li
   leaves, state_def = jax.tree_util.tree_flatten_with_path(state)
   # Only the leaves the probe runs: one of each class, and what their updates read.
   only = lambda tree, keep, xs: tree.unflatten([x if i in keep else None for i, x in enumerate(xs)])  # noqa: E731
-  param_mult, mults, registered = _multipliers(
+  param_mult, mults, registered = multipliers(
     small,
     only(spec_def, set(program.params), spec_leaves),
     only(state_def, set(program.kept), [x for _, x in leaves]),
   )
-  probe = _probe(
+  probe = runner(
     program,
     [spec_leaves[i] for i in program.params],
     param_mult,
