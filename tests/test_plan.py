@@ -427,11 +427,11 @@ def test_equinox_module_static_fields_are_not_parameters():
       saggs.describe(model, [saggs.Pair(pattern, "down/weight")])
 
 
-def test_describe_takes_params_first_and_the_old_order_with_a_warning():
+def test_describe_takes_params_first_and_refuses_the_other_order():
   params = {"q": jnp.ones((8, 4)), "k": jnp.ones((8, 4))}
   pairs = [saggs.Pair("q", "k", axes=(1, 1), groups=2)]
   new = saggs.describe(params, pairs)
   assert new.splitlines()[2].split() == ["Pair('q',", "'k')", "a", "q", "(8,", "4)", "1", "(2,)"]
   for old_order in (pairs, pairs[0]):  # a list of pairs, or one
-    with pytest.warns(DeprecationWarning, match=r"describe\(params, pairs\)"):
-      assert saggs.describe(old_order, params) == new
+    with pytest.raises(TypeError, match=r"Write saggs_jax\.describe\(params, pairs\)"):
+      saggs.describe(old_order, params)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -523,9 +522,8 @@ def _is_declaration(x: Any) -> bool:
 def describe(params: Any, pairs: Sequence[Pair]) -> str:
   """A readable table of what each declared pair resolved to on ``params``.
 
-  ``params`` first, as :func:`saggs_jax.imbalance` and optax take it. The old order
-  ``describe(pairs, params)`` still works, with a DeprecationWarning: a declaration is never
-  a parameter tree (its leaves are strings and ints, no arrays), so the two cannot be confused.
+  ``params`` first, as :func:`saggs_jax.imbalance` and optax take it; a declaration first
+  is a TypeError naming that order.
 
   Example:
     >>> import jax.numpy as jnp, saggs_jax as saggs
@@ -538,12 +536,10 @@ def describe(params: Any, pairs: Sequence[Pair]) -> str:
     1 pair instance, 2 factors in all.
   """
   if _is_declaration(params) and not _is_declaration(pairs):
-    warnings.warn(
-      "describe(pairs, params) is now describe(params, pairs), as imbalance(params, pairs).",
-      DeprecationWarning,
-      stacklevel=2,
+    raise TypeError(
+      "describe got the pairs where the parameters go. Write saggs_jax.describe(params, pairs),"
+      " as imbalance(params, pairs)."
     )
-    params, pairs = pairs, params
   plan = resolve(pairs, params)
   blocks = any(part.block for part in plan.parts.values())  # a column only when some are
   rows = [("pair", "side", "path", "shape") + (("block",) * blocks + ("group axis", "factors"))]
