@@ -11,12 +11,14 @@ compiled update ("bytes accessed", deterministic and machine-independent) as a
 ratio to AdamW's. Sizes and timing helpers live in ``bench/common.py``. The first line
 printed names the commit, the CPU (or GPU) and the JAX version the figures belong to.
 
-``--part anatomy`` times where the update's cost comes from, against two
+``--part anatomy`` times where the update's cost comes from, against three
 floors: AdamW plus the norm pass alone (each declared leaf's per-index sums of
 squares, which each leaf's update then waits for: the least that balancing
-on current norms before the step can cost), and every=100 compiled with its
-``lax.cond`` replaced by the skipping branch alone (ones behind an
-optimization barrier, so the transport still multiplies by them).
+on current norms before the step can cost), every=1 compiled with the norms'
+``lax.cond`` (the scale-safe pass that ordinary weights skip) replaced by its
+skipping branch, and every=100 compiled with its ``lax.cond`` replaced by the
+skipping branch alone (ones behind an optimization barrier, so the transport
+still multiplies by them).
 
   python bench/bench_saggs.py                  # CPU-sized model
   python bench/bench_saggs.py --size gpt2      # GPT-2-small-sized (GPU)
@@ -75,15 +77,18 @@ def with_norm_pass(inner, pairs):
 
 
 def anatomy_variants(pairs, params, grads):
-  """The ``--part anatomy`` variants, and their ``steps_fn``: the last one compiled here,
-  with ``lax.cond`` as its skipping branch."""
+  """The ``--part anatomy`` variants, and their ``steps_fn``: the last two compiled here,
+  every ``lax.cond`` as its second branch (at every=1 the norms' own, the scale-safe pass
+  skipped)."""
   base = variants(pairs)
   no_cond = saggs.chain(adamw(), saggs.saggs(pairs, every=100))
+  unchecked = saggs.chain(adamw(), saggs.saggs(pairs, every=1))
   txs = {
     "adamw": base["adamw"],
     "adamw (control)": base["adamw (control)"],
     "adamw + the norm pass alone": with_norm_pass(adamw(), pairs),
     "saggs every=1": base["saggs every=1"],
+    "saggs every=1 without the norms' cond": unchecked,
     "saggs every=100": base["saggs every=100"],
     "saggs every=100 without its cond": no_cond,
   }
@@ -91,10 +96,13 @@ def anatomy_variants(pairs, params, grads):
   # Compiled first: skipping clears JAX's caches, which would make the others compile again
   # inside their first timed round.
   with common.skipping(opaque=True):
-    skipped = common.make_opt_step(no_cond).lower(params, no_cond.init(params), grads).compile()
+    skipped = {
+      id(tx): common.make_opt_step(tx).lower(params, tx.init(params), grads).compile()
+      for tx in (no_cond, unchecked)
+    }
 
   def steps_fn(tx):
-    return skipped if tx is no_cond else common.make_opt_step(tx)
+    return skipped.get(id(tx)) or common.make_opt_step(tx)
 
   return txs, steps_fn
 
