@@ -23,7 +23,11 @@ each in a fresh process (so nothing is compiled or cached before it), in alterna
 the restore call alone is timed (wall seconds), from abstract targets, after imports and
 building the model. Printed: medians and the median [quartiles] of per-round ratios to Orbax's.
 
+``--part pieces``: the update's parts compiled alone (the norms, the joint solve or the closed
+form, both), with and without the norm gains: where the first step's compile goes.
+
   python bench/bench_compile.py --part update --rounds 7
+  python bench/bench_compile.py --part pieces --rounds 3
   python bench/bench_compile.py --part restore --rounds 5
 """
 
@@ -141,6 +145,33 @@ def part_update(rounds: int) -> None:
     )
 
 
+def part_pieces(rounds: int) -> None:
+  """The update's parts compiled alone (the norms, the solve, both), with the discovered pairs
+  and without the norm gains: process CPU seconds of lower + compile, median of ``rounds``, and
+  the kernels (fusions) of the compiled program."""
+  graphdef, params = model()
+  pairs = discovered(graphdef, params)
+  dtypes = {path: x.dtype for path, x in paths.arrays_with_paths(params)}
+  print("\nthe update's parts alone, lower + compile (CPU s, median) and kernels")
+  for name, ps in (("discovered pairs", pairs), ("without norm gains", without_norm_gains(pairs))):
+    plan = resolve(ps, params)
+    stats = jax.eval_shape(lambda p, plan=plan: norms.leaf_stats(plan, p), params)
+    parts = {
+      "norms": (lambda p, plan=plan: norms.leaf_stats(plan, p), params),
+      "solve": (lambda s, plan=plan: balance.solve(plan, s, dtypes, 1.0), stats),
+      "norms + solve": (lambda p, plan=plan: balance.compute_factors(plan, p, 1.0), params),
+    }
+    for part, (fn, arg) in parts.items():
+      seconds = []
+      for _ in range(rounds):
+        jax.clear_caches()
+        start = time.process_time()
+        compiled = jax.jit(fn).lower(arg).compile()
+        seconds.append(time.process_time() - start)
+      kernels = compiled.as_text().count(" fusion(")
+      print(f"  {name:<18} {part:<13} {np.median(seconds):5.2f} s  {kernels:4d} kernels")
+
+
 def child(kind: str, directory: str) -> float:
   """One restore in this fresh process; its wall seconds."""
   import orbax.checkpoint as ocp
@@ -215,7 +246,7 @@ def part_restore(rounds: int) -> None:
 
 def main():
   parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-  parser.add_argument("--part", choices=("update", "restore", "both"), default="both")
+  parser.add_argument("--part", choices=("update", "pieces", "restore", "both"), default="both")
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--child", nargs=2, metavar=("KIND", "DIR"), help=argparse.SUPPRESS)
   args = parser.parse_args()
@@ -223,6 +254,9 @@ def main():
     print(json.dumps(child(*args.child)))
     return
   print(common.provenance())
+  if args.part == "pieces":
+    part_pieces(args.rounds)
+    return
   if args.part != "restore":
     part_update(args.rounds)
   if args.part != "update":
