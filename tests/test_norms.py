@@ -162,3 +162,20 @@ def test_groups_at_the_ends_of_the_range_against_numpy_float64(dtype, where):
   big = x[:, 4:8] if where != "jit on a mesh" else x
   with np.errstate(over="ignore"):
     assert np.isinf(np.sum(big.astype(np.float32) ** 2)) and np.all(big < 3.1e38)
+
+
+def test_an_untrusted_leaf_leaves_the_others_plain_sums_as_they_are():
+  """One cond reads every ordinary leaf again when any sum over- or underflowed; the pieces
+  whose sums were trusted keep them: their statistics, under jit, are those of the same
+  pieces beside ordinary leaves to the bit, and equal NumPy's float64 ones."""
+  params, pairs = extreme_params(per_group=False)  # q's squares overflow, up's underflow
+  plan = resolve(pairs, params)
+  ordinary = {**params, "q": params["k"].repeat(2, axis=1), "up": params["down"]}
+  stats = jax.jit(lambda p: norms.leaf_stats(plan, p))
+  beside_extremes, beside_ordinary = stats(params), stats(ordinary)
+  for path, groups in (("k", 4), ("down", 8)):
+    key = (path, None)
+    for a, b in zip(beside_extremes[key], beside_ordinary[key]):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    log_sq, _ = numpy_stats(params[path] if path == "k" else params[path].T, groups)
+    np.testing.assert_allclose(np.asarray(beside_extremes[key][0]), log_sq, rtol=1e-6)

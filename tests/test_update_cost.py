@@ -44,6 +44,18 @@ def test_every_1_update_costs_within_bounds_of_adamw(model, name):
   assert ratios[0] <= BYTES and ratios[1] <= FLOPS and ratios[2] <= COMPILED_BYTES, ratios
 
 
+@pytest.mark.parametrize("name, most", [("saggs every=1", 1), ("saggs every=100", 2)])
+def test_the_update_waits_on_at_most_one_predicate_per_cond_it_needs(model, name, most):
+  """XLA:GPU runs a ``lax.cond`` by copying its predicate to the host and waiting for the
+  stream (its ConditionalThunk): one host sync per cond per update. The norms' scale-safety
+  check is one cond for all ordinary leaves (it was one per leaf, 24 here), and every=100 adds
+  the schedule's: counted in the compiled program, branches included."""
+  txs, params, grads = model
+  tx = txs[name]
+  compiled = common.make_opt_step(tx).lower(params, tx.init(params), grads).compile()
+  assert compiled.as_text().count(" conditional(") == most
+
+
 # The joint solve of overlapping pairs, on the decoder and pairs bench/bench_compile.py compiles
 # (saggs.discover's default: three norm gains overlapping Q/K, V/O and up/down): XLA's compile
 # time follows the size of the program, so the jaxpr's equations (nested ones counted) guard

@@ -2,9 +2,9 @@
 
 Norms are kept as logarithms, taken in at least float32. A leaf in one pair
 instance off a mesh is read once by a plain sum of squares per group, a
-reduction XLA vectorises; only a leaf with a group whose sum over- or
-underflowed, met a non-finite entry or is past its pair's dtype is read again,
-under a ``lax.cond``, by a scale-safe pass. That pass reduces each group to
+reduction XLA vectorises; only a piece with a group whose sum over- or
+underflowed, met a non-finite entry or is past its pair's dtype is read again, by a
+scale-safe pass under one ``lax.cond`` for all such leaves. That pass reduces each group to
 ``(s, q)``, its largest magnitude ``s`` and the sum ``q`` of its entries'
 squares relative to it, ``||x_g||**2 = s**2 q`` with ``1 <= q <= size``; two
 partial results combine as
@@ -164,31 +164,60 @@ def _group_last(r: jax.Array, slot: Slot) -> jax.Array:
   return r if slot.axis is None else jnp.moveaxis(r, slot.group_position, -1)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _one_pass_stats(
-  x: jax.Array, slot: Slot, block: Span | None, trust: tuple[float, float]
-) -> tuple[jax.Array, jax.Array]:
-  """``(log sum x**2, log of a bound on max |x|)`` per group of ``slot`` off a mesh, of the
-  piece ``block`` of ``x``, from one read (in its compute dtype): a plain sum of squares,
-  which XLA vectorises, its log kept where it lies within ``trust`` (see :func:`_trust`)
-  and the bound there half of it (the norm bounds every entry). A piece with a group whose
-  sum over- or underflowed, met a non-finite entry or is past its pair's dtype is read
-  again, all its groups, by :func:`_scaled_stats`, under a ``lax.cond`` that runs only
-  then. Traced (and lowered) once per shape, slot layout and ``trust``, not per leaf: the
-  caller passes ``slot`` without its instance (see :func:`_layout`)."""
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _plain_sq(x: jax.Array, slot: Slot, block: Span | None) -> jax.Array:
+  """``sum x**2`` per group of ``slot`` off a mesh, of the piece ``block`` of ``x``: one plain
+  sum of squares in its compute dtype, which XLA vectorises, kept in float32 (inexact or
+  infinite where the squares or the sum leave that range). Traced (and lowered) once per
+  shape and slot layout, not per leaf: the caller passes ``slot`` without its instance (see
+  :func:`_layout`)."""
   (sq,) = _group_reduce([_restrict(x.astype(compute_dtype(x.dtype)), block)], slot, _sum, True)
-  log_sq = jnp.log(sq if slot.axis is not None else sq[..., None])
-  trusted = log_sq <= trust[1]  # NaN fails
-  if trust[0] > -np.inf:
-    trusted &= log_sq >= trust[0]
-  # The leaf itself is the operand, converted and masked inside the branch: never a copy.
-  log_sq, log_max = jax.lax.cond(
-    ~jnp.all(trusted),
-    lambda x: _scaled_stats(x, slot, block),  # every group, the trusted ones again
-    lambda x: (log_sq, 0.5 * log_sq),
-    x,
-  )
-  return log_sq.astype(jnp.float32), log_max.astype(jnp.float32)
+  return (sq if slot.axis is not None else sq[..., None]).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _scaled_log_stats(x: jax.Array, slot: Slot, block: Span | None) -> tuple[jax.Array, ...]:
+  """:func:`_scaled_stats` in float32, traced once per shape and slot layout."""
+  return tuple(v.astype(jnp.float32) for v in _scaled_stats(x, slot, block))
+
+
+def _one_pass_stats(plan: Plan, pieces: dict[tuple, Piece], leaves: dict, limit: dict) -> Stats:
+  """The statistics of ``pieces`` (each in one instance, off a mesh) from one read each: a
+  plain sum of squares (:func:`_plain_sq`), its log kept where it lies within :func:`_trust`
+  and the bound on the largest magnitude there half of it (the norm bounds every entry).
+  Should a group of a piece over- or underflow, meet a non-finite entry or be past its pair's
+  dtype, that piece, all its groups, is read again by :func:`_scaled_stats`, under one
+  ``lax.cond`` for all pieces that runs only then: on a GPU each ``lax.cond`` waits for its
+  predicate on the host (XLA's ConditionalThunk), so one per leaf was a sync per leaf."""
+  packing = _Packing.of(pieces, leaves)
+  sums = {k: _plain_sq(leaves[pc.path], _layout(pc.slots[0]), pc.block) for k, pc in pieces.items()}
+  log_sq = jnp.log(packing.pack(sums))
+  trusted = _trusted(plan, limit, packing, log_sq)
+  names = sorted({pc.path for pc in pieces.values()})  # each leaf once, whatever its blocks
+
+  def scaled(xs: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    xs = dict(zip(names, xs))
+    safe = {
+      k: _scaled_log_stats(xs[pc.path], _layout(pc.slots[0]), pc.block) for k, pc in pieces.items()
+    }
+    # Where a piece is trusted whole: one reduction and one gather, whatever the pieces.
+    piece = np.repeat(np.arange(len(packing.spans)), [b - a for a, b in packing.spans])
+    keep = jax.ops.segment_min(trusted.astype(jnp.int32), piece, len(packing.spans))[piece] > 0
+    return (
+      jnp.where(keep, log_sq, packing.pack({k: v[0] for k, v in safe.items()})),
+      jnp.where(keep, 0.5 * log_sq, packing.pack({k: v[1] for k, v in safe.items()})),
+    )
+
+  def plain(xs: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    del xs
+    return log_sq, 0.5 * log_sq
+
+  ok = jnp.all(trusted)
+  # The leaves themselves are the operands, converted and masked inside the branch: no copy.
+  operands = [leaves[n] for n in names]
+  if isinstance(ok, core.Tracer) or not ok.is_fully_addressable:
+    return packing.unpack(*jax.lax.cond(~ok, scaled, plain, operands))
+  return packing.unpack(*(plain if bool(ok) else scaled)(operands))  # known: nothing compiled
 
 
 def _scaled_stats(x: jax.Array, slot: Slot, block: Span | None) -> tuple[jax.Array, jax.Array]:
@@ -506,10 +535,11 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
   limit = _limits(plan, leaves)
   out: Stats = {}
   rest: dict[tuple, Piece] = {}
+  single: dict[tuple, Piece] = {}
   for k, pc in plan.pieces.items():
     x = leaves[pc.path]
     if len(pc.slots) == 1 and not _on_mesh(x):
-      out[k] = _one_pass_stats(x, _layout(pc.slots[0]), pc.block, _trust(plan, limit, k))
+      single[k] = pc
     elif isinstance(x, core.Tracer) and not _on_mesh(x):
       # In overlapping pairs, under jit: the safe passes alone. A first pass with the
       # untrusted pieces recomputed under control flow (as on a mesh) compiled in twice
@@ -518,6 +548,8 @@ def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
       out[k] = log_sq.astype(jnp.float32), log_max.astype(jnp.float32)
     else:
       rest[k] = pc
+  if single:
+    out.update(_one_pass_stats(plan, single, leaves, limit))
   if rest:
     out.update(_two_pass_stats(plan, rest, leaves, limit, axis_name))
   return {
