@@ -196,9 +196,10 @@ def _one_pass_stats(plan: Plan, pieces: dict[tuple, Piece], leaves: dict, limit:
   names = sorted({pc.path for pc in pieces.values()})  # each leaf once, whatever its blocks
 
   def scaled(xs: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    xs = dict(zip(names, xs))
+    by_path = dict(zip(names, xs))
     safe = {
-      k: _scaled_log_stats(xs[pc.path], _layout(pc.slots[0]), pc.block) for k, pc in pieces.items()
+      k: _scaled_log_stats(by_path[pc.path], _layout(pc.slots[0]), pc.block)
+      for k, pc in pieces.items()
     }
     # Where a piece is trusted whole: one reduction and one gather, whatever the pieces.
     piece = np.repeat(np.arange(len(packing.spans)), [b - a for a, b in packing.spans])
