@@ -185,40 +185,32 @@ def _one_pass_stats(plan: Plan, pieces: dict[tuple, Piece], leaves: dict, limit:
   """The statistics of ``pieces`` (each in one instance, off a mesh) from one read each: a
   plain sum of squares (:func:`_plain_sq`), its log kept where it lies within :func:`_trust`
   and the bound on the largest magnitude there half of it (the norm bounds every entry).
-  Should a group of a piece over- or underflow, meet a non-finite entry or be past its pair's
-  dtype, that piece, all its groups, is read again by :func:`_scaled_stats`, under one
-  ``lax.cond`` for all pieces that runs only then: on a GPU each ``lax.cond`` waits for its
-  predicate on the host (XLA's ConditionalThunk), so one per leaf was a sync per leaf."""
+  Should a group over- or underflow, meet a non-finite entry or be past its pair's dtype, it
+  is taken from :func:`_scaled_stats` of its piece, every piece read again under one
+  ``lax.cond`` that runs only then (:func:`_recompute_all`; eagerly :func:`_recompute_eager`):
+  on a GPU each ``lax.cond`` waits for its predicate on the host (XLA's ConditionalThunk),
+  so one per leaf was a sync per leaf."""
   packing = _Packing.of(pieces, leaves)
   sums = {k: _plain_sq(leaves[pc.path], _layout(pc.slots[0]), pc.block) for k, pc in pieces.items()}
   log_sq = jnp.log(packing.pack(sums))
   trusted = _trusted(plan, limit, packing, log_sq)
-  names = sorted({pc.path for pc in pieces.values()})  # each leaf once, whatever its blocks
-
-  def scaled(xs: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    by_path = dict(zip(names, xs))
-    safe = {
-      k: _scaled_log_stats(by_path[pc.path], _layout(pc.slots[0]), pc.block)
-      for k, pc in pieces.items()
-    }
-    # Where a piece is trusted whole: one reduction and one gather, whatever the pieces.
-    piece = np.repeat(np.arange(len(packing.spans)), [b - a for a, b in packing.spans])
-    keep = jax.ops.segment_min(trusted.astype(jnp.int32), piece, len(packing.spans))[piece] > 0
-    return (
-      jnp.where(keep, log_sq, packing.pack({k: v[0] for k, v in safe.items()})),
-      jnp.where(keep, 0.5 * log_sq, packing.pack({k: v[1] for k, v in safe.items()})),
-    )
-
-  def plain(xs: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    del xs
-    return log_sq, 0.5 * log_sq
-
-  ok = jnp.all(trusted)
+  safe = [
+    lambda x, pc=pc: [v.ravel() for v in _scaled_log_stats(x, _layout(pc.slots[0]), pc.block)]
+    for pc in pieces.values()
+  ]
   # The leaves themselves are the operands, converted and masked inside the branch: no copy.
-  operands = [leaves[n] for n in names]
+  operands = [leaves[pc.path] for pc in pieces.values()]
+  ok = jnp.all(trusted)
   if isinstance(ok, core.Tracer) or not ok.is_fully_addressable:
-    return packing.unpack(*jax.lax.cond(~ok, scaled, plain, operands))
-  return packing.unpack(*(plain if bool(ok) else scaled)(operands))  # known: nothing compiled
+    stats = jax.lax.cond(
+      ~ok,
+      lambda xs: _recompute_all(packing, safe, xs, trusted, log_sq, 0.5 * log_sq),
+      lambda xs: (log_sq, 0.5 * log_sq),
+      operands,
+    )
+  else:  # known here: nothing compiled
+    stats = _recompute_eager(packing, safe, operands, trusted, log_sq, 0.5 * log_sq)
+  return packing.unpack(*stats)
 
 
 def _scaled_stats(x: jax.Array, slot: Slot, block: Span | None) -> tuple[jax.Array, jax.Array]:
@@ -443,7 +435,8 @@ def _recompute_all(
   log_max: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
   """Every piece recomputed, kept where untrusted: where collectives inside a loop could be
-  overtaken by later ones (see :func:`~saggs_jax._src.numerics.ordered_control_flow`)."""
+  overtaken by later ones (see :func:`~saggs_jax._src.numerics.ordered_control_flow`), and in
+  the branch of :func:`_one_pass_stats`'s cond."""
   del packing
   sq, top = (jnp.concatenate(v) for v in zip(*(f(x) for f, x in zip(safe, operands))))
   return jnp.where(trusted, log_sq, sq), jnp.where(trusted, log_max, top)
