@@ -179,10 +179,10 @@ def bytes_accessed(
   Deterministic, unlike wall-clock time. XLA charges a ``lax.cond`` with its
   costliest branch and a ``lax.while_loop`` with one run of its body, so the
   update as compiled counts every=100's balancing branch in full and the norms'
-  scale-safe pass (one ``lax.cond`` for the ordinary leaves, whose branch ordinary weights
-  skip: one more read of every declared leaf). The second figure traces every ``lax.cond`` as its second
-  branch: an update that ``every`` skips, and for every=1 the update that runs on
-  ordinary weights (the plain sums of squares alone).
+  scale-safe pass (one ``lax.cond`` for the ordinary leaves, whose branch ordinary
+  weights skip: one more read of every declared leaf). The second figure traces every
+  ``lax.cond`` as its second branch: an update that ``every`` skips, and for every=1
+  the update that runs on ordinary weights (the plain sums of squares alone).
   """
 
   compiled = {name: update_cost(steps_fn, tx, params, arg)[0] for name, tx in txs.items()}

@@ -183,34 +183,17 @@ def _scaled_log_stats(x: jax.Array, slot: Slot, block: Span | None) -> tuple[jax
 
 def _one_pass_stats(plan: Plan, pieces: dict[tuple, Piece], leaves: dict, limit: dict) -> Stats:
   """The statistics of ``pieces`` (each in one instance, off a mesh) from one read each: a
-  plain sum of squares (:func:`_plain_sq`), its log kept where it lies within :func:`_trust`
-  and the bound on the largest magnitude there half of it (the norm bounds every entry).
-  Should a group over- or underflow, meet a non-finite entry or be past its pair's dtype, it
-  is taken from :func:`_scaled_stats` of its piece, every piece read again under one
-  ``lax.cond`` that runs only then (:func:`_recompute_all`; eagerly :func:`_recompute_eager`):
-  on a GPU each ``lax.cond`` waits for its predicate on the host (XLA's ConditionalThunk),
-  so one per leaf was a sync per leaf."""
+  plain sum of squares (:func:`_plain_sq`), checked by :func:`_checked`, whose untrusted
+  groups :func:`_scaled_stats` recomputes under one ``lax.cond`` (:func:`_recompute_cond`)."""
   packing = _Packing.of(pieces, leaves)
   sums = {k: _plain_sq(leaves[pc.path], _layout(pc.slots[0]), pc.block) for k, pc in pieces.items()}
-  log_sq = jnp.log(packing.pack(sums))
-  trusted = _trusted(plan, limit, packing, log_sq)
   safe = [
     lambda x, pc=pc: [v.ravel() for v in _scaled_log_stats(x, _layout(pc.slots[0]), pc.block)]
     for pc in pieces.values()
   ]
-  # The leaves themselves are the operands, converted and masked inside the branch: no copy.
-  operands = [leaves[pc.path] for pc in pieces.values()]
-  ok = jnp.all(trusted)
-  if isinstance(ok, core.Tracer) or not ok.is_fully_addressable:
-    stats = jax.lax.cond(
-      ~ok,
-      lambda xs: _recompute_all(packing, safe, xs, trusted, log_sq, 0.5 * log_sq),
-      lambda xs: (log_sq, 0.5 * log_sq),
-      operands,
-    )
-  else:  # known here: nothing compiled
-    stats = _recompute_eager(packing, safe, operands, trusted, log_sq, 0.5 * log_sq)
-  return packing.unpack(*stats)
+  return _checked(
+    plan, pieces, leaves, limit, packing, jnp.log(packing.pack(sums)), safe, _recompute_cond
+  )
 
 
 def _scaled_stats(x: jax.Array, slot: Slot, block: Span | None) -> tuple[jax.Array, jax.Array]:
@@ -436,10 +419,29 @@ def _recompute_all(
 ) -> tuple[jax.Array, jax.Array]:
   """Every piece recomputed, kept where untrusted: where collectives inside a loop could be
   overtaken by later ones (see :func:`~saggs_jax._src.numerics.ordered_control_flow`), and in
-  the branch of :func:`_one_pass_stats`'s cond."""
+  the branch of :func:`_recompute_cond`."""
   del packing
   sq, top = (jnp.concatenate(v) for v in zip(*(f(x) for f, x in zip(safe, operands))))
   return jnp.where(trusted, log_sq, sq), jnp.where(trusted, log_max, top)
+
+
+def _recompute_cond(
+  packing: _Packing,
+  safe: list[Recompute],
+  operands: list[jax.Array],
+  trusted: jax.Array,
+  log_sq: jax.Array,
+  log_max: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+  """:func:`_recompute_all` under one ``lax.cond`` that runs it only when some group is
+  untrusted: on a GPU each ``lax.cond`` waits for its predicate on the host (XLA's
+  ConditionalThunk), so one per piece was a sync per piece."""
+  return jax.lax.cond(
+    ~jnp.all(trusted),
+    lambda xs: _recompute_all(packing, safe, xs, trusted, log_sq, log_max),
+    lambda xs: (log_sq, log_max),
+    operands,
+  )
 
 
 def _recompute_eager(
@@ -473,8 +475,8 @@ def _two_pass_stats(
   """The statistics of ``pieces`` from one float32 pass each, those whose sums overflowed,
   underflowed or met a non-finite entry (or so large a norm that a factor bounded by it
   could overflow a dtype of its pair) recomputed by the scale-safe passes
-  (:func:`_safe_stats`): under jit by :func:`_recompute_traced` (by :func:`_recompute_all`
-  where control flow must hold no collective), called eagerly by :func:`_recompute_eager`."""
+  (:func:`_safe_stats`) by :func:`_checked`: under jit by :func:`_recompute_traced` (by
+  :func:`_recompute_all` where control flow must hold no collective)."""
   packing = _Packing.of(pieces, leaves)
   log_sq = packing.pack(
     {
@@ -482,9 +484,6 @@ def _two_pass_stats(
       for k, pc in pieces.items()
     }
   )
-  log_max = 0.5 * log_sq  # the norm bounds the largest entry
-  trusted = _trusted(plan, limit, packing, log_sq)
-  # A piece is masked inside its branch: the leaf itself is the operand, never a copy.
   safe = [
     lambda x, pc=pc: [
       v.ravel().astype(jnp.float32)
@@ -492,15 +491,31 @@ def _two_pass_stats(
     ]
     for pc in pieces.values()
   ]
-  traced = isinstance(trusted, core.Tracer) or not trusted.is_fully_addressable
-  if not traced:
+  recompute = _recompute_traced if ordered_control_flow() else _recompute_all
+  return _checked(plan, pieces, leaves, limit, packing, log_sq, safe, recompute)
+
+
+def _checked(
+  plan: Plan,
+  pieces: dict[tuple, Piece],
+  leaves: dict,
+  limit: dict,
+  packing: _Packing,
+  log_sq: jax.Array,
+  safe: list[Recompute],
+  recompute: Callable,
+) -> Stats:
+  """The statistics of ``pieces`` from their packed first-pass ``log_sq``: kept where it lies
+  within :func:`_trust` (the bound on the largest magnitude there half of it: the norm bounds
+  every entry), elsewhere (a sum that over- or underflowed, met a non-finite entry, or a norm
+  past a dtype of its pair) recomputed by ``safe``: under jit by ``recompute``, called
+  eagerly by :func:`_recompute_eager`, which compiles nothing."""
+  trusted = _trusted(plan, limit, packing, log_sq)
+  if not isinstance(trusted, core.Tracer) and trusted.is_fully_addressable:
     recompute = _recompute_eager
-  else:
-    recompute = _recompute_traced if ordered_control_flow() else _recompute_all
-  log_sq, log_max = recompute(
-    packing, safe, [leaves[pc.path] for pc in pieces.values()], trusted, log_sq, log_max
-  )
-  return packing.unpack(log_sq, log_max)
+  # A piece is masked inside its branch: the leaf itself is the operand, never a copy.
+  operands = [leaves[pc.path] for pc in pieces.values()]
+  return packing.unpack(*recompute(packing, safe, operands, trusted, log_sq, 0.5 * log_sq))
 
 
 def leaf_stats(plan: Plan, params: Any, axis_name: AxisName = None) -> Stats:
