@@ -22,6 +22,9 @@ it), the same with ``canonicalize=False``, and Orbax's ``StandardRestore`` of th
 each in a fresh process (so nothing is compiled or cached before it), in alternating order:
 the restore call alone is timed (wall seconds), from abstract targets, after imports and
 building the model. Printed: medians and the median [quartiles] of per-round ratios to Orbax's.
+A fourth variant is the canonicalising restore in a fresh process whose JAX persistent
+compilation cache (``jax_compilation_cache_dir``, JAX's other settings at their defaults) a
+restore in an earlier process filled, as on a restart of a run that keeps one.
 
 ``--part pieces``: the update's parts compiled alone (the norms, the joint solve or the closed
 form, both), with and without the norm gains: where the first step's compile goes.
@@ -176,6 +179,8 @@ def child(kind: str, directory: str) -> float:
   """One restore in this fresh process; its wall seconds."""
   import orbax.checkpoint as ocp
 
+  if kind == "saggs-cached":  # before anything compiles
+    jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(directory).parent / "cache"))
   graphdef, params = model()
   pairs = discovered(graphdef, params)
   tx = saggs.chain(adamw(), saggs.saggs(pairs, every=100))
@@ -216,16 +221,18 @@ def run(kind: str, directory) -> float:
 
 def part_restore(rounds: int) -> None:
   root = pathlib.Path(tempfile.mkdtemp(prefix="bench-compile-"))
-  names = ["orbax", "saggs", "saggs-raw"]
+  names = ["orbax", "saggs", "saggs-raw", "saggs-cached"]
   labels = {
     "orbax": "Orbax StandardRestore",
     "saggs": "saggs restore, canonicalising",
     "saggs-raw": "saggs restore, canonicalize=False",
+    "saggs-cached": "saggs restore, canonicalising, JAX's compilation cache warm",
   }
   times = {name: [] for name in names}
   try:
     run("save", root / "saggs")
     run("save-orbax", root / "orbax")
+    run("saggs-cached", root / "saggs")  # fills the cache
     for r in range(rounds):
       for name in names[r % len(names) :] + names[: r % len(names)]:
         times[name].append(run(name, root / ("orbax" if name == "orbax" else "saggs")))

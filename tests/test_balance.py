@@ -455,10 +455,11 @@ def test_deep_relu_chain_converges_and_is_idempotent():
     assert np.max(np.abs(np.asarray(again[k], np.float64) - b)) <= 1e-4 * np.max(np.abs(b)), k
 
 
-def test_joint_solve_stopped_at_its_cap_is_reported(monkeypatch):
+def test_joint_solve_stopped_at_its_cap_is_reported(monkeypatch, tmp_path):
   """One round without its Newton step (a single sweep) does not balance a chain with a
-  x100 layer: canonicalize warns (eagerly and under jit) and SaggsState.residual says so.
-  With the caps as they are the residual is within tolerance."""
+  x100 layer: canonicalize warns (eagerly and under jit), so does a canonicalising restore,
+  and SaggsState.residual says so. With the caps as they are the residual is within
+  tolerance."""
   params, pairs = _relu_chain(6, jump=3)
   zeros = jax.tree.map(jnp.zeros_like, params)
 
@@ -474,3 +475,7 @@ def test_joint_solve_stopped_at_its_cap_is_reported(monkeypatch):
     saggs.canonicalize(params, None, pairs)
   with pytest.warns(RuntimeWarning, match="stopped at its iteration cap"):
     jax.block_until_ready(jax.jit(lambda p: saggs.canonicalize(p, None, pairs)[0])(params))
+  with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+    saggs.checkpoint.save(manager, 1, params, None)
+    with pytest.warns(RuntimeWarning, match="stopped at its iteration cap"):
+      saggs.checkpoint.restore(manager, params, None, pairs)

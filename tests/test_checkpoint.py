@@ -1169,6 +1169,34 @@ def test_restore_verifies_by_checksum_programs_compiled_before_the_read(manager,
     saggs.checkpoint.restore(manager, params, state, UP_DOWN, tx=tx)
 
 
+def test_a_restore_in_a_new_process_compiles_nothing_jax_has_cached(manager):
+  """With JAX's persistent compilation cache (conftest gives each test process one), a
+  canonicalising restore compiles nothing a restore compiled before: after the in-memory
+  caches are emptied, as in a new process, every program of the second restore is a hit. A
+  host callback in a program (the joint solve's warning) gives it a new key on every trace."""
+  params = _up_down(0)
+  tx = saggs.chain(optax.adam(1e-2), saggs.saggs(UP_DOWN))
+  state = models.random_like(tx.init(params), 6)
+  saggs.checkpoint.save(manager, 1, params, state)
+  manager.wait_until_finished()
+  first = saggs.checkpoint.restore(manager, params, state, UP_DOWN, tx=tx)
+  saggs._src.checkpoint._canonicalizer.cache_clear()
+  jax.clear_caches()
+  events = collections.Counter()
+
+  def count(event, **_):
+    events[event] += 1
+
+  jax.monitoring.register_event_listener(count)
+  try:
+    second = saggs.checkpoint.restore(manager, params, state, UP_DOWN, tx=tx)
+  finally:
+    jax.monitoring.unregister_event_listener(count)
+  chex.assert_trees_all_equal(first, second)
+  assert events["/jax/compilation_cache/cache_misses"] == 0, dict(events)
+  assert events["/jax/compilation_cache/cache_hits"] >= 2, dict(events)  # checksums, canonical
+
+
 def test_restore_canonicalizes_in_place_on_abstract_7b_shapes():
   """The restore's canonicalisation, compiled on an abstract 7B state (Adam-shaped, of a
   type whose degrees its type fixes): every output overwrites its donated input, and its

@@ -181,16 +181,25 @@ def canonicalize(
     >>> float(params["q"][0, 0]), float(params["k"][0, 0])
     (2.0, 2.0)
   """
+  params, opt_state, residual = canonical_form(params, opt_state, pairs, tx)
+  if _is_concrete(residual):
+    warn_unconverged(residual)
+  else:
+    jax.debug.callback(warn_unconverged, residual)
+  return params, opt_state
+
+
+def canonical_form(
+  params: Any, opt_state: Any, pairs: Sequence[Pair], tx: optax.GradientTransformation | None
+) -> tuple[Any, Any, jax.Array]:
+  """:func:`canonicalize` without its warning: ``(params, opt_state, residual)``, the joint
+  solve's residual for the caller to check (:func:`warn_unconverged`)."""
   plan = resolve(pairs, params)
   factors, residual = compute_factors(plan, params, 1.0)
-  if _is_concrete(residual):
-    _warn_unconverged(residual)
-  else:
-    jax.debug.callback(_warn_unconverged, residual)
-  return apply_transform(plan, params, opt_state, factors, tx)
+  return *apply_transform(plan, params, opt_state, factors, tx), residual
 
 
-def _warn_unconverged(residual) -> None:
+def warn_unconverged(residual) -> None:
   if float(residual) > TOLERANCE:
     warnings.warn(
       f"canonicalize: the joint balancing of overlapping pairs stopped at its iteration cap,"

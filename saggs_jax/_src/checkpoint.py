@@ -395,19 +395,20 @@ def _split(tx: optax.GradientTransformation, params: Any, opt_state: Any) -> tup
 
 
 def _canonical(params, opt_state, pairs, tx, n, treedef):
-  """:func:`saggs_jax.canonicalize` by ``tx``'s degrees (the registered ones without it) on
-  ``opt_state[:n]``, laid out as ``tx.init`` lays it out (``treedef``); the rest unmoved."""
+  """``(params, opt_state, residual)``: :func:`saggs_jax._src.canonical.canonical_form` by
+  ``tx``'s degrees (the registered ones without it) on ``opt_state[:n]``, laid out as
+  ``tx.init`` lays it out (``treedef``); the rest unmoved."""
   if tx is None:
-    return canonical.canonicalize(params, opt_state, pairs)
+    return canonical.canonical_form(params, opt_state, pairs, None)
   part = opt_state if n < 0 else opt_state[:n]
-  params, moved = canonical.canonicalize(
+  params, moved, residual = canonical.canonical_form(
     params, treedef.unflatten(jax.tree.leaves(part)), pairs, tx
   )
   moved = jax.tree.structure(part).unflatten(jax.tree.leaves(moved))  # nnx boxes and all
   if n < 0:
-    return params, moved
+    return params, moved, residual
   rest = (*moved, *opt_state[n:])  # a wrapper's SymmetryState stays one
-  return params, type(opt_state)(*rest) if hasattr(opt_state, "_fields") else rest
+  return params, type(opt_state)(*rest) if hasattr(opt_state, "_fields") else rest, residual
 
 
 def _spec(x) -> jax.ShapeDtypeStruct:
@@ -430,9 +431,12 @@ def _canonicalizer(
   cannot be measured fails first."""
   shardings = [s.sharding for s in specs]
   out = None if None in shardings else jax.tree.unflatten(treedef, shardings)
+  # The residual comes back to be checked on the host, not by a jax.debug.callback in the
+  # program: a host callback's address is part of the key JAX's persistent compilation cache
+  # files a program under, so a restore in a new process would compile it again.
   fn = jax.jit(
     lambda p, s: _canonical(p, s, pairs, tx, n, made_treedef),
-    out_shardings=out,
+    out_shardings=None if out is None else (*out, None),
     donate_argnums=(0, 1),
   )
   return _COMPILER.submit(fn.lower(*jax.tree.unflatten(treedef, specs)).compile)
@@ -546,8 +550,9 @@ def restore(
   if canonicalizer is not None:  # tx's state alone is canonicalised; the rest comes back as read
     nodes = node_def.flatten_up_to(arrays[1])
     node = nodes[i] if made_by_tx is None else _laid_out(nodes[i], made_by_tx)
-    restored, moved = canonicalizer.result()(arrays[0], node)
+    restored, moved, residual = canonicalizer.result()(arrays[0], node)
     nodes[i] = moved if made_by_tx is None else _relaid(moved, nodes[i])
     arrays = restored, node_def.unflatten(nodes)
+    canonical.warn_unconverged(residual)
   params, opt_state = _with_statics((params, opt_state), arrays)
   return params, opt_state, step
