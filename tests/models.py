@@ -4,7 +4,8 @@
 * a tiny LLaMA-style decoder (GQA, RoPE, SwiGLU) as a pure function of a
   params dict, per-layer or stacked, with a learnable counting task;
 * a GELU MLP, whose up/down rescaling is *not* a symmetry;
-* random values, orbit moves, optimizer steps and output comparisons.
+* random values, orbit moves, optimizer steps and output comparisons;
+* what JAX's persistent compilation cache served after a restart's in-memory caches are gone.
 
 Weights are drawn with NumPy (no JAX compiles). The forward passes are jitted
 once at module level, without LLVM optimisation, so every test reuses the same
@@ -14,6 +15,8 @@ jits its argument itself.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import functools
 import zlib
@@ -395,3 +398,22 @@ def train_scan(tx, params, batches):
     return (p, s), None
 
   return jax.lax.scan(body, (params, tx.init(params)), batches)[0][0]
+
+
+@contextlib.contextmanager
+def as_after_a_restart():
+  """JAX's in-memory caches emptied, as in a new process, then a count of the persistent
+  compilation cache's events inside: ``"compile_requests_use_cache"`` per compile, and of
+  those ``"cache_hits"`` (a program with a host callback is neither hit nor missed; conftest
+  gives each test process a cache that keeps every program)."""
+  jax.clear_caches()
+  events = collections.Counter()
+
+  def count(event, **_):
+    events[event.rsplit("/", 1)[-1]] += 1
+
+  jax.monitoring.register_event_listener(count)
+  try:
+    yield events
+  finally:
+    jax.monitoring.unregister_event_listener(count)

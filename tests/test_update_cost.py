@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+import models
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import bench_saggs  # noqa: E402
 import common  # noqa: E402
@@ -111,3 +113,17 @@ def test_overlapping_update_within_bound_of_non_overlapping(overlapping):
 
   ratio = eqns(pairs) / eqns(plain)
   assert ratio <= UPDATE_VS_NON_OVERLAPPING, ratio
+
+
+@pytest.mark.parametrize("name", ["saggs every=100", "soft every=1"])
+def test_a_restart_finds_the_update_in_jax_compilation_cache(model, name):
+  """A run that keeps JAX's persistent compilation cache does not compile its train step again
+  on a restart: the update holds no host callback (a ``jax.debug.callback`` or ``print``,
+  whose address gives the program a new cache key on every trace)."""
+  txs, params, grads = model
+  tx = txs[name]
+  compile_update = lambda: common.make_opt_step(tx).lower(params, tx.init(params), grads).compile()  # noqa: E731
+  compile_update()
+  with models.as_after_a_restart() as events:
+    compile_update()
+  assert events["cache_hits"] == events["compile_requests_use_cache"] >= 1, events
