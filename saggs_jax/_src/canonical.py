@@ -169,7 +169,9 @@ def canonicalize(
   moments are transported alongside (by the degrees measured on ``tx``, if
   given: see :func:`reparameterize`). Should the joint solve stop at its iteration
   cap short of ``TOLERANCE`` (see :func:`saggs_jax._src.balance.solve`), it warns (from
-  the host when traced, via ``jax.debug.callback``). ``canonicalize`` is idempotent and
+  the host when traced, via ``jax.debug.callback``, which keeps the program out of JAX's
+  persistent compilation cache; :func:`saggs_jax.checkpoint.restore` checks on the host
+  instead). ``canonicalize`` is idempotent and
   ``canonicalize(reparameterize(s, f)) == canonicalize(s)`` for every f > 0
   up to floating point, so equivalent checkpoints become the same state.
 
