@@ -403,9 +403,10 @@ def train_scan(tx, params, batches):
 @contextlib.contextmanager
 def as_after_a_restart():
   """JAX's in-memory caches emptied, as in a new process, then a count of the persistent
-  compilation cache's events inside: ``"compile_requests_use_cache"`` per compile, and of
-  those ``"cache_hits"`` (a program with a host callback is neither hit nor missed; conftest
-  gives each test process a cache that keeps every program)."""
+  compilation cache's events inside: ``"compile_requests_use_cache"`` per compile, of those
+  ``"cache_hits"``, and ``"cache_misses"`` per entry written (JAX writes no program with a
+  host callback, so it is neither; conftest gives each test process a cache that keeps every
+  other program)."""
   jax.clear_caches()
   events = collections.Counter()
 

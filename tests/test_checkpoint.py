@@ -1172,8 +1172,8 @@ def test_restore_verifies_by_checksum_programs_compiled_before_the_read(manager,
 def test_a_restore_in_a_new_process_compiles_nothing_jax_has_cached(manager):
   """With JAX's persistent compilation cache (conftest gives each test process one), a
   canonicalising restore compiles nothing a restore compiled before: after the in-memory
-  caches are emptied, as in a new process, every program of the second restore is a hit. A
-  host callback in a program (the joint solve's warning) gives it a new key on every trace."""
+  caches are emptied, as in a new process, every program of the second restore is a hit. JAX
+  writes no program with a host callback (as the joint solve's warning was) to the cache."""
   params = _up_down(0)
   tx = saggs.chain(optax.adam(1e-2), saggs.saggs(UP_DOWN))
   state = models.random_like(tx.init(params), 6)

@@ -118,8 +118,8 @@ def test_overlapping_update_within_bound_of_non_overlapping(overlapping):
 @pytest.mark.parametrize("name", ["saggs every=100", "soft every=1"])
 def test_a_restart_finds_the_update_in_jax_compilation_cache(model, name):
   """A run that keeps JAX's persistent compilation cache does not compile its train step again
-  on a restart: the update holds no host callback (a ``jax.debug.callback`` or ``print``,
-  whose address gives the program a new cache key on every trace)."""
+  on a restart: the update holds no host callback (a ``jax.debug.callback`` or ``print``; JAX
+  writes no program with one to the cache)."""
   txs, params, grads = model
   tx = txs[name]
   compile_update = lambda: common.make_opt_step(tx).lower(params, tx.init(params), grads).compile()  # noqa: E731

@@ -432,8 +432,8 @@ def _canonicalizer(
   shardings = [s.sharding for s in specs]
   out = None if None in shardings else jax.tree.unflatten(treedef, shardings)
   # The residual comes back to be checked on the host, not by a jax.debug.callback in the
-  # program: a host callback's address is part of the key JAX's persistent compilation cache
-  # files a program under, so a restore in a new process would compile it again.
+  # program: JAX writes no program with a host callback to its persistent compilation
+  # cache, so a restore in a new process would compile it again.
   fn = jax.jit(
     lambda p, s: _canonical(p, s, pairs, tx, n, made_treedef),
     out_shardings=None if out is None else (*out, None),
