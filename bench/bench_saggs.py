@@ -107,7 +107,7 @@ def anatomy_variants(pairs, params, grads):
     }
 
   # A distinct recompute function per leaf, as a cache miss every time: no two leaves share one.
-  with mock.patch.object(norms, "_shared_scaled_stats", norms._flat_scaled_stats):
+  with mock.patch.object(norms, "_flat_scaled_stats", norms._flat_scaled_stats.__wrapped__):
     skipped[id(per_leaf)] = (
       common.make_opt_step(per_leaf).lower(params, per_leaf.init(params), grads).compile()
     )

@@ -187,7 +187,7 @@ def _one_pass_stats(plan: Plan, pieces: dict[tuple, Piece], leaves: dict, limit:
   groups :func:`_scaled_stats` recomputes under one ``lax.cond`` (:func:`_recompute_cond`)."""
   packing = _Packing.of(pieces, leaves)
   sums = {k: _plain_sq(leaves[pc.path], _layout(pc.slots[0]), pc.block) for k, pc in pieces.items()}
-  safe = [_scaled_recompute(pc, leaves[pc.path]) for pc in pieces.values()]
+  safe = [_flat_scaled_stats(_layout(pc.slots[0]), pc.block) for pc in pieces.values()]
   return _checked(
     plan, pieces, leaves, limit, packing, jnp.log(packing.pack(sums)), safe, _recompute_cond
   )
@@ -367,24 +367,11 @@ def _trusted(plan: Plan, limit: dict, packing: _Packing, log_sq: jax.Array) -> j
 Recompute = Callable[[jax.Array], list[jax.Array]]  # one leaf -> its piece's flat statistics
 
 
+@functools.cache
 def _flat_scaled_stats(slot: Slot, block: Span | None) -> Recompute:
-  """:func:`_scaled_log_stats` of one layout, flattened."""
+  """:func:`_scaled_log_stats` of one layout, flattened: one function object per layout, so
+  that :func:`_recompute_all` runs the pieces of one layout as one."""
   return lambda x: [v.ravel() for v in _scaled_log_stats(x, slot, block)]
-
-
-# One function object per layout, so that _recompute_all runs the pieces of one layout as one.
-_shared_scaled_stats = functools.cache(_flat_scaled_stats)
-
-
-def _scaled_recompute(piece: Piece, x: jax.Array) -> Recompute:
-  """The scale-safe recompute of ``piece`` of ``x``: shared by the pieces of its layout where
-  its groups span several indices (heads), its own where every index is a group (a SwiGLU
-  channel, a norm gain), whose reductions XLA:CPU compiled in about 1.3x the time once
-  stacked (``bench/bench_compile.py --part pieces``)."""
-  slot = _layout(piece.slots[0])
-  if slot.axis is not None and not slot.per_index(x.shape[slot.axis]):
-    return _shared_scaled_stats(slot, piece.block)
-  return _flat_scaled_stats(slot, piece.block)
 
 
 def _recompute_traced(
