@@ -18,9 +18,7 @@ on current norms before the step can cost), every=1 compiled with the norms'
 ``lax.cond`` (the scale-safe pass that ordinary weights skip) replaced by its
 skipping branch, and every=100 compiled with its ``lax.cond`` replaced by the
 skipping branch alone (ones behind an optimization barrier, so the transport
-still multiplies by them). A fourth variant is every=1 whose untaken scale-safe branch
-holds one computation per leaf, as before the pieces of one layout were recomputed as one:
-what that branch's code costs while it does not run.
+still multiplies by them).
 
   python bench/bench_saggs.py                  # CPU-sized model
   python bench/bench_saggs.py --size gpt2      # GPT-2-small-sized (GPU)
@@ -29,7 +27,6 @@ what that branch's code costs while it does not run.
 from __future__ import annotations
 
 import argparse
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +35,7 @@ import optax
 import common
 import saggs_jax as saggs
 from harness import lm
-from saggs_jax._src import norms, paths
+from saggs_jax._src import paths
 from saggs_jax._src.plan import resolve
 
 
@@ -86,14 +83,12 @@ def anatomy_variants(pairs, params, grads):
   base = variants(pairs)
   no_cond = saggs.chain(adamw(), saggs.saggs(pairs, every=100))
   unchecked = saggs.chain(adamw(), saggs.saggs(pairs, every=1))
-  per_leaf = saggs.chain(adamw(), saggs.saggs(pairs, every=1))
   txs = {
     "adamw": base["adamw"],
     "adamw (control)": base["adamw (control)"],
     "adamw + the norm pass alone": with_norm_pass(adamw(), pairs),
     "saggs every=1": base["saggs every=1"],
     "saggs every=1 without the norms' cond": unchecked,
-    "saggs every=1, its untaken branch per leaf": per_leaf,
     "saggs every=100": base["saggs every=100"],
     "saggs every=100 without its cond": no_cond,
   }
@@ -105,12 +100,6 @@ def anatomy_variants(pairs, params, grads):
       id(tx): common.make_opt_step(tx).lower(params, tx.init(params), grads).compile()
       for tx in (no_cond, unchecked)
     }
-
-  # A distinct recompute function per leaf, as a cache miss every time: no two leaves share one.
-  with mock.patch.object(norms, "_flat_scaled_stats", norms._flat_scaled_stats.__wrapped__):
-    skipped[id(per_leaf)] = (
-      common.make_opt_step(per_leaf).lower(params, per_leaf.init(params), grads).compile()
-    )
 
   def steps_fn(tx):
     return skipped.get(id(tx)) or common.make_opt_step(tx)

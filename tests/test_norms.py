@@ -1,8 +1,6 @@
 """saggs_jax._src.norms: the group statistics against NumPy at every scale, off and on a mesh, and
 the layout of an instance's factors on a leaf's statistics."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -181,41 +179,3 @@ def test_an_untrusted_leaf_leaves_the_others_plain_sums_as_they_are():
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     log_sq, _ = numpy_stats(params[path] if path == "k" else params[path].T, groups)
     np.testing.assert_allclose(np.asarray(beside_extremes[key][0]), log_sq, rtol=1e-6)
-
-
-def layered_params(dtype):
-  """Three layers of ``q`` and ``k`` (8, 16), one layout: layer 0's ``q`` mixed as in
-  :func:`range_params`, layer 2's ``q`` all at 1e-38, the rest ordinary."""
-  mixed, tiny = range_params(dtype, mixed=True), range_params(dtype, mixed=False)
-  ordinary = mixed["b"]
-  params = {
-    f"layers_{i}/k": jnp.asarray(np.asarray(ordinary, np.float64) * (i + 1), dtype)
-    for i in range(3)
-  }
-  params |= {"layers_0/q": mixed["a"], "layers_1/q": ordinary, "layers_2/q": tiny["a"]}
-  return params, [saggs.Pair("*/q", "*/k", axes=(1, 1), groups=4)]
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_leaves_of_one_layout_recomputed_as_one_against_numpy_float64(dtype):
-  """The scale-safe recompute runs the leaves of one shape and layout (every layer's q and k)
-  as one reduction over their stack: each leaf still gets its own statistics, NumPy's in
-  float64, whether its plain sums were trusted (ordinary), underflowed (1e-38) or mixed."""
-  params, pairs = layered_params(dtype)
-  plan = resolve(pairs, params)
-  fn = jax.jit(lambda p: norms.leaf_stats(plan, p))
-  stats = fn(params)
-  limit = log_dtype_max(dtype)
-  for path, x in params.items():
-    log_sq, bound = (np.asarray(v) for v in stats[path, None])
-    want_sq, want_max = numpy_stats(np.asarray(x, np.float64), 4)
-    np.testing.assert_allclose(log_sq, want_sq, rtol=0, atol=2e-5, err_msg=path)
-    want_bound = np.where(want_sq <= 2 * limit, 0.5 * want_sq, want_max)
-    np.testing.assert_allclose(bound, want_bound, rtol=0, atol=2e-5, err_msg=path)
-  # One scaled reduction (two outputs: the largest magnitude and the relative squares) for
-  # the six leaves of the one layout.
-  compiled = fn.lower(params).compile().as_text()
-  assert (
-    len(re.findall(r"= \(f32\[[\d,]*\]\{[\d,]*\}, f32\[[\d,]*\]\{[\d,]*\}\) reduce\(", compiled))
-    == 1
-  )

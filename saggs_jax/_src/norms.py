@@ -187,7 +187,10 @@ def _one_pass_stats(plan: Plan, pieces: dict[tuple, Piece], leaves: dict, limit:
   groups :func:`_scaled_stats` recomputes under one ``lax.cond`` (:func:`_recompute_cond`)."""
   packing = _Packing.of(pieces, leaves)
   sums = {k: _plain_sq(leaves[pc.path], _layout(pc.slots[0]), pc.block) for k, pc in pieces.items()}
-  safe = [_flat_scaled_stats(_layout(pc.slots[0]), pc.block) for pc in pieces.values()]
+  safe = [
+    lambda x, pc=pc: [v.ravel() for v in _scaled_log_stats(x, _layout(pc.slots[0]), pc.block)]
+    for pc in pieces.values()
+  ]
   return _checked(
     plan, pieces, leaves, limit, packing, jnp.log(packing.pack(sums)), safe, _recompute_cond
   )
@@ -367,13 +370,6 @@ def _trusted(plan: Plan, limit: dict, packing: _Packing, log_sq: jax.Array) -> j
 Recompute = Callable[[jax.Array], list[jax.Array]]  # one leaf -> its piece's flat statistics
 
 
-@functools.cache
-def _flat_scaled_stats(slot: Slot, block: Span | None) -> Recompute:
-  """:func:`_scaled_log_stats` of one layout, flattened: one function object per layout, so
-  that :func:`_recompute_all` runs the pieces of one layout as one."""
-  return lambda x: [v.ravel() for v in _scaled_log_stats(x, slot, block)]
-
-
 def _recompute_traced(
   packing: _Packing,
   safe: list[Recompute],
@@ -423,26 +419,9 @@ def _recompute_all(
 ) -> tuple[jax.Array, jax.Array]:
   """Every piece recomputed, kept where untrusted: where collectives inside a loop could be
   overtaken by later ones (see :func:`~saggs_jax._src.numerics.ordered_control_flow`), and in
-  the branch of :func:`_recompute_cond`.
-
-  Pieces whose recompute is one function of operands of one shape and dtype (a layer's
-  ``q_proj`` in every layer) run as one ``vmap`` over their stack: the stack is a copy, made
-  only when the branch runs, and the branch holds one computation per layout rather than one
-  per leaf. XLA:CPU runs an update more slowly the more code its untaken branches hold
-  (``bench/bench_saggs.py --part anatomy``, docs/benchmarks.md)."""
+  the branch of :func:`_recompute_cond`."""
   del packing
-  groups: dict[tuple, list[int]] = {}
-  for i, (f, x) in enumerate(zip(safe, operands)):
-    groups.setdefault((f, x.shape, x.dtype), []).append(i)
-  flat: list[Any] = [None] * len(operands)
-  for (f, *_), members in groups.items():
-    if len(members) == 1:
-      flat[members[0]] = f(operands[members[0]])
-      continue
-    stacked = jax.vmap(f)(jnp.stack([operands[i] for i in members]))
-    for j, i in enumerate(members):
-      flat[i] = [v[j] for v in stacked]
-  sq, top = (jnp.concatenate(v) for v in zip(*flat))
+  sq, top = (jnp.concatenate(v) for v in zip(*(f(x) for f, x in zip(safe, operands))))
   return jnp.where(trusted, log_sq, sq), jnp.where(trusted, log_max, top)
 
 
