@@ -18,7 +18,9 @@ on current norms before the step can cost), every=1 compiled with the norms'
 ``lax.cond`` (the scale-safe pass that ordinary weights skip) replaced by its
 skipping branch, and every=100 compiled with its ``lax.cond`` replaced by the
 skipping branch alone (ones behind an optimization barrier, so the transport
-still multiplies by them).
+still multiplies by them). Between the last two, every=100 whose balancing branch is
+emptied (ones that wait for one entry of a declared weight): the cond's own cost, apart from
+the code its branch holds, which XLA:CPU pays for on the updates that skip it too.
 
   python bench/bench_saggs.py                  # CPU-sized model
   python bench/bench_saggs.py --size gpt2      # GPT-2-small-sized (GPU)
@@ -27,6 +29,7 @@ still multiplies by them).
 from __future__ import annotations
 
 import argparse
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +38,7 @@ import optax
 import common
 import saggs_jax as saggs
 from harness import lm
-from saggs_jax._src import paths
+from saggs_jax._src import paths, transform
 from saggs_jax._src.plan import resolve
 
 
@@ -77,12 +80,13 @@ def with_norm_pass(inner, pairs):
 
 
 def anatomy_variants(pairs, params, grads):
-  """The ``--part anatomy`` variants, and their ``steps_fn``: the last two compiled here,
+  """The ``--part anatomy`` variants, and their ``steps_fn``: the last three compiled here,
   every ``lax.cond`` as its second branch (at every=1 the norms' own, the scale-safe pass
-  skipped)."""
+  skipped) or the balancing branch emptied."""
   base = variants(pairs)
   no_cond = saggs.chain(adamw(), saggs.saggs(pairs, every=100))
   unchecked = saggs.chain(adamw(), saggs.saggs(pairs, every=1))
+  empty = saggs.chain(adamw(), saggs.saggs(pairs, every=100))
   txs = {
     "adamw": base["adamw"],
     "adamw (control)": base["adamw (control)"],
@@ -90,6 +94,7 @@ def anatomy_variants(pairs, params, grads):
     "saggs every=1": base["saggs every=1"],
     "saggs every=1 without the norms' cond": unchecked,
     "saggs every=100": base["saggs every=100"],
+    "saggs every=100, its branch emptied": empty,
     "saggs every=100 without its cond": no_cond,
   }
 
@@ -100,6 +105,17 @@ def anatomy_variants(pairs, params, grads):
       id(tx): common.make_opt_step(tx).lower(params, tx.init(params), grads).compile()
       for tx in (no_cond, unchecked)
     }
+
+  def ones(plan, params, strength, axis_name=None):  # waits for one entry, computes nothing
+    del strength, axis_name
+    leaves = dict(paths.leaves_with_paths(params))
+    one = 1 + 0 * leaves[next(iter(plan.slots))].ravel()[0].astype(jnp.float32)
+    return {i.key: jnp.full(i.factor_shape, one) for i in plan.instances}, jnp.float32(0)
+
+  with mock.patch.object(transform, "compute_factors", ones):
+    skipped[id(empty)] = (
+      common.make_opt_step(empty).lower(params, empty.init(params), grads).compile()
+    )
 
   def steps_fn(tx):
     return skipped.get(id(tx)) or common.make_opt_step(tx)
